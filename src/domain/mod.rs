@@ -1,0 +1,1 @@
+//! Pure domain logic; imports no I/O crate.

@@ -1,0 +1,1 @@
+//! Adapter: Connect client for Gitea RunnerService.

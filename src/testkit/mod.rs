@@ -1,0 +1,1 @@
+//! Test peers that speak the real protocols.
