@@ -41,7 +41,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// instead: fully qualify `Result` and call the service method through its trait.
 /// The build fails loudly if a future codegen changes shape and a patch no
 /// longer applies, rather than silently producing different code.
-fn work_around_codegen_name_clashes(out: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
+fn work_around_codegen_name_clashes(
+    out: &std::path::Path,
+) -> Result<(), Box<dyn std::error::Error>> {
     let path = out.join("runner.v1.services.__connect.rs");
     let mut code = std::fs::read_to_string(&path)?;
     let patches: &[(&str, &str)] = &[

@@ -1,0 +1,232 @@
+//! Typed errors for calls to Gitea.
+//!
+//! Gitea answers almost every failure as HTTP 500 with Connect code `unknown`
+//! and a gRPC-status text, `rpc error: code = Unauthenticated desc = unregistered
+//! runner`, because its handlers return grpc `status` errors that connect-go does
+//! not recognise. A proxy in front of Gitea answers with real Connect/HTTP codes.
+//! Both shapes map to one [`ErrorKind`] so callers can branch on the cause.
+
+use std::fmt;
+
+use connectrpc::{ConnectError, ErrorCode};
+
+/// What kind of failure a Gitea call met.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The runner UUID/token or the registration token was refused.
+    Unauthenticated,
+    /// The runner, task or object does not exist (e.g. removed ephemeral runner).
+    NotFound,
+    /// Gitea refused the request's content (bad argument, wrong runner for a
+    /// task, archived log).
+    Invalid,
+    /// Gitea or the network is unavailable, overloaded, or the call timed out;
+    /// retrying later may succeed.
+    Unavailable,
+    /// Anything else, including Gitea internal errors.
+    Other,
+}
+
+impl ErrorKind {
+    /// Metric/log label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::Unauthenticated => "unauthenticated",
+            ErrorKind::NotFound => "not_found",
+            ErrorKind::Invalid => "invalid",
+            ErrorKind::Unavailable => "unavailable",
+            ErrorKind::Other => "other",
+        }
+    }
+}
+
+/// A failed call to Gitea (or a client that could not be built).
+#[derive(Debug, Clone, thiserror::Error)]
+pub struct GiteaError {
+    kind: ErrorKind,
+    /// The RPC, e.g. `FetchTask`; `None` for configuration errors.
+    method: Option<&'static str>,
+    /// Gitea's own text (the gRPC `desc`), or the transport's.
+    message: String,
+    /// The code Gitea's message carried (`Unauthenticated`), or the Connect code.
+    code: String,
+}
+
+impl fmt::Display for GiteaError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let what = match self.kind {
+            ErrorKind::Unauthenticated => "Gitea refused the credentials",
+            ErrorKind::NotFound => "Gitea does not know the object",
+            ErrorKind::Invalid => "Gitea refused the request",
+            ErrorKind::Unavailable => "Gitea is unavailable",
+            ErrorKind::Other => "Gitea call failed",
+        };
+        match self.method {
+            Some(m) => write!(f, "{m}: {what} ({}): {}", self.code, self.message),
+            None => write!(f, "{}", self.message),
+        }
+    }
+}
+
+impl GiteaError {
+    /// The kind callers branch on.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// Gitea's message text.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// Whether a retry later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        self.kind == ErrorKind::Unavailable
+    }
+
+    pub(crate) fn config(message: String) -> Self {
+        GiteaError {
+            kind: ErrorKind::Other,
+            method: None,
+            message,
+            code: "config".into(),
+        }
+    }
+
+    pub(crate) fn protocol(method: &'static str, message: &str) -> Self {
+        GiteaError {
+            kind: ErrorKind::Other,
+            method: Some(method),
+            message: message.to_string(),
+            code: "protocol".into(),
+        }
+    }
+
+    /// Classifies a Connect error, decoding Gitea's `rpc error: …` text.
+    pub fn from_connect(method: &'static str, error: ConnectError) -> Self {
+        let raw = error.message.clone().unwrap_or_default();
+        if let Some((grpc_code, desc)) = parse_grpc_status_text(&raw) {
+            return GiteaError {
+                kind: kind_of_grpc_name(grpc_code),
+                method: Some(method),
+                message: desc.to_string(),
+                code: grpc_code.to_string(),
+            };
+        }
+        let kind = match error.code {
+            ErrorCode::Unauthenticated | ErrorCode::PermissionDenied => ErrorKind::Unauthenticated,
+            ErrorCode::NotFound => ErrorKind::NotFound,
+            ErrorCode::InvalidArgument
+            | ErrorCode::FailedPrecondition
+            | ErrorCode::OutOfRange
+            | ErrorCode::AlreadyExists => ErrorKind::Invalid,
+            ErrorCode::Unavailable
+            | ErrorCode::DeadlineExceeded
+            | ErrorCode::ResourceExhausted
+            | ErrorCode::Aborted
+            | ErrorCode::Canceled => ErrorKind::Unavailable,
+            // A Gitea without the runner API (Actions disabled) answers 404, which
+            // connect-go reads as unimplemented.
+            ErrorCode::Unimplemented => ErrorKind::NotFound,
+            _ => ErrorKind::Other,
+        };
+        let message = if raw.is_empty() {
+            format!("HTTP {}", error.http_status())
+        } else {
+            raw
+        };
+        GiteaError {
+            kind,
+            method: Some(method),
+            message,
+            code: error.code.as_str().to_string(),
+        }
+    }
+}
+
+/// Splits `rpc error: code = <Name> desc = <text>` into `(Name, text)`.
+fn parse_grpc_status_text(message: &str) -> Option<(&str, &str)> {
+    let rest = message.trim_start().strip_prefix("rpc error: code = ")?;
+    let (code, desc) = rest.split_once(" desc = ")?;
+    let code = code.trim();
+    (!code.is_empty() && code.chars().all(|c| c.is_ascii_alphanumeric())).then_some((code, desc))
+}
+
+fn kind_of_grpc_name(name: &str) -> ErrorKind {
+    match name {
+        "Unauthenticated" | "PermissionDenied" => ErrorKind::Unauthenticated,
+        "NotFound" => ErrorKind::NotFound,
+        "InvalidArgument" | "FailedPrecondition" | "OutOfRange" | "AlreadyExists" => {
+            ErrorKind::Invalid
+        }
+        "Unavailable" | "DeadlineExceeded" | "ResourceExhausted" | "Aborted" | "Canceled" => {
+            ErrorKind::Unavailable
+        }
+        _ => ErrorKind::Other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gitea_grpc_status_text_becomes_a_typed_kind_with_its_description() {
+        let e = GiteaError::from_connect(
+            "FetchTask",
+            ConnectError::new(
+                ErrorCode::Unknown,
+                "rpc error: code = Unauthenticated desc = unregistered runner",
+            ),
+        );
+        assert_eq!(e.kind(), ErrorKind::Unauthenticated);
+        assert_eq!(e.message(), "unregistered runner");
+        assert_eq!(
+            e.to_string(),
+            "FetchTask: Gitea refused the credentials (Unauthenticated): unregistered runner"
+        );
+    }
+
+    #[test]
+    fn a_plain_unknown_error_stays_other_and_keeps_its_text() {
+        let e = GiteaError::from_connect(
+            "UpdateTask",
+            ConnectError::new(ErrorCode::Unknown, "runner has been removed"),
+        );
+        assert_eq!(e.kind(), ErrorKind::Other);
+        assert!(e.to_string().contains("runner has been removed"));
+    }
+
+    #[test]
+    fn real_connect_codes_from_a_proxy_are_classified_too() {
+        for (code, kind) in [
+            (ErrorCode::Unauthenticated, ErrorKind::Unauthenticated),
+            (ErrorCode::Unavailable, ErrorKind::Unavailable),
+            (ErrorCode::DeadlineExceeded, ErrorKind::Unavailable),
+            (ErrorCode::NotFound, ErrorKind::NotFound),
+            (ErrorCode::Unimplemented, ErrorKind::NotFound),
+            (ErrorCode::InvalidArgument, ErrorKind::Invalid),
+            (ErrorCode::Internal, ErrorKind::Other),
+        ] {
+            assert_eq!(
+                GiteaError::from_connect("Declare", ConnectError::new(code, "x")).kind(),
+                kind,
+                "{code:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn malformed_status_texts_are_not_misread() {
+        assert_eq!(parse_grpc_status_text("rpc error: code =  desc = x"), None);
+        assert_eq!(
+            parse_grpc_status_text("rpc error: code = Not Found desc = x"),
+            None
+        );
+        assert_eq!(parse_grpc_status_text("something else"), None);
+        assert_eq!(
+            parse_grpc_status_text("rpc error: code = NotFound desc = "),
+            Some(("NotFound", ""))
+        );
+    }
+}
