@@ -1,0 +1,406 @@
+//! The Gitea client against the mock Gitea over real HTTP.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, ErrorKind, GiteaClient};
+use gitea_dynamic_runner::proto::runner::v1::{
+    LogRow, RegisterRequest, Result as TaskResult, TaskState, UpdateLogRequest, UpdateTaskRequest,
+};
+use gitea_dynamic_runner::testkit::mock_gitea::{
+    GrpcCode, MockConfig, MockFault, MockGitea, RpcMethod, RunningMock, Status,
+};
+
+const WAIT: Duration = Duration::from_secs(10);
+const POD_JOB: &str = "on: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: echo hi\n";
+
+async fn mock() -> RunningMock {
+    MockGitea::start(MockConfig::default().with_registration_token("reg-token"))
+        .await
+        .expect("mock starts")
+}
+
+fn client(mock: &RunningMock, creds: Option<&Credentials>) -> GiteaClient {
+    GiteaClient::new(ClientOptions::new(mock.url.clone()), creds).expect("client builds")
+}
+
+fn runner(mock: &RunningMock, labels: &[&str]) -> (Credentials, GiteaClient) {
+    let (uuid, token) = mock.handle.create_runner("ctl", labels, false);
+    let creds = Credentials::new(uuid, token);
+    let c = client(mock, Some(&creds));
+    (creds, c)
+}
+
+#[tokio::test]
+async fn register_declare_fetch_update_and_log_work_end_to_end() {
+    let mock = mock().await;
+    let registered = client(&mock, None)
+        .register(RegisterRequest {
+            name: "ctl".into(),
+            token: "reg-token".into(),
+            labels: vec!["self-hosted".into(), "pod".into()],
+            capabilities: vec!["cancelling".into()],
+            version: "test".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("register");
+    assert!(!registered.uuid.is_empty() && !registered.token.is_empty());
+    let creds = Credentials::new(registered.uuid.clone(), registered.token.clone());
+    let c = client(&mock, Some(&creds));
+
+    let declared = c
+        .declare(
+            vec!["self-hosted".into(), "pod".into()],
+            vec!["cancelling".into()],
+        )
+        .await
+        .expect("declare");
+    assert_eq!(declared.runner.uuid, registered.uuid);
+    assert_eq!(declared.server_capabilities.as_deref(), Some("job-summary"));
+    let seen = mock.handle.runner(&registered.uuid).expect("runner known");
+    assert_eq!(seen.capabilities, vec!["cancelling".to_string()]);
+
+    let job = mock
+        .handle
+        .queue_workflow("owner/repo", POD_JOB)
+        .expect("queue")[0];
+    let fetched = c.fetch_task(0).await.expect("fetch");
+    let task = fetched.task.into_option().expect("a task is handed out");
+    assert!(task.id > 0);
+    assert!(fetched.tasks_version > 0);
+
+    let ack = c
+        .update_log(UpdateLogRequest {
+            task_id: task.id,
+            index: 0,
+            rows: vec![
+                LogRow {
+                    content: "line one".into(),
+                    ..Default::default()
+                },
+                LogRow {
+                    content: "line two".into(),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        })
+        .await
+        .expect("log");
+    assert_eq!(ack.ack_index, 2);
+
+    let heartbeat = c
+        .update_task(UpdateTaskRequest {
+            state: TaskState {
+                id: task.id,
+                ..Default::default()
+            }
+            .into(),
+            ..Default::default()
+        })
+        .await
+        .expect("heartbeat");
+    assert_eq!(
+        heartbeat.state.as_option().map(|s| s.result),
+        Some(TaskResult::RESULT_UNSPECIFIED.into())
+    );
+
+    let done = c
+        .update_task(UpdateTaskRequest {
+            state: TaskState {
+                id: task.id,
+                result: TaskResult::RESULT_SUCCESS.into(),
+                ..Default::default()
+            }
+            .into(),
+            outputs: [("artifact".to_string(), "ok".to_string())]
+                .into_iter()
+                .collect(),
+            ..Default::default()
+        })
+        .await
+        .expect("final state");
+    assert_eq!(done.sent_outputs, vec!["artifact".to_string()]);
+
+    let snapshot = mock.handle.job(job).expect("job");
+    assert_eq!(snapshot.status, Status::Success);
+    let task_snapshot = snapshot.task.expect("task");
+    assert_eq!(
+        task_snapshot.log_rows,
+        vec!["line one".to_string(), "line two".to_string()]
+    );
+    assert_eq!(
+        task_snapshot.outputs.get("artifact").map(String::as_str),
+        Some("ok")
+    );
+}
+
+#[tokio::test]
+async fn ping_answers_hello() {
+    let mock = mock().await;
+    assert_eq!(
+        client(&mock, None).ping("ctl").await.expect("ping"),
+        "Hello, ctl!"
+    );
+}
+
+#[tokio::test]
+async fn an_unregistered_runner_gets_an_unauthenticated_error_with_giteas_text() {
+    let mock = mock().await;
+    let c = client(&mock, Some(&Credentials::new("nope", "wrong")));
+    let err = c.fetch_task(0).await.expect_err("refused");
+    assert_eq!(err.kind(), ErrorKind::Unauthenticated);
+    assert_eq!(err.message(), "unregistered runner");
+    assert!(!err.is_retryable());
+    assert!(
+        err.to_string()
+            .starts_with("FetchTask: Gitea refused the credentials"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn an_invalidated_registration_token_is_refused_with_giteas_message() {
+    let mock = mock().await;
+    mock.handle.invalidate_registration_token("reg-token");
+    let err = client(&mock, None)
+        .register(RegisterRequest {
+            name: "x".into(),
+            token: "reg-token".into(),
+            ..Default::default()
+        })
+        .await
+        .expect_err("refused");
+    assert!(err.message().contains("invalidated"), "{err}");
+}
+
+#[tokio::test]
+async fn gitea_style_errors_map_to_typed_kinds() {
+    let mock = mock().await;
+    let (_, c) = runner(&mock, &["self-hosted", "pod"]);
+    for (code, kind) in [
+        (GrpcCode::NotFound, ErrorKind::NotFound),
+        (GrpcCode::InvalidArgument, ErrorKind::Invalid),
+        (GrpcCode::Unauthenticated, ErrorKind::Unauthenticated),
+        (GrpcCode::Unavailable, ErrorKind::Unavailable),
+        (GrpcCode::Internal, ErrorKind::Other),
+    ] {
+        mock.handle.fail_next(
+            RpcMethod::FetchTask,
+            MockFault::Gitea {
+                code,
+                desc: "injected".into(),
+            },
+        );
+        let err = c.fetch_task(0).await.expect_err("fault");
+        assert_eq!(err.kind(), kind, "{code:?}: {err}");
+        assert_eq!(err.message(), "injected");
+    }
+}
+
+#[tokio::test]
+async fn real_connect_and_http_errors_from_a_proxy_map_to_typed_kinds() {
+    let mock = mock().await;
+    let (_, c) = runner(&mock, &["self-hosted", "pod"]);
+    mock.handle.fail_next(
+        RpcMethod::Declare,
+        MockFault::Connect {
+            code: connectrpc::ErrorCode::Unavailable,
+            message: "upstream down".into(),
+        },
+    );
+    let err = c.declare(vec![], vec![]).await.expect_err("fault");
+    assert_eq!(err.kind(), ErrorKind::Unavailable);
+    assert!(err.is_retryable());
+
+    mock.handle.fail_next(
+        RpcMethod::Declare,
+        MockFault::Connect {
+            code: connectrpc::ErrorCode::Unauthenticated,
+            message: "proxy says no".into(),
+        },
+    );
+    assert_eq!(
+        c.declare(vec![], vec![]).await.expect_err("fault").kind(),
+        ErrorKind::Unauthenticated
+    );
+
+    mock.handle.fail_next(
+        RpcMethod::Declare,
+        MockFault::Http {
+            status: 502,
+            body: "bad gateway".into(),
+        },
+    );
+    assert_eq!(
+        c.declare(vec![], vec![]).await.expect_err("fault").kind(),
+        ErrorKind::Unavailable
+    );
+}
+
+#[tokio::test]
+async fn a_fetch_slower_than_the_fetch_timeout_fails_as_unavailable() {
+    let mock = mock().await;
+    let (uuid, token) = mock.handle.create_runner("ctl", &["self-hosted"], false);
+    let mut options = ClientOptions::new(mock.url.clone());
+    options.fetch_timeout = Duration::from_millis(200);
+    let c = GiteaClient::new(options, Some(&Credentials::new(uuid, token))).expect("client");
+    mock.handle.fail_next(
+        RpcMethod::FetchTask,
+        MockFault::Delay(Duration::from_secs(3)),
+    );
+    let err = c.fetch_task(0).await.expect_err("times out");
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+}
+
+#[tokio::test]
+async fn an_unreachable_gitea_is_unavailable() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    drop(listener);
+    let c = GiteaClient::new(ClientOptions::new(url), Some(&Credentials::new("u", "t")))
+        .expect("client");
+    assert_eq!(
+        c.fetch_task(0).await.expect_err("refused").kind(),
+        ErrorKind::Unavailable
+    );
+}
+
+#[tokio::test]
+async fn large_gzipped_answers_are_decoded() {
+    let mock = mock().await;
+    let (_, c) = runner(&mock, &["self-hosted", "pod"]);
+    let long_step = format!("      - run: echo {}\n", "x".repeat(8 * 1024));
+    let workflow = format!("{POD_JOB}{long_step}");
+    mock.handle
+        .queue_workflow("owner/repo", &workflow)
+        .expect("queue");
+    let task = c
+        .fetch_task(0)
+        .await
+        .expect("fetch")
+        .task
+        .into_option()
+        .expect("task");
+    let payload = String::from_utf8(task.workflow_payload.unwrap_or_default()).expect("utf8");
+    assert!(payload.contains(&"x".repeat(8 * 1024)));
+}
+
+#[test]
+fn a_ca_file_without_certificates_is_refused_with_a_clear_message() {
+    let mut options = ClientOptions::new("https://gitea.example.org");
+    options.extra_ca_pem = Some(b"not a certificate".to_vec());
+    let err = GiteaClient::new(options, None).expect_err("refused");
+    assert!(err.to_string().contains("gitea_ca_file"), "{err}");
+}
+
+#[test]
+fn a_non_http_gitea_url_is_refused() {
+    let err = GiteaClient::new(ClientOptions::new("ftp://gitea"), None).expect_err("refused");
+    assert!(err.to_string().contains("expected http or https"), "{err}");
+}
+
+/// Collects everything the JSON subscriber writes.
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .map_err(|_| std::io::Error::other("poisoned"))?
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Capture {
+    type Writer = Capture;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+#[test]
+fn no_log_line_contains_a_token_or_task_secret_even_at_trace_level() {
+    let capture = Capture::default();
+    let subscriber = gitea_dynamic_runner::logging::subscriber(
+        tracing_subscriber::EnvFilter::new("trace"),
+        capture.clone(),
+    );
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let (runner_token, task_token) = tracing::subscriber::with_default(subscriber, || {
+        runtime.block_on(async {
+            let mock = mock().await;
+            mock.handle
+                .set_secret("owner/repo", "DEPLOY_KEY", "super-secret-deploy-key");
+            let registered = client(&mock, None)
+                .register(RegisterRequest {
+                    name: "ctl".into(),
+                    token: "reg-token".into(),
+                    labels: vec!["self-hosted".into(), "pod".into()],
+                    ..Default::default()
+                })
+                .await
+                .expect("register");
+            let creds = Credentials::new(registered.uuid.clone(), registered.token.clone());
+            tracing::info!(credentials = ?creds, "using credentials");
+            let c = client(&mock, Some(&creds));
+            c.declare(vec!["self-hosted".into(), "pod".into()], vec![])
+                .await
+                .expect("declare");
+            let job = mock
+                .handle
+                .queue_workflow("owner/repo", POD_JOB)
+                .expect("queue")[0];
+            let task = c
+                .fetch_task(0)
+                .await
+                .expect("fetch")
+                .task
+                .into_option()
+                .expect("task");
+            c.update_task(UpdateTaskRequest {
+                state: TaskState {
+                    id: task.id,
+                    result: TaskResult::RESULT_SUCCESS.into(),
+                    ..Default::default()
+                }
+                .into(),
+                ..Default::default()
+            })
+            .await
+            .expect("update");
+            let token = mock
+                .handle
+                .job(job)
+                .and_then(|j| j.task)
+                .map(|t| t.token)
+                .expect("task token");
+            (registered.token, token)
+        })
+    });
+    let logs = String::from_utf8(capture.0.lock().expect("lock").clone()).expect("utf8");
+    assert!(
+        logs.contains("using credentials"),
+        "the capture must see our own events"
+    );
+    for secret in [
+        runner_token.as_str(),
+        task_token.as_str(),
+        "reg-token",
+        "super-secret-deploy-key",
+    ] {
+        assert!(
+            !logs.contains(secret),
+            "a log line contains a secret: {secret}"
+        );
+    }
+}
