@@ -1,1 +1,3 @@
 //! Test peers that speak the real protocols.
+
+pub mod mock_gitea;
