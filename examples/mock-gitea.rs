@@ -54,7 +54,9 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
         "" | "s" => secs(1),
         "m" => secs(60),
         "h" => secs(3600),
-        other => Err(format!("unknown duration unit {other:?} (use ms, s, m or h)")),
+        other => Err(format!(
+            "unknown duration unit {other:?} (use ms, s, m or h)"
+        )),
     }
 }
 

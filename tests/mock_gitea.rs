@@ -202,7 +202,9 @@ async fn concurrent_fetches_claim_distinct_jobs() {
     let (c, _) = runner(&mock, &["l"], false);
     let mut yaml = String::from("on: push\njobs:\n");
     for i in 0..5 {
-        yaml.push_str(&format!("  j{i}:\n    runs-on: l\n    steps:\n      - run: echo {i}\n"));
+        yaml.push_str(&format!(
+            "  j{i}:\n    runs-on: l\n    steps:\n      - run: echo {i}\n"
+        ));
     }
     let jobs = mock.handle.queue_workflow("o/r", &yaml).unwrap();
     assert_eq!(jobs.len(), 5);
@@ -213,7 +215,11 @@ async fn concurrent_fetches_claim_distinct_jobs() {
         .into_iter()
         .filter_map(|r| r.unwrap().task.into_option())
         .collect();
-    assert_eq!(tasks.len(), 5, "five jobs, five claims, three empty answers");
+    assert_eq!(
+        tasks.len(),
+        5,
+        "five jobs, five claims, three empty answers"
+    );
     let ids: HashSet<i64> = tasks.iter().map(|t| t.id).collect();
     assert_eq!(ids.len(), 5);
     let claimed: HashSet<JobId> = ids
@@ -227,8 +233,13 @@ async fn concurrent_fetches_claim_distinct_jobs() {
 async fn the_oldest_waiting_job_is_offered_first() {
     let mock = start().await;
     let (c, _) = runner(&mock, &["l"], false);
-    let first = mock.handle.queue_workflow("o/r", &job_with_script("a", "l", "1")).unwrap()[0];
-    mock.handle.queue_workflow("o/r", &job_with_script("b", "l", "2")).unwrap();
+    let first = mock
+        .handle
+        .queue_workflow("o/r", &job_with_script("a", "l", "1"))
+        .unwrap()[0];
+    mock.handle
+        .queue_workflow("o/r", &job_with_script("b", "l", "2"))
+        .unwrap();
     let task = fetch_task(&c).await;
     assert_eq!(mock.handle.task(task.id).unwrap().job_id, first);
 }
@@ -272,7 +283,10 @@ async fn disabled_runners_get_no_task() {
     assert!(fetch(&c, 0).await.unwrap().task.is_unset());
     let before = mock.handle.tasks_version();
     assert!(mock.handle.set_runner_disabled(&uuid, false));
-    assert!(mock.handle.tasks_version() > before, "enabling bumps the version");
+    assert!(
+        mock.handle.tasks_version() > before,
+        "enabling bumps the version"
+    );
     assert!(fetch(&c, 0).await.unwrap().task.is_set());
 }
 
@@ -308,10 +322,16 @@ jobs:
     let jobs_map = payload["jobs"].as_object().unwrap();
     assert_eq!(jobs_map.len(), 1);
     assert!(jobs_map["second"].get("needs").is_none(), "needs is erased");
-    assert_eq!(jobs_map["second"]["runs-on"], serde_json::json!(["self-hosted", "pod"]));
+    assert_eq!(
+        jobs_map["second"]["runs-on"],
+        serde_json::json!(["self-hosted", "pod"])
+    );
     let p1: serde_json::Value =
         serde_saphyr::from_slice(t1.workflow_payload.as_deref().unwrap()).unwrap();
-    assert_eq!(p1["jobs"]["first"]["runs-on"], "pod", "one label is a scalar");
+    assert_eq!(
+        p1["jobs"]["first"]["runs-on"], "pod",
+        "one label is a scalar"
+    );
 
     let ctx = t2.context.as_option().unwrap();
     let s = |k: &str| ctx.get(k).and_then(|v| v.as_str()).map(str::to_owned);
@@ -323,13 +343,23 @@ jobs:
     assert_eq!(s("run_attempt").as_deref(), Some("1"));
     assert_eq!(s("server_url"), Some(format!("{}/", mock.url)));
     assert_eq!(s("api_url"), Some(format!("{}/api/v1", mock.url)));
-    for key in ["run_id", "run_number", "ref", "sha", "actor", "gitea_default_actions_url"] {
+    for key in [
+        "run_id",
+        "run_number",
+        "ref",
+        "sha",
+        "actor",
+        "gitea_default_actions_url",
+    ] {
         assert!(s(key).is_some_and(|v| !v.is_empty()), "context.{key}");
     }
     let token = s("token").unwrap();
     assert_eq!(t2.secrets.get("GITHUB_TOKEN"), Some(&token));
     assert_eq!(t2.secrets.get("GITEA_TOKEN"), Some(&token));
-    assert_eq!(t2.secrets.get("DEPLOY_KEY").map(String::as_str), Some("s3cret"));
+    assert_eq!(
+        t2.secrets.get("DEPLOY_KEY").map(String::as_str),
+        Some("s3cret")
+    );
     assert_eq!(t2.vars.get("REGION").map(String::as_str), Some("eu"));
     assert_eq!(mock.handle.job(jobs[1]).unwrap().task.unwrap().token, token);
 }
@@ -420,7 +450,9 @@ async fn a_result_finalises_the_task_and_later_updates_change_nothing() {
     assert_eq!((snap.steps[0].log_index, snap.steps[0].log_length), (0, 3));
     assert_eq!(mock.handle.job(job).unwrap().status, Status::Success);
 
-    let resp = update(&c, state(task.id, pb::Result::RESULT_FAILURE), &[]).await.unwrap();
+    let resp = update(&c, state(task.id, pb::Result::RESULT_FAILURE), &[])
+        .await
+        .unwrap();
     assert_eq!(result_of(&resp), pb::Result::RESULT_SUCCESS as i32);
     heartbeat(&c, task.id).await;
     let later = mock.handle.task(task.id).unwrap();
@@ -455,15 +487,27 @@ async fn a_runner_with_the_cancelling_capability_finishes_a_cancelled_task_as_ca
     })
     .await
     .unwrap();
-    assert_eq!(mock.handle.runner(&uuid).unwrap().capabilities, vec!["cancelling"]);
+    assert_eq!(
+        mock.handle.runner(&uuid).unwrap().capabilities,
+        vec!["cancelling"]
+    );
     let job = mock.handle.queue_workflow("o/r", ONE_JOB).unwrap()[0];
     let task = fetch_task(&c).await;
     mock.handle.cancel_job(job).unwrap();
 
-    assert_eq!(mock.handle.task(task.id).unwrap().status, Status::Cancelling);
+    assert_eq!(
+        mock.handle.task(task.id).unwrap().status,
+        Status::Cancelling
+    );
     let resp = heartbeat(&c, task.id).await;
-    assert_eq!(result_of(&resp), pb::Result::RESULT_CANCELLED as i32, "still running, already cancelled on the wire");
-    let resp = update(&c, state(task.id, pb::Result::RESULT_FAILURE), &[]).await.unwrap();
+    assert_eq!(
+        result_of(&resp),
+        pb::Result::RESULT_CANCELLED as i32,
+        "still running, already cancelled on the wire"
+    );
+    let resp = update(&c, state(task.id, pb::Result::RESULT_FAILURE), &[])
+        .await
+        .unwrap();
     assert_eq!(result_of(&resp), pb::Result::RESULT_CANCELLED as i32);
     assert_eq!(mock.handle.task(task.id).unwrap().status, Status::Cancelled);
 }
@@ -496,7 +540,11 @@ async fn outputs_are_insert_if_absent_and_sent_outputs_lists_every_stored_key() 
     sent.sort();
     assert_eq!(sent, vec!["a", "b"], "a too-long key is dropped");
     let outputs = mock.handle.task(task.id).unwrap().outputs;
-    assert_eq!(outputs.get("a").map(String::as_str), Some("1"), "first value wins");
+    assert_eq!(
+        outputs.get("a").map(String::as_str),
+        Some("1"),
+        "first value wins"
+    );
     assert_eq!(outputs.get("b").map(String::as_str), Some("3"));
 }
 
@@ -512,7 +560,10 @@ async fn log_rows_are_appended_only_at_the_ack_index() {
     assert_eq!(log(&c, task.id, 1, &["b", "c"], false).await.unwrap(), 3);
     // Fully old batch: nothing written.
     assert_eq!(log(&c, task.id, 0, &["a"], false).await.unwrap(), 3);
-    assert_eq!(mock.handle.task(task.id).unwrap().log_rows, vec!["a", "b", "c"]);
+    assert_eq!(
+        mock.handle.task(task.id).unwrap().log_rows,
+        vec!["a", "b", "c"]
+    );
 }
 
 #[tokio::test]
@@ -564,7 +615,10 @@ async fn an_idle_task_is_failed_by_the_zombie_sweeper() {
     let task = fetch_task(&c).await;
 
     mock.handle
-        .wait_for(|m| m.task(task.id).is_some_and(|t| t.status == Status::Failure), WAIT)
+        .wait_for(
+            |m| m.task(task.id).is_some_and(|t| t.status == Status::Failure),
+            WAIT,
+        )
         .await
         .unwrap();
     let snap = mock.handle.task(task.id).unwrap();
@@ -588,11 +642,19 @@ async fn sweeping_now_fails_only_tasks_idle_longer_than_the_timeout() {
     let (c, _) = runner(&mock, &["self-hosted", "pod"], false);
     mock.handle.queue_workflow("o/r", ONE_JOB).unwrap();
     let task = fetch_task(&c).await;
-    assert_eq!(mock.handle.sweep_zombies_now(), 0, "a fresh task is not a zombie");
+    assert_eq!(
+        mock.handle.sweep_zombies_now(),
+        0,
+        "a fresh task is not a zombie"
+    );
     let started = mock.handle.task(task.id).unwrap().updated;
     mock.handle
         .wait_for(
-            |_| started.elapsed().is_ok_and(|e| e > Duration::from_millis(2100)),
+            |_| {
+                started
+                    .elapsed()
+                    .is_ok_and(|e| e > Duration::from_millis(2100))
+            },
             WAIT,
         )
         .await
@@ -605,14 +667,20 @@ async fn sweeping_now_fails_only_tasks_idle_longer_than_the_timeout() {
 async fn an_ephemeral_runner_is_removed_after_its_task_finishes() {
     let mock = start().await;
     let (c, uuid) = runner(&mock, &["l"], true);
-    mock.handle.queue_workflow("o/r", &job_with_script("a", "l", "1")).unwrap();
-    mock.handle.queue_workflow("o/r", &job_with_script("b", "l", "2")).unwrap();
+    mock.handle
+        .queue_workflow("o/r", &job_with_script("a", "l", "1"))
+        .unwrap();
+    mock.handle
+        .queue_workflow("o/r", &job_with_script("b", "l", "2"))
+        .unwrap();
     let task = fetch_task(&c).await;
     assert!(
         fetch(&c, 0).await.unwrap().task.is_unset(),
         "no second task while the first is unfinished"
     );
-    update(&c, state(task.id, pb::Result::RESULT_SUCCESS), &[]).await.unwrap();
+    update(&c, state(task.id, pb::Result::RESULT_SUCCESS), &[])
+        .await
+        .unwrap();
     assert!(mock.handle.runner(&uuid).is_none());
     let err = fetch(&c, 0).await.unwrap_err();
     assert_gitea_error(&err, "Unauthenticated", "unregistered runner");
@@ -636,7 +704,10 @@ async fn unknown_runners_get_gitea_style_unauthenticated_errors() {
 
     // On the wire: HTTP 500 with a JSON body whose code is `unknown`.
     let resp = reqwest::Client::new()
-        .post(format!("{}/runner.v1.RunnerService/FetchTask", mock.api_url()))
+        .post(format!(
+            "{}/runner.v1.RunnerService/FetchTask",
+            mock.api_url()
+        ))
         .header("content-type", "application/json")
         .header("connect-protocol-version", "1")
         .body("{}")
@@ -646,7 +717,10 @@ async fn unknown_runners_get_gitea_style_unauthenticated_errors() {
     assert_eq!(resp.status().as_u16(), 500);
     let body = resp.text().await.unwrap();
     assert!(body.contains(r#""code":"unknown""#), "{body}");
-    assert!(body.contains("rpc error: code = Unauthenticated desc = unregistered runner"), "{body}");
+    assert!(
+        body.contains("rpc error: code = Unauthenticated desc = unregistered runner"),
+        "{body}"
+    );
 }
 
 #[tokio::test]
@@ -654,7 +728,9 @@ async fn responses_of_1kib_and_more_are_gzipped() {
     let mock = start().await;
     let (uuid, token) = mock.handle.create_runner("r", &["l"], false);
     let big = "x".repeat(4096);
-    mock.handle.queue_workflow("o/r", &job_with_script("a", "l", &big)).unwrap();
+    mock.handle
+        .queue_workflow("o/r", &job_with_script("a", "l", &big))
+        .unwrap();
 
     let http = reqwest::Client::new();
     let post = |method: &str, body: &'static str| {
@@ -666,18 +742,29 @@ async fn responses_of_1kib_and_more_are_gzipped() {
             .header("x-runner-token", token.as_str())
             .body(body)
     };
-    let big_resp = post("runner.v1.RunnerService/FetchTask", "{}").send().await.unwrap();
+    let big_resp = post("runner.v1.RunnerService/FetchTask", "{}")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(big_resp.status().as_u16(), 200);
     assert_eq!(
-        big_resp.headers().get("content-encoding").and_then(|v| v.to_str().ok()),
+        big_resp
+            .headers()
+            .get("content-encoding")
+            .and_then(|v| v.to_str().ok()),
         Some("gzip")
     );
-    let small = post("ping.v1.PingService/Ping", r#"{"data":"a"}"#).send().await.unwrap();
+    let small = post("ping.v1.PingService/Ping", r#"{"data":"a"}"#)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(small.status().as_u16(), 200);
     assert!(small.headers().get("content-encoding").is_none());
 
     // The generated client asks for gzip too and decodes the big task.
-    mock.handle.queue_workflow("o/r", &job_with_script("b", "l", &big)).unwrap();
+    mock.handle
+        .queue_workflow("o/r", &job_with_script("b", "l", &big))
+        .unwrap();
     let task = fetch_task(&authed(&mock, &uuid, &token)).await;
     assert!(task.workflow_payload.unwrap().len() > 4096);
 }
@@ -697,13 +784,23 @@ async fn registration_needs_an_active_token() {
     };
     let err = c.register(req("nope", "r1")).await.unwrap_err();
     assert_eq!(err.code, ErrorCode::Unknown);
-    assert_eq!(err.message.as_deref(), Some("runner registration token not found"));
+    assert_eq!(
+        err.message.as_deref(),
+        Some("runner registration token not found")
+    );
 
     mock.handle.add_registration_token("tok");
     let err = c.register(req("tok", "")).await.unwrap_err();
     assert_eq!(err.message.as_deref(), Some("missing runner token, name"));
 
-    let runner = c.register(req("tok", "r1")).await.unwrap().into_owned().runner.into_option().unwrap();
+    let runner = c
+        .register(req("tok", "r1"))
+        .await
+        .unwrap()
+        .into_owned()
+        .runner
+        .into_option()
+        .unwrap();
     assert!(runner.id > 0 && !runner.uuid.is_empty() && !runner.token.is_empty());
     assert_eq!(runner.name, "r1");
     assert_eq!(runner.version, "v3.3.0");
@@ -713,7 +810,9 @@ async fn registration_needs_an_active_token() {
     assert_eq!(snap.capabilities, vec!["cancelling"]);
     assert!(snap.ephemeral);
     // The credentials it got work.
-    fetch(&authed(&mock, &runner.uuid, &runner.token), 0).await.unwrap();
+    fetch(&authed(&mock, &runner.uuid, &runner.token), 0)
+        .await
+        .unwrap();
 
     mock.handle.invalidate_registration_token("tok");
     let err = c.register(req("tok", "r2")).await.unwrap_err();
@@ -794,11 +893,17 @@ async fn injected_faults_fail_only_the_next_call() {
     let err = fetch(&c, 0).await.unwrap_err();
     assert_gitea_error(&err, "Internal", "pick task: database is locked");
     let err = fetch(&c, 0).await.unwrap_err();
-    assert_eq!(err.code, ErrorCode::Unavailable, "502 maps to unavailable: {err:?}");
+    assert_eq!(
+        err.code,
+        ErrorCode::Unavailable,
+        "502 maps to unavailable: {err:?}"
+    );
     fetch(&c, 0).await.unwrap();
 
-    mock.handle
-        .fail_next(RpcMethod::FetchTask, MockFault::Delay(Duration::from_secs(3)));
+    mock.handle.fail_next(
+        RpcMethod::FetchTask,
+        MockFault::Delay(Duration::from_secs(3)),
+    );
     let err = c
         .fetch_task_with_options(
             pb::FetchTaskRequest::default(),
@@ -840,7 +945,10 @@ async fn the_admin_api_queues_lists_and_cancels_jobs() {
         .await
         .unwrap();
     assert!(resp.status().is_success());
-    assert_eq!(mock.handle.job(JobId(id)).unwrap().status, Status::Cancelled);
+    assert_eq!(
+        mock.handle.job(JobId(id)).unwrap().status,
+        Status::Cancelled
+    );
 
     let resp = http
         .post(format!("{}/_mock/registration-tokens", mock.url))
@@ -880,7 +988,11 @@ async fn the_blob_endpoint_streams_deterministic_bytes_and_requests_are_recorded
     assert_eq!(resp.status().as_u16(), 200);
     let body = resp.bytes().await.unwrap();
     assert_eq!(body.len(), n);
-    assert!(body.iter().enumerate().all(|(i, b)| usize::from(*b) == i % 251));
+    assert!(
+        body.iter()
+            .enumerate()
+            .all(|(i, b)| usize::from(*b) == i % 251)
+    );
 
     let missing = http
         .get(format!("{}/nowhere?x=1", mock.url))
@@ -918,14 +1030,22 @@ async fn serve_stops_when_shutdown_resolves() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(MockGitea::new(MockConfig::default()).serve(listener, async {
-        let _ = rx.await;
-    }));
-    let resp = reqwest::get(format!("http://{addr}/_mock/jobs")).await.unwrap();
+    let server = tokio::spawn(
+        MockGitea::new(MockConfig::default()).serve(listener, async {
+            let _ = rx.await;
+        }),
+    );
+    let resp = reqwest::get(format!("http://{addr}/_mock/jobs"))
+        .await
+        .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
     drop(resp);
     tx.send(()).unwrap();
-    tokio::time::timeout(WAIT, server).await.unwrap().unwrap().unwrap();
+    tokio::time::timeout(WAIT, server)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
 
     let running = start().await;
     running.shutdown().await.unwrap();

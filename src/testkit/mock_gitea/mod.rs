@@ -19,8 +19,8 @@ use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::proto::runner::v1 as pb;
-pub use state::{GiteaError, GrpcCode};
 use state::State;
+pub use state::{GiteaError, GrpcCode};
 
 /// Identifier of a queued job (Gitea's `ActionRunJob.ID`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
@@ -264,7 +264,11 @@ pub struct MockGitea {
 impl MockGitea {
     pub fn new(config: MockConfig) -> Self {
         let state = State::new(
-            config.public_url.clone().map(with_trailing_slash).unwrap_or_default(),
+            config
+                .public_url
+                .clone()
+                .map(with_trailing_slash)
+                .unwrap_or_default(),
             config.default_actions_url.clone(),
             &config.registration_tokens,
         );
@@ -425,7 +429,12 @@ impl MockGitea {
 
     /// Makes the next call of `method` fail (or stall) as `fault` says; faults queue up.
     pub fn fail_next(&self, method: RpcMethod, fault: MockFault) {
-        self.mutate(|s| s.faults.entry(method).or_insert_with(VecDeque::new).push_back(fault));
+        self.mutate(|s| {
+            s.faults
+                .entry(method)
+                .or_insert_with(VecDeque::new)
+                .push_back(fault)
+        });
     }
 
     /// Paths (with query) of every request outside `/api/actions`, in arrival order.
@@ -451,7 +460,8 @@ impl MockGitea {
         mut pred: impl FnMut(&MockGitea) -> bool,
         timeout: Duration,
     ) -> Result<(), MockError> {
-        self.wait_for_value(|m| pred(m).then_some(()), timeout).await
+        self.wait_for_value(|m| pred(m).then_some(()), timeout)
+            .await
     }
 
     /// Waits until `f` returns `Some`, and returns that value.

@@ -17,7 +17,7 @@ use connectrpc::{
 use serde::Deserialize;
 
 use super::state::GiteaError;
-use super::{JobId, MockFault, MockGitea, MockError, RpcMethod};
+use super::{JobId, MockError, MockFault, MockGitea, RpcMethod};
 use crate::proto::ping::v1 as ping;
 use crate::proto::runner::v1 as pb;
 

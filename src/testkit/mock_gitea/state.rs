@@ -75,7 +75,9 @@ impl GiteaError {
     /// The message connect-go writes into the error body.
     pub fn message(&self) -> String {
         match self {
-            Self::Status { code, desc } => format!("rpc error: code = {} desc = {desc}", code.name()),
+            Self::Status { code, desc } => {
+                format!("rpc error: code = {} desc = {desc}", code.name())
+            }
             Self::Plain(m) => m.clone(),
         }
     }
@@ -217,7 +219,9 @@ pub(crate) struct State {
 
 pub(crate) fn random_hex(bytes: usize) -> String {
     let mut rng = rand::rng();
-    (0..bytes).map(|_| format!("{:02x}", rng.random::<u8>())).collect()
+    (0..bytes)
+        .map(|_| format!("{:02x}", rng.random::<u8>()))
+        .collect()
 }
 
 fn random_uuid() -> String {
@@ -225,7 +229,14 @@ fn random_uuid() -> String {
     b[6] = (b[6] & 0x0f) | 0x40; // version 4
     b[8] = (b[8] & 0x3f) | 0x80; // RFC 4122 variant
     let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!("{}-{}-{}-{}-{}", &h[0..8], &h[8..12], &h[12..16], &h[16..20], &h[20..32])
+    format!(
+        "{}-{}-{}-{}-{}",
+        &h[0..8],
+        &h[8..12],
+        &h[12..16],
+        &h[16..20],
+        &h[20..32]
+    )
 }
 
 fn system_time(ts: Option<&Timestamp>) -> Option<SystemTime> {
@@ -317,7 +328,12 @@ impl State {
         self.runners.entry(uuid).or_insert(rec)
     }
 
-    pub fn create_runner(&mut self, name: &str, labels: &[&str], ephemeral: bool) -> (String, String) {
+    pub fn create_runner(
+        &mut self,
+        name: &str,
+        labels: &[&str],
+        ephemeral: bool,
+    ) -> (String, String) {
         let labels = labels.iter().map(|l| (*l).to_owned()).collect();
         let r = self.insert_runner(name, "", labels, ephemeral, Vec::new());
         (r.uuid.clone(), r.token.clone())
@@ -514,7 +530,10 @@ impl State {
     }
 
     pub fn jobs(&self) -> Vec<JobSnapshot> {
-        self.jobs.keys().filter_map(|id| self.job(JobId(*id))).collect()
+        self.jobs
+            .keys()
+            .filter_map(|id| self.job(JobId(*id)))
+            .collect()
     }
 
     pub fn task(&self, id: i64) -> Option<TaskSnapshot> {
@@ -601,7 +620,11 @@ impl State {
         }
         let labels = runner.labels.clone();
         if runner.ephemeral {
-            let mine: Vec<&TaskRec> = self.tasks.values().filter(|t| t.runner_id == runner_id).collect();
+            let mine: Vec<&TaskRec> = self
+                .tasks
+                .values()
+                .filter(|t| t.runner_id == runner_id)
+                .collect();
             if !mine.is_empty() {
                 if mine.iter().any(|t| !t.status.is_done()) {
                     return Ok((None, latest));
@@ -690,14 +713,23 @@ impl State {
             ("triggering_actor", actor),
             ("workflow", job.workflow_name.as_str()),
             ("workspace", ""),
-            ("gitea_default_actions_url", self.default_actions_url.as_str()),
+            (
+                "gitea_default_actions_url",
+                self.default_actions_url.as_str(),
+            ),
             ("token", token.as_str()),
             // Gitea sends an HS256 JWT here; the mock's is opaque but unique per task.
-            ("gitea_runtime_token", &format!("mock-runtime-{task_id}-{}", random_hex(8))),
+            (
+                "gitea_runtime_token",
+                &format!("mock-runtime-{task_id}-{}", random_hex(8)),
+            ),
         ] {
             ctx.insert(k, v);
         }
-        ctx.insert("repositoryUrl", format!("{}{}.git", self.server_url, job.repo));
+        ctx.insert(
+            "repositoryUrl",
+            format!("{}{}.git", self.server_url, job.repo),
+        );
         ctx.insert("run_id", job.run_id.to_string());
         ctx.insert("run_number", job.run_number.to_string());
         ctx.insert("run_attempt", "1");
@@ -732,7 +764,10 @@ impl State {
             GiteaError::status(GrpcCode::NotFound, format!("task {task_id} does not exist"))
         })?;
         if t.runner_id != runner_id {
-            return Err(GiteaError::status(GrpcCode::Internal, "invalid runner for task"));
+            return Err(GiteaError::status(
+                GrpcCode::Internal,
+                "invalid runner for task",
+            ));
         }
         Ok(t)
     }
@@ -749,7 +784,10 @@ impl State {
             .as_option()
             .ok_or_else(|| GiteaError::status(GrpcCode::InvalidArgument, "missing task state"))?;
         let task_id = state.id;
-        let result = state.result.as_known().unwrap_or(pb::Result::RESULT_FAILURE);
+        let result = state
+            .result
+            .as_known()
+            .unwrap_or(pb::Result::RESULT_FAILURE);
         let task = self.owned_task(runner_id, task_id)?;
         let mut finish = None;
         if !task.status.is_done() {
@@ -776,7 +814,8 @@ impl State {
                 } else {
                     status_from_result(result)
                 };
-                let stopped = system_time(state.stopped_at.as_option()).unwrap_or_else(SystemTime::now);
+                let stopped =
+                    system_time(state.stopped_at.as_option()).unwrap_or_else(SystemTime::now);
                 finish = Some((end, stopped));
             }
         }
@@ -791,7 +830,10 @@ impl State {
         if let Some((end, stopped)) = finish {
             self.finish_task(task_id, end, stopped);
         }
-        let status = self.tasks.get(&task_id).map_or(Status::Failure, |t| t.status);
+        let status = self
+            .tasks
+            .get(&task_id)
+            .map_or(Status::Failure, |t| t.status);
         Ok((
             pb::TaskState {
                 id: task_id,

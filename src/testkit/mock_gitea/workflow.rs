@@ -145,7 +145,9 @@ fn parse_runs_on(v: &Value) -> Result<Vec<String>, String> {
     match v {
         Value::Array(items) => items
             .iter()
-            .map(|i| scalar_to_string(i).ok_or_else(|| "runs-on entries must be strings".to_owned()))
+            .map(|i| {
+                scalar_to_string(i).ok_or_else(|| "runs-on entries must be strings".to_owned())
+            })
             .collect(),
         Value::Object(map) => {
             let mut labels = match map.get("labels") {
@@ -154,7 +156,8 @@ fn parse_runs_on(v: &Value) -> Result<Vec<String>, String> {
             };
             if let Some(group) = map.get("group") {
                 labels.push(
-                    scalar_to_string(group).ok_or_else(|| "runs-on.group must be a string".to_owned())?,
+                    scalar_to_string(group)
+                        .ok_or_else(|| "runs-on.group must be a string".to_owned())?,
                 );
             }
             Ok(labels)
@@ -209,7 +212,10 @@ jobs:
         assert_eq!(test.runs_on, vec!["linux", "big"]);
         let v: Value = serde_saphyr::from_str(&test.payload).unwrap();
         assert!(v["jobs"]["test"].get("needs").is_none());
-        assert_eq!(v["jobs"]["test"]["runs-on"], serde_json::json!(["linux", "big"]));
+        assert_eq!(
+            v["jobs"]["test"]["runs-on"],
+            serde_json::json!(["linux", "big"])
+        );
         assert_eq!(v["jobs"].as_object().unwrap().len(), 1);
     }
 
@@ -219,7 +225,11 @@ jobs:
         let v: Value = serde_saphyr::from_str(&wf.jobs[0].payload).unwrap();
         assert_eq!(v["jobs"]["a"]["runs-on"], "x");
         // serde-saphyr quotes the key so YAML 1.1 readers cannot turn it into `true`.
-        assert!(wf.jobs[0].payload.contains("\"on\": push"), "{}", wf.jobs[0].payload);
+        assert!(
+            wf.jobs[0].payload.contains("\"on\": push"),
+            "{}",
+            wf.jobs[0].payload
+        );
         let err = parse_workflow(
             "on: push\njobs:\n  a:\n    runs-on: x\n    strategy:\n      matrix:\n        v: [1, 2]\n",
         )
