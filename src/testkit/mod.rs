@@ -1,3 +1,4 @@
-//! Test peers that speak the real protocols.
+//! Test peers that speak the real protocols (compiled with the `testkit` feature).
 
+pub mod mock_gitea;
 pub mod nats_server;
