@@ -622,41 +622,40 @@ impl Config {
                 rule: "at least one component is required".into(),
             });
         }
-        if let Some(url) = &self.gitea_instance_url {
-            if let Err(rule) = check_http_url(url) {
-                out.push(Problem {
-                    key: "gitea_instance_url",
-                    rule,
-                });
-            }
+        if let Some(url) = &self.gitea_instance_url
+            && let Err(rule) = check_http_url(url)
+        {
+            out.push(Problem {
+                key: "gitea_instance_url",
+                rule,
+            });
         }
-        if let Some(url) = &self.runner_facade_url {
-            if let Err(rule) = check_http_url(url) {
-                out.push(Problem {
-                    key: "runner_facade_url",
-                    rule,
-                });
-            }
+        if let Some(url) = &self.runner_facade_url
+            && let Err(rule) = check_http_url(url)
+        {
+            out.push(Problem {
+                key: "runner_facade_url",
+                rule,
+            });
         }
-        if let Some(id) = &self.runner_facade_spiffe_id {
-            if !id.starts_with("spiffe://") {
-                out.push(Problem {
-                    key: "runner_facade_spiffe_id",
-                    rule: format!("{id:?} must be a spiffe:// URI"),
-                });
-            }
+        if let Some(id) = &self.runner_facade_spiffe_id
+            && !id.starts_with("spiffe://")
+        {
+            out.push(Problem {
+                key: "runner_facade_spiffe_id",
+                rule: format!("{id:?} must be a spiffe:// URI"),
+            });
         }
-        if let Some(td) = &self.trust_domain {
-            if td.is_empty()
+        if let Some(td) = &self.trust_domain
+            && (td.is_empty()
                 || !td.chars().all(|c| {
                     c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '.' | '-' | '_')
-                })
-            {
-                out.push(Problem {
+                }))
+        {
+            out.push(Problem {
                     key: "trust_domain",
                     rule: format!("{td:?} must be a trust domain name such as example.org (lower-case letters, digits, '.', '-', '_')"),
                 });
-            }
         }
         if self.pod_capacity == 0 && self.vm_capacity == 0 {
             out.push(Problem {
@@ -790,14 +789,14 @@ fn toml_value(config: &Config) -> Result<serde_json::Map<String, serde_json::Val
     let mut value = serde_json::to_value(config).map_err(|e| e.to_string())?;
     let map = value.as_object_mut().ok_or("configuration is not a map")?;
     map.retain(|_, v| !v.is_null());
-    if let Some(c) = map.get_mut("components") {
-        if let Some(list) = c.as_array() {
-            let joined: Vec<String> = list
-                .iter()
-                .filter_map(|v| v.as_str().map(String::from))
-                .collect();
-            *c = serde_json::Value::String(joined.join(","));
-        }
+    if let Some(c) = map.get_mut("components")
+        && let Some(list) = c.as_array()
+    {
+        let joined: Vec<String> = list
+            .iter()
+            .filter_map(|v| v.as_str().map(String::from))
+            .collect();
+        *c = serde_json::Value::String(joined.join(","));
     }
     Ok(map.clone())
 }
@@ -1037,6 +1036,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::result_large_err)] // figment::Jail's closure signature
     fn the_environment_overrides_the_file_using_the_go_variable_names() {
         let f = file_with("pod_capacity = 7\ncomponents = [\"scheduler\"]\n");
         // figment::Jail isolates the process environment for this test.

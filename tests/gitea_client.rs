@@ -11,7 +11,6 @@ use gitea_dynamic_runner::testkit::mock_gitea::{
     GrpcCode, MockConfig, MockFault, MockGitea, RpcMethod, RunningMock, Status,
 };
 
-const WAIT: Duration = Duration::from_secs(10);
 const POD_JOB: &str = "on: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: echo hi\n";
 
 async fn mock() -> RunningMock {

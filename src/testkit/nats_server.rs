@@ -94,12 +94,12 @@ impl NatsServer {
     async fn wait_ready(&mut self) -> std::io::Result<()> {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         loop {
-            if let Some(child) = self.child.as_mut() {
-                if let Some(status) = child.try_wait()? {
-                    return Err(std::io::Error::other(format!(
-                        "nats-server exited early: {status}"
-                    )));
-                }
+            if let Some(child) = self.child.as_mut()
+                && let Some(status) = child.try_wait()?
+            {
+                return Err(std::io::Error::other(format!(
+                    "nats-server exited early: {status}"
+                )));
             }
             if let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await {
                 let mut greeting = [0u8; 4];
