@@ -10,8 +10,7 @@
 //! - [`capability`]: the assignment-scoped runner credential (invariant 14).
 //! - [`assignment`]: the durable handoff document and its versioned envelope (invariant 5).
 
-
 pub mod backend;
-
+pub mod identity;
 
 pub mod workflow;
