@@ -10,7 +10,8 @@
 //! - [`capability`]: the assignment-scoped runner credential (invariant 14).
 //! - [`assignment`]: the durable handoff document and its versioned envelope (invariant 5).
 
+pub mod assignment;
 pub mod backend;
+pub mod capability;
 pub mod identity;
-
 pub mod workflow;

@@ -190,6 +190,8 @@ fn yaml_options() -> serde_saphyr::Options {
     serde_saphyr::options! {
         // YAML 1.2 booleans: `on:` and `runs-on: on` stay strings, as in GitHub/Gitea.
         strict_booleans: true,
+        // A job key or label spelled `null` or `~` is text, not a missing value.
+        null_as_string: true,
         // Gitea rejects duplicate keys; accepting them could let two readers see different jobs.
         duplicate_keys: serde_saphyr::options::DuplicateKeyPolicy::Error,
         // Source snippets would copy workflow text into logs; line and column are enough.
@@ -324,6 +326,15 @@ mod tests {
         .unwrap();
         assert_eq!(job.name.as_deref(), Some("on"));
         assert_eq!(job.runs_on, ["self-hosted", "yes", "off"]);
+    }
+
+    #[test]
+    fn null_like_job_keys_and_labels_stay_text() {
+        let job = parse_single_job(b"jobs:\n  null:\n    runs-on: [self-hosted, ~]\n").unwrap();
+        assert_eq!(
+            (job.key.as_str(), job.runs_on),
+            ("null", vec!["self-hosted".to_owned(), "~".to_owned()])
+        );
     }
 
     #[test]
