@@ -13,6 +13,7 @@ pub mod config;
 pub mod domain;
 pub mod gitea;
 pub mod logging;
+pub mod queue;
 pub mod register;
 #[cfg(feature = "testkit")]
 pub mod testkit;

@@ -1,0 +1,141 @@
+//! The handoff with real peers: a task fetched from the mock Gitea becomes an
+//! assignment, is published to a real nats-server and read back.
+
+use std::time::Duration;
+
+use async_nats::jetstream;
+use futures::StreamExt;
+use gitea_dynamic_runner::domain::assignment::{
+    Assignment, DerivationPolicy, EnvelopeError, TaskKey, TaskKeyring, decode, encode_v2,
+};
+use gitea_dynamic_runner::domain::backend::{Backend, BackendLabels};
+use gitea_dynamic_runner::domain::identity::TrustDomain;
+use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, GiteaClient};
+use gitea_dynamic_runner::queue::{self, ConsumerSettings, StreamSettings};
+use gitea_dynamic_runner::testkit::mock_gitea::{MockConfig, MockGitea};
+use gitea_dynamic_runner::testkit::nats_server::NatsServer;
+
+fn settings() -> StreamSettings {
+    StreamSettings {
+        stream: "CI_RUNNER".into(),
+        subject_base: "ci.runner".into(),
+        duplicate_window: Duration::from_secs(120),
+    }
+}
+
+fn policy() -> DerivationPolicy {
+    DerivationPolicy {
+        trust_domain: TrustDomain::new("example.org").expect("trust domain"),
+        labels: BackendLabels::new("vm").expect("labels"),
+    }
+}
+
+async fn fetched_assignment(keyring: &TaskKeyring) -> (Assignment, Vec<u8>) {
+    let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+    mock.handle
+        .set_secret("owner/repo", "DEPLOY_KEY", "super-secret-deploy-key");
+    let (uuid, token) = mock
+        .handle
+        .create_runner("ctl", &["self-hosted", "pod"], false);
+    let client = GiteaClient::new(
+        ClientOptions::new(mock.url.clone()),
+        Some(&Credentials::new(uuid, token)),
+    )
+    .expect("client");
+    mock.handle
+        .queue_workflow(
+            "owner/repo",
+            "on: push\njobs:\n  publish:\n    runs-on: [self-hosted, pod]\n    steps: []\n",
+        )
+        .expect("queue");
+    let task = client
+        .fetch_task(0)
+        .await
+        .expect("fetch")
+        .task
+        .into_option()
+        .expect("task");
+    let assignment = Assignment::from_task(task, &policy()).expect("assignment");
+    let envelope = encode_v2(&assignment, keyring).expect("encode");
+    (assignment, envelope)
+}
+
+#[tokio::test]
+async fn publishing_the_same_assignment_twice_stores_one_message_and_it_decodes_back() {
+    let keyring = TaskKeyring::new(TaskKey::from_bytes([7; 32]), vec![]);
+    let (assignment, envelope) = fetched_assignment(&keyring).await;
+    assert_eq!(assignment.backend(), Backend::Pod);
+    assert_eq!(
+        assignment.identity().spiffe_id(),
+        "spiffe://example.org/ci/owner/repo/publish"
+    );
+    let envelope_text = String::from_utf8_lossy(&envelope);
+    assert!(
+        !envelope_text.contains("super-secret-deploy-key"),
+        "job secrets must not sit readable in the stream"
+    );
+
+    let nats = NatsServer::start().await.expect("nats-server");
+    let client = async_nats::connect(nats.url()).await.expect("connect");
+    let js = jetstream::new(client);
+    let mut stream = queue::ensure_stream(&js, &settings())
+        .await
+        .expect("stream");
+    let id = assignment.id().as_str().to_string();
+    let first = queue::publish(&js, &settings(), Backend::Pod, &id, envelope.clone().into())
+        .await
+        .expect("publish");
+    let second = queue::publish(&js, &settings(), Backend::Pod, &id, envelope.into())
+        .await
+        .expect("republish");
+    assert!(!first.duplicate);
+    assert!(
+        second.duplicate,
+        "the retried publish is recognised as a duplicate"
+    );
+    assert_eq!(first.sequence, second.sequence);
+    assert_eq!(queue::unclaimed(&mut stream).await.expect("info"), 1);
+
+    let consumer = queue::ensure_consumer(
+        &stream,
+        &settings(),
+        Backend::Pod,
+        &ConsumerSettings {
+            max_ack_pending: 1,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: -1,
+        },
+    )
+    .await
+    .expect("consumer");
+    let mut batch = consumer
+        .fetch()
+        .max_messages(1)
+        .expires(Duration::from_secs(5))
+        .messages()
+        .await
+        .expect("fetch");
+    let message = batch.next().await.expect("one message").expect("message");
+    let decoded = decode(&message.payload, &policy(), Some(&keyring)).expect("decode");
+    assert_eq!(decoded.id(), assignment.id());
+    assert_eq!(
+        decoded.task().secrets.get("DEPLOY_KEY").map(String::as_str),
+        Some("super-secret-deploy-key")
+    );
+    message.double_ack().await.expect("ack");
+    assert_eq!(
+        queue::unclaimed(&mut stream).await.expect("info"),
+        0,
+        "work-queue retention removes acked messages"
+    );
+}
+
+#[tokio::test]
+async fn an_envelope_without_the_right_key_is_refused_not_misread() {
+    let keyring = TaskKeyring::new(TaskKey::from_bytes([7; 32]), vec![]);
+    let (_, envelope) = fetched_assignment(&keyring).await;
+    let other = TaskKeyring::new(TaskKey::from_bytes([9; 32]), vec![]);
+    let err = decode(&envelope, &policy(), Some(&other)).expect_err("refused");
+    assert!(matches!(err, EnvelopeError::UnknownKey(_)), "{err}");
+    assert!(err.is_poison());
+}
