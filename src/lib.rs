@@ -10,7 +10,10 @@
 
 pub mod cli;
 pub mod config;
+pub mod dispatch;
 pub mod domain;
+pub mod executors;
+pub mod facade;
 pub mod gitea;
 pub mod logging;
 pub mod queue;

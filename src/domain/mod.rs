@@ -13,5 +13,6 @@
 pub mod assignment;
 pub mod backend;
 pub mod capability;
+pub mod capacity;
 pub mod identity;
 pub mod workflow;
