@@ -605,8 +605,8 @@ fn aad_v2(id: &str, backend: &str, identity: &WireIdentity, key_id: &str) -> Vec
 pub fn encode_v2(assignment: &Assignment, keyring: &TaskKeyring) -> Result<Vec<u8>, EncodeError> {
     let key = &keyring.current;
     let mut nonce = [0u8; NONCE_LEN];
-    // A fresh random 96-bit nonce per envelope; with at most millions of envelopes per key
-    // the collision probability stays far below GCM's 2^-32 bound.
+    // A fresh random 96-bit nonce per envelope. NIST SP 800-38D allows 2^32 random-nonce
+    // messages per key; a controller seals one per job, many orders of magnitude fewer.
     SystemRandom::new()
         .fill(&mut nonce)
         .map_err(|_| EncodeError::Random)?;

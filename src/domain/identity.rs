@@ -256,16 +256,17 @@ pub fn sanitize(segment: &str) -> String {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use buffa_types::google::protobuf::{Struct, Value};
+    use proptest::prelude::*;
 
     use super::*;
 
-    pub(crate) fn td() -> TrustDomain {
+    fn td() -> TrustDomain {
         TrustDomain::new("ddupan.top").unwrap()
     }
 
-    pub(crate) fn task_with(repository: Option<&str>, payload: &str) -> Task {
+    fn task_with(repository: Option<&str>, payload: &str) -> Task {
         let mut context = Struct::new();
         if let Some(repository) = repository {
             context.insert("repository", Value::from(repository));
@@ -440,5 +441,19 @@ pub(crate) mod tests {
         let td: TrustDomain = serde_json::from_str("\"ddupan.top\"").unwrap();
         assert_eq!(td.as_str(), "ddupan.top");
         assert!(serde_json::from_str::<TrustDomain>("\"Bad Domain\"").is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn every_sanitized_segment_is_a_safe_spiffe_path_segment(segment in ".{0,80}") {
+            let out = sanitize(&segment);
+            prop_assert!(!out.is_empty() && out.bytes().all(is_safe_segment_byte), "{out:?}");
+            prop_assert!(out.len() <= segment.len().max(MAX_SLUG_BYTES + 13));
+            if out != segment {
+                // Only unsafe input is rewritten, and it always carries its digest.
+                prop_assert!(!segment.bytes().all(is_safe_segment_byte) || segment.is_empty());
+                prop_assert_eq!(out.as_bytes()[out.len() - 13], b'-');
+            }
+        }
     }
 }
