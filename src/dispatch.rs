@@ -134,7 +134,9 @@ impl Dispatch {
         for record in records.iter().filter(|r| !r.terminal) {
             let backend = record.assignment.backend();
             if pools.contains_key(&backend) {
-                live.entry(backend).or_default().push(record.assignment.id().clone());
+                live.entry(backend)
+                    .or_default()
+                    .push(record.assignment.id().clone());
                 admitted += 1;
             }
             if record.claimed {
@@ -163,17 +165,23 @@ impl Dispatch {
 
     /// Admits an assignment into its backend's pool.
     pub fn admit(&self, backend: Backend, id: &AssignmentId) -> Admission {
-        lock(&self.pools).get_mut(&backend).map_or(Admission::Full, |p| p.admit(id))
+        lock(&self.pools)
+            .get_mut(&backend)
+            .map_or(Admission::Full, |p| p.admit(id))
     }
 
     /// Releases an assignment's slot (idempotent).
     pub fn release(&self, backend: Backend, id: &AssignmentId) -> bool {
-        lock(&self.pools).get_mut(&backend).is_some_and(|p| p.release(id))
+        lock(&self.pools)
+            .get_mut(&backend)
+            .is_some_and(|p| p.release(id))
     }
 
     /// `(in use, capacity)` of a backend's pool.
     pub fn pool_usage(&self, backend: Backend) -> (usize, usize) {
-        lock(&self.pools).get(&backend).map_or((0, 0), |p| (p.in_use(), p.capacity()))
+        lock(&self.pools)
+            .get(&backend)
+            .map_or((0, 0), |p| (p.in_use(), p.capacity()))
     }
 
     /// Offers an assignment to its runner. Idempotent: a redelivered assignment keeps
@@ -218,7 +226,11 @@ impl Dispatch {
         if entry.spiffe_id != peer_spiffe_id {
             return Err(AuthError::WrongIdentity);
         }
-        Ok(Authorized { id, task_id: entry.task_id, backend: entry.backend })
+        Ok(Authorized {
+            id,
+            task_id: entry.task_id,
+            backend: entry.backend,
+        })
     }
 
     /// Hands the pre-assigned task to its runner, exactly once: the claim is recorded
@@ -239,7 +251,9 @@ impl Dispatch {
             entry.claiming = true;
             task
         };
-        let backend = self.backend(auth.backend).ok_or(ClaimError::NoBackend(auth.backend));
+        let backend = self
+            .backend(auth.backend)
+            .ok_or(ClaimError::NoBackend(auth.backend));
         let recorded = match backend {
             Ok(b) => b.record_claimed(&auth.id).await.map_err(ClaimError::from),
             Err(e) => Err(e),
@@ -265,7 +279,9 @@ impl Dispatch {
     /// Marks the task terminal on the backend and releases its slot. Called by the
     /// facade after Gitea accepted a terminal result and before answering the runner.
     pub async fn finish(&self, auth: &Authorized) -> Result<(), ClaimError> {
-        let backend = self.backend(auth.backend).ok_or(ClaimError::NoBackend(auth.backend))?;
+        let backend = self
+            .backend(auth.backend)
+            .ok_or(ClaimError::NoBackend(auth.backend))?;
         backend.mark_terminal(&auth.id).await?;
         self.release(auth.backend, &auth.id);
         if let Some(entry) = lock(&self.entries).get_mut(&auth.id) {

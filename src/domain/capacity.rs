@@ -31,14 +31,20 @@ pub struct Pool {
 impl Pool {
     /// An empty pool of `capacity` slots.
     pub fn new(capacity: usize) -> Self {
-        Pool { capacity, admitted: BTreeSet::new() }
+        Pool {
+            capacity,
+            admitted: BTreeSet::new(),
+        }
     }
 
     /// Rebuilds the pool from the executors a backend reports as not terminal.
     /// Restored executors may exceed the capacity (it was lowered across a restart);
     /// they keep their slots and nothing new is admitted until enough are released.
     pub fn restore(capacity: usize, live: impl IntoIterator<Item = AssignmentId>) -> Self {
-        Pool { capacity, admitted: live.into_iter().collect() }
+        Pool {
+            capacity,
+            admitted: live.into_iter().collect(),
+        }
     }
 
     /// Admits an assignment if it holds a slot already or one is free.
@@ -115,7 +121,11 @@ mod tests {
         assert_eq!(pool.admit(&id(3)), Admission::Full);
         assert_eq!(pool.admit(&id(2)), Admission::AlreadyAdmitted);
         pool.release(&id(1));
-        assert_eq!(pool.admit(&id(3)), Admission::Full, "still at capacity with id 2");
+        assert_eq!(
+            pool.admit(&id(3)),
+            Admission::Full,
+            "still at capacity with id 2"
+        );
         pool.release(&id(2));
         assert_eq!(pool.admit(&id(3)), Admission::Admitted);
     }

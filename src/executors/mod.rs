@@ -52,11 +52,17 @@ impl ExecutorSpec {
     /// executor authenticates with; it is never logged).
     pub fn environment(&self) -> BTreeMap<&'static str, String> {
         BTreeMap::from([
-            (env::ASSIGNMENT_ID, self.assignment.id().as_str().to_string()),
+            (
+                env::ASSIGNMENT_ID,
+                self.assignment.id().as_str().to_string(),
+            ),
             (env::CAPABILITY, self.capability.expose().to_string()),
             (env::FACADE_URL, self.facade_url.clone()),
             (env::FACADE_SPIFFE_ID, self.facade_spiffe_id.clone()),
-            (env::SPIFFE_ID, self.assignment.identity().spiffe_id().to_string()),
+            (
+                env::SPIFFE_ID,
+                self.assignment.identity().spiffe_id().to_string(),
+            ),
             (env::BACKEND, self.assignment.backend().as_str().to_string()),
         ])
     }

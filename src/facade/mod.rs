@@ -18,11 +18,13 @@ use std::sync::Arc;
 use connectrpc::{ConnectError, RequestContext, Response, ServiceRequest, ServiceResult};
 
 use crate::dispatch::{AuthError, Authorized, ClaimError, Dispatch};
-use crate::gitea::{CAPABILITIES_HEADER, ErrorKind, GiteaClient, GiteaError, TOKEN_HEADER, UUID_HEADER};
+use crate::gitea::{
+    CAPABILITIES_HEADER, ErrorKind, GiteaClient, GiteaError, TOKEN_HEADER, UUID_HEADER,
+};
 use crate::proto::runner::v1::{
     DeclareRequest, DeclareResponse, FetchTaskRequest, FetchTaskResponse, RegisterRequest,
-    RegisterResponse, Result as TaskResult, Runner, RunnerService, UpdateLogRequest, UpdateLogResponse,
-    UpdateTaskRequest, UpdateTaskResponse,
+    RegisterResponse, Result as TaskResult, Runner, RunnerService, UpdateLogRequest,
+    UpdateLogResponse, UpdateTaskRequest, UpdateTaskResponse,
 };
 
 /// The verified SPIFFE ID of the mTLS peer, placed in request extensions by the TLS
@@ -49,7 +51,12 @@ impl Facade {
         server_capabilities: Option<String>,
         vm_label: String,
     ) -> Self {
-        Facade { dispatch, gitea, server_capabilities, vm_label }
+        Facade {
+            dispatch,
+            gitea,
+            server_capabilities,
+            vm_label,
+        }
     }
 
     /// The Connect router serving this facade (mount it under `/api/actions`).
@@ -58,12 +65,22 @@ impl Facade {
     }
 
     fn authenticate(&self, ctx: &RequestContext, method: &str) -> Result<Authorized, ConnectError> {
-        let header = |name: &str| ctx.header(name).and_then(|v| v.to_str().ok()).unwrap_or_default();
+        let header = |name: &str| {
+            ctx.header(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+        };
         let uuid = header(UUID_HEADER);
         let token = header(TOKEN_HEADER);
         let Some(PeerSpiffeId(peer)) = ctx.extensions().get::<PeerSpiffeId>() else {
-            tracing::warn!(method, assignment_id = uuid, "facade call without an mTLS peer identity refused");
-            return Err(ConnectError::unauthenticated("a SPIFFE mTLS client certificate is required"));
+            tracing::warn!(
+                method,
+                assignment_id = uuid,
+                "facade call without an mTLS peer identity refused"
+            );
+            return Err(ConnectError::unauthenticated(
+                "a SPIFFE mTLS client certificate is required",
+            ));
         };
         self.dispatch.authorize(uuid, token, peer).map_err(|e| {
             tracing::warn!(method, assignment_id = uuid, peer = %peer, reason = %e, "facade call refused");
@@ -159,7 +176,10 @@ impl RunnerService for Facade {
         let auth = self.authenticate(&ctx, "FetchTask")?;
         let version = request.to_owned_message().tasks_version;
         let state = self.dispatch.claim_state(&auth.id);
-        if matches!(state, Some(crate::dispatch::ClaimState::Claimed | crate::dispatch::ClaimState::Terminal)) {
+        if matches!(
+            state,
+            Some(crate::dispatch::ClaimState::Claimed | crate::dispatch::ClaimState::Terminal)
+        ) {
             return Err(ConnectError::failed_precondition(format!(
                 "the task of {} was already handed out",
                 auth.id
@@ -168,13 +188,22 @@ impl RunnerService for Facade {
         match self.dispatch.take_task(&auth).await {
             Ok(Some(task)) => {
                 tracing::info!(assignment_id = %auth.id, task_id = auth.task_id, "task claimed by its executor");
-                Response::ok(FetchTaskResponse { task: task.into(), tasks_version: version + 1, ..Default::default() })
+                Response::ok(FetchTaskResponse {
+                    task: task.into(),
+                    tasks_version: version + 1,
+                    ..Default::default()
+                })
             }
             // Not offered yet (e.g. after a restart, before redelivery): keep polling.
-            Ok(None) => Response::ok(FetchTaskResponse { tasks_version: version, ..Default::default() }),
+            Ok(None) => Response::ok(FetchTaskResponse {
+                tasks_version: version,
+                ..Default::default()
+            }),
             Err(ClaimError::Backend(e)) => {
                 tracing::warn!(assignment_id = %auth.id, error = %e, "recording the claim failed");
-                Err(ConnectError::unavailable("recording the claim failed; retry"))
+                Err(ConnectError::unavailable(
+                    "recording the claim failed; retry",
+                ))
             }
             Err(e @ ClaimError::NoBackend(_)) => Err(ConnectError::internal(e.to_string())),
         }
@@ -187,10 +216,18 @@ impl RunnerService for Facade {
     ) -> ServiceResult<UpdateTaskResponse> {
         let auth = self.authenticate(&ctx, "UpdateTask")?;
         let request = request.to_owned_message();
-        let (task_id, result) =
-            request.state.as_option().map_or((0, TaskResult::RESULT_UNSPECIFIED.into()), |s| (s.id, s.result));
+        let (task_id, result) = request
+            .state
+            .as_option()
+            .map_or((0, TaskResult::RESULT_UNSPECIFIED.into()), |s| {
+                (s.id, s.result)
+            });
         Self::check_task(&auth, task_id, "UpdateTask")?;
-        let response = self.gitea.update_task(request).await.map_err(|e| forward_error("UpdateTask", e))?;
+        let response = self
+            .gitea
+            .update_task(request)
+            .await
+            .map_err(|e| forward_error("UpdateTask", e))?;
         if result != buffa::EnumValue::from(TaskResult::RESULT_UNSPECIFIED) {
             // Invariant 10: the terminal marker is durable before the runner hears back;
             // if it is not, the runner retries and Gitea ignores the repeated result.
@@ -211,7 +248,11 @@ impl RunnerService for Facade {
         let auth = self.authenticate(&ctx, "UpdateLog")?;
         let request = request.to_owned_message();
         Self::check_task(&auth, request.task_id, "UpdateLog")?;
-        let response = self.gitea.update_log(request).await.map_err(|e| forward_error("UpdateLog", e))?;
+        let response = self
+            .gitea
+            .update_log(request)
+            .await
+            .map_err(|e| forward_error("UpdateLog", e))?;
         Response::ok(response)
     }
 }
