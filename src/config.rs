@@ -1068,7 +1068,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("pod_capacity (POD_CAPACITY)"), "{err}");
-        assert!(err.contains(&f.path().display().to_string()), "{err}");
+        // figment shows the file relative to the working directory; the name is enough.
+        let name = f.path().file_name().unwrap().to_string_lossy().into_owned();
+        assert!(err.contains(&name), "{err}");
     }
 
     #[test]

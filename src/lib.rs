@@ -20,6 +20,7 @@ pub mod queue;
 pub mod register;
 #[cfg(feature = "testkit")]
 pub mod testkit;
+pub mod worker;
 
 /// Generated protobuf messages (buffa) and Connect service stubs for `runner.v1` and `ping.v1`.
 pub mod proto {

@@ -287,6 +287,16 @@ pub struct RecoveredAssignment {
 }
 
 impl RecoveredAssignment {
+    /// The routing facts of a full assignment, as backend metadata records them.
+    pub fn from_assignment(assignment: &Assignment) -> Self {
+        RecoveredAssignment {
+            id: assignment.id.clone(),
+            task_id: assignment.id.task_id(),
+            backend: assignment.backend,
+            identity: assignment.identity.clone(),
+        }
+    }
+
     /// The assignment ID.
     pub fn id(&self) -> &AssignmentId {
         &self.id

@@ -268,6 +268,64 @@ impl GiteaClient {
         Ok(resp.into_owned())
     }
 
+    /// Fails a task in Gitea with the controller's credential, appending `reason` to the
+    /// task's log so the user sees why (invariant 12: nothing fails silently).
+    ///
+    /// The log row goes after whatever the runner already uploaded: an empty batch at an
+    /// index beyond any real log is a gap Gitea does not write, and it answers the
+    /// current row count, which is where the row is then appended.
+    pub async fn fail_task(
+        &self,
+        task_id: i64,
+        reason: &str,
+    ) -> Result<UpdateTaskResponse, GiteaError> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let timestamp = buffa_types::google::protobuf::Timestamp {
+            seconds: i64::try_from(now.as_secs()).unwrap_or(i64::MAX),
+            nanos: i32::try_from(now.subsec_nanos()).unwrap_or(0),
+            ..Default::default()
+        };
+        let probe = self
+            .update_log(UpdateLogRequest {
+                task_id,
+                index: i64::MAX / 2,
+                ..Default::default()
+            })
+            .await;
+        if let Ok(ack) = probe {
+            let row = crate::proto::runner::v1::LogRow {
+                time: timestamp.clone().into(),
+                content: format!("gitea-dynamic-runner: {reason}"),
+                ..Default::default()
+            };
+            // The log row is a courtesy; the result below is what must land.
+            if let Err(e) = self
+                .update_log(UpdateLogRequest {
+                    task_id,
+                    index: ack.ack_index,
+                    rows: vec![row],
+                    ..Default::default()
+                })
+                .await
+            {
+                tracing::warn!(task_id, error = %e, "could not append the failure reason to the task log");
+            }
+        }
+        self.update_task(UpdateTaskRequest {
+            state: crate::proto::runner::v1::TaskState {
+                id: task_id,
+                result: crate::proto::runner::v1::Result::RESULT_FAILURE.into(),
+                stopped_at: timestamp.into(),
+                ..Default::default()
+            }
+            .into(),
+            ..Default::default()
+        })
+        .await
+    }
+
     /// Ping; Gitea answers `Hello, <data>!`.
     pub async fn ping(&self, data: &str) -> Result<String, GiteaError> {
         let request = PingRequest {

@@ -1,4 +1,5 @@
 //! Test peers that speak the real protocols (compiled with the `testkit` feature).
 
+pub mod memory_backend;
 pub mod mock_gitea;
 pub mod nats_server;

@@ -1,0 +1,484 @@
+//! Workers against a real nats-server, the mock Gitea and in-memory backends: capacity,
+//! isolation between backends, poison messages and NATS restarts (DESIGN invariants 5–9).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::PullConsumer};
+use gitea_dynamic_runner::dispatch::{ClaimState, Dispatch};
+use gitea_dynamic_runner::domain::assignment::{
+    Assignment, AssignmentId, DerivationPolicy, encode_v1,
+};
+use gitea_dynamic_runner::domain::backend::{Backend, BackendLabels};
+use gitea_dynamic_runner::domain::capability::CapabilityKey;
+use gitea_dynamic_runner::domain::identity::TrustDomain;
+use gitea_dynamic_runner::executors::{ExecutorBackend, ExecutorError};
+use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, GiteaClient};
+use gitea_dynamic_runner::queue::{self, ConsumerSettings, StreamSettings};
+use gitea_dynamic_runner::testkit::memory_backend::MemoryBackend;
+use gitea_dynamic_runner::testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
+use gitea_dynamic_runner::testkit::nats_server::NatsServer;
+use gitea_dynamic_runner::worker::{Outcome, Worker, WorkerSettings};
+use tokio::sync::{mpsc, watch};
+
+const WAIT: Duration = Duration::from_secs(20);
+const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
+
+fn stream_settings() -> StreamSettings {
+    StreamSettings {
+        stream: "CI_RUNNER".into(),
+        subject_base: "ci.runner".into(),
+        duplicate_window: Duration::from_secs(120),
+    }
+}
+
+fn policy() -> DerivationPolicy {
+    DerivationPolicy {
+        trust_domain: TrustDomain::new("example.org").expect("td"),
+        labels: BackendLabels::default(),
+    }
+}
+
+struct Harness {
+    nats: NatsServer,
+    js: jetstream::Context,
+    mock: RunningMock,
+    gitea: GiteaClient,
+    dispatch: Arc<Dispatch>,
+    pod: Arc<MemoryBackend>,
+    vm: Arc<MemoryBackend>,
+    outcomes: mpsc::UnboundedReceiver<(String, Outcome)>,
+    outcome_tx: mpsc::UnboundedSender<(String, Outcome)>,
+    stop: watch::Sender<bool>,
+    workers: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Harness {
+    async fn new(pod_capacity: usize, vm_capacity: usize) -> Self {
+        let nats = NatsServer::start().await.expect("nats-server");
+        let js = jetstream::new(async_nats::connect(nats.url()).await.expect("connect"));
+        queue::ensure_stream(&js, &stream_settings())
+            .await
+            .expect("stream");
+        let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+        let (uuid, token) = mock
+            .handle
+            .create_runner("ctl", &["self-hosted", "pod", "vm"], false);
+        let gitea = GiteaClient::new(
+            ClientOptions::new(mock.url.clone()),
+            Some(&Credentials::new(uuid, token)),
+        )
+        .expect("client");
+        let pod = Arc::new(MemoryBackend::new(Backend::Pod));
+        let vm = Arc::new(MemoryBackend::new(Backend::Vm));
+        let dispatch = Arc::new(Dispatch::new(
+            [
+                (pod.clone() as Arc<dyn ExecutorBackend>, pod_capacity),
+                (vm.clone() as Arc<dyn ExecutorBackend>, vm_capacity),
+            ],
+            CapabilityKey::new(KEY).expect("key"),
+        ));
+        let (outcome_tx, outcomes) = mpsc::unbounded_channel();
+        let (stop, _) = watch::channel(false);
+        Harness {
+            nats,
+            js,
+            mock,
+            gitea,
+            dispatch,
+            pod,
+            vm,
+            outcomes,
+            outcome_tx,
+            stop,
+            workers: Vec::new(),
+        }
+    }
+
+    async fn consumer(&self, backend: Backend, capacity: i64) -> PullConsumer {
+        let stream = queue::open_stream(&self.js, &stream_settings())
+            .await
+            .expect("stream");
+        queue::ensure_consumer(
+            &stream,
+            &stream_settings(),
+            backend,
+            &ConsumerSettings {
+                max_ack_pending: capacity,
+                ack_wait: Duration::from_secs(5),
+                max_deliver: -1,
+            },
+        )
+        .await
+        .expect("consumer")
+    }
+
+    async fn start_worker(&mut self, backend: Backend, capacity: i64) {
+        let consumer = self.consumer(backend, capacity).await;
+        let settings = WorkerSettings {
+            backend,
+            full_delay: Duration::from_millis(200),
+            not_ready_delay: Duration::from_millis(100),
+            error_delay: Duration::from_millis(300),
+            progress_interval: Duration::from_millis(500),
+            start_deadline: Duration::from_secs(60),
+            facade_url: "https://facade.test:8443".into(),
+            facade_spiffe_id: "spiffe://example.org/controller".into(),
+        };
+        let worker = Worker::new(
+            self.dispatch.clone(),
+            self.gitea.clone(),
+            policy(),
+            None,
+            settings,
+        )
+        .expect("worker")
+        .with_outcomes(self.outcome_tx.clone());
+        let stop = self.stop.subscribe();
+        self.workers.push(tokio::spawn(async move {
+            worker.run(consumer, stop).await.expect("worker runs");
+        }));
+    }
+
+    /// Queues a job in Gitea, fetches it as the scheduler would and publishes it.
+    async fn publish_job(&self, runs_on: &str) -> Assignment {
+        let yaml = format!("on: push\njobs:\n  build:\n    runs-on: {runs_on}\n    steps: []\n");
+        self.mock
+            .handle
+            .queue_workflow("owner/repo", &yaml)
+            .expect("queue");
+        let task = self
+            .gitea
+            .fetch_task(0)
+            .await
+            .expect("fetch")
+            .task
+            .into_option()
+            .expect("task");
+        let assignment = Assignment::from_task(task, &policy()).expect("assignment");
+        let payload = encode_v1(&assignment).expect("encode");
+        queue::publish(
+            &self.js,
+            &stream_settings(),
+            assignment.backend(),
+            assignment.id().as_str(),
+            payload.into(),
+        )
+        .await
+        .expect("publish");
+        assignment
+    }
+
+    /// Plays the executor's runner: authorise as the facade would and fetch the task.
+    async fn claim(&self, assignment: &Assignment) -> bool {
+        let capability = self.dispatch.capability_key().issue(assignment.id());
+        let auth = self
+            .dispatch
+            .authorize(
+                assignment.id().as_str(),
+                capability.expose(),
+                assignment.identity().spiffe_id(),
+            )
+            .expect("authorised");
+        self.dispatch
+            .take_task(&auth)
+            .await
+            .expect("claim recorded")
+            .is_some()
+    }
+
+    async fn finish(&self, assignment: &Assignment) {
+        let capability = self.dispatch.capability_key().issue(assignment.id());
+        let auth = self
+            .dispatch
+            .authorize(
+                assignment.id().as_str(),
+                capability.expose(),
+                assignment.identity().spiffe_id(),
+            )
+            .expect("authorised");
+        self.dispatch.finish(&auth).await.expect("finish");
+    }
+
+    async fn next_outcome(&mut self) -> (String, Outcome) {
+        tokio::time::timeout(WAIT, self.outcomes.recv())
+            .await
+            .expect("an outcome in time")
+            .expect("channel open")
+    }
+
+    /// Waits for `id` to reach `outcome`, returning every outcome seen meanwhile.
+    async fn wait_outcome(&mut self, id: &str, outcome: Outcome) -> Vec<(String, Outcome)> {
+        let mut seen = Vec::new();
+        loop {
+            let next = self.next_outcome().await;
+            seen.push(next.clone());
+            if next.0 == id && next.1 == outcome {
+                return seen;
+            }
+        }
+    }
+
+    async fn wait_offered(&self, id: &AssignmentId) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while self.dispatch.claim_state(id) != Some(ClaimState::Pending) {
+            assert!(tokio::time::Instant::now() < deadline, "{id} never offered");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+#[tokio::test]
+async fn a_full_pod_pool_creates_nothing_beyond_capacity_and_runs_the_assignment_once_a_slot_frees()
+{
+    let mut h = Harness::new(2, 1).await;
+    h.start_worker(Backend::Pod, 2).await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    let b = h.publish_job("[self-hosted, pod]").await;
+    let c = h.publish_job("[self-hosted, pod]").await;
+    for x in [&a, &b] {
+        h.wait_offered(x.id()).await;
+        assert!(h.claim(x).await);
+    }
+    // Both claimed and acknowledged: the third is delivered but the pool is full.
+    let seen = h.wait_outcome(c.id().as_str(), Outcome::Full).await;
+    assert!(
+        seen.iter()
+            .any(|(id, o)| id == a.id().as_str() && *o == Outcome::Claimed)
+    );
+    h.wait_outcome(c.id().as_str(), Outcome::Full).await;
+    assert_eq!(h.pod.created(), 2, "no executor beyond capacity");
+    assert_eq!(h.dispatch.pool_usage(Backend::Pod), (2, 2));
+
+    h.finish(&a).await;
+    h.wait_offered(c.id()).await;
+    assert_eq!(h.pod.created(), 3);
+    assert!(h.claim(&c).await);
+    h.wait_outcome(c.id().as_str(), Outcome::Claimed).await;
+    assert_eq!(h.dispatch.pool_usage(Backend::Pod), (2, 2));
+}
+
+#[tokio::test]
+async fn a_failing_vm_backend_does_not_delay_pod_assignments() {
+    let mut h = Harness::new(2, 1).await;
+    h.vm.set_failing(Some(ExecutorError::Unavailable(
+        "OpenSandbox is down".into(),
+    )));
+    h.start_worker(Backend::Pod, 2).await;
+    h.start_worker(Backend::Vm, 1).await;
+    let vm_job = h.publish_job("[self-hosted, vm]").await;
+    h.wait_outcome(vm_job.id().as_str(), Outcome::BackendError)
+        .await;
+    let pod_job = h.publish_job("[self-hosted, pod]").await;
+    h.wait_offered(pod_job.id()).await;
+    assert!(h.claim(&pod_job).await);
+    h.wait_outcome(pod_job.id().as_str(), Outcome::Claimed)
+        .await;
+    assert_eq!(h.vm.created(), 0);
+
+    // The VM assignment was kept, not lost: it runs once the backend recovers.
+    h.vm.set_failing(None);
+    h.wait_offered(vm_job.id()).await;
+    assert!(h.claim(&vm_job).await);
+    h.wait_outcome(vm_job.id().as_str(), Outcome::Claimed).await;
+}
+
+#[tokio::test]
+async fn a_redelivered_assignment_is_admitted_once_and_its_executor_created_once() {
+    let mut h = Harness::new(1, 1).await;
+    h.pod.set_not_ready_binds(3);
+    h.start_worker(Backend::Pod, 1).await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    for _ in 0..3 {
+        h.wait_outcome(a.id().as_str(), Outcome::NotReady).await;
+    }
+    h.wait_offered(a.id()).await;
+    assert_eq!(h.pod.created(), 1);
+    assert_eq!(h.dispatch.pool_usage(Backend::Pod), (1, 1));
+    assert!(h.claim(&a).await);
+    h.wait_outcome(a.id().as_str(), Outcome::Claimed).await;
+}
+
+#[tokio::test]
+async fn poison_and_tampered_messages_are_terminated_not_retried() {
+    let mut h = Harness::new(1, 1).await;
+    h.start_worker(Backend::Pod, 1).await;
+    let subject = stream_settings().subject(Backend::Pod);
+    h.js.publish(subject.clone(), "not an envelope".into())
+        .await
+        .expect("send")
+        .await
+        .expect("stored");
+
+    // A vm task published on the pod subject, and a pod envelope with a forged identity.
+    h.mock
+        .handle
+        .queue_workflow(
+            "owner/repo",
+            "on: push\njobs:\n  b:\n    runs-on: [self-hosted, vm]\n    steps: []\n",
+        )
+        .expect("queue");
+    let task = h
+        .gitea
+        .fetch_task(0)
+        .await
+        .expect("fetch")
+        .task
+        .into_option()
+        .expect("task");
+    let misrouted =
+        encode_v1(&Assignment::from_task(task, &policy()).expect("assignment")).expect("encode");
+    h.js.publish(subject.clone(), misrouted.into())
+        .await
+        .expect("send")
+        .await
+        .expect("stored");
+    h.mock
+        .handle
+        .queue_workflow(
+            "owner/repo",
+            "on: push\njobs:\n  c:\n    runs-on: [self-hosted, pod]\n    steps: []\n",
+        )
+        .expect("queue");
+    let task = h
+        .gitea
+        .fetch_task(0)
+        .await
+        .expect("fetch")
+        .task
+        .into_option()
+        .expect("task");
+    let genuine = String::from_utf8(
+        encode_v1(&Assignment::from_task(task, &policy()).expect("a")).expect("e"),
+    )
+    .expect("utf8");
+    let forged = genuine.replace("/ci/owner/repo/c", "/ci/owner/repo/admin");
+    assert_ne!(forged, genuine);
+    h.js.publish(subject, forged.into())
+        .await
+        .expect("send")
+        .await
+        .expect("stored");
+
+    for _ in 0..3 {
+        assert_eq!(h.next_outcome().await.1, Outcome::Poison);
+    }
+    let mut consumer = h.consumer(Backend::Pod, 1).await;
+    let info = consumer.info().await.expect("info").clone();
+    assert_eq!(info.num_ack_pending, 0);
+    assert_eq!(info.num_pending, 0);
+    assert_eq!(
+        info.num_redelivered, 0,
+        "terminated messages are never redelivered"
+    );
+    assert_eq!(h.pod.created(), 0);
+}
+
+#[tokio::test]
+async fn an_executor_that_ends_before_claiming_is_reported_failed_and_cleaned_up() {
+    let mut h = Harness::new(1, 1).await;
+    h.start_worker(Backend::Pod, 1).await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    h.wait_offered(a.id()).await;
+    h.pod.finish(a.id(), false);
+    h.wait_outcome(a.id().as_str(), Outcome::ExecutorFailed)
+        .await;
+    let job = h
+        .mock
+        .handle
+        .wait_for_value(
+            |m| {
+                m.jobs()
+                    .into_iter()
+                    .find(|j| j.task_id == Some(a.id().task_id()) && j.status == Status::Failure)
+            },
+            WAIT,
+        )
+        .await
+        .expect("the task is failed in Gitea");
+    let logs = job.task.expect("task").log_rows;
+    assert!(
+        logs.iter()
+            .any(|l| l.contains("before its runner fetched the task")),
+        "{logs:?}"
+    );
+    assert_eq!(
+        h.dispatch.pool_usage(Backend::Pod),
+        (0, 1),
+        "the slot is released"
+    );
+    assert_eq!(h.pod.deleted(), 1, "the executor is cleaned up");
+}
+
+#[tokio::test]
+async fn restarting_the_nats_server_mid_run_loses_no_assignment() {
+    let mut h = Harness::new(3, 1).await;
+    h.start_worker(Backend::Pod, 3).await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    let b = h.publish_job("[self-hosted, pod]").await;
+    h.wait_offered(a.id()).await;
+    h.wait_offered(b.id()).await;
+    h.nats.restart().await.expect("restart");
+    let c = h.publish_job_after_restart("[self-hosted, pod]").await;
+    for x in [&a, &b, &c] {
+        h.wait_offered(x.id()).await;
+        assert!(h.claim(x).await);
+    }
+    let mut claimed = std::collections::BTreeSet::new();
+    while claimed.len() < 3 {
+        let (id, outcome) = h.next_outcome().await;
+        if matches!(outcome, Outcome::Claimed | Outcome::AlreadyClaimed) {
+            claimed.insert(id);
+        }
+    }
+    assert_eq!(h.pod.created(), 3, "each assignment ran exactly once");
+}
+
+impl Harness {
+    /// Publishing right after a restart may race JetStream's recovery; retry as the
+    /// scheduler does.
+    async fn publish_job_after_restart(&self, runs_on: &str) -> Assignment {
+        let yaml = format!("on: push\njobs:\n  build:\n    runs-on: {runs_on}\n    steps: []\n");
+        self.mock
+            .handle
+            .queue_workflow("owner/repo", &yaml)
+            .expect("queue");
+        let task = self
+            .gitea
+            .fetch_task(0)
+            .await
+            .expect("fetch")
+            .task
+            .into_option()
+            .expect("task");
+        let assignment = Assignment::from_task(task, &policy()).expect("assignment");
+        let payload: bytes::Bytes = encode_v1(&assignment).expect("encode").into();
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            match queue::publish(
+                &self.js,
+                &stream_settings(),
+                Backend::Pod,
+                assignment.id().as_str(),
+                payload.clone(),
+            )
+            .await
+            {
+                Ok(_) => return assignment,
+                Err(e) => {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "publish never succeeded: {e}"
+                    );
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    }
+}
