@@ -15,7 +15,9 @@ pub mod domain;
 pub mod executors;
 pub mod facade;
 pub mod gitea;
+pub mod lifecycle;
 pub mod logging;
+pub mod metrics;
 pub mod queue;
 pub mod register;
 #[cfg(feature = "testkit")]

@@ -1,0 +1,171 @@
+//! The lifecycle reconciler against the mock Gitea and an in-memory backend.
+
+use std::sync::Arc;
+
+use gitea_dynamic_runner::dispatch::Dispatch;
+use gitea_dynamic_runner::domain::assignment::{Assignment, DerivationPolicy, RecoveredAssignment};
+use gitea_dynamic_runner::domain::backend::{Backend, BackendLabels};
+use gitea_dynamic_runner::domain::capability::CapabilityKey;
+use gitea_dynamic_runner::domain::identity::TrustDomain;
+use gitea_dynamic_runner::executors::{ExecutorBackend, ExecutorSpec};
+use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, GiteaClient};
+use gitea_dynamic_runner::lifecycle::{Lifecycle, Pass};
+use gitea_dynamic_runner::testkit::memory_backend::MemoryBackend;
+use gitea_dynamic_runner::testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
+
+const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
+
+struct Setup {
+    mock: RunningMock,
+    gitea: GiteaClient,
+    backend: Arc<MemoryBackend>,
+    dispatch: Arc<Dispatch>,
+}
+
+async fn setup() -> Setup {
+    let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+    let (uuid, token) = mock
+        .handle
+        .create_runner("ctl", &["self-hosted", "pod"], false);
+    let gitea = GiteaClient::new(
+        ClientOptions::new(mock.url.clone()),
+        Some(&Credentials::new(uuid, token)),
+    )
+    .expect("client");
+    let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+    let dispatch = Arc::new(Dispatch::new(
+        [(backend.clone() as Arc<dyn ExecutorBackend>, 2)],
+        CapabilityKey::new(KEY).expect("key"),
+    ));
+    Setup {
+        mock,
+        gitea,
+        backend,
+        dispatch,
+    }
+}
+
+async fn running_executor(s: &Setup, claimed: bool) -> Assignment {
+    s.mock
+        .handle
+        .queue_workflow(
+            "owner/repo",
+            "on: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    steps: []\n",
+        )
+        .expect("queue");
+    let task = s
+        .gitea
+        .fetch_task(0)
+        .await
+        .expect("fetch")
+        .task
+        .into_option()
+        .expect("task");
+    let policy = DerivationPolicy {
+        trust_domain: TrustDomain::new("example.org").expect("td"),
+        labels: BackendLabels::default(),
+    };
+    let assignment = Assignment::from_task(task, &policy).expect("assignment");
+    let spec = ExecutorSpec {
+        assignment: RecoveredAssignment::from_assignment(&assignment),
+        capability: s.dispatch.capability_key().issue(assignment.id()),
+        facade_url: "https://facade".into(),
+        facade_spiffe_id: "spiffe://example.org/controller".into(),
+    };
+    s.backend.create(&spec).await.expect("create");
+    s.backend.start(assignment.id());
+    if claimed {
+        s.backend
+            .record_claimed(assignment.id())
+            .await
+            .expect("claim");
+    }
+    assignment
+}
+
+#[tokio::test]
+async fn a_claimed_executor_that_ends_without_a_result_is_failed_in_gitea_released_and_deleted() {
+    let s = setup().await;
+    let a = running_executor(&s, true).await;
+    s.dispatch.restore(&s.backend.records());
+    assert_eq!(s.dispatch.pool_usage(Backend::Pod), (1, 2));
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone());
+
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass::default(),
+        "a running executor is left alone"
+    );
+    s.backend.finish(a.id(), false);
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            deleted: 1,
+            failed: 1
+        }
+    );
+
+    let job = s
+        .mock
+        .handle
+        .jobs()
+        .into_iter()
+        .find(|j| j.task_id == Some(a.id().task_id()))
+        .expect("job");
+    assert_eq!(job.status, Status::Failure);
+    assert!(
+        job.task
+            .expect("task")
+            .log_rows
+            .iter()
+            .any(|r| r.contains("without reporting a result"))
+    );
+    assert_eq!(s.dispatch.pool_usage(Backend::Pod), (0, 2));
+    assert!(s.backend.records().is_empty());
+}
+
+#[tokio::test]
+async fn a_terminal_executor_is_deleted_only_once_it_has_finished() {
+    let s = setup().await;
+    let a = running_executor(&s, true).await;
+    s.backend.mark_terminal(a.id()).await.expect("terminal");
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone());
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass").deleted,
+        0,
+        "still flushing: kept"
+    );
+    s.backend.finish(a.id(), true);
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            deleted: 1,
+            failed: 0
+        }
+    );
+    let job = s
+        .mock
+        .handle
+        .jobs()
+        .into_iter()
+        .find(|j| j.task_id == Some(a.id().task_id()))
+        .expect("job");
+    assert_eq!(
+        job.status,
+        Status::Running,
+        "nothing reported for a task that already has its result"
+    );
+}
+
+#[tokio::test]
+async fn an_unclaimed_finished_executor_is_left_to_its_worker() {
+    let s = setup().await;
+    let a = running_executor(&s, false).await;
+    s.backend.finish(a.id(), false);
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone());
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass::default()
+    );
+    assert_eq!(s.backend.records().len(), 1);
+}
