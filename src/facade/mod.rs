@@ -13,6 +13,8 @@
 
 #![allow(refining_impl_trait)]
 
+pub mod proxy;
+
 use std::sync::Arc;
 
 use connectrpc::{ConnectError, RequestContext, Response, ServiceRequest, ServiceResult};

@@ -342,7 +342,7 @@ impl GiteaClient {
 }
 
 /// rustls configuration for an https Gitea: system roots plus optional extra CAs.
-fn tls_config(extra_ca_pem: Option<&[u8]>) -> Result<rustls::ClientConfig, GiteaError> {
+pub(crate) fn tls_config(extra_ca_pem: Option<&[u8]>) -> Result<rustls::ClientConfig, GiteaError> {
     use rustls_pki_types::pem::PemObject;
     let mut roots = rustls::RootCertStore::empty();
     let native = rustls_native_certs::load_native_certs();
