@@ -1,4 +1,5 @@
 //! Test peers that speak the real protocols (compiled with the `testkit` feature).
 
+pub mod fake_kube;
 pub mod mock_gitea;
 pub mod nats_server;
