@@ -12,6 +12,7 @@ pub mod cli;
 pub mod config;
 pub mod domain;
 pub mod gitea;
+pub mod lease;
 pub mod logging;
 pub mod queue;
 pub mod register;
