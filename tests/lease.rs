@@ -594,6 +594,7 @@ async fn fake_api_errors_are_status_objects_shaped_like_the_real_servers() {
     assert_eq!(body["message"], "pods \"absent\" not found");
     assert_eq!(body["details"]["name"], "absent");
     assert_eq!(body["details"]["kind"], "pods");
+    assert!(body["details"].get("group").is_none(), "core group omitted");
 
     // 409 AlreadyExists on a second create.
     let resp = http
@@ -732,4 +733,64 @@ async fn a_stopped_fake_is_unreachable_until_restarted() {
         .await
         .expect("the store survived the restart");
     assert_eq!(back.metadata.name.as_deref(), Some(LEASE));
+}
+
+#[tokio::test]
+async fn a_registered_cluster_scoped_custom_resource_is_served() {
+    use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+    let fake = fake_kube::start().await.expect("fake API");
+    fake.handle.register(ResourceType {
+        group: "spire.spiffe.io".into(),
+        version: "v1alpha1".into(),
+        plural: "clusterstaticentries".into(),
+        kind: "ClusterStaticEntry".into(),
+        namespaced: false,
+        allow_create_on_update: false,
+    });
+    let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "spire.spiffe.io",
+        "v1alpha1",
+        "ClusterStaticEntry",
+    ));
+    let entries: Api<DynamicObject> = Api::all_with(client(&fake.url), &ar);
+    let mut entry = DynamicObject::new("task-42", &ar).data(json!({
+        "spec": { "spiffeID": "spiffe://example.org/task/42" }
+    }));
+    entry.metadata.labels = Some(BTreeMap::from([("task".to_owned(), "42".to_owned())]));
+    let created = entries
+        .create(&PostParams::default(), &entry)
+        .await
+        .expect("create");
+    assert!(created.metadata.namespace.is_none(), "cluster-scoped");
+    let listed = entries
+        .list(&ListParams::default().labels("task=42"))
+        .await
+        .expect("list");
+    assert_eq!(listed.items.len(), 1);
+    let patched = entries
+        .patch(
+            "task-42",
+            &PatchParams::default(),
+            &Patch::Merge(json!({ "spec": { "ttl": "1h" } })),
+        )
+        .await
+        .expect("patch");
+    assert_eq!(
+        patched.data["spec"]["spiffeID"],
+        "spiffe://example.org/task/42"
+    );
+    assert_eq!(patched.data["spec"]["ttl"], "1h");
+    entries
+        .delete("task-42", &DeleteParams::default())
+        .await
+        .expect("delete");
+    assert!(entries.get_opt("task-42").await.expect("get").is_none());
+    // A namespaced URL for a cluster-scoped kind does not exist.
+    let resp = reqwest::get(format!(
+        "{}/apis/spire.spiffe.io/v1alpha1/namespaces/{NS}/clusterstaticentries",
+        fake.url
+    ))
+    .await
+    .expect("GET");
+    assert_eq!(resp.status(), 404);
 }

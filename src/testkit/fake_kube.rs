@@ -761,8 +761,14 @@ impl LabelSelector {
 
 // ----- Status objects -----------------------------------------------------------------------
 
+/// `details` as the real server fills it: `kind` is the resource (plural), and `group` is
+/// omitted for the core group.
 fn details(rt: &ResourceType, name: &str) -> Value {
-    json!({ "name": name, "group": rt.group, "kind": rt.plural })
+    let mut d = json!({ "name": name, "kind": rt.plural });
+    if let (false, Value::Object(m)) = (rt.group.is_empty(), &mut d) {
+        m.insert("group".into(), rt.group.clone().into());
+    }
+    d
 }
 
 /// A `Status` object as the real API server sends it with an error code.
