@@ -15,6 +15,7 @@ pub mod domain;
 pub mod executors;
 pub mod facade;
 pub mod gitea;
+pub mod lease;
 pub mod lifecycle;
 pub mod logging;
 pub mod metrics;

@@ -54,25 +54,39 @@ impl ReverseProxy {
             .enable_http1()
             .enable_http2()
             .wrap_connector(http);
-        Ok(ReverseProxy { client: Client::builder(TokioExecutor::new()).build(connector), base: Arc::new(base) })
+        Ok(ReverseProxy {
+            client: Client::builder(TokioExecutor::new()).build(connector),
+            base: Arc::new(base),
+        })
     }
 
     fn upstream_uri(&self, uri: &Uri) -> Result<Uri, String> {
         let prefix = self.base.as_str().trim_end_matches('/');
         let path_and_query = uri.path_and_query().map_or("/", |p| p.as_str());
-        format!("{prefix}{path_and_query}").parse::<Uri>().map_err(|e| e.to_string())
+        format!("{prefix}{path_and_query}")
+            .parse::<Uri>()
+            .map_err(|e| e.to_string())
     }
 
     /// Forwards one request and streams the answer back.
     pub async fn forward(&self, mut request: Request) -> Response {
         let upstream = match self.upstream_uri(request.uri()) {
             Ok(u) => u,
-            Err(e) => return (StatusCode::BAD_REQUEST, format!("cannot proxy this path: {e}\n")).into_response(),
+            Err(e) => {
+                return (
+                    StatusCode::BAD_REQUEST,
+                    format!("cannot proxy this path: {e}\n"),
+                )
+                    .into_response();
+            }
         };
         let path = request.uri().path().to_string();
         let method = request.method().clone();
         *request.uri_mut() = upstream;
-        let peer = request.extensions().get::<std::net::SocketAddr>().map(|a| a.ip().to_string());
+        let peer = request
+            .extensions()
+            .get::<std::net::SocketAddr>()
+            .map(|a| a.ip().to_string());
         let headers = request.headers_mut();
         strip_hop_by_hop(headers);
         headers.remove(header::HOST);
@@ -82,7 +96,10 @@ impl ReverseProxy {
         if let Some(ip) = peer.and_then(|p| HeaderValue::from_str(&p).ok()) {
             headers.append(HeaderName::from_static("x-forwarded-for"), ip);
         }
-        headers.insert(HeaderName::from_static("x-forwarded-proto"), HeaderValue::from_static("https"));
+        headers.insert(
+            HeaderName::from_static("x-forwarded-proto"),
+            HeaderValue::from_static("https"),
+        );
         match self.client.request(request).await {
             Ok(response) => {
                 let (mut parts, body) = response.into_parts();
@@ -91,7 +108,11 @@ impl ReverseProxy {
             }
             Err(e) => {
                 tracing::warn!(%method, path, error = %e, "proxying to Gitea failed");
-                (StatusCode::BAD_GATEWAY, "Gitea is unreachable from the facade\n").into_response()
+                (
+                    StatusCode::BAD_GATEWAY,
+                    "Gitea is unreachable from the facade\n",
+                )
+                    .into_response()
             }
         }
     }
