@@ -50,7 +50,10 @@ mod tests {
         assert_eq!(b.ceiling(u32::MAX), Duration::from_millis(700));
         for attempt in 0..10 {
             let d = b.delay(attempt);
-            assert!(d <= b.ceiling(attempt) && d >= b.ceiling(attempt) / 2, "{d:?}");
+            assert!(
+                d <= b.ceiling(attempt) && d >= b.ceiling(attempt) / 2,
+                "{d:?}"
+            );
         }
     }
 }

@@ -92,22 +92,32 @@ impl BacklogGate {
         }
     }
 
-    /// Waits for room below the limit; `None` once shutdown is requested.
-    pub(crate) async fn admit(&self, shutdown: &Shutdown) -> Option<Slot> {
+    /// Waits for room below the limit; `None` once shutdown is requested. `waiting`
+    /// is raised while this caller is held back.
+    pub(crate) async fn admit(&self, shutdown: &Shutdown, waiting: &AtomicU64) -> Option<Slot> {
         let mut rx = self.changed.subscribe();
-        loop {
+        let mut counted = false;
+        let slot = loop {
             if shutdown.is_triggered() {
-                return None;
+                break None;
             }
             rx.mark_unchanged();
             if let Some(slot) = self.try_admit() {
-                return Some(slot);
+                break Some(slot);
+            }
+            if !counted {
+                counted = true;
+                waiting.fetch_add(1, Ordering::AcqRel);
             }
             tokio::select! {
                 _ = rx.changed() => {}
-                _ = shutdown.wait() => return None,
+                _ = shutdown.wait() => break None,
             }
+        };
+        if counted {
+            waiting.fetch_sub(1, Ordering::AcqRel);
         }
+        slot
     }
 
     /// The fetch returned no task (or the task never reached the stream).
@@ -140,7 +150,10 @@ mod tests {
     #[tokio::test]
     async fn admissions_and_stored_publishes_count_against_the_limit() {
         let gate = BacklogGate::new(2);
-        assert!(gate.try_admit().is_none(), "shut while the count is unknown");
+        assert!(
+            gate.try_admit().is_none(),
+            "shut while the count is unknown"
+        );
         gate.refreshed(0, gate.epoch());
         let a = gate.try_admit().expect("first");
         let b = gate.try_admit().expect("second");

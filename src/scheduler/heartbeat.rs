@@ -116,7 +116,12 @@ impl Heartbeater {
             message: e.to_string(),
         };
         let mut stream = queue::open_stream(&self.js, &self.stream).await?;
-        let state = stream.info().await.map_err(|e| stream_err(&e))?.state.clone();
+        let state = stream
+            .info()
+            .await
+            .map_err(|e| stream_err(&e))?
+            .state
+            .clone();
         let mut round = HeartbeatRound::default();
         if state.messages == 0 {
             return Ok(round);

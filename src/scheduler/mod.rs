@@ -35,9 +35,7 @@ pub use shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 pub use stats::{ERROR_KINDS, SchedulerStats};
 pub use version::TasksVersion;
 
-use crate::domain::assignment::{
-    Assignment, DerivationPolicy, TaskKeyring, encode_v1, encode_v2,
-};
+use crate::domain::assignment::{Assignment, DerivationPolicy, TaskKeyring, encode_v1, encode_v2};
 use crate::gitea::{ErrorKind, GiteaClient, GiteaError};
 use crate::proto::runner::v1 as pb;
 use crate::queue::{self, QueueError, StreamSettings};
@@ -338,10 +336,12 @@ async fn poll(shared: Arc<Shared>, index: usize, shutdown: Shutdown) -> Report {
     let mut idle = 0u32;
     let mut errors = 0u32;
     loop {
-        let Some(slot) = shared.gate.admit(&shutdown).await else {
+        let waiting = &shared.stats.pollers_waiting_for_backlog;
+        let Some(slot) = shared.gate.admit(&shutdown, waiting).await else {
             break;
         };
         let sent = shared.version.current();
+        SchedulerStats::inc(&shared.stats.fetch_calls);
         // Not raced against shutdown: a task Gitea hands out must reach the stream.
         match shared.gitea.fetch_task(sent).await {
             Err(e) => {
@@ -411,8 +411,12 @@ async fn hand_off(
         Ok(p) => bytes::Bytes::from(p),
         Err(e) => {
             shared.gate.release(slot);
-            fail_invalid_task(shared, task_id, &format!("the assignment cannot be encoded: {e}"))
-                .await;
+            fail_invalid_task(
+                shared,
+                task_id,
+                &format!("the assignment cannot be encoded: {e}"),
+            )
+            .await;
             SchedulerStats::inc(&shared.stats.invalid_tasks_failed);
             report.invalid_tasks_failed += 1;
             return;
@@ -511,7 +515,11 @@ async fn publish_until_stored(
 
 /// Reports a task that cannot run as failed, with one log row saying why.
 async fn fail_invalid_task(shared: &Shared, task_id: i64, reason: &str) {
-    tracing::error!(task_id, reason, "task cannot become an assignment; failing it in Gitea");
+    tracing::error!(
+        task_id,
+        reason,
+        "task cannot become an assignment; failing it in Gitea"
+    );
     let row = pb::LogRow {
         time: MessageField::some(Timestamp::now()),
         content: format!("{INVALID_TASK_LOG_PREFIX}{reason}"),

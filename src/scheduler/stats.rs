@@ -7,6 +7,10 @@ use crate::gitea::ErrorKind;
 /// Counters shared by the pollers and the heartbeater.
 #[derive(Debug, Default)]
 pub struct SchedulerStats {
+    /// FetchTask calls sent.
+    pub fetch_calls: AtomicU64,
+    /// Pollers currently waiting for the backlog to drop below its limit (a gauge).
+    pub pollers_waiting_for_backlog: AtomicU64,
     /// FetchTask answers that carried a task.
     pub tasks_fetched: AtomicU64,
     /// Assignments JetStream acknowledged (duplicates included).

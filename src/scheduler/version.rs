@@ -59,6 +59,10 @@ mod tests {
         let sent_by_a = v.current();
         v.task_received();
         v.empty_answer(sent_by_a, 7);
-        assert_eq!(v.current(), 0, "A's skipped pick must not hide waiting jobs");
+        assert_eq!(
+            v.current(),
+            0,
+            "A's skipped pick must not hide waiting jobs"
+        );
     }
 }
