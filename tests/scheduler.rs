@@ -13,6 +13,7 @@ use gitea_dynamic_runner::domain::assignment::{AssignmentId, DerivationPolicy};
 use gitea_dynamic_runner::domain::backend::BackendLabels;
 use gitea_dynamic_runner::domain::identity::TrustDomain;
 use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, GiteaClient};
+use gitea_dynamic_runner::proto::runner::v1 as pb;
 use gitea_dynamic_runner::queue::{self, StreamSettings};
 use gitea_dynamic_runner::scheduler::{
     Backoff, Heartbeater, INVALID_TASK_LOG_PREFIX, Report, Scheduler, SchedulerSettings,
@@ -440,6 +441,39 @@ async fn a_queued_assignment_outlives_a_three_second_zombie_timeout() {
     assert_eq!(count(&hb_stats.heartbeat_errors), 0);
     hb_trigger.trigger();
     hb.await.expect("heartbeater");
+}
+
+#[tokio::test]
+async fn a_heartbeat_reports_a_queued_task_that_was_cancelled_in_gitea() {
+    let env = Env::start(MockConfig::default()).await;
+    let job = env.queue_jobs(1)[0];
+    let running = Running::start(env.scheduler(1, 10));
+    eventually("the assignment is queued", || async {
+        env.unclaimed().await == 1
+    })
+    .await;
+    running.stop().await;
+    let task_id = env
+        .gitea_mock()
+        .job(job)
+        .expect("job")
+        .task_id
+        .expect("claimed");
+    let heartbeater = Heartbeater::new(
+        env.gitea.clone(),
+        env.js.clone(),
+        stream_settings(),
+        Duration::from_secs(60),
+    );
+
+    let round = heartbeater.beat_once().await.expect("round");
+    assert_eq!((round.queued, round.sent, round.failed), (1, 1, 0));
+    assert!(round.ended.is_empty());
+
+    env.gitea_mock().cancel_job(job).expect("cancel");
+    let round = heartbeater.beat_once().await.expect("round");
+    assert_eq!(round.ended, vec![(task_id, pb::Result::RESULT_CANCELLED)]);
+    assert_eq!(count(&heartbeater.stats().queued_tasks_ended), 1);
 }
 
 #[tokio::test]

@@ -115,13 +115,9 @@ impl Heartbeater {
             stream: self.stream.stream.clone(),
             message: e.to_string(),
         };
-        let mut stream = queue::open_stream(&self.js, &self.stream).await?;
-        let state = stream
-            .info()
-            .await
-            .map_err(|e| stream_err(&e))?
-            .state
-            .clone();
+        // Opening reads the stream info: the snapshot this round covers.
+        let stream = queue::open_stream(&self.js, &self.stream).await?;
+        let state = stream.cached_info().state.clone();
         let mut round = HeartbeatRound::default();
         if state.messages == 0 {
             return Ok(round);
