@@ -90,7 +90,7 @@ impl Env {
             .expect("queue")
     }
 
-    fn scheduler(&self, pollers: usize, backlog_limit: u64) -> Scheduler {
+    fn settings(&self, pollers: usize, backlog_limit: u64) -> SchedulerSettings {
         let mut settings = SchedulerSettings::new(
             vec!["self-hosted".into(), "pod".into(), "vm".into()],
             vec!["cancelling".into()],
@@ -104,6 +104,14 @@ impl Env {
         settings.publish_backoff =
             Backoff::new(Duration::from_millis(20), Duration::from_millis(200));
         settings.shutdown_publish_timeout = Duration::from_secs(10);
+        settings
+    }
+
+    fn scheduler(&self, pollers: usize, backlog_limit: u64) -> Scheduler {
+        self.scheduler_with(self.settings(pollers, backlog_limit))
+    }
+
+    fn scheduler_with(&self, settings: SchedulerSettings) -> Scheduler {
         Scheduler::new(
             self.gitea.clone(),
             self.js.clone(),
@@ -535,4 +543,32 @@ async fn shutdown_lets_an_in_flight_fetch_publish_its_task() {
         env.stream_ids().await,
         vec![AssignmentId::from_task_id(task_id).expect("id").to_string()]
     );
+}
+
+#[tokio::test]
+async fn a_task_that_cannot_be_stored_within_the_shutdown_bound_is_reported_lost() {
+    let mut env =
+        Env::start(MockConfig::default().with_fetch_delay(Duration::from_millis(500))).await;
+    let job = env.queue_jobs(1)[0];
+    let mut settings = env.settings(1, 10);
+    settings.shutdown_publish_timeout = Duration::from_millis(300);
+    let running = Running::start(env.scheduler_with(settings));
+    let stats = running.stats.clone();
+    eventually("the first FetchTask is sent", || async {
+        count(&stats.fetch_calls) >= 1
+    })
+    .await;
+    env.nats.kill().await.expect("kill nats-server");
+    let report = running.stop().await;
+
+    let task_id = env
+        .gitea_mock()
+        .job(job)
+        .expect("job")
+        .task_id
+        .expect("claimed");
+    assert_eq!(report.tasks_fetched, 1);
+    assert_eq!(report.tasks_published, 0);
+    assert_eq!(report.lost_task_ids, vec![task_id]);
+    assert_eq!(count(&stats.tasks_lost), 1);
 }

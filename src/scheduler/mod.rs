@@ -424,12 +424,6 @@ async fn hand_off(
     };
     let id = assignment.id().as_str();
     let backend = assignment.backend();
-    let span = tracing::info_span!(
-        "handoff",
-        task_id,
-        assignment_id = id,
-        backend = backend.as_str()
-    );
     match publish_until_stored(shared, &assignment, payload, shutdown).await {
         Some(published) => {
             shared.gate.stored(slot, published.duplicate);
@@ -439,7 +433,9 @@ async fn hand_off(
             }
             report.tasks_published += 1;
             tracing::info!(
-                parent: &span,
+                task_id,
+                assignment_id = id,
+                backend = backend.as_str(),
                 sequence = published.sequence,
                 duplicate = published.duplicate,
                 "assignment queued"
@@ -450,7 +446,9 @@ async fn hand_off(
             SchedulerStats::inc(&shared.stats.tasks_lost);
             report.lost_task_ids.push(task_id);
             tracing::error!(
-                parent: &span,
+                task_id,
+                assignment_id = id,
+                backend = backend.as_str(),
                 "task fetched from Gitea but not stored in JetStream before shutdown; \
                  it stays Running in Gitea until its zombie timeout"
             );
