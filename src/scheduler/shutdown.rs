@@ -29,14 +29,6 @@ impl ShutdownTrigger {
 }
 
 impl Shutdown {
-    /// A signal that never fires (for callers without a stop condition).
-    pub fn never() -> Self {
-        let (tx, rx) = watch::channel(false);
-        // Keep the sender alive forever so `wait` pends instead of returning.
-        std::mem::forget(tx);
-        Shutdown(rx)
-    }
-
     /// Whether stopping was requested.
     pub fn is_triggered(&self) -> bool {
         *self.0.borrow()
