@@ -21,6 +21,7 @@ pub mod logging;
 pub mod metrics;
 pub mod queue;
 pub mod register;
+pub mod scheduler;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 pub mod worker;

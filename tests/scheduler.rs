@@ -1,0 +1,574 @@
+//! The scheduler against real peers: the mock Gitea (real Connect protocol) and a
+//! real nats-server child process.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream;
+use async_nats::jetstream::stream::LastRawMessageErrorKind;
+use gitea_dynamic_runner::domain::assignment::{AssignmentId, DerivationPolicy};
+use gitea_dynamic_runner::domain::backend::BackendLabels;
+use gitea_dynamic_runner::domain::identity::TrustDomain;
+use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, GiteaClient};
+use gitea_dynamic_runner::proto::runner::v1 as pb;
+use gitea_dynamic_runner::queue::{self, StreamSettings};
+use gitea_dynamic_runner::scheduler::{
+    Backoff, Heartbeater, INVALID_TASK_LOG_PREFIX, Report, Scheduler, SchedulerSettings,
+    SchedulerStats, ShutdownTrigger, TasksVersion, shutdown_channel,
+};
+use gitea_dynamic_runner::testkit::mock_gitea::{
+    JobId, MockConfig, MockGitea, RunningMock, Status,
+};
+use gitea_dynamic_runner::testkit::nats_server::NatsServer;
+use tokio::task::JoinHandle;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn stream_settings() -> StreamSettings {
+    StreamSettings {
+        stream: "CI_RUNNER".into(),
+        subject_base: "ci.runner".into(),
+        duplicate_window: Duration::from_secs(120),
+    }
+}
+
+fn policy() -> DerivationPolicy {
+    DerivationPolicy {
+        trust_domain: TrustDomain::new("example.org").expect("trust domain"),
+        labels: BackendLabels::new("vm").expect("labels"),
+    }
+}
+
+/// Mock Gitea, nats-server, and the controller's runner registration.
+struct Env {
+    mock: RunningMock,
+    nats: NatsServer,
+    js: jetstream::Context,
+    gitea: GiteaClient,
+}
+
+impl Env {
+    async fn start(config: MockConfig) -> Env {
+        let nats = NatsServer::start().await.expect("nats-server");
+        let client = async_nats::connect(nats.url()).await.expect("connect");
+        let js = jetstream::new(client);
+        queue::ensure_stream(&js, &stream_settings())
+            .await
+            .expect("stream");
+        let mock = MockGitea::start(config).await.expect("mock");
+        let (uuid, token) = mock.handle.create_runner("controller", &[], false);
+        let gitea = GiteaClient::new(
+            ClientOptions::new(mock.url.clone()),
+            Some(&Credentials::new(uuid, token)),
+        )
+        .expect("client");
+        Env {
+            mock,
+            nats,
+            js,
+            gitea,
+        }
+    }
+
+    fn gitea_mock(&self) -> &MockGitea {
+        &self.mock.handle
+    }
+
+    /// Queues one workflow run with `n` jobs `runs-on: [self-hosted, pod]`.
+    fn queue_jobs(&self, n: usize) -> Vec<JobId> {
+        let mut yaml = String::from("on: push\njobs:\n");
+        for i in 0..n {
+            yaml.push_str(&format!(
+                "  job_{i}:\n    runs-on: [self-hosted, pod]\n    steps: []\n"
+            ));
+        }
+        self.gitea_mock()
+            .queue_workflow("owner/repo", &yaml)
+            .expect("queue")
+    }
+
+    fn settings(&self, pollers: usize, backlog_limit: u64) -> SchedulerSettings {
+        let mut settings = SchedulerSettings::new(
+            vec!["self-hosted".into(), "pod".into(), "vm".into()],
+            vec!["cancelling".into()],
+            pollers,
+            backlog_limit,
+        );
+        settings.backlog_refresh = Duration::from_millis(50);
+        settings.idle_backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(50));
+        settings.error_backoff =
+            Backoff::new(Duration::from_millis(20), Duration::from_millis(200));
+        settings.publish_backoff =
+            Backoff::new(Duration::from_millis(20), Duration::from_millis(200));
+        settings.shutdown_publish_timeout = Duration::from_secs(10);
+        settings
+    }
+
+    fn scheduler(&self, pollers: usize, backlog_limit: u64) -> Scheduler {
+        self.scheduler_with(self.settings(pollers, backlog_limit))
+    }
+
+    fn scheduler_with(&self, settings: SchedulerSettings) -> Scheduler {
+        Scheduler::new(
+            self.gitea.clone(),
+            self.js.clone(),
+            stream_settings(),
+            policy(),
+            settings,
+        )
+    }
+
+    /// Assignment IDs of the messages in the stream, in stream order.
+    async fn stream_ids(&self) -> Vec<String> {
+        let stream = queue::open_stream(&self.js, &stream_settings())
+            .await
+            .expect("open stream");
+        let mut ids = Vec::new();
+        let mut seq = 1;
+        loop {
+            match stream
+                .get_first_raw_message_by_subject("ci.runner.>", seq)
+                .await
+            {
+                Ok(m) => {
+                    let v: serde_json::Value =
+                        serde_json::from_slice(&m.payload).expect("envelope JSON");
+                    ids.push(v["id"].as_str().expect("id").to_string());
+                    seq = m.sequence + 1;
+                }
+                Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => return ids,
+                Err(e) => panic!("reading the stream: {e}"),
+            }
+        }
+    }
+
+    async fn unclaimed(&self) -> u64 {
+        self.try_unclaimed().await.expect("stream info")
+    }
+
+    /// `None` while NATS is unreachable.
+    async fn try_unclaimed(&self) -> Option<u64> {
+        let read = async {
+            let mut stream = queue::open_stream(&self.js, &stream_settings())
+                .await
+                .ok()?;
+            queue::unclaimed(&mut stream).await.ok()
+        };
+        tokio::time::timeout(Duration::from_secs(2), read)
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// Deletes the messages in the stream now (as claims would, via acks); messages
+    /// published meanwhile stay.
+    async fn drain_stream(&self) {
+        let mut stream = queue::open_stream(&self.js, &stream_settings())
+            .await
+            .expect("open stream");
+        let last = stream.info().await.expect("info").state.last_sequence;
+        let mut seq = 1;
+        while let Ok(m) = stream
+            .get_first_raw_message_by_subject("ci.runner.>", seq)
+            .await
+        {
+            if m.sequence > last {
+                break;
+            }
+            stream.delete_message(m.sequence).await.expect("delete");
+            seq = m.sequence + 1;
+        }
+    }
+
+    fn assignment_ids_of_claimed_jobs(&self) -> BTreeSet<String> {
+        self.gitea_mock()
+            .jobs()
+            .iter()
+            .filter_map(|j| j.task_id)
+            .map(|t| AssignmentId::from_task_id(t).expect("id").to_string())
+            .collect()
+    }
+
+    fn jobs_with(&self, status: Status) -> usize {
+        self.gitea_mock()
+            .jobs()
+            .iter()
+            .filter(|j| j.status == status)
+            .count()
+    }
+}
+
+/// Polls `check` until it holds or the deadline passes (then panics with `what`).
+async fn eventually<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !check().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not reached within {WAIT:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+fn count(c: &AtomicU64) -> u64 {
+    c.load(Ordering::Relaxed)
+}
+
+struct Running {
+    trigger: ShutdownTrigger,
+    join: JoinHandle<Result<Report, gitea_dynamic_runner::scheduler::SchedulerError>>,
+    stats: Arc<SchedulerStats>,
+}
+
+impl Running {
+    fn start(scheduler: Scheduler) -> Running {
+        let (trigger, shutdown) = shutdown_channel();
+        let stats = scheduler.stats();
+        let join = tokio::spawn(scheduler.run(shutdown));
+        Running {
+            trigger,
+            join,
+            stats,
+        }
+    }
+
+    async fn stop(self) -> Report {
+        self.trigger.trigger();
+        self.join.await.expect("join").expect("scheduler run")
+    }
+}
+
+#[tokio::test]
+async fn a_burst_of_ten_waiting_jobs_is_fetched_completely_without_a_new_version_bump() {
+    let env = Env::start(MockConfig::default()).await;
+    env.queue_jobs(10);
+    let version_after_queueing = env.gitea_mock().tasks_version();
+
+    let running = Running::start(env.scheduler(3, 100));
+    eventually("all ten assignments are in the stream", || async {
+        env.unclaimed().await == 10
+    })
+    .await;
+    let report = running.stop().await;
+
+    assert_eq!(report.tasks_fetched, 10);
+    assert_eq!(env.jobs_with(Status::Running), 10);
+    let ids: BTreeSet<String> = env.stream_ids().await.into_iter().collect();
+    assert_eq!(ids, env.assignment_ids_of_claimed_jobs());
+    assert_eq!(
+        env.gitea_mock().tasks_version(),
+        version_after_queueing,
+        "nothing bumped the version: the pollers found the jobs by resetting to 0"
+    );
+}
+
+#[tokio::test]
+async fn the_shared_version_is_reset_after_a_task() {
+    let env = Env::start(MockConfig::default()).await;
+    env.gitea
+        .declare(vec!["self-hosted".into(), "pod".into()], vec![])
+        .await
+        .expect("declare");
+    let version = TasksVersion::new();
+    env.queue_jobs(2);
+
+    let sent = version.current();
+    let first = env.gitea.fetch_task(sent).await.expect("fetch");
+    assert!(first.task.is_set(), "version 0 always picks");
+    let latest = first.tasks_version;
+    version.task_received();
+    assert_eq!(version.current(), 0);
+
+    // Claiming did not bump the version: sending the answered one would hide job 2.
+    let skipped = env.gitea.fetch_task(latest).await.expect("fetch");
+    assert!(
+        !skipped.task.is_set(),
+        "Gitea skips the pick at the latest version"
+    );
+    // A poller's stale empty answer must not undo the reset.
+    version.empty_answer(latest, skipped.tasks_version);
+    assert_eq!(version.current(), 0);
+
+    let second = env
+        .gitea
+        .fetch_task(version.current())
+        .await
+        .expect("fetch");
+    assert!(
+        second.task.is_set(),
+        "after the reset the waiting job is found"
+    );
+    version.task_received();
+    let empty = env
+        .gitea
+        .fetch_task(version.current())
+        .await
+        .expect("fetch");
+    assert!(!empty.task.is_set());
+    version.empty_answer(0, empty.tasks_version);
+    assert_eq!(version.current(), empty.tasks_version);
+}
+
+#[tokio::test]
+async fn publishing_retries_until_jetstream_accepts_and_loses_nothing_across_a_nats_restart() {
+    // Each fetch takes a while, so fetches are in flight when NATS goes away.
+    let mut env =
+        Env::start(MockConfig::default().with_fetch_delay(Duration::from_millis(300))).await;
+    env.queue_jobs(12);
+    let running = Running::start(env.scheduler(3, 100));
+    eventually("some assignments are stored", || async {
+        env.unclaimed().await >= 3
+    })
+    .await;
+
+    env.nats.kill().await.expect("kill nats-server");
+    let stats = running.stats.clone();
+    eventually("a fetched task's publish is being retried", || async {
+        count(&stats.publish_retries) >= 1
+    })
+    .await;
+    env.nats.restart().await.expect("restart nats-server");
+
+    eventually(
+        "every job is fetched and every assignment stored",
+        || async { env.jobs_with(Status::Waiting) == 0 && env.try_unclaimed().await == Some(12) },
+    )
+    .await;
+    let report = running.stop().await;
+    assert_eq!(report.tasks_fetched, 12);
+    assert!(report.lost_task_ids.is_empty());
+    let stored = env.stream_ids().await;
+    let unique: BTreeSet<String> = stored.iter().cloned().collect();
+    assert_eq!(
+        stored.len(),
+        unique.len(),
+        "each assignment stored exactly once"
+    );
+    assert_eq!(unique, env.assignment_ids_of_claimed_jobs());
+}
+
+#[tokio::test]
+async fn the_scheduler_stops_fetching_while_the_backlog_is_full() {
+    let env = Env::start(MockConfig::default()).await;
+    env.queue_jobs(5);
+    let pollers = 3;
+    let running = Running::start(env.scheduler(pollers, 2));
+    let stats = running.stats.clone();
+    // Held back with a full backlog (the gate is also shut before its first read).
+    let all_held_back = || async {
+        count(&stats.pollers_waiting_for_backlog) == pollers as u64 && env.unclaimed().await == 2
+    };
+
+    eventually(
+        "the backlog is full and every poller is held back",
+        all_held_back,
+    )
+    .await;
+    assert_eq!(
+        env.jobs_with(Status::Running),
+        2,
+        "exactly the backlog is fetched"
+    );
+    assert_eq!(env.jobs_with(Status::Waiting), 3);
+
+    // Claims remove the messages (work-queue retention); room for two more.
+    env.drain_stream().await;
+    eventually("two more are fetched", || async {
+        env.jobs_with(Status::Running) == 4
+    })
+    .await;
+    eventually("the backlog is full again", all_held_back).await;
+    assert_eq!(env.jobs_with(Status::Running), 4);
+    assert_eq!(env.jobs_with(Status::Waiting), 1);
+
+    env.drain_stream().await;
+    eventually("the last job is fetched", || async {
+        env.jobs_with(Status::Running) == 5 && env.unclaimed().await == 1
+    })
+    .await;
+    let report = running.stop().await;
+    assert_eq!(report.tasks_fetched, 5);
+}
+
+#[tokio::test]
+async fn a_queued_assignment_outlives_a_three_second_zombie_timeout() {
+    let env = Env::start(MockConfig::default().with_zombie_timeout(Duration::from_secs(3))).await;
+    let job = env.queue_jobs(1)[0];
+    let running = Running::start(env.scheduler(1, 10));
+    let heartbeater = Heartbeater::new(
+        env.gitea.clone(),
+        env.js.clone(),
+        stream_settings(),
+        Duration::from_secs(1),
+    );
+    let hb_stats = heartbeater.stats();
+    let (hb_trigger, hb_shutdown) = shutdown_channel();
+    let hb = tokio::spawn(async move { heartbeater.run(hb_shutdown).await });
+
+    eventually("the assignment is queued", || async {
+        env.unclaimed().await == 1
+    })
+    .await;
+    // The scheduler may stop: heartbeats come from what the stream holds.
+    running.stop().await;
+
+    let task_id = env
+        .gitea_mock()
+        .job(job)
+        .expect("job")
+        .task_id
+        .expect("claimed");
+    // Six heartbeats one second apart span five seconds, beyond the 3 s timeout and
+    // several sweeps; stop early if the sweeper fails the task.
+    env.gitea_mock()
+        .wait_for(
+            |m| {
+                let t = m.task(task_id).expect("task");
+                t.heartbeats >= 6 || t.status.is_done()
+            },
+            WAIT,
+        )
+        .await
+        .expect("heartbeats");
+    let task = env.gitea_mock().task(task_id).expect("task");
+    assert_eq!(
+        task.status,
+        Status::Running,
+        "the queued task was not reaped"
+    );
+    assert!(task.heartbeats >= 6);
+    // The last answer may still be on its way back.
+    assert!(count(&hb_stats.heartbeats_sent) >= 5);
+    assert_eq!(count(&hb_stats.heartbeat_errors), 0);
+    hb_trigger.trigger();
+    hb.await.expect("heartbeater");
+}
+
+#[tokio::test]
+async fn a_heartbeat_reports_a_queued_task_that_was_cancelled_in_gitea() {
+    let env = Env::start(MockConfig::default()).await;
+    let job = env.queue_jobs(1)[0];
+    let running = Running::start(env.scheduler(1, 10));
+    eventually("the assignment is queued", || async {
+        env.unclaimed().await == 1
+    })
+    .await;
+    running.stop().await;
+    let task_id = env
+        .gitea_mock()
+        .job(job)
+        .expect("job")
+        .task_id
+        .expect("claimed");
+    let heartbeater = Heartbeater::new(
+        env.gitea.clone(),
+        env.js.clone(),
+        stream_settings(),
+        Duration::from_secs(60),
+    );
+
+    let round = heartbeater.beat_once().await.expect("round");
+    assert_eq!((round.queued, round.sent, round.failed), (1, 1, 0));
+    assert!(round.ended.is_empty());
+
+    env.gitea_mock().cancel_job(job).expect("cancel");
+    let round = heartbeater.beat_once().await.expect("round");
+    assert_eq!(round.ended, vec![(task_id, pb::Result::RESULT_CANCELLED)]);
+    assert_eq!(count(&heartbeater.stats().queued_tasks_ended), 1);
+}
+
+#[tokio::test]
+async fn a_task_whose_runs_on_selects_no_backend_is_failed_in_gitea_with_a_reason() {
+    let env = Env::start(MockConfig::default()).await;
+    let job = env
+        .gitea_mock()
+        .queue_workflow(
+            "owner/repo",
+            "on: push\njobs:\n  lonely:\n    runs-on: [self-hosted]\n    steps: []\n",
+        )
+        .expect("queue")[0];
+    let running = Running::start(env.scheduler(1, 10));
+    env.gitea_mock()
+        .wait_for(|m| m.job(job).is_some_and(|j| j.status.is_done()), WAIT)
+        .await
+        .expect("job ends");
+    let report = running.stop().await;
+
+    let job = env.gitea_mock().job(job).expect("job");
+    assert_eq!(job.status, Status::Failure);
+    let task = job.task.expect("task");
+    assert_eq!(task.log_rows.len(), 1, "{:?}", task.log_rows);
+    assert!(
+        task.log_rows[0].starts_with(INVALID_TASK_LOG_PREFIX),
+        "{:?}",
+        task.log_rows
+    );
+    assert!(task.stopped.is_some());
+    assert_eq!(report.invalid_tasks_failed, 1);
+    assert_eq!(report.tasks_published, 0);
+    assert_eq!(env.unclaimed().await, 0, "nothing reached the stream");
+}
+
+#[tokio::test]
+async fn shutdown_lets_an_in_flight_fetch_publish_its_task() {
+    let env = Env::start(MockConfig::default().with_fetch_delay(Duration::from_millis(500))).await;
+    let job = env.queue_jobs(1)[0];
+    let running = Running::start(env.scheduler(1, 10));
+    let stats = running.stats.clone();
+    eventually("the first FetchTask is sent", || async {
+        count(&stats.fetch_calls) >= 1
+    })
+    .await;
+    // Gitea answers only after its delay: the fetch is in flight now.
+    let report = running.stop().await;
+
+    assert_eq!(report.tasks_fetched, 1);
+    assert_eq!(report.tasks_published, 1);
+    assert!(report.lost_task_ids.is_empty());
+    assert_eq!(count(&stats.fetch_calls), 1, "no new fetch after shutdown");
+    let task_id = env
+        .gitea_mock()
+        .job(job)
+        .expect("job")
+        .task_id
+        .expect("claimed");
+    assert_eq!(
+        env.stream_ids().await,
+        vec![AssignmentId::from_task_id(task_id).expect("id").to_string()]
+    );
+}
+
+#[tokio::test]
+async fn a_task_that_cannot_be_stored_within_the_shutdown_bound_is_reported_lost() {
+    let mut env =
+        Env::start(MockConfig::default().with_fetch_delay(Duration::from_millis(500))).await;
+    let job = env.queue_jobs(1)[0];
+    let mut settings = env.settings(1, 10);
+    settings.shutdown_publish_timeout = Duration::from_millis(300);
+    let running = Running::start(env.scheduler_with(settings));
+    let stats = running.stats.clone();
+    eventually("the first FetchTask is sent", || async {
+        count(&stats.fetch_calls) >= 1
+    })
+    .await;
+    env.nats.kill().await.expect("kill nats-server");
+    let report = running.stop().await;
+
+    let task_id = env
+        .gitea_mock()
+        .job(job)
+        .expect("job")
+        .task_id
+        .expect("claimed");
+    assert_eq!(report.tasks_fetched, 1);
+    assert_eq!(report.tasks_published, 0);
+    assert_eq!(report.lost_task_ids, vec![task_id]);
+    assert_eq!(count(&stats.tasks_lost), 1);
+}
