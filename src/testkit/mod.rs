@@ -2,3 +2,4 @@
 
 pub mod mock_gitea;
 pub mod nats_server;
+pub mod spiffe;
