@@ -15,6 +15,7 @@ pub mod gitea;
 pub mod logging;
 pub mod queue;
 pub mod register;
+pub mod spiffe_tls;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
