@@ -11,6 +11,7 @@
 pub mod cli;
 pub mod config;
 pub mod domain;
+pub mod executor;
 pub mod gitea;
 pub mod logging;
 pub mod queue;
