@@ -3,3 +3,4 @@
 pub mod mock_gitea;
 pub mod nats_server;
 pub mod spiffe;
+pub mod standin_runner;
