@@ -336,8 +336,7 @@ async fn an_unreachable_workload_api_is_reported_with_its_socket_path() {
     let endpoint = format!("unix:{}/absent.sock", dir.path().display());
     let err = x509_source_with_timeout(&endpoint, Duration::from_millis(300))
         .await
-        .err()
-        .expect("no Workload API is listening");
+        .expect_err("no Workload API is listening");
     assert!(err.to_string().contains(&endpoint), "{err}");
 }
 

@@ -60,6 +60,8 @@ pub enum FakeSpiffeError {
         spiffe_id: String,
         trust_domain: String,
     },
+    #[error("the workload at {socket} has no identity to rotate")]
+    NoIdentity { socket: PathBuf },
     #[error("binding the Workload API socket {path}: {source}")]
     Bind {
         path: PathBuf,

@@ -76,7 +76,7 @@ pub enum StandinError {
         rpc: &'static str,
         address: String,
         #[source]
-        source: ConnectError,
+        source: Box<ConnectError>,
     },
     #[error("Declare to {address} answered without a runner")]
     NoRunner { address: String },
@@ -84,7 +84,7 @@ pub enum StandinError {
     Unregistered {
         address: String,
         #[source]
-        source: ConnectError,
+        source: Box<ConnectError>,
     },
     #[error("installing signal handlers: {0}")]
     Signals(#[source] std::io::Error),
@@ -252,7 +252,7 @@ pub async fn daemon_once(
     let rpc_err = |rpc, source| StandinError::Rpc {
         rpc,
         address: address.clone(),
-        source,
+        source: Box::new(source),
     };
 
     let mut signals = Signals::install()?;
@@ -325,7 +325,7 @@ async fn poll_once(
             Err(e) if is_unregistered(&e) => {
                 return Err(StandinError::Unregistered {
                     address: address.to_string(),
-                    source: e,
+                    source: Box::new(e),
                 });
             }
             Err(e) => tracing::warn!(error = %e, "FetchTask failed; backing off"),
