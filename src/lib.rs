@@ -12,6 +12,7 @@ pub mod cli;
 pub mod config;
 pub mod dispatch;
 pub mod domain;
+pub mod executor;
 pub mod executors;
 pub mod facade;
 pub mod gitea;
@@ -22,6 +23,7 @@ pub mod metrics;
 pub mod queue;
 pub mod register;
 pub mod scheduler;
+pub mod spiffe_tls;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 pub mod worker;

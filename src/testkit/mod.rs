@@ -4,3 +4,5 @@ pub mod fake_kube;
 pub mod memory_backend;
 pub mod mock_gitea;
 pub mod nats_server;
+pub mod spiffe;
+pub mod standin_runner;

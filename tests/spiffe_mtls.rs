@@ -1,0 +1,823 @@
+//! The SPIFFE/mTLS layer against a fake Workload API (real gRPC over a Unix socket, real
+//! `X509Source`, real rustls handshakes), the executor's loopback proxy, and the
+//! stand-in runner against the mock Gitea.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::routing::{get, post};
+use axum::{Extension, Router};
+use bytes::Bytes;
+use gitea_dynamic_runner::executor::proxy::serve_loopback_proxy;
+use gitea_dynamic_runner::proto::runner::v1 as pb;
+use gitea_dynamic_runner::spiffe_tls::{
+    PeerSpiffeId, executor_client_config, facade_server_config, serve_tls, x509_source_with_timeout,
+};
+use gitea_dynamic_runner::testkit::mock_gitea::{
+    JobId, MockConfig, MockGitea, RunningMock, Status,
+};
+use gitea_dynamic_runner::testkit::spiffe::{FakeWorkloadApi, RunningWorkloadApi, Svid, TestCa};
+use http_body_util::{BodyExt, Empty, Full, StreamBody};
+use hyper::body::Frame;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use spiffe::X509Source;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{oneshot, watch};
+
+const TD: &str = "example.test";
+const FACADE_ID: &str = "spiffe://example.test/ns/ci/sa/facade";
+const EXECUTOR_ID: &str = "spiffe://example.test/ci/owner/repo/build";
+const WAIT: Duration = Duration::from_secs(20);
+
+/// A trust domain with two workloads: the facade and one executor.
+struct Pki {
+    _dir: tempfile::TempDir,
+    facade_api: RunningWorkloadApi,
+    executor_api: RunningWorkloadApi,
+    facade: Arc<X509Source>,
+    executor: Arc<X509Source>,
+}
+
+async fn pki() -> Pki {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(TD).unwrap();
+    let facade_api = FakeWorkloadApi::start(dir.path(), ca.clone(), FACADE_ID)
+        .await
+        .unwrap();
+    let executor_api = FakeWorkloadApi::start(dir.path(), ca, EXECUTOR_ID)
+        .await
+        .unwrap();
+    let facade = x509_source_with_timeout(&facade_api.endpoint(), WAIT)
+        .await
+        .unwrap();
+    let executor = x509_source_with_timeout(&executor_api.endpoint(), WAIT)
+        .await
+        .unwrap();
+    Pki {
+        _dir: dir,
+        facade_api,
+        executor_api,
+        facade,
+        executor,
+    }
+}
+
+/// An mTLS server in the background; dropping `stop` shuts it down.
+struct TlsServer {
+    addr: SocketAddr,
+    _stop: oneshot::Sender<()>,
+}
+
+async fn serve(config: rustls::ServerConfig, app: Router) -> TlsServer {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(serve_tls(listener, Arc::new(config), app, async {
+        let _ = stopped.await;
+    }));
+    TlsServer { addr, _stop: stop }
+}
+
+type HttpsClient<B> = Client<hyper_rustls::HttpsConnector<HttpConnector>, B>;
+
+fn https_client<B>(config: rustls::ClientConfig) -> HttpsClient<B>
+where
+    B: hyper::body::Body + Send + Unpin + 'static,
+    B::Data: Send,
+{
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    let https = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(config)
+        .https_only()
+        .enable_all_versions()
+        .wrap_connector(http);
+    Client::builder(TokioExecutor::new()).build(https)
+}
+
+async fn get_text(
+    client: &HttpsClient<Empty<Bytes>>,
+    url: &str,
+) -> Result<String, hyper_util::client::legacy::Error> {
+    let resp = client.get(url.parse().unwrap()).await?;
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    Ok(String::from_utf8(body.to_vec()).unwrap())
+}
+
+/// Counts handler invocations, to show a refused client never reached the app.
+fn whoami_app(hits: Arc<AtomicUsize>) -> Router {
+    Router::new().route(
+        "/whoami",
+        get(move |peer: Option<Extension<PeerSpiffeId>>| {
+            let hits = hits.clone();
+            async move {
+                hits.fetch_add(1, Ordering::SeqCst);
+                peer.map(|Extension(PeerSpiffeId(id))| id)
+                    .unwrap_or_default()
+            }
+        }),
+    )
+}
+
+/// Accepts any server certificate: lets a test client reach the server's own client
+/// check, which is what the refusal tests are about.
+#[derive(Debug)]
+struct AnyServer(Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for AnyServer {
+    fn verify_server_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+fn trusting_client(client_cert: Option<&Svid>) -> rustls::ClientConfig {
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyServer(provider)));
+    match client_cert {
+        None => builder.with_no_client_auth(),
+        Some(svid) => builder
+            .with_client_auth_cert(
+                svid.cert_chain_der
+                    .iter()
+                    .map(|c| CertificateDer::from(c.clone()))
+                    .collect(),
+                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(svid.key_pkcs8_der.clone())),
+            )
+            .unwrap(),
+    }
+}
+
+/// Sends a raw HTTP/1.1 request over TLS; `Ok` only if an HTTP answer came back.
+async fn raw_request(config: rustls::ClientConfig, addr: SocketAddr) -> Result<String, String> {
+    let tcp = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let name = ServerName::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST).into());
+    let mut tls = connector
+        .connect(name, tcp)
+        .await
+        .map_err(|e| format!("handshake: {e}"))?;
+    tls.write_all(b"GET /whoami HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        .await
+        .map_err(|e| format!("write: {e}"))?;
+    let mut answer = Vec::new();
+    tls.read_to_end(&mut answer)
+        .await
+        .map_err(|e| format!("read: {e}"))?;
+    if answer.starts_with(b"HTTP/1.1") {
+        Ok(String::from_utf8_lossy(&answer).into_owned())
+    } else {
+        Err(format!("no HTTP answer ({} bytes)", answer.len()))
+    }
+}
+
+/// The leaf certificate a new TLS connection to `addr` presents, and what the server
+/// handler saw of ours (`/peer-cert` echoes our leaf).
+async fn leaf_of_new_connection(config: &rustls::ClientConfig, addr: SocketAddr) -> Vec<u8> {
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config.clone()));
+    let name = ServerName::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST).into());
+    let tls = connector.connect(name, tcp).await.unwrap();
+    tls.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+}
+
+async fn wait_until<F, Fut>(what: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        // A short poll interval, not a fixed wait for an effect.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_of_the_trust_domain_reaches_the_facade_and_the_handler_sees_its_spiffe_id() {
+    let pki = pki().await;
+    let hits = Arc::new(AtomicUsize::new(0));
+    let server = serve(
+        facade_server_config(&pki.facade, TD).unwrap(),
+        whoami_app(hits.clone()),
+    )
+    .await;
+    let client = https_client(executor_client_config(&pki.executor, FACADE_ID).unwrap());
+    let seen = get_text(&client, &format!("https://{}/whoami", server.addr))
+        .await
+        .unwrap();
+    assert_eq!(seen, EXECUTOR_ID);
+    assert_eq!(hits.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_of_another_trust_domain_is_refused_by_the_facade() {
+    let pki = pki().await;
+    let hits = Arc::new(AtomicUsize::new(0));
+    let server = serve(
+        facade_server_config(&pki.facade, TD).unwrap(),
+        whoami_app(hits.clone()),
+    )
+    .await;
+    let foreign = TestCa::new("other.test")
+        .unwrap()
+        .issue(
+            "spiffe://other.test/ci/owner/repo/build",
+            Duration::from_secs(600),
+        )
+        .unwrap();
+    let result = raw_request(trusting_client(Some(&foreign)), server.addr).await;
+    assert!(result.is_err(), "a foreign SVID was accepted: {result:?}");
+    // Control: the same client with an SVID of the facade's domain gets an answer.
+    let own = pki.executor_api.current_svid().unwrap();
+    raw_request(trusting_client(Some(&own)), server.addr)
+        .await
+        .unwrap();
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        1,
+        "only the control reached the app"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_without_a_certificate_is_refused_by_the_facade() {
+    let pki = pki().await;
+    let hits = Arc::new(AtomicUsize::new(0));
+    let server = serve(
+        facade_server_config(&pki.facade, TD).unwrap(),
+        whoami_app(hits.clone()),
+    )
+    .await;
+    let result = raw_request(trusting_client(None), server.addr).await;
+    assert!(
+        result.is_err(),
+        "a client without a certificate was accepted: {result:?}"
+    );
+    assert_eq!(hits.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_executor_expecting_another_facade_spiffe_id_refuses_the_server() {
+    let pki = pki().await;
+    let hits = Arc::new(AtomicUsize::new(0));
+    let server = serve(
+        facade_server_config(&pki.facade, TD).unwrap(),
+        whoami_app(hits.clone()),
+    )
+    .await;
+    let config =
+        executor_client_config(&pki.executor, "spiffe://example.test/ns/ci/sa/impostor").unwrap();
+    let client = https_client(config);
+    let result = get_text(&client, &format!("https://{}/whoami", server.addr)).await;
+    assert!(
+        result.is_err(),
+        "the executor talked to the wrong facade: {result:?}"
+    );
+    assert_eq!(hits.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_workload_api_is_reported_with_its_socket_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("unix:{}/absent.sock", dir.path().display());
+    let err = x509_source_with_timeout(&endpoint, Duration::from_millis(300))
+        .await
+        .expect_err("no Workload API is listening");
+    assert!(err.to_string().contains(&endpoint), "{err}");
+}
+
+/// `/stream` sends `part-1;`, waits until the test releases it, then the rest.
+fn streaming_app(release: watch::Receiver<bool>) -> Router {
+    let stream_route = get(move || {
+        let release = release.clone();
+        async move {
+            let parts = futures::stream::unfold((0u8, release), |(n, mut release)| async move {
+                let chunk: &'static [u8] = match n {
+                    0 => b"part-1;",
+                    1 => {
+                        let _ = release.wait_for(|r| *r).await;
+                        b"part-2;"
+                    }
+                    2 => b"part-3",
+                    _ => return None,
+                };
+                Some((
+                    Ok::<_, std::io::Error>(Bytes::from_static(chunk)),
+                    (n + 1, release),
+                ))
+            });
+            axum::body::Body::from_stream(parts)
+        }
+    });
+    Router::new().route("/stream", stream_route).route(
+        "/peer-cert",
+        get(
+            |certs: Option<Extension<connectrpc::server::PeerCerts>>| async move {
+                certs
+                    .and_then(|Extension(c)| c.0.first().map(|leaf| leaf.to_vec()))
+                    .unwrap_or_default()
+            },
+        ),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_svid_rotation_during_a_long_streaming_response_does_not_interrupt_it_and_new_connections_use_the_new_certificate()
+ {
+    let pki = pki().await;
+    let (release_tx, release_rx) = watch::channel(false);
+    let server = serve(
+        facade_server_config(&pki.facade, TD).unwrap(),
+        streaming_app(release_rx),
+    )
+    .await;
+    let config = executor_client_config(&pki.executor, FACADE_ID).unwrap();
+    let client: HttpsClient<Empty<Bytes>> = https_client(config.clone());
+    let resp = client
+        .get(format!("https://{}/stream", server.addr).parse().unwrap())
+        .await
+        .unwrap();
+    let mut body = resp.into_body();
+    let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert_eq!(&first[..], b"part-1;");
+
+    let old_facade_leaf = leaf_of_new_connection(&config, server.addr).await;
+    let new_facade = pki.facade_api.rotate().unwrap();
+    let new_executor = pki.executor_api.rotate().unwrap();
+    assert_ne!(old_facade_leaf, new_facade.cert_chain_der[0]);
+
+    // New connections: the server presents its new SVID ...
+    wait_until("the facade presents its rotated SVID", || {
+        let config = config.clone();
+        let expected = new_facade.cert_chain_der[0].clone();
+        async move { leaf_of_new_connection(&config, server.addr).await == expected }
+    })
+    .await;
+    // ... and the executor presents its new one (a fresh client forces a new connection).
+    wait_until("the executor presents its rotated SVID", || {
+        let config = config.clone();
+        let expected = new_executor.cert_chain_der[0].clone();
+        async move {
+            let fresh: HttpsClient<Empty<Bytes>> = https_client(config);
+            let resp = fresh
+                .get(
+                    format!("https://{}/peer-cert", server.addr)
+                        .parse()
+                        .unwrap(),
+                )
+                .await
+                .unwrap();
+            resp.into_body()
+                .collect()
+                .await
+                .unwrap()
+                .to_bytes()
+                .to_vec()
+                == expected
+        }
+    })
+    .await;
+
+    // The stream opened before the rotation finishes intact.
+    release_tx.send_replace(true);
+    let rest = body.collect().await.unwrap().to_bytes();
+    assert_eq!(&rest[..], b"part-2;part-3");
+}
+
+const BLOB_CHUNK: usize = 64 * 1024;
+
+fn blob_byte(i: u64) -> u8 {
+    (i % 251) as u8
+}
+
+fn blob_stream(n: u64) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> {
+    futures::stream::unfold(0u64, move |sent| async move {
+        if sent >= n {
+            return None;
+        }
+        let len = (n - sent).min(BLOB_CHUNK as u64);
+        let chunk: Vec<u8> = (sent..sent + len).map(blob_byte).collect();
+        Some((Ok(Bytes::from(chunk)), sent + len))
+    })
+}
+
+/// The upstream behind the facade: streams blobs, counts uploads, echoes requests.
+fn upstream_app() -> Router {
+    Router::new()
+        .route(
+            "/blob/{n}",
+            get(|Path(n): Path<u64>| async move { axum::body::Body::from_stream(blob_stream(n)) }),
+        )
+        .route(
+            "/upload",
+            post(|body: axum::body::Body| async move {
+                let mut stream = body.into_data_stream();
+                let mut total = 0u64;
+                let mut ok = true;
+                while let Some(chunk) = futures::StreamExt::next(&mut stream).await {
+                    let chunk = chunk.unwrap();
+                    ok &= chunk
+                        .iter()
+                        .enumerate()
+                        .all(|(i, b)| *b == blob_byte(total + i as u64));
+                    total += chunk.len() as u64;
+                }
+                format!("{total} {ok}")
+            }),
+        )
+        .route(
+            "/echo/{*rest}",
+            get(
+                |State(()): State<()>,
+                 uri: http::Uri,
+                 headers: http::HeaderMap,
+                 peer: Option<Extension<PeerSpiffeId>>| async move {
+                    let header = |n: &str| {
+                        headers
+                            .get(n)
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or("-")
+                            .to_string()
+                    };
+                    let id = peer
+                        .map(|Extension(PeerSpiffeId(id))| id)
+                        .unwrap_or_default();
+                    // h2 carries the authority in the URI, HTTP/1.1 in `Host`.
+                    let host = uri
+                        .authority()
+                        .map(|a| a.to_string())
+                        .unwrap_or_else(|| header("host"));
+                    format!(
+                        "{} {} x-test={} proxy-authorization={} peer={id}",
+                        uri.path_and_query().map(|p| p.as_str()).unwrap_or(""),
+                        host,
+                        header("x-test"),
+                        header("proxy-authorization"),
+                    )
+                },
+            ),
+        )
+        .with_state(())
+}
+
+/// The loopback proxy in front of an mTLS upstream; returns its `http://` base URL.
+async fn proxy_to(pki: &Pki, upstream: SocketAddr) -> (String, oneshot::Sender<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = Arc::new(executor_client_config(&pki.executor, FACADE_ID).unwrap());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let facade_url = format!("https://{upstream}");
+    tokio::spawn(async move {
+        serve_loopback_proxy(listener, &facade_url, config, async {
+            let _ = stopped.await;
+        })
+        .await
+        .unwrap();
+    });
+    (format!("http://{addr}"), stop)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_loopback_proxy_forwards_path_query_and_end_to_end_headers_with_the_executor_identity()
+{
+    let pki = pki().await;
+    let upstream = serve(
+        facade_server_config(&pki.facade, TD).unwrap(),
+        upstream_app(),
+    )
+    .await;
+    let (proxy, _stop) = proxy_to(&pki, upstream.addr).await;
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let req = http::Request::get(format!(
+        "{proxy}/echo/owner/repo.git/info/refs?service=git-upload-pack"
+    ))
+    .header("x-test", "kept")
+    .header("proxy-authorization", "hop-by-hop")
+    .body(Empty::new())
+    .unwrap();
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let text = String::from_utf8(
+        resp.into_body()
+            .collect()
+            .await
+            .unwrap()
+            .to_bytes()
+            .to_vec(),
+    )
+    .unwrap();
+    assert_eq!(
+        text,
+        format!(
+            "/echo/owner/repo.git/info/refs?service=git-upload-pack {} x-test=kept proxy-authorization=- peer={EXECUTOR_ID}",
+            upstream.addr
+        )
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_loopback_proxy_streams_50_mib_each_way_through_mtls() {
+    const N: u64 = 50 * 1024 * 1024;
+    let pki = pki().await;
+    let upstream = serve(
+        facade_server_config(&pki.facade, TD).unwrap(),
+        upstream_app(),
+    )
+    .await;
+    let (proxy, _stop) = proxy_to(&pki, upstream.addr).await;
+
+    // Download: verify every byte as it streams past, keep none.
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let resp = client
+        .get(format!("{proxy}/blob/{N}").parse().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    let mut total = 0u64;
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.unwrap().into_data() {
+            for (i, b) in data.iter().enumerate() {
+                assert_eq!(*b, blob_byte(total + i as u64), "byte {}", total + i as u64);
+            }
+            total += data.len() as u64;
+        }
+    }
+    assert_eq!(total, N);
+
+    // Upload: a streamed request body of unknown length (chunked on the wire).
+    let upload = Client::builder(TokioExecutor::new()).build_http();
+    let body = StreamBody::new(Box::pin(futures::StreamExt::map(blob_stream(N), |c| {
+        c.map(Frame::data)
+    })));
+    let req = http::Request::post(format!("{proxy}/upload"))
+        .body(body)
+        .unwrap();
+    let resp = upload.request(req).await.unwrap();
+    let text = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&text[..], format!("{N} true").as_bytes());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_loopback_proxy_answers_502_when_the_facade_is_not_the_expected_identity() {
+    let pki = pki().await;
+    let upstream = serve(
+        facade_server_config(&pki.facade, TD).unwrap(),
+        upstream_app(),
+    )
+    .await;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = Arc::new(
+        executor_client_config(&pki.executor, "spiffe://example.test/ns/ci/sa/impostor").unwrap(),
+    );
+    let facade_url = format!("https://{}", upstream.addr);
+    let (_stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(async move {
+        serve_loopback_proxy(listener, &facade_url, config, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let resp = client
+        .get(format!("http://{addr}/echo/x").parse().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 502);
+}
+
+// ----- the stand-in runner against the mock Gitea --------------------------------------
+
+fn workflow(script: &str) -> String {
+    format!(
+        "name: ci\non: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: {script}\n"
+    )
+}
+
+/// A `.runner` for a fresh runner of `mock`, in its own directory (the runner locks it).
+fn runner_dir(mock: &RunningMock) -> tempfile::TempDir {
+    let (uuid, token) = mock
+        .handle
+        .create_runner("standin", &["self-hosted", "pod"], true);
+    let dir = tempfile::tempdir().unwrap();
+    let file = serde_json::json!({
+        "WARNING": "This file is automatically generated by act-runner. Do not edit it manually unless you know what you are doing. Removing this file will cause act runner to re-register as a new runner.",
+        "id": 0,
+        "uuid": uuid,
+        "name": "standin",
+        "token": token,
+        "address": mock.url,
+        "labels": ["self-hosted", "pod"],
+        "ephemeral": true,
+    });
+    std::fs::write(
+        dir.path().join(".runner"),
+        serde_json::to_vec_pretty(&file).unwrap(),
+    )
+    .unwrap();
+    dir
+}
+
+fn spawn_standin(dir: &std::path::Path) -> tokio::process::Child {
+    tokio::process::Command::new(env!("CARGO_BIN_EXE_gitea-runner-standin"))
+        .args(["daemon", "--once"])
+        .current_dir(dir)
+        .env("STANDIN_HEARTBEAT_MS", "100")
+        .env("STANDIN_FETCH_INTERVAL_MS", "100")
+        .env("STANDIN_FETCH_INTERVAL_MAX_MS", "200")
+        .env_remove("STANDIN_SCRIPT")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
+}
+
+async fn exit_code(mut child: tokio::process::Child) -> i32 {
+    tokio::time::timeout(WAIT, child.wait())
+        .await
+        .expect("the stand-in runner exits")
+        .unwrap()
+        .code()
+        .unwrap_or(-1)
+}
+
+fn task_result(mock: &RunningMock, job: JobId) -> i32 {
+    mock.handle.job(job).unwrap().task.unwrap().result
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stand_in_runner_completes_a_success_job_against_the_mock_gitea() {
+    let mock = MockGitea::start(MockConfig::default()).await.unwrap();
+    let job = mock
+        .handle
+        .queue_workflow("owner/repo", &workflow("standin:success"))
+        .unwrap()[0];
+    let dir = runner_dir(&mock);
+    assert_eq!(exit_code(spawn_standin(dir.path())).await, 0);
+    let snapshot = mock.handle.job(job).unwrap();
+    assert_eq!(snapshot.status, Status::Success);
+    let task = snapshot.task.unwrap();
+    assert!(task.log_archived, "the last UpdateLog said no_more");
+    assert!(
+        task.log_rows.iter().any(|r| r == "job succeeded"),
+        "{:?}",
+        task.log_rows
+    );
+    assert!(task.stopped.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stand_in_runner_reports_failure_with_exit_status_zero() {
+    let mock = MockGitea::start(MockConfig::default()).await.unwrap();
+    let job = mock
+        .handle
+        .queue_workflow("owner/repo", &workflow("standin:failure"))
+        .unwrap()[0];
+    let dir = runner_dir(&mock);
+    assert_eq!(exit_code(spawn_standin(dir.path())).await, 0);
+    assert_eq!(mock.handle.job(job).unwrap().status, Status::Failure);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stand_in_runner_reports_cancelled_after_gitea_cancels_a_hanging_job() {
+    let mock = MockGitea::start(MockConfig::default()).await.unwrap();
+    let job = mock
+        .handle
+        .queue_workflow("owner/repo", &workflow("standin:hang"))
+        .unwrap()[0];
+    let dir = runner_dir(&mock);
+    let child = spawn_standin(dir.path());
+    mock.handle
+        .wait_for(
+            |m| {
+                m.job(job)
+                    .and_then(|j| j.task)
+                    .is_some_and(|t| t.heartbeats > 0)
+            },
+            WAIT,
+        )
+        .await
+        .unwrap();
+    mock.handle.cancel_job(job).unwrap();
+    assert_eq!(exit_code(child).await, 0);
+    assert_eq!(mock.handle.job(job).unwrap().status, Status::Cancelled);
+    assert_eq!(task_result(&mock, job), pb::Result::RESULT_CANCELLED as i32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigterm_makes_the_stand_in_runner_report_cancelled() {
+    let mock = MockGitea::start(MockConfig::default()).await.unwrap();
+    let job = mock
+        .handle
+        .queue_workflow("owner/repo", &workflow("standin:hang"))
+        .unwrap()[0];
+    let dir = runner_dir(&mock);
+    let child = spawn_standin(dir.path());
+    let pid = child.id().unwrap();
+    mock.handle
+        .wait_for(
+            |m| {
+                m.job(job)
+                    .and_then(|j| j.task)
+                    .is_some_and(|t| t.heartbeats > 0)
+            },
+            WAIT,
+        )
+        .await
+        .unwrap();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    assert_eq!(exit_code(child).await, 0);
+    assert_eq!(mock.handle.job(job).unwrap().status, Status::Cancelled);
+    let rows = mock.handle.job(job).unwrap().task.unwrap().log_rows;
+    assert!(rows.iter().any(|r| r.contains("SIGTERM")), "{rows:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashing_stand_in_runner_exits_non_zero_without_a_final_report() {
+    let mock = MockGitea::start(MockConfig::default()).await.unwrap();
+    let job = mock
+        .handle
+        .queue_workflow("owner/repo", &workflow("standin:crash"))
+        .unwrap()[0];
+    let dir = runner_dir(&mock);
+    assert_eq!(exit_code(spawn_standin(dir.path())).await, 3);
+    let snapshot = mock.handle.job(job).unwrap();
+    assert_eq!(snapshot.status, Status::Running, "nobody reported a result");
+    assert!(!snapshot.task.unwrap().log_archived);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stand_in_runner_checkout_script_streams_a_blob_from_its_address() {
+    let mock = MockGitea::start(MockConfig::default()).await.unwrap();
+    let job = mock
+        .handle
+        .queue_workflow("owner/repo", &workflow("standin:checkout 3000000"))
+        .unwrap()[0];
+    let dir = runner_dir(&mock);
+    assert_eq!(exit_code(spawn_standin(dir.path())).await, 0);
+    let snapshot = mock.handle.job(job).unwrap();
+    assert_eq!(snapshot.status, Status::Success);
+    let rows = snapshot.task.unwrap().log_rows;
+    assert!(
+        rows.iter().any(|r| r == "checkout: received 3000000 bytes"),
+        "{rows:?}"
+    );
+}
