@@ -21,7 +21,7 @@ fn main() -> ExitCode {
         Command::CheckConfig(args) => check_config(args),
         Command::Register(args) => run_register(args),
         Command::Controller(_) => not_implemented("controller"),
-        Command::Executor => not_implemented("executor"),
+        Command::Executor => run_executor(),
         Command::SandboxIdentity => not_implemented("sandbox-identity"),
     }
 }
@@ -111,6 +111,26 @@ fn run_register(args: gitea_dynamic_runner::cli::RegisterArgs) -> ExitCode {
             print!("{}", register::next_steps(&registration, &registered));
             ExitCode::SUCCESS
         }
+        Err(e) => fail(e),
+    }
+}
+
+fn run_executor() -> ExitCode {
+    use gitea_dynamic_runner::executor::oneshot;
+    let config = match oneshot::ExecutorConfig::from_env(|name| std::env::var(name).ok()) {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => return fail(e),
+    };
+    match runtime.block_on(oneshot::run(config)) {
+        // The runner's own exit status; it does not reflect the job result.
+        Ok(status) => ExitCode::from(u8::try_from(status.code().unwrap_or(1)).unwrap_or(1)),
         Err(e) => fail(e),
     }
 }

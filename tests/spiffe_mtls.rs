@@ -19,15 +19,16 @@ use gitea_dynamic_runner::spiffe_tls::{
 use gitea_dynamic_runner::testkit::mock_gitea::{
     JobId, MockConfig, MockGitea, RunningMock, Status,
 };
-use gitea_dynamic_runner::testkit::spiffe::{FakeWorkloadApi, RunningWorkloadApi, Svid, TestCa};
+use gitea_dynamic_runner::testkit::spiffe::{
+    FakeWorkloadApi, RunningWorkloadApi, TestCa, any_server_client_config, raw_tls_get,
+};
 use http_body_util::{BodyExt, Empty, Full, StreamBody};
 use hyper::body::Frame;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use rustls::pki_types::ServerName;
 use spiffe::X509Source;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{oneshot, watch};
 
@@ -126,97 +127,6 @@ fn whoami_app(hits: Arc<AtomicUsize>) -> Router {
     )
 }
 
-/// Accepts any server certificate: lets a test client reach the server's own client
-/// check, which is what the refusal tests are about.
-#[derive(Debug)]
-struct AnyServer(Arc<rustls::crypto::CryptoProvider>);
-
-impl rustls::client::danger::ServerCertVerifier for AnyServer {
-    fn verify_server_cert(
-        &self,
-        _: &CertificateDer<'_>,
-        _: &[CertificateDer<'_>],
-        _: &ServerName<'_>,
-        _: &[u8],
-        _: rustls::pki_types::UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        Ok(rustls::client::danger::ServerCertVerified::assertion())
-    }
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
-}
-
-fn trusting_client(client_cert: Option<&Svid>) -> rustls::ClientConfig {
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let builder = rustls::ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(AnyServer(provider)));
-    match client_cert {
-        None => builder.with_no_client_auth(),
-        Some(svid) => builder
-            .with_client_auth_cert(
-                svid.cert_chain_der
-                    .iter()
-                    .map(|c| CertificateDer::from(c.clone()))
-                    .collect(),
-                PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(svid.key_pkcs8_der.clone())),
-            )
-            .unwrap(),
-    }
-}
-
-/// Sends a raw HTTP/1.1 request over TLS; `Ok` only if an HTTP answer came back.
-async fn raw_request(config: rustls::ClientConfig, addr: SocketAddr) -> Result<String, String> {
-    let tcp = TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-    let name = ServerName::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST).into());
-    let mut tls = connector
-        .connect(name, tcp)
-        .await
-        .map_err(|e| format!("handshake: {e}"))?;
-    tls.write_all(b"GET /whoami HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        .await
-        .map_err(|e| format!("write: {e}"))?;
-    let mut answer = Vec::new();
-    tls.read_to_end(&mut answer)
-        .await
-        .map_err(|e| format!("read: {e}"))?;
-    if answer.starts_with(b"HTTP/1.1") {
-        Ok(String::from_utf8_lossy(&answer).into_owned())
-    } else {
-        Err(format!("no HTTP answer ({} bytes)", answer.len()))
-    }
-}
-
 /// The leaf certificate a new TLS connection to `addr` presents, and what the server
 /// handler saw of ours (`/peer-cert` echoes our leaf).
 async fn leaf_of_new_connection(config: &rustls::ClientConfig, addr: SocketAddr) -> Vec<u8> {
@@ -279,13 +189,22 @@ async fn a_client_of_another_trust_domain_is_refused_by_the_facade() {
             Duration::from_secs(600),
         )
         .unwrap();
-    let result = raw_request(trusting_client(Some(&foreign)), server.addr).await;
+    let result = raw_tls_get(
+        any_server_client_config(Some(&foreign)).unwrap(),
+        server.addr,
+        "/whoami",
+    )
+    .await;
     assert!(result.is_err(), "a foreign SVID was accepted: {result:?}");
     // Control: the same client with an SVID of the facade's domain gets an answer.
     let own = pki.executor_api.current_svid().unwrap();
-    raw_request(trusting_client(Some(&own)), server.addr)
-        .await
-        .unwrap();
+    raw_tls_get(
+        any_server_client_config(Some(&own)).unwrap(),
+        server.addr,
+        "/whoami",
+    )
+    .await
+    .unwrap();
     assert_eq!(
         hits.load(Ordering::SeqCst),
         1,
@@ -302,7 +221,12 @@ async fn a_client_without_a_certificate_is_refused_by_the_facade() {
         whoami_app(hits.clone()),
     )
     .await;
-    let result = raw_request(trusting_client(None), server.addr).await;
+    let result = raw_tls_get(
+        any_server_client_config(None).unwrap(),
+        server.addr,
+        "/whoami",
+    )
+    .await;
     assert!(
         result.is_err(),
         "a client without a certificate was accepted: {result:?}"

@@ -29,10 +29,7 @@ use crate::proto::runner::v1::{
     UpdateLogResponse, UpdateTaskRequest, UpdateTaskResponse,
 };
 
-/// The verified SPIFFE ID of the mTLS peer, placed in request extensions by the TLS
-/// server. Its absence means the request did not come through mTLS and is refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PeerSpiffeId(pub String);
+pub use crate::spiffe_tls::PeerSpiffeId;
 
 /// The facade service.
 pub struct Facade {
@@ -64,6 +61,27 @@ impl Facade {
     /// The Connect router serving this facade (mount it under `/api/actions`).
     pub fn router(self: Arc<Self>) -> connectrpc::Router {
         connectrpc::Router::new().add_service(self)
+    }
+
+    /// The whole facade application: the RunnerService under `/api/actions`, everything
+    /// else reverse-proxied to Gitea.
+    pub fn app(self: Arc<Self>, proxy: proxy::ReverseProxy) -> axum::Router {
+        axum::Router::new()
+            .nest_service("/api/actions", self.router().into_axum_service())
+            .fallback(proxy::handler)
+            .with_state(proxy)
+    }
+
+    /// Serves the facade over SPIFFE mTLS until `shutdown` resolves. Only peers of the
+    /// trust domain complete the handshake; the peer's SPIFFE ID reaches the handlers.
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: tokio::net::TcpListener,
+        tls: Arc<rustls::ServerConfig>,
+        proxy: proxy::ReverseProxy,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        crate::spiffe_tls::serve_tls(listener, tls, self.app(proxy), shutdown).await
     }
 
     fn authenticate(&self, ctx: &RequestContext, method: &str) -> Result<Authorized, ConnectError> {
