@@ -319,10 +319,9 @@ async fn wait_for_facade(proxy_url: &str, timeout: Duration) -> Result<(), Execu
     loop {
         if let Ok(stream) =
             tokio::net::TcpStream::connect(proxy_url.trim_start_matches("http://")).await
+            && probe(stream, &url).await
         {
-            if probe(stream, &url).await {
-                return Ok(());
-            }
+            return Ok(());
         }
         if tokio::time::Instant::now() >= deadline {
             return Err(ExecutorError::FacadeUnreachable(proxy_url.to_string()));

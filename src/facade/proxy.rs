@@ -83,6 +83,9 @@ impl ReverseProxy {
         let path = request.uri().path().to_string();
         let method = request.method().clone();
         *request.uri_mut() = upstream;
+        // The executor may reach us over h2; the upstream connection picks its own
+        // version (hyper refuses an HTTP/2 request on an HTTP/1 connection).
+        *request.version_mut() = axum::http::Version::HTTP_11;
         let peer = request
             .extensions()
             .get::<std::net::SocketAddr>()

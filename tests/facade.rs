@@ -1,0 +1,567 @@
+//! The facade with real peers: executor (loopback proxy, SPIFFE mTLS from a fake Workload
+//! API) → facade → mock Gitea, with the stand-in runner doing the runner's side.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use connectrpc::client::{ClientConfig, HttpClient};
+use gitea_dynamic_runner::dispatch::{ClaimState, Dispatch};
+use gitea_dynamic_runner::domain::assignment::{Assignment, DerivationPolicy, RecoveredAssignment};
+use gitea_dynamic_runner::domain::backend::{Backend, BackendLabels};
+use gitea_dynamic_runner::domain::capability::CapabilityKey;
+use gitea_dynamic_runner::domain::identity::TrustDomain;
+use gitea_dynamic_runner::executor::oneshot::{ExecutorConfig, run};
+use gitea_dynamic_runner::executors::{ExecutorBackend, ExecutorSpec};
+use gitea_dynamic_runner::facade::Facade;
+use gitea_dynamic_runner::facade::proxy::ReverseProxy;
+use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, GiteaClient};
+use gitea_dynamic_runner::proto::runner::v1::{
+    DeclareRequest, FetchTaskRequest, LogRow, RegisterRequest, RunnerServiceClient,
+    UpdateLogRequest,
+};
+use gitea_dynamic_runner::spiffe_tls;
+use gitea_dynamic_runner::testkit::memory_backend::MemoryBackend;
+use gitea_dynamic_runner::testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
+use gitea_dynamic_runner::testkit::spiffe::{
+    FakeWorkloadApi, RunningWorkloadApi, TestCa, any_server_client_config, raw_tls_get,
+};
+
+const WAIT: Duration = Duration::from_secs(30);
+const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
+const FACADE_ID: &str = "spiffe://example.org/controller";
+const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
+
+struct Env {
+    mock: RunningMock,
+    gitea: GiteaClient,
+    ca: TestCa,
+    dir: tempfile::TempDir,
+    backend: Arc<MemoryBackend>,
+    dispatch: Arc<Dispatch>,
+    facade_api: RunningWorkloadApi,
+    facade_addr: std::net::SocketAddr,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Env {
+    async fn new() -> Self {
+        let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+        let (uuid, token) = mock
+            .handle
+            .create_runner("ctl", &["self-hosted", "pod"], false);
+        let gitea = GiteaClient::new(
+            ClientOptions::new(mock.url.clone()),
+            Some(&Credentials::new(uuid, token)),
+        )
+        .expect("client");
+        let ca = TestCa::new("example.org").expect("ca");
+        let dir = tempfile::Builder::new().prefix("f").tempdir().expect("dir");
+        let facade_api = FakeWorkloadApi::start(dir.path(), ca.clone(), FACADE_ID)
+            .await
+            .expect("workload api");
+        let source = spiffe_tls::x509_source(&facade_api.endpoint())
+            .await
+            .expect("facade svid");
+        let tls = Arc::new(spiffe_tls::facade_server_config(&source, "example.org").expect("tls"));
+        let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+        let dispatch = Arc::new(Dispatch::new(
+            [(backend.clone() as Arc<dyn ExecutorBackend>, 4)],
+            CapabilityKey::new(KEY).expect("key"),
+        ));
+        let facade = Arc::new(Facade::new(
+            dispatch.clone(),
+            gitea.clone(),
+            Some("job-summary".into()),
+            "vm".into(),
+        ));
+        let proxy = ReverseProxy::new(&mock.url, None).expect("proxy");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let facade_addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            // The source must live as long as the server: it rotates the facade's SVID.
+            let _source = source;
+            facade
+                .serve(listener, tls, proxy, async {
+                    let _ = stopped.await;
+                })
+                .await
+        });
+        Env {
+            mock,
+            gitea,
+            ca,
+            dir,
+            backend,
+            dispatch,
+            facade_api,
+            facade_addr,
+            _stop: stop,
+        }
+    }
+
+    /// Queues a job, fetches it as the scheduler would and lets a worker offer it.
+    async fn assignment(&self, step: &str) -> Assignment {
+        let yaml = format!(
+            "on: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: {step}\n"
+        );
+        self.mock
+            .handle
+            .queue_workflow("owner/repo", &yaml)
+            .expect("queue");
+        let task = self
+            .gitea
+            .fetch_task(0)
+            .await
+            .expect("fetch")
+            .task
+            .into_option()
+            .expect("task");
+        let policy = DerivationPolicy {
+            trust_domain: TrustDomain::new("example.org").expect("td"),
+            labels: BackendLabels::default(),
+        };
+        let assignment = Assignment::from_task(task, &policy).expect("assignment");
+        self.backend
+            .create(&ExecutorSpec {
+                assignment: RecoveredAssignment::from_assignment(&assignment),
+                capability: self.dispatch.capability_key().issue(assignment.id()),
+                facade_url: self.facade_url(),
+                facade_spiffe_id: FACADE_ID.into(),
+            })
+            .await
+            .expect("executor");
+        self.dispatch.admit(Backend::Pod, assignment.id());
+        self.dispatch.offer(&assignment);
+        assignment
+    }
+
+    fn facade_url(&self) -> String {
+        format!("https://{}", self.facade_addr)
+    }
+
+    async fn workload(&self, spiffe_id: &str) -> RunningWorkloadApi {
+        FakeWorkloadApi::start(self.dir.path(), self.ca.clone(), spiffe_id)
+            .await
+            .expect("workload api")
+    }
+
+    fn executor_config(
+        &self,
+        assignment: &Assignment,
+        workload: &RunningWorkloadApi,
+    ) -> ExecutorConfig {
+        ExecutorConfig::from_env(|name| match name {
+            "CI_ASSIGNMENT_ID" => Some(assignment.id().as_str().to_string()),
+            "CI_RUNNER_CAPABILITY" => Some(
+                self.dispatch
+                    .capability_key()
+                    .issue(assignment.id())
+                    .expose()
+                    .to_string(),
+            ),
+            "CI_RUNNER_BACKEND" => Some("pod".into()),
+            "CI_RUNNER_FACADE_URL" => Some(self.facade_url()),
+            "CI_RUNNER_FACADE_SPIFFE_ID" => Some(FACADE_ID.into()),
+            "SPIFFE_ENDPOINT_SOCKET" => Some(workload.endpoint()),
+            "GITEA_RUNNER_BINARY" => Some(STANDIN.into()),
+            "CI_EXECUTOR_READY_TIMEOUT" => Some("20".into()),
+            _ => None,
+        })
+        .expect("executor config")
+    }
+
+    /// A Connect client that reaches the facade the way a runner in an executor does:
+    /// through a loopback proxy holding `spiffe_id`'s SVID, presenting `uuid`/`token`.
+    async fn runner_client(
+        &self,
+        workload: &RunningWorkloadApi,
+        uuid: &str,
+        token: &str,
+    ) -> RunnerServiceClient<HttpClient> {
+        let source = spiffe_tls::x509_source(&workload.endpoint())
+            .await
+            .expect("svid");
+        let config =
+            Arc::new(spiffe_tls::executor_client_config(&source, FACADE_ID).expect("client tls"));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let local = listener.local_addr().expect("addr");
+        let facade_url = self.facade_url();
+        tokio::spawn(async move {
+            let _source = source;
+            gitea_dynamic_runner::executor::proxy::serve_loopback_proxy(
+                listener,
+                &facade_url,
+                config,
+                std::future::pending(),
+            )
+            .await
+        });
+        let config = ClientConfig::new(format!("http://{local}/api/actions").parse().expect("uri"))
+            .with_default_header("x-runner-uuid", uuid)
+            .with_default_header("x-runner-token", token);
+        RunnerServiceClient::new(HttpClient::plaintext(), config)
+    }
+
+    async fn job_status(&self, assignment: &Assignment, status: Status) {
+        let task_id = assignment.id().task_id();
+        self.mock
+            .handle
+            .wait_for(
+                |m| {
+                    m.jobs()
+                        .iter()
+                        .any(|j| j.task_id == Some(task_id) && j.status == status)
+                },
+                WAIT,
+            )
+            .await
+            .unwrap_or_else(|_| panic!("task {task_id} never reached {status:?}"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_runs_through_executor_facade_and_mock_gitea_with_its_logs_and_result() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let status = run(env.executor_config(&a, &workload))
+        .await
+        .expect("executor runs");
+    assert!(status.success(), "the runner exits 0");
+    env.job_status(&a, Status::Success).await;
+    let job = env
+        .mock
+        .handle
+        .jobs()
+        .into_iter()
+        .find(|j| j.task_id == Some(a.id().task_id()))
+        .expect("job");
+    let task = job.task.expect("task");
+    assert!(
+        !task.log_rows.is_empty() && task.log_archived,
+        "logs forwarded: {:?}",
+        task.log_rows
+    );
+    let record = env.backend.records().into_iter().next().expect("executor");
+    assert!(
+        record.claimed && record.terminal,
+        "claim and terminal marker are durable on the backend"
+    );
+    assert_eq!(
+        env.dispatch.pool_usage(Backend::Pod),
+        (0, 4),
+        "the slot is released at the terminal update"
+    );
+    assert_eq!(env.dispatch.claim_state(a.id()), Some(ClaimState::Terminal));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_cancel_in_gitea_reaches_the_runner_which_reports_cancelled() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:hang").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let executor = tokio::spawn(run(env.executor_config(&a, &workload)));
+    let task_id = a.id().task_id();
+    env.mock
+        .handle
+        .wait_for(|m| m.task(task_id).is_some_and(|t| t.heartbeats > 0), WAIT)
+        .await
+        .expect("the runner is heartbeating");
+    let job = env
+        .mock
+        .handle
+        .jobs()
+        .into_iter()
+        .find(|j| j.task_id == Some(task_id))
+        .expect("job");
+    env.mock.handle.cancel_job(job.id).expect("cancel");
+    env.job_status(&a, Status::Cancelled).await;
+    let status = tokio::time::timeout(WAIT, executor)
+        .await
+        .expect("executor ends")
+        .expect("join")
+        .expect("ran");
+    assert!(status.success());
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_svid_rotation_during_a_job_does_not_interrupt_it() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:sleep 3000").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let executor = tokio::spawn(run(env.executor_config(&a, &workload)));
+    let task_id = a.id().task_id();
+    env.mock
+        .handle
+        .wait_for(|m| m.task(task_id).is_some_and(|t| t.heartbeats > 0), WAIT)
+        .await
+        .expect("running");
+    workload.rotate().expect("rotate the executor's SVID");
+    env.facade_api.rotate().expect("rotate the facade's SVID");
+    env.job_status(&a, Status::Success).await;
+    let status = tokio::time::timeout(WAIT, executor)
+        .await
+        .expect("ends")
+        .expect("join")
+        .expect("ran");
+    assert!(status.success());
+}
+
+fn code(e: connectrpc::ConnectError) -> connectrpc::ErrorCode {
+    e.code
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn each_wrong_credential_is_refused_with_its_own_code() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let b = env.assignment("standin:success").await;
+    let cap_a = env
+        .dispatch
+        .capability_key()
+        .issue(a.id())
+        .expose()
+        .to_string();
+    let cap_b = env
+        .dispatch
+        .capability_key()
+        .issue(b.id())
+        .expose()
+        .to_string();
+    let workload_a = env.workload(a.identity().spiffe_id()).await;
+    let stranger = env
+        .workload("spiffe://example.org/ci/owner/other/build")
+        .await;
+
+    // Wrong SPIFFE ID: a valid capability presented by another workload of the domain.
+    let c = env.runner_client(&stranger, a.id().as_str(), &cap_a).await;
+    let e = c
+        .declare(DeclareRequest::default())
+        .await
+        .expect_err("refused");
+    assert_eq!(code(e), connectrpc::ErrorCode::PermissionDenied);
+
+    // Wrong capability.
+    let c = env
+        .runner_client(&workload_a, a.id().as_str(), "not-the-capability")
+        .await;
+    let e = c
+        .fetch_task(FetchTaskRequest::default())
+        .await
+        .expect_err("refused");
+    assert_eq!(code(e), connectrpc::ErrorCode::Unauthenticated);
+
+    // Another assignment's capability.
+    let c = env
+        .runner_client(&workload_a, a.id().as_str(), &cap_b)
+        .await;
+    let e = c
+        .fetch_task(FetchTaskRequest::default())
+        .await
+        .expect_err("refused");
+    assert_eq!(code(e), connectrpc::ErrorCode::Unauthenticated);
+
+    // The right credentials: the task once, then refusal of a second fetch.
+    let c = env
+        .runner_client(&workload_a, a.id().as_str(), &cap_a)
+        .await;
+    let declared = c.declare(DeclareRequest::default()).await.expect("declare");
+    assert_eq!(
+        declared
+            .headers()
+            .get("x-gitea-actions-capabilities")
+            .and_then(|v| v.to_str().ok()),
+        Some("job-summary")
+    );
+    let declared = declared.into_owned();
+    let runner = declared.runner.into_option().expect("runner");
+    assert!(runner.ephemeral && runner.uuid == a.id().as_str());
+    let first = c
+        .fetch_task(FetchTaskRequest::default())
+        .await
+        .expect("fetch")
+        .into_owned();
+    assert_eq!(
+        first.task.into_option().expect("the pre-assigned task").id,
+        a.id().task_id()
+    );
+    let e = c
+        .fetch_task(FetchTaskRequest::default())
+        .await
+        .expect_err("second fetch refused");
+    assert_eq!(code(e), connectrpc::ErrorCode::FailedPrecondition);
+
+    // A log update naming another task.
+    let e = c
+        .update_log(UpdateLogRequest {
+            task_id: b.id().task_id(),
+            rows: vec![LogRow {
+                content: "x".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        })
+        .await
+        .expect_err("refused");
+    assert_eq!(code(e), connectrpc::ErrorCode::PermissionDenied);
+    let b_rows = env
+        .mock
+        .handle
+        .task(b.id().task_id())
+        .expect("task b")
+        .log_rows;
+    assert!(
+        b_rows.is_empty(),
+        "nothing reached Gitea for the other task"
+    );
+
+    // Register is never available through the facade.
+    let e = c
+        .register(RegisterRequest::default())
+        .await
+        .expect_err("refused");
+    assert_eq!(code(e), connectrpc::ErrorCode::PermissionDenied);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn peers_outside_the_trust_domain_and_clients_without_a_certificate_are_refused_at_the_handshake()
+ {
+    let env = Env::new().await;
+    let foreign = TestCa::new("evil.org")
+        .expect("ca")
+        .issue("spiffe://evil.org/ci/x/y/z", Duration::from_secs(600))
+        .expect("svid");
+    let result = raw_tls_get(
+        any_server_client_config(Some(&foreign)).expect("tls"),
+        env.facade_addr,
+        "/api/v1/version",
+    )
+    .await;
+    assert!(
+        result.is_err(),
+        "a foreign trust domain got an answer: {result:?}"
+    );
+    let result = raw_tls_get(
+        any_server_client_config(None).expect("tls"),
+        env.facade_addr,
+        "/api/v1/version",
+    )
+    .await;
+    assert!(
+        result.is_err(),
+        "a client without a certificate got an answer: {result:?}"
+    );
+    // Control: a peer of the trust domain gets through to the reverse proxy.
+    let own = env
+        .ca
+        .issue(
+            "spiffe://example.org/ci/owner/repo/build",
+            Duration::from_secs(600),
+        )
+        .expect("svid");
+    let answer = raw_tls_get(
+        any_server_client_config(Some(&own)).expect("tls"),
+        env.facade_addr,
+        "/_mock/blob/5",
+    )
+    .await;
+    assert!(answer.expect("answer").starts_with("HTTP/1.1 200"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_50_mib_checkout_is_reverse_proxied_from_gitea_through_executor_and_facade() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:checkout 52428800").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let status = run(env.executor_config(&a, &workload)).await.expect("runs");
+    assert!(status.success());
+    env.job_status(&a, Status::Success).await;
+    let rows = env
+        .mock
+        .handle
+        .task(a.id().task_id())
+        .expect("task")
+        .log_rows;
+    assert!(
+        rows.iter().any(|r| r.contains("received 52428800 bytes")),
+        "{rows:?}"
+    );
+    assert!(
+        env.mock
+            .handle
+            .seen_requests()
+            .iter()
+            .any(|p| p.starts_with("/_mock/blob/52428800"))
+    );
+}
+
+/// Collects everything the JSON subscriber writes.
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .map_err(|_| std::io::Error::other("poisoned"))?
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Capture {
+    type Writer = Capture;
+    fn make_writer(&'a self) -> Self::Writer {
+        self.clone()
+    }
+}
+
+#[test]
+fn no_log_line_of_a_whole_job_contains_a_capability_token_or_task_secret() {
+    let capture = Capture::default();
+    let subscriber = gitea_dynamic_runner::logging::subscriber(
+        tracing_subscriber::EnvFilter::new("debug"),
+        capture.clone(),
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let _guard = tracing::subscriber::set_global_default(subscriber);
+    let secrets = runtime.block_on(async {
+        let env = Env::new().await;
+        env.mock
+            .handle
+            .set_secret("owner/repo", "DEPLOY_KEY", "super-secret-deploy-key");
+        let a = env.assignment("standin:success").await;
+        let workload = env.workload(a.identity().spiffe_id()).await;
+        run(env.executor_config(&a, &workload)).await.expect("runs");
+        env.job_status(&a, Status::Success).await;
+        let task_token = env.mock.handle.task(a.id().task_id()).expect("task").token;
+        vec![
+            env.dispatch
+                .capability_key()
+                .issue(a.id())
+                .expose()
+                .to_string(),
+            task_token,
+            "super-secret-deploy-key".to_string(),
+        ]
+    });
+    let logs = String::from_utf8(capture.0.lock().expect("lock").clone()).expect("utf8");
+    assert!(
+        logs.contains("task claimed by its executor"),
+        "the capture must see the facade's events"
+    );
+    for secret in secrets {
+        assert!(!logs.contains(&secret), "a log line contains a secret");
+    }
+}
