@@ -18,7 +18,13 @@
 //! [`ExecutorBackend::find`] / [`ExecutorBackend::create`] answer
 //! [`ExecutorError::Permanent`] for it. `find` does not answer `None` there on purpose:
 //! something exists that may be a live executor, and `None` would invite the worker to
-//! create a second one.
+//! create a second one. A directory *without* metadata is a creation that stopped before
+//! anything was spawned (the metadata is written before the spawn): `find` answers `None`
+//! and `create` completes it.
+//!
+//! Phase: a child of this instance is `Running` until reaped, then `Finished` with its
+//! exact status; otherwise a recorded exit code decides; otherwise a live pid with the
+//! recorded start time is `Running` and anything else is `Finished { success: false }`.
 //!
 //! Limitation: the executor runs as the controller's user and can therefore rewrite its
 //! own `metadata.json`. Re-validation refuses inconsistent metadata, but a consistent
