@@ -16,6 +16,8 @@ use crate::domain::assignment::{AssignmentId, RecoveredAssignment};
 use crate::domain::backend::Backend;
 use crate::domain::capability::Capability;
 
+pub mod process;
+
 /// Environment variable names handed to an executor (compatible with the Go version).
 pub mod env {
     /// The assignment ID (also the runner UUID the executor presents).
