@@ -27,6 +27,7 @@ pub mod spiffe_tls;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 pub mod worker;
+pub mod workload_api;
 
 /// Generated protobuf messages (buffa) and Connect service stubs for `runner.v1` and `ping.v1`.
 pub mod proto {
