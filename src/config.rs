@@ -207,6 +207,66 @@ pub const FIELDS: &[FieldDoc] = &[
         doc: "SPIFFE Workload API socket, e.g. unix:///run/spire/agent-sockets/spire-agent.sock.",
     },
     FieldDoc {
+        key: "state_dir",
+        default: "/var/lib/gitea-dynamic-runner",
+        doc: "Directory for local state: the embedded NATS store, the local CA and process executors.",
+    },
+    FieldDoc {
+        key: "pod_backend",
+        default: "kubernetes",
+        doc: "What runs pod jobs: `kubernetes` (Pods; not implemented yet) or `process` (local child processes, single host).",
+    },
+    FieldDoc {
+        key: "vm_backend",
+        default: "opensandbox",
+        doc: "What runs vm jobs: `opensandbox` (Kata VMs; not implemented yet) or `process` (local child processes, single host).",
+    },
+    FieldDoc {
+        key: "local_identity",
+        default: "false",
+        doc: "Serve SPIFFE identities from a CA under state_dir instead of SPIRE (required by the process backend).",
+    },
+    FieldDoc {
+        key: "executor_program",
+        default: "this binary",
+        doc: "Program the process backend starts (with argument `executor`).",
+    },
+    FieldDoc {
+        key: "runner_binary",
+        default: "gitea-runner",
+        doc: "The official runner binary executors run as `daemon --once`.",
+    },
+    FieldDoc {
+        key: "executor_start_deadline",
+        default: "10m",
+        doc: "An executor whose runner has not claimed its task by then is failed.",
+    },
+    FieldDoc {
+        key: "nats_server_binary",
+        default: "nats-server",
+        doc: "nats-server binary of the embedded single-host mode (used when nats_url is unset).",
+    },
+    FieldDoc {
+        key: "leader_election",
+        default: "false",
+        doc: "Campaign for a Kubernetes Lease; only the leader works, standbys report not ready.",
+    },
+    FieldDoc {
+        key: "lease_namespace",
+        default: "gitea-actions",
+        doc: "Namespace of the leader Lease.",
+    },
+    FieldDoc {
+        key: "lease_name",
+        default: "gitea-dynamic-runner",
+        doc: "Name of the leader Lease.",
+    },
+    FieldDoc {
+        key: "leader_identity",
+        default: "$HOSTNAME",
+        doc: "This replica's identity in the Lease.",
+    },
+    FieldDoc {
         key: "health_listen",
         default: "0.0.0.0:9090",
         doc: "Listen address of /healthz, /readyz and /metrics.",
@@ -343,6 +403,19 @@ pub struct Config {
     pub runner_facade_spiffe_id: Option<String>,
     pub spiffe_endpoint_socket: Option<String>,
     pub health_listen: String,
+    pub state_dir: PathBuf,
+    pub pod_backend: String,
+    pub vm_backend: String,
+    pub local_identity: bool,
+    pub executor_program: Option<PathBuf>,
+    pub runner_binary: PathBuf,
+    #[serde(with = "duration")]
+    pub executor_start_deadline: Duration,
+    pub nats_server_binary: PathBuf,
+    pub leader_election: bool,
+    pub lease_namespace: String,
+    pub lease_name: String,
+    pub leader_identity: Option<String>,
     pub pod_namespace: String,
     pub pod_executor_image: Option<String>,
     pub pod_service_account: String,
@@ -394,6 +467,18 @@ impl Default for Config {
             runner_facade_spiffe_id: None,
             spiffe_endpoint_socket: None,
             health_listen: "0.0.0.0:9090".into(),
+            state_dir: PathBuf::from("/var/lib/gitea-dynamic-runner"),
+            pod_backend: "kubernetes".into(),
+            vm_backend: "opensandbox".into(),
+            local_identity: false,
+            executor_program: None,
+            runner_binary: PathBuf::from("gitea-runner"),
+            executor_start_deadline: Duration::from_secs(600),
+            nats_server_binary: PathBuf::from("nats-server"),
+            leader_election: false,
+            lease_namespace: "gitea-actions".into(),
+            lease_name: "gitea-dynamic-runner".into(),
+            leader_identity: None,
             pod_namespace: "gitea-actions".into(),
             pod_executor_image: None,
             pod_service_account: "gitea-task-executor".into(),
@@ -534,6 +619,8 @@ impl Config {
     /// Every cross-field rule this configuration breaks.
     pub fn problems(&self) -> Vec<Problem> {
         let mut out = Vec::new();
+        // Problems found while `need` holds `out`, appended at the end.
+        let mut extra: Vec<Problem> = Vec::new();
         let mut need = |key: &'static str, present: bool, why: &str| {
             if !present {
                 out.push(Problem {
@@ -569,7 +656,28 @@ impl Config {
         );
         let workers = self.components.contains(&Component::PodWorker)
             || self.components.contains(&Component::VmWorker);
-        if self.components.contains(&Component::PodWorker) {
+        let pod_on = self.components.contains(&Component::PodWorker) && self.pod_capacity > 0;
+        let vm_on = self.components.contains(&Component::VmWorker) && self.vm_capacity > 0;
+        for (key, value, allowed) in [
+            ("pod_backend", &self.pod_backend, ["kubernetes", "process"]),
+            ("vm_backend", &self.vm_backend, ["opensandbox", "process"]),
+        ] {
+            if !allowed.contains(&value.as_str()) {
+                extra.push(Problem {
+                    key,
+                    rule: format!("{value:?} must be one of {allowed:?}"),
+                });
+            }
+        }
+        let process =
+            (pod_on && self.pod_backend == "process") || (vm_on && self.vm_backend == "process");
+        if process && !self.local_identity {
+            extra.push(Problem {
+                key: "local_identity",
+                rule: "must be true with the process backend: local executors get their SPIFFE identity from the controller's CA".into(),
+            });
+        }
+        if pod_on && self.pod_backend == "kubernetes" {
             need(
                 "pod_executor_image",
                 self.pod_executor_image.is_some(),
@@ -581,7 +689,7 @@ impl Config {
                 "when pod-worker runs",
             );
         }
-        if self.components.contains(&Component::VmWorker) {
+        if vm_on && self.vm_backend == "opensandbox" {
             need(
                 "opensandbox_api",
                 self.opensandbox_api.is_some(),
@@ -606,8 +714,8 @@ impl Config {
             );
             need(
                 "spiffe_endpoint_socket",
-                self.spiffe_endpoint_socket.is_some(),
-                "when the scheduler runs",
+                self.spiffe_endpoint_socket.is_some() || self.local_identity,
+                "when the scheduler runs (or set local_identity)",
             );
         }
         if workers && !self.components.contains(&Component::Scheduler) {
@@ -723,6 +831,7 @@ impl Config {
                 rule: "must be at least 1".into(),
             });
         }
+        out.extend(extra);
         out
     }
 

@@ -22,6 +22,7 @@ pub mod logging;
 pub mod metrics;
 pub mod queue;
 pub mod register;
+pub mod runtime;
 pub mod scheduler;
 pub mod spiffe_tls;
 #[cfg(feature = "testkit")]

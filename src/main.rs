@@ -20,7 +20,7 @@ fn main() -> ExitCode {
         }
         Command::CheckConfig(args) => check_config(args),
         Command::Register(args) => run_register(args),
-        Command::Controller(_) => not_implemented("controller"),
+        Command::Controller(args) => run_controller(args),
         Command::Executor => run_executor(),
         Command::SandboxIdentity => not_implemented("sandbox-identity"),
     }
@@ -113,6 +113,69 @@ fn run_register(args: gitea_dynamic_runner::cli::RegisterArgs) -> ExitCode {
         }
         Err(e) => fail(e),
     }
+}
+
+fn run_controller(args: gitea_dynamic_runner::cli::ConfigArgs) -> ExitCode {
+    use gitea_dynamic_runner::runtime;
+    let config = match args.sources().and_then(|s| Config::load(&s)) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("configuration error:\n{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let tokio = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => return fail(e),
+    };
+    tokio.block_on(async move {
+        let bind = |what: &'static str, addr: String| async move {
+            tokio::net::TcpListener::bind(&addr)
+                .await
+                .map_err(|e| format!("{what}: cannot listen on {addr}: {e}"))
+        };
+        let listeners = match (
+            bind("runner_facade_listen", config.runner_facade_listen.clone()).await,
+            bind("health_listen", config.health_listen.clone()).await,
+        ) {
+            (Ok(facade), Ok(health)) => runtime::Listeners { facade, health },
+            (Err(e), _) | (_, Err(e)) => return fail(e),
+        };
+        match runtime::run(
+            config,
+            listeners,
+            shutdown_signal(),
+            runtime::Handles::default(),
+        )
+        .await
+        {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(e),
+        }
+    })
+}
+
+/// Resolves on SIGTERM or SIGINT: the controller then stops fetching and drains.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(mut term), Ok(mut int)) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+        }
+        _ => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+    tracing::info!("shutdown requested");
 }
 
 fn run_executor() -> ExitCode {

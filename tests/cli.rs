@@ -57,7 +57,7 @@ fn subcommand_help_carries_the_configuration_reference() {
 
 #[test]
 fn subcommands_that_have_not_landed_say_so_and_fail() {
-    for sub in ["controller", "sandbox-identity"] {
+    for sub in ["sandbox-identity"] {
         let out = run(&[sub]);
         assert_eq!(out.status.code(), Some(2), "{sub}");
         assert_eq!(

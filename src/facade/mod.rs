@@ -35,8 +35,8 @@ pub use crate::spiffe_tls::PeerSpiffeId;
 pub struct Facade {
     dispatch: Arc<Dispatch>,
     gitea: GiteaClient,
-    /// `X-Gitea-Actions-Capabilities` from the controller's own Declare.
-    server_capabilities: Option<String>,
+    /// `X-Gitea-Actions-Capabilities` from the controller's own Declare, once known.
+    server_capabilities: std::sync::RwLock<Option<String>>,
     /// Label of each backend as declared to the runner.
     vm_label: String,
 }
@@ -53,9 +53,17 @@ impl Facade {
         Facade {
             dispatch,
             gitea,
-            server_capabilities,
+            server_capabilities: std::sync::RwLock::new(server_capabilities),
             vm_label,
         }
+    }
+
+    /// Records Gitea's capabilities header from the controller's Declare.
+    pub fn set_server_capabilities(&self, value: Option<String>) {
+        *self
+            .server_capabilities
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = value;
     }
 
     /// The Connect router serving this facade (mount it under `/api/actions`).
@@ -182,8 +190,13 @@ impl RunnerService for Facade {
             runner: self.runner_record(&auth, version).into(),
             ..Default::default()
         });
-        Ok(match &self.server_capabilities {
-            Some(value) => response.with_header(CAPABILITIES_HEADER, value.clone()),
+        let capabilities = self
+            .server_capabilities
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        Ok(match capabilities {
+            Some(value) => response.with_header(CAPABILITIES_HEADER, value),
             None => response,
         })
     }

@@ -136,6 +136,7 @@ struct Shared {
     stats: Arc<SchedulerStats>,
     version: Arc<TasksVersion>,
     gate: BacklogGate,
+    declared: tokio::sync::watch::Sender<Option<crate::gitea::Declared>>,
 }
 
 /// The FetchTask pollers of one controller (one runner registration).
@@ -174,6 +175,7 @@ impl Scheduler {
                 stats: Arc::new(SchedulerStats::new()),
                 version: Arc::new(TasksVersion::new()),
                 gate,
+                declared: tokio::sync::watch::Sender::new(None),
             }),
         }
     }
@@ -199,6 +201,12 @@ impl Scheduler {
     /// The counters.
     pub fn stats(&self) -> Arc<SchedulerStats> {
         self.shared.stats.clone()
+    }
+
+    /// What the controller's one `Declare` answered, once it has (the facade passes
+    /// Gitea's capabilities header on to executors).
+    pub fn declared(&self) -> tokio::sync::watch::Receiver<Option<crate::gitea::Declared>> {
+        self.shared.declared.subscribe()
     }
 
     /// The tasks version shared by the pollers.
@@ -263,6 +271,7 @@ async fn declare(shared: &Shared, shutdown: &Shutdown) -> Result<bool, Scheduler
             .await
         {
             Ok(declared) => {
+                shared.declared.send_replace(Some(declared.clone()));
                 tracing::info!(
                     runner = %declared.runner.name,
                     labels = ?shared.settings.labels,

@@ -1,0 +1,298 @@
+//! The whole system on one host: mock Gitea → scheduler → embedded nats-server →
+//! worker → process backend → `gitea-dynamic-runner executor` → stand-in runner →
+//! facade → mock Gitea.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gitea_dynamic_runner::config::{Config, Sources};
+use gitea_dynamic_runner::runtime::{self, Handles, Listeners};
+use gitea_dynamic_runner::testkit::mock_gitea::{
+    JobId, MockConfig, MockGitea, RunningMock, Status,
+};
+use gitea_dynamic_runner::testkit::nats_server::NatsServer;
+
+const WAIT: Duration = Duration::from_secs(60);
+const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
+const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
+
+pub struct Controller {
+    pub mock: RunningMock,
+    pub state: tempfile::TempDir,
+    pub handles: Handles,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    pub task: Option<tokio::task::JoinHandle<Result<(), runtime::RuntimeError>>>,
+}
+
+fn write(dir: &Path, name: &str, content: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, content).expect("write");
+    path
+}
+
+impl Controller {
+    async fn start(pod_capacity: u32, vm_capacity: u32) -> Self {
+        let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+        let state = tempfile::Builder::new()
+            .prefix("gdr")
+            .tempdir()
+            .expect("state");
+        let (uuid, token) = mock
+            .handle
+            .create_runner("ctl", &["self-hosted", "pod", "vm"], false);
+        let secrets = state.path().join("secrets");
+        std::fs::create_dir_all(&secrets).expect("secrets");
+        let uuid_file = write(&secrets, "uuid", &uuid);
+        let token_file = write(&secrets, "token", &token);
+        let key_file = write(&secrets, "capability", "0123456789abcdef0123456789abcdef");
+        let task_key = write(&secrets, "task-key", &"ab".repeat(32));
+        let facade = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let health = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let facade_url = format!("https://{}", facade.local_addr().expect("addr"));
+        let set = |k: &str, v: String| format!("{k}={v}");
+        let overrides = [
+            set("gitea_instance_url", mock.url.clone()),
+            set("gitea_runner_uuid_file", uuid_file.display().to_string()),
+            set("gitea_runner_token_file", token_file.display().to_string()),
+            set(
+                "runner_facade_capability_key_file",
+                key_file.display().to_string(),
+            ),
+            set("task_encryption_key_file", task_key.display().to_string()),
+            set("trust_domain", "example.org".into()),
+            set("runner_facade_url", facade_url),
+            set(
+                "runner_facade_spiffe_id",
+                "spiffe://example.org/controller".into(),
+            ),
+            set("local_identity", "true".into()),
+            set("pod_backend", "process".into()),
+            set("vm_backend", "process".into()),
+            set("pod_capacity", pod_capacity.to_string()),
+            set("vm_capacity", vm_capacity.to_string()),
+            set(
+                "state_dir",
+                state.path().join("state").display().to_string(),
+            ),
+            set(
+                "nats_server_binary",
+                NatsServer::binary().display().to_string(),
+            ),
+            set("executor_program", BIN.into()),
+            set("runner_binary", STANDIN.into()),
+            set("heartbeat_interval", "2s".into()),
+        ];
+        let sources = Sources {
+            file: None,
+            overrides: overrides
+                .iter()
+                .map(|o| Sources::parse_override(o).expect("override"))
+                .collect(),
+            environment: false,
+        };
+        let config = Config::load(&sources).expect("valid configuration");
+        let handles = Handles::default();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(runtime::run(
+            config,
+            Listeners { facade, health },
+            async {
+                let _ = stopped.await;
+            },
+            handles.clone(),
+        ));
+        Controller {
+            mock,
+            state,
+            handles,
+            stop: Some(stop),
+            task: Some(task),
+        }
+    }
+
+    fn queue(&self, name: &str, runs_on: &str, step: &str) -> JobId {
+        let yaml = format!(
+            "on: push\njobs:\n  {name}:\n    runs-on: {runs_on}\n    steps:\n      - run: {step}\n"
+        );
+        self.mock
+            .handle
+            .queue_workflow("owner/repo", &yaml)
+            .expect("queue")[0]
+    }
+
+    async fn wait_status(&self, job: JobId, status: Status) {
+        self.mock
+            .handle
+            .wait_for(|m| m.job(job).is_some_and(|j| j.status == status), WAIT)
+            .await
+            .unwrap_or_else(|_| {
+                let seen = self.mock.handle.job(job).map(|j| j.status);
+                panic!("job {job:?} never reached {status:?} (is {seen:?})")
+            });
+    }
+
+    async fn stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(task) = self.task.take() {
+            let result = tokio::time::timeout(WAIT, task)
+                .await
+                .expect("controller stops")
+                .expect("join");
+            result.expect("controller ran without error");
+        }
+    }
+
+    fn pool_usage(
+        &self,
+        backend: gitea_dynamic_runner::domain::backend::Backend,
+    ) -> (usize, usize) {
+        self.handles
+            .dispatch
+            .get()
+            .map(|d| d.pool_usage(backend))
+            .unwrap_or_default()
+    }
+
+    /// Executors not yet terminal (the ones holding capacity), read from the backend's
+    /// own metadata files.
+    fn live_executors(&self) -> usize {
+        ["pod", "vm"]
+            .iter()
+            .flat_map(|b| {
+                std::fs::read_dir(self.state.path().join("state").join(b).join("executors"))
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|e| e.ok())
+                    .filter_map(|e| std::fs::read(e.path().join("metadata.json")).ok())
+                    .filter_map(|m| serde_json::from_slice::<serde_json::Value>(&m).ok())
+                    .filter(|m| {
+                        m.get("terminal").and_then(serde_json::Value::as_bool) == Some(false)
+                    })
+            })
+            .count()
+    }
+
+    fn executor_dirs(&self) -> usize {
+        ["pod", "vm"]
+            .iter()
+            .map(|b| {
+                std::fs::read_dir(self.state.path().join("state").join(b).join("executors"))
+                    .map(|d| d.count())
+                    .unwrap_or(0)
+            })
+            .sum()
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn success_failure_and_cancellation_reach_gitea_through_the_whole_chain() {
+    let mut c = Controller::start(3, 1).await;
+    let ok = c.queue("ok", "[self-hosted, pod]", "standin:success");
+    let bad = c.queue("bad", "[self-hosted, pod]", "standin:failure");
+    let hang = c.queue("hang", "[self-hosted, pod]", "standin:hang");
+    c.wait_status(ok, Status::Success).await;
+    c.wait_status(bad, Status::Failure).await;
+    let hang_task = c
+        .mock
+        .handle
+        .wait_for_value(
+            |m| {
+                m.job(hang)
+                    .and_then(|j| j.task)
+                    .filter(|t| t.heartbeats > 0)
+                    .map(|t| t.id)
+            },
+            WAIT,
+        )
+        .await
+        .expect("the hanging job runs");
+    c.mock.handle.cancel_job(hang).expect("cancel");
+    c.wait_status(hang, Status::Cancelled).await;
+    let rows = c.mock.handle.task(hang_task).expect("task").log_rows;
+    assert!(!rows.is_empty());
+    // Everything is cleaned up: executors deleted, slots released.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while c.executor_dirs() > 0
+        || c.pool_usage(gitea_dynamic_runner::domain::backend::Backend::Pod)
+            .0
+            > 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "executors or slots leaked"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_jobs_with_capacity_three_all_succeed_and_never_exceed_capacity() {
+    let mut c = Controller::start(3, 1).await;
+    let jobs: Vec<JobId> = (0..20)
+        .map(|i| {
+            c.queue(
+                &format!("job{i}"),
+                "[self-hosted, pod]",
+                "standin:sleep 200",
+            )
+        })
+        .collect();
+    let max_seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let done = c.mock.handle.clone();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
+    loop {
+        let live = c.live_executors().max(
+            c.pool_usage(gitea_dynamic_runner::domain::backend::Backend::Pod)
+                .0,
+        );
+        max_seen.fetch_max(live, std::sync::atomic::Ordering::SeqCst);
+        let finished = jobs
+            .iter()
+            .filter(|j| done.job(**j).is_some_and(|s| s.status == Status::Success))
+            .count();
+        if finished == jobs.len() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "only {finished} of 20 jobs succeeded"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        max_seen.load(std::sync::atomic::Ordering::SeqCst) <= 3,
+        "more than 3 executors at once"
+    );
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pod_and_vm_labels_run_in_their_own_pools() {
+    let mut c = Controller::start(1, 1).await;
+    let pod = c.queue("p", "[self-hosted, pod]", "standin:sleep 500");
+    let vm = c.queue("v", "[self-hosted, vm]", "standin:sleep 500");
+    c.wait_status(pod, Status::Success).await;
+    c.wait_status(vm, Status::Success).await;
+    let state = c.state.path().join("state");
+    assert!(
+        state.join("pod/executors").exists() && state.join("vm/executors").exists(),
+        "each backend has its own executors"
+    );
+    c.stop().await;
+}
