@@ -56,15 +56,13 @@ fn subcommand_help_carries_the_configuration_reference() {
 }
 
 #[test]
-fn subcommands_that_have_not_landed_say_so_and_fail() {
-    for sub in ["sandbox-identity"] {
-        let out = run(&[sub]);
-        assert_eq!(out.status.code(), Some(2), "{sub}");
-        assert_eq!(
-            text(&out.stderr).trim(),
-            format!("gitea-dynamic-runner {sub}: not implemented yet")
-        );
-    }
+fn a_subcommand_that_has_not_landed_says_so_and_fails() {
+    let out = run(&["sandbox-identity"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr).trim(),
+        "gitea-dynamic-runner sandbox-identity: not implemented yet"
+    );
 }
 
 #[test]
@@ -294,6 +292,28 @@ fn register_without_the_gitea_settings_names_what_is_missing() {
     let err = text(&out.stderr);
     assert!(
         err.contains("gitea_instance_url (GITEA_INSTANCE_URL): is required to register"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_executor_without_its_environment_names_the_missing_variable() {
+    let out = run(&["executor"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("CI_ASSIGNMENT_ID: is required"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn the_controller_with_an_incomplete_configuration_lists_the_problems_and_fails() {
+    let out = run(&["controller", "--set", "pod_backend=process"]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("local_identity (LOCAL_IDENTITY)") && err.contains("trust_domain"),
         "{err}"
     );
 }
