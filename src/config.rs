@@ -267,6 +267,11 @@ pub const FIELDS: &[FieldDoc] = &[
         doc: "This replica's identity in the Lease.",
     },
     FieldDoc {
+        key: "lease_duration",
+        default: "15s",
+        doc: "How long a Lease holds without renewal (renewals every duration/7, given up after 2/3 of it).",
+    },
+    FieldDoc {
         key: "health_listen",
         default: "0.0.0.0:9090",
         doc: "Listen address of /healthz, /readyz and /metrics.",
@@ -416,6 +421,8 @@ pub struct Config {
     pub lease_namespace: String,
     pub lease_name: String,
     pub leader_identity: Option<String>,
+    #[serde(with = "duration")]
+    pub lease_duration: Duration,
     pub pod_namespace: String,
     pub pod_executor_image: Option<String>,
     pub pod_service_account: String,
@@ -479,6 +486,7 @@ impl Default for Config {
             lease_namespace: "gitea-actions".into(),
             lease_name: "gitea-dynamic-runner".into(),
             leader_identity: None,
+            lease_duration: Duration::from_secs(15),
             pod_namespace: "gitea-actions".into(),
             pod_executor_image: None,
             pod_service_account: "gitea-task-executor".into(),

@@ -77,6 +77,8 @@ pub struct Handles {
     pub dispatch: Arc<std::sync::OnceLock<Arc<Dispatch>>>,
     /// Set once the readiness exists.
     pub readiness: Arc<std::sync::OnceLock<Arc<Readiness>>>,
+    /// Kubernetes client for leader election (default: in-cluster or kubeconfig).
+    pub kube: Option<kube::Client>,
 }
 
 /// Runs the controller until `shutdown` resolves (Ok) or leadership is lost (Err).
@@ -183,6 +185,60 @@ pub async fn run(
             .map_err(setup)?
     };
 
+    // Leadership.
+    let (leader_tx, mut leadership) = if config.leader_election {
+        let (tx, rx) = Leadership::channel();
+        (Some(tx), rx)
+    } else {
+        (None, Leadership::always())
+    };
+    let elector = match leader_tx {
+        Some(tx) => {
+            let client = crate::lease::client_from_environment()
+                .await
+                .map_err(setup)?;
+            let identity = config
+                .leader_identity
+                .clone()
+                .or_else(|| std::env::var("HOSTNAME").ok())
+                .ok_or_else(|| {
+                    setup("leader_identity (or HOSTNAME) is required for leader election")
+                })?;
+            let settings = LeaseSettings::new(
+                config.lease_namespace.clone(),
+                config.lease_name.clone(),
+                identity,
+            );
+            let mut stop = stop_all_rx.clone();
+            Some(tokio::spawn(LeaderElector::new(client, settings).run(
+                tx,
+                async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                },
+            )))
+        }
+        None => None,
+    };
+
+    tokio::pin!(shutdown);
+    tokio::select! {
+        _ = &mut shutdown => {
+            let _ = stop_all.send(true);
+            let _ = health.await;
+            return Ok(());
+        }
+        acquired = leadership.acquired() => {
+            if !acquired {
+                let _ = stop_all.send(true);
+                return Err(RuntimeError::LostLeadership);
+            }
+        }
+    }
+    tracing::info!("leading: starting every component");
+    metrics.leader.set(1);
+
+    // Backend state (executors, identities) is touched only by the leader: a standby
+    // must not re-serve or re-adopt what the leader owns.
     // Identity: the controller's own CA (single host) or SPIRE's Workload API.
     let facade_spiffe_id = config
         .runner_facade_spiffe_id
@@ -254,58 +310,6 @@ pub async fn run(
             tracing::info!(%backend, admitted, claimed, "restored executors from the backend");
         }
     }
-
-    // Leadership.
-    let (leader_tx, mut leadership) = if config.leader_election {
-        let (tx, rx) = Leadership::channel();
-        (Some(tx), rx)
-    } else {
-        (None, Leadership::always())
-    };
-    let elector = match leader_tx {
-        Some(tx) => {
-            let client = crate::lease::client_from_environment()
-                .await
-                .map_err(setup)?;
-            let identity = config
-                .leader_identity
-                .clone()
-                .or_else(|| std::env::var("HOSTNAME").ok())
-                .ok_or_else(|| {
-                    setup("leader_identity (or HOSTNAME) is required for leader election")
-                })?;
-            let settings = LeaseSettings::new(
-                config.lease_namespace.clone(),
-                config.lease_name.clone(),
-                identity,
-            );
-            let mut stop = stop_all_rx.clone();
-            Some(tokio::spawn(LeaderElector::new(client, settings).run(
-                tx,
-                async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                },
-            )))
-        }
-        None => None,
-    };
-
-    tokio::pin!(shutdown);
-    tokio::select! {
-        _ = &mut shutdown => {
-            let _ = stop_all.send(true);
-            let _ = health.await;
-            return Ok(());
-        }
-        acquired = leadership.acquired() => {
-            if !acquired {
-                let _ = stop_all.send(true);
-                return Err(RuntimeError::LostLeadership);
-            }
-        }
-    }
-    tracing::info!("leading: starting every component");
-    metrics.leader.set(1);
 
     // Components, all stopped by `stop_work`.
     let (stop_work, work_rx) = watch::channel(false);
