@@ -267,6 +267,11 @@ pub const FIELDS: &[FieldDoc] = &[
         doc: "This replica's identity in the Lease.",
     },
     FieldDoc {
+        key: "nats_ack_wait",
+        default: "60s",
+        doc: "JetStream ack wait of the worker consumers: an assignment a dead controller held is redelivered after this.",
+    },
+    FieldDoc {
         key: "lease_duration",
         default: "15s",
         doc: "How long a Lease holds without renewal (renewals every duration/7, given up after 2/3 of it).",
@@ -423,6 +428,8 @@ pub struct Config {
     pub leader_identity: Option<String>,
     #[serde(with = "duration")]
     pub lease_duration: Duration,
+    #[serde(with = "duration")]
+    pub nats_ack_wait: Duration,
     pub pod_namespace: String,
     pub pod_executor_image: Option<String>,
     pub pod_service_account: String,
@@ -487,6 +494,7 @@ impl Default for Config {
             lease_name: "gitea-dynamic-runner".into(),
             leader_identity: None,
             lease_duration: Duration::from_secs(15),
+            nats_ack_wait: Duration::from_secs(60),
             pod_namespace: "gitea-actions".into(),
             pod_executor_image: None,
             pod_service_account: "gitea-task-executor".into(),

@@ -233,6 +233,34 @@ impl Dispatch {
         })
     }
 
+    /// Authenticates a runner whose assignment is not offered in this process (yet): the
+    /// controller restarted and the assignment waits for redelivery. The capability
+    /// proves we issued it; the backend's metadata says which workload may use it.
+    pub async fn authorize_from_backend(
+        &self,
+        assignment_id: &str,
+        capability: &str,
+        peer_spiffe_id: &str,
+    ) -> Result<Authorized, AuthError> {
+        if !self.capability_key.verify(assignment_id, capability) {
+            return Err(AuthError::BadCapability);
+        }
+        let id = AssignmentId::parse(assignment_id).map_err(|_| AuthError::UnknownAssignment)?;
+        for backend in self.backends.values() {
+            if let Ok(Some(record)) = backend.find(&id).await {
+                if record.assignment.identity().spiffe_id() != peer_spiffe_id {
+                    return Err(AuthError::WrongIdentity);
+                }
+                return Ok(Authorized {
+                    id,
+                    task_id: record.assignment.task_id(),
+                    backend: backend.backend(),
+                });
+            }
+        }
+        Err(AuthError::UnknownAssignment)
+    }
+
     /// Hands the pre-assigned task to its runner, exactly once: the claim is recorded
     /// on the backend first, then the state turns `Claimed` and the worker is told.
     /// `Ok(None)` when there is nothing (more) to hand out.

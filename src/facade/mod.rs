@@ -92,6 +92,40 @@ impl Facade {
         crate::spiffe_tls::serve_tls(listener, tls, self.app(proxy), shutdown).await
     }
 
+    /// Like [`Self::authenticate`], but also accepts a runner whose assignment this
+    /// process has not been offered (yet), e.g. after a restart: it may declare and
+    /// poll, and gets its task once the redelivered assignment is offered.
+    async fn authenticate_waiting(
+        &self,
+        ctx: &RequestContext,
+        method: &str,
+    ) -> Result<Authorized, ConnectError> {
+        match self.authenticate(ctx, method) {
+            Err(e) if e.code == connectrpc::ErrorCode::Unauthenticated => {
+                let header = |name: &str| {
+                    ctx.header(name)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                };
+                let Some(PeerSpiffeId(peer)) = ctx.extensions().get::<PeerSpiffeId>() else {
+                    return Err(e);
+                };
+                match self
+                    .dispatch
+                    .authorize_from_backend(header(UUID_HEADER), header(TOKEN_HEADER), peer)
+                    .await
+                {
+                    Ok(auth) => Ok(auth),
+                    Err(AuthError::WrongIdentity) => Err(ConnectError::permission_denied(
+                        "peer SPIFFE ID does not match the assignment",
+                    )),
+                    Err(_) => Err(e),
+                }
+            }
+            other => other,
+        }
+    }
+
     fn authenticate(&self, ctx: &RequestContext, method: &str) -> Result<Authorized, ConnectError> {
         let header = |name: &str| {
             ctx.header(name)
@@ -183,7 +217,7 @@ impl RunnerService for Facade {
         ctx: RequestContext,
         request: ServiceRequest<'_, DeclareRequest>,
     ) -> ServiceResult<DeclareResponse> {
-        let auth = self.authenticate(&ctx, "Declare")?;
+        let auth = self.authenticate_waiting(&ctx, "Declare").await?;
         let version = request.to_owned_message().version;
         tracing::info!(assignment_id = %auth.id, runner_version = %version, "executor runner declared");
         let response = Response::new(DeclareResponse {
@@ -206,7 +240,7 @@ impl RunnerService for Facade {
         ctx: RequestContext,
         request: ServiceRequest<'_, FetchTaskRequest>,
     ) -> ServiceResult<FetchTaskResponse> {
-        let auth = self.authenticate(&ctx, "FetchTask")?;
+        let auth = self.authenticate_waiting(&ctx, "FetchTask").await?;
         let version = request.to_owned_message().tasks_version;
         let state = self.dispatch.claim_state(&auth.id);
         if matches!(

@@ -414,7 +414,7 @@ pub async fn run(
             *backend,
             &ConsumerSettings {
                 max_ack_pending: i64::try_from(*capacity).unwrap_or(i64::MAX),
-                ack_wait: Duration::from_secs(60),
+                ack_wait: config.nats_ack_wait,
                 max_deliver: -1,
             },
         )
@@ -425,7 +425,7 @@ pub async fn run(
             full_delay: Duration::from_secs(5),
             not_ready_delay: Duration::from_secs(2),
             error_delay: Duration::from_secs(15),
-            progress_interval: Duration::from_secs(20),
+            progress_interval: config.nats_ack_wait / 3,
             start_deadline: config.executor_start_deadline,
             facade_url: facade_url.clone(),
             facade_spiffe_id: facade_spiffe_id.clone(),
