@@ -311,6 +311,7 @@ impl Dispatch {
             .backend(auth.backend)
             .ok_or(ClaimError::NoBackend(auth.backend))?;
         backend.mark_terminal(&auth.id).await?;
+        crate::failpoint::hit(crate::failpoint::points::AFTER_TERMINAL_MARKER);
         self.release(auth.backend, &auth.id);
         if let Some(entry) = lock(&self.entries).get_mut(&auth.id) {
             entry.task = None;

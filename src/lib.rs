@@ -15,6 +15,7 @@ pub mod domain;
 pub mod executor;
 pub mod executors;
 pub mod facade;
+pub mod failpoint;
 pub mod gitea;
 pub mod lease;
 pub mod lifecycle;

@@ -277,6 +277,7 @@ impl Worker {
                 let spec = self.spec(&assignment);
                 match self.backend.create(&spec).await {
                     Ok(r) => {
+                        crate::failpoint::hit(crate::failpoint::points::AFTER_CREATE);
                         tracing::info!(%backend, assignment_id = %id, executor = %r.name, "executor created");
                         r
                     }

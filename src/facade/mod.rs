@@ -298,6 +298,7 @@ impl RunnerService for Facade {
         if result != buffa::EnumValue::from(TaskResult::RESULT_UNSPECIFIED) {
             // Invariant 10: the terminal marker is durable before the runner hears back;
             // if it is not, the runner retries and Gitea ignores the repeated result.
+            crate::failpoint::hit(crate::failpoint::points::AFTER_TERMINAL_ACCEPTED);
             self.dispatch.finish(&auth).await.map_err(|e| {
                 tracing::warn!(assignment_id = %auth.id, error = %e, "persisting the terminal marker failed");
                 ConnectError::unavailable("persisting the terminal state failed; retry")

@@ -384,6 +384,7 @@ async fn poll(shared: Arc<Shared>, index: usize, shutdown: Shutdown) -> Report {
                         idle = 0;
                         SchedulerStats::inc(&shared.stats.tasks_fetched);
                         report.tasks_fetched += 1;
+                        crate::failpoint::hit(crate::failpoint::points::AFTER_FETCH);
                         hand_off(&shared, task, slot, &shutdown, &mut report).await;
                     }
                 }
@@ -491,7 +492,10 @@ async fn publish_until_stored(
             },
         };
         let error = match result {
-            Ok(published) => return Some(published),
+            Ok(published) => {
+                crate::failpoint::hit(crate::failpoint::points::AFTER_PUBLISH);
+                return Some(published);
+            }
             Err(e) => e,
         };
         SchedulerStats::inc(&shared.stats.publish_retries);

@@ -1,0 +1,240 @@
+//! Kill-and-restart: the controller process is SIGKILLed at a named fail point, then
+//! started again; each test asserts what became of the job: no task runs twice, nothing
+//! is lost outside the documented fetch→publish window, no executor or slot leaks.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use gitea_dynamic_runner::testkit::mock_gitea::{
+    JobId, MockConfig, MockGitea, RunningMock, Status,
+};
+use gitea_dynamic_runner::testkit::nats_server::NatsServer;
+
+const WAIT: Duration = Duration::from_secs(60);
+const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
+const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("port")
+}
+
+fn write(dir: &Path, name: &str, content: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, content).expect("write");
+    path
+}
+
+struct Setup {
+    _nats: NatsServer,
+    mock: RunningMock,
+    dir: tempfile::TempDir,
+    config: PathBuf,
+}
+
+impl Setup {
+    async fn new() -> Self {
+        let nats = NatsServer::start().await.expect("nats");
+        let mock =
+            MockGitea::start(MockConfig::default().with_zombie_timeout(Duration::from_secs(3)))
+                .await
+                .expect("mock");
+        let dir = tempfile::Builder::new()
+            .prefix("kr")
+            .tempdir()
+            .expect("dir");
+        let (uuid, token) = mock
+            .handle
+            .create_runner("ctl", &["self-hosted", "pod"], false);
+        let facade = free_port();
+        let health = free_port();
+        let config = format!(
+            "components = \"scheduler,pod-worker\"\n\
+             gitea_instance_url = {url:?}\n\
+             gitea_runner_uuid_file = {uuid:?}\ngitea_runner_token_file = {token:?}\n\
+             runner_facade_capability_key_file = {key:?}\n\
+             trust_domain = \"example.org\"\n\
+             runner_facade_listen = \"127.0.0.1:{facade}\"\nhealth_listen = \"127.0.0.1:{health}\"\n\
+             runner_facade_url = \"https://127.0.0.1:{facade}\"\n\
+             runner_facade_spiffe_id = \"spiffe://example.org/controller\"\n\
+             local_identity = true\npod_backend = \"process\"\npod_capacity = 2\nvm_capacity = 0\n\
+             state_dir = {state:?}\nnats_url = {nats:?}\n\
+             executor_program = {bin:?}\nrunner_binary = {standin:?}\n\
+             heartbeat_interval = \"1s\"\nnats_ack_wait = \"3s\"\n",
+            url = mock.url,
+            uuid = write(dir.path(), "uuid", &uuid).display().to_string(),
+            token = write(dir.path(), "token", &token).display().to_string(),
+            key = write(dir.path(), "key", "0123456789abcdef0123456789abcdef")
+                .display()
+                .to_string(),
+            state = dir.path().join("state").display().to_string(),
+            nats = nats.url(),
+            bin = BIN,
+            standin = STANDIN,
+        );
+        let config = write(dir.path(), "controller.toml", &config);
+        Setup {
+            _nats: nats,
+            mock,
+            dir,
+            config,
+        }
+    }
+
+    fn controller(&self, failpoint: Option<&str>) -> tokio::process::Child {
+        let mut command = tokio::process::Command::new(BIN);
+        command
+            .args(["controller", "--config"])
+            .arg(&self.config)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true);
+        if let Some(point) = failpoint {
+            command.env("GDR_FAILPOINT", point);
+        }
+        command.spawn().expect("controller starts")
+    }
+
+    fn queue(&self, step: &str) -> JobId {
+        let yaml = format!(
+            "on: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: {step}\n"
+        );
+        self.mock
+            .handle
+            .queue_workflow("owner/repo", &yaml)
+            .expect("queue")[0]
+    }
+
+    async fn killed_at_its_fail_point(&self, child: &mut tokio::process::Child) {
+        use std::os::unix::process::ExitStatusExt;
+        let status = tokio::time::timeout(WAIT, child.wait())
+            .await
+            .expect("the fail point fires")
+            .expect("wait");
+        assert_eq!(
+            status.signal(),
+            Some(9),
+            "the controller died at its fail point: {status:?}"
+        );
+    }
+
+    async fn status(&self, job: JobId, status: Status) {
+        self.mock
+            .handle
+            .wait_for(|m| m.job(job).is_some_and(|j| j.status == status), WAIT)
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "job never reached {status:?}: {:?}",
+                    self.mock
+                        .handle
+                        .job(job)
+                        .map(|j| (j.status, j.task.map(|t| t.log_rows)))
+                )
+            });
+    }
+
+    fn executors(&self) -> usize {
+        std::fs::read_dir(self.dir.path().join("state/pod/executors"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    }
+
+    async fn no_executor_left(&self) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while self.executors() > 0 {
+            assert!(tokio::time::Instant::now() < deadline, "an executor leaked");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    fn runs_of(&self, job: JobId) -> usize {
+        let rows = self
+            .mock
+            .handle
+            .job(job)
+            .and_then(|j| j.task)
+            .map(|t| t.log_rows)
+            .unwrap_or_default();
+        rows.iter()
+            .filter(|r| r.contains("stand-in runner: task"))
+            .count()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_after_a_fetch_the_task_is_lost_in_the_documented_window_and_failed_by_gitea() {
+    let s = Setup::new().await;
+    let job = s.queue("standin:success");
+    let mut first = s.controller(Some("after-fetch"));
+    s.killed_at_its_fail_point(&mut first).await;
+    let mut second = s.controller(None);
+    // Gitea handed the task out and nobody stored it: its zombie clean-up fails it.
+    s.status(job, Status::Failure).await;
+    assert_eq!(s.runs_of(job), 0, "the lost task never ran");
+    assert_eq!(s.executors(), 0);
+    let _ = second.start_kill();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_after_the_publish_the_restarted_controller_runs_the_job_once() {
+    let s = Setup::new().await;
+    let job = s.queue("standin:success");
+    let mut first = s.controller(Some("after-publish"));
+    s.killed_at_its_fail_point(&mut first).await;
+    let mut second = s.controller(None);
+    s.status(job, Status::Success).await;
+    assert_eq!(s.runs_of(job), 1);
+    s.no_executor_left().await;
+    let _ = second.start_kill();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_after_the_executor_was_created_the_restarted_controller_adopts_it_and_runs_the_job_once()
+ {
+    let s = Setup::new().await;
+    let job = s.queue("standin:success");
+    let mut first = s.controller(Some("after-create"));
+    s.killed_at_its_fail_point(&mut first).await;
+    assert_eq!(s.executors(), 1, "the executor outlives the controller");
+    let mut second = s.controller(None);
+    s.status(job, Status::Success).await;
+    assert_eq!(s.runs_of(job), 1);
+    s.no_executor_left().await;
+    let _ = second.start_kill();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_after_gitea_accepted_the_result_the_restarted_controller_marks_and_cleans_up() {
+    let s = Setup::new().await;
+    let job = s.queue("standin:success");
+    let mut first = s.controller(Some("after-terminal-accepted"));
+    s.killed_at_its_fail_point(&mut first).await;
+    s.status(job, Status::Success).await;
+    let mut second = s.controller(None);
+    s.no_executor_left().await;
+    assert_eq!(s.runs_of(job), 1);
+    assert_eq!(
+        s.mock.handle.job(job).map(|j| j.status),
+        Some(Status::Success),
+        "the result stands"
+    );
+    let _ = second.start_kill();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_after_the_terminal_marker_the_restarted_controller_deletes_the_executor() {
+    let s = Setup::new().await;
+    let job = s.queue("standin:success");
+    let mut first = s.controller(Some("after-terminal-marker"));
+    s.killed_at_its_fail_point(&mut first).await;
+    s.status(job, Status::Success).await;
+    let mut second = s.controller(None);
+    s.no_executor_left().await;
+    assert_eq!(s.runs_of(job), 1);
+    let _ = second.start_kill();
+}
