@@ -293,6 +293,7 @@ impl Dispatch {
         entry.claiming = false;
         match recorded {
             Ok(()) => {
+                crate::failpoint::hit(crate::failpoint::points::AFTER_CLAIM);
                 entry.state.send_replace(ClaimState::Claimed);
                 Ok(Some(*task))
             }

@@ -13,6 +13,8 @@ pub mod points {
     pub const AFTER_PUBLISH: &str = "after-publish";
     /// The worker created the executor.
     pub const AFTER_CREATE: &str = "after-create";
+    /// The claim is durable on the backend; the runner has not received its task.
+    pub const AFTER_CLAIM: &str = "after-claim";
     /// Gitea accepted a terminal result; the marker is not yet written.
     pub const AFTER_TERMINAL_ACCEPTED: &str = "after-terminal-accepted";
     /// The terminal marker is written; the executor is not yet deleted.

@@ -394,7 +394,17 @@ async fn each_wrong_credential_is_refused_with_its_own_code() {
         .fetch_task(FetchTaskRequest::default())
         .await
         .expect_err("second fetch refused");
-    assert_eq!(code(e), connectrpc::ErrorCode::FailedPrecondition);
+    assert!(
+        e.message
+            .as_deref()
+            .is_some_and(|m| m.ends_with("unregistered runner")),
+        "{e:?}"
+    );
+    assert_eq!(
+        code(e),
+        connectrpc::ErrorCode::Unauthenticated,
+        "the runner must stop polling"
+    );
 
     // A log update naming another task.
     let e = c

@@ -33,6 +33,10 @@ fn write(dir: &Path, name: &str, content: &str) -> PathBuf {
 
 impl Controller {
     async fn start(pod_capacity: u32, vm_capacity: u32) -> Self {
+        Self::start_with(pod_capacity, vm_capacity, None).await
+    }
+
+    async fn start_with(pod_capacity: u32, vm_capacity: u32, nats_url: Option<String>) -> Self {
         let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
         let state = tempfile::Builder::new()
             .prefix("gdr")
@@ -87,6 +91,10 @@ impl Controller {
             set("runner_binary", STANDIN.into()),
             set("heartbeat_interval", "2s".into()),
         ];
+        let mut overrides = overrides.to_vec();
+        if let Some(url) = nats_url {
+            overrides.push(set("nats_url", url));
+        }
         let sources = Sources {
             file: None,
             overrides: overrides
@@ -294,5 +302,91 @@ async fn pod_and_vm_labels_run_in_their_own_pools() {
         state.join("pod/executors").exists() && state.join("vm/executors").exists(),
         "each backend has its own executors"
     );
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_executor_killed_mid_job_is_reported_as_failed_and_cleaned_up() {
+    let mut c = Controller::start(1, 1).await;
+    let job = c.queue("victim", "[self-hosted, pod]", "standin:hang");
+    c.mock
+        .handle
+        .wait_for(
+            |m| {
+                m.job(job)
+                    .and_then(|j| j.task)
+                    .is_some_and(|t| t.heartbeats > 0)
+            },
+            WAIT,
+        )
+        .await
+        .expect("the job runs");
+    let executors = c.state.path().join("state/pod/executors");
+    let dir = std::fs::read_dir(&executors)
+        .expect("dir")
+        .next()
+        .expect("one executor")
+        .expect("entry")
+        .path();
+    let meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("metadata.json")).expect("metadata"))
+            .expect("json");
+    let pid = meta
+        .get("pid")
+        .and_then(serde_json::Value::as_i64)
+        .expect("pid") as i32;
+    // SAFETY: kill(2) with plain integers; the process group of the executor only.
+    unsafe {
+        libc::kill(-pid, libc::SIGKILL);
+    }
+    c.wait_status(job, Status::Failure).await;
+    let rows = c
+        .mock
+        .handle
+        .job(job)
+        .and_then(|j| j.task)
+        .map(|t| t.log_rows)
+        .unwrap_or_default();
+    assert!(
+        rows.iter()
+            .any(|r| r.contains("without reporting a result")),
+        "{rows:?}"
+    );
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while c.executor_dirs() > 0
+        || c.pool_usage(gitea_dynamic_runner::domain::backend::Backend::Pod)
+            .0
+            > 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "executor or slot leaked"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nats_restart_mid_job_loses_no_job() {
+    let mut nats = NatsServer::start().await.expect("nats");
+    let mut c = Controller::start_with(2, 1, Some(nats.url())).await;
+    let running = c.queue("running", "[self-hosted, pod]", "standin:sleep 3000");
+    c.mock
+        .handle
+        .wait_for(
+            |m| {
+                m.job(running)
+                    .and_then(|j| j.task)
+                    .is_some_and(|t| t.heartbeats > 0)
+            },
+            WAIT,
+        )
+        .await
+        .expect("the first job runs");
+    nats.restart().await.expect("restart nats");
+    let after = c.queue("after", "[self-hosted, pod]", "standin:success");
+    c.wait_status(running, Status::Success).await;
+    c.wait_status(after, Status::Success).await;
     c.stop().await;
 }

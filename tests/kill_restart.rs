@@ -209,6 +209,24 @@ async fn killed_after_the_executor_was_created_the_restarted_controller_adopts_i
 }
 
 #[tokio::test(flavor = "multi_thread")]
+async fn killed_after_the_claim_the_unanswered_runner_is_stopped_and_the_task_failed_not_left_hanging()
+ {
+    let s = Setup::new().await;
+    let job = s.queue("standin:success");
+    let mut first = s.controller(Some("after-claim"));
+    s.killed_at_its_fail_point(&mut first).await;
+    let mut second = s.controller(None);
+    s.status(job, Status::Failure).await;
+    assert_eq!(
+        s.runs_of(job),
+        0,
+        "the task was handed out to nobody and never ran"
+    );
+    s.no_executor_left().await;
+    let _ = second.start_kill();
+}
+
+#[tokio::test(flavor = "multi_thread")]
 async fn killed_after_gitea_accepted_the_result_the_restarted_controller_marks_and_cleans_up() {
     let s = Setup::new().await;
     let job = s.queue("standin:success");

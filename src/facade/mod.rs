@@ -247,8 +247,14 @@ impl RunnerService for Facade {
             state,
             Some(crate::dispatch::ClaimState::Claimed | crate::dispatch::ClaimState::Terminal)
         ) {
-            return Err(ConnectError::failed_precondition(format!(
-                "the task of {} was already handed out",
+            // A runner that got its task never fetches again (`--once`), so a second fetch
+            // means the answer to the first was lost (e.g. the controller died right after
+            // recording the claim). The task cannot be handed out twice: tell the runner
+            // it is unregistered so it exits; the lifecycle reconciler then fails the task
+            // in Gitea instead of leaving a polling executor behind.
+            tracing::warn!(assignment_id = %auth.id, "second FetchTask for an already claimed task refused");
+            return Err(ConnectError::unauthenticated(format!(
+                "the task of {} was already handed out; unregistered runner",
                 auth.id
             )));
         }
