@@ -59,6 +59,8 @@ pub struct Metrics {
     pub gitea_errors: Family<ErrorKindLabel, Counter>,
     /// 1 while this replica leads.
     pub leader: Gauge,
+    /// Longest fetch→stored window seen (µs): a kill inside it loses the task.
+    pub handoff_window_max_micros: Gauge,
 }
 
 impl Default for Metrics {
@@ -81,6 +83,7 @@ impl Metrics {
             heartbeats: Counter::default(),
             gitea_errors: Family::default(),
             leader: Gauge::default(),
+            handoff_window_max_micros: Gauge::default(),
         };
         registry.register(
             "tasks_fetched",
@@ -121,6 +124,11 @@ impl Metrics {
             "leader",
             "1 while this replica holds the leader lease",
             m.leader.clone(),
+        );
+        registry.register(
+            "handoff_window_max_micros",
+            "Longest time between a FetchTask answer and JetStream storing its assignment, in microseconds",
+            m.handoff_window_max_micros.clone(),
         );
         Metrics { registry, ..m }
     }

@@ -21,6 +21,7 @@ pub struct Controller {
     pub mock: RunningMock,
     pub state: tempfile::TempDir,
     pub handles: Handles,
+    pub health: std::net::SocketAddr,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     pub task: Option<tokio::task::JoinHandle<Result<(), runtime::RuntimeError>>>,
 }
@@ -33,10 +34,15 @@ fn write(dir: &Path, name: &str, content: &str) -> PathBuf {
 
 impl Controller {
     async fn start(pod_capacity: u32, vm_capacity: u32) -> Self {
-        Self::start_with(pod_capacity, vm_capacity, None).await
+        Self::start_with(pod_capacity, vm_capacity, None, &[]).await
     }
 
-    async fn start_with(pod_capacity: u32, vm_capacity: u32, nats_url: Option<String>) -> Self {
+    async fn start_with(
+        pod_capacity: u32,
+        vm_capacity: u32,
+        nats_url: Option<String>,
+        extra: &[&str],
+    ) -> Self {
         let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
         let state = tempfile::Builder::new()
             .prefix("gdr")
@@ -58,6 +64,7 @@ impl Controller {
             .await
             .expect("bind");
         let facade_url = format!("https://{}", facade.local_addr().expect("addr"));
+        let health_addr = health.local_addr().expect("addr");
         let set = |k: &str, v: String| format!("{k}={v}");
         let overrides = [
             set("gitea_instance_url", mock.url.clone()),
@@ -95,6 +102,7 @@ impl Controller {
         if let Some(url) = nats_url {
             overrides.push(set("nats_url", url));
         }
+        overrides.extend(extra.iter().map(|e| e.to_string()));
         let sources = Sources {
             file: None,
             overrides: overrides
@@ -118,6 +126,7 @@ impl Controller {
             mock,
             state,
             handles,
+            health: health_addr,
             stop: Some(stop),
             task: Some(task),
         }
@@ -287,6 +296,31 @@ async fn twenty_jobs_with_capacity_three_all_succeed_and_never_exceed_capacity()
         max_seen.load(std::sync::atomic::Ordering::SeqCst) <= 3,
         "more than 3 executors at once"
     );
+    // The fetch→publish loss window, as the controller measures and exports it.
+    let url = format!("http://{}/metrics", c.health);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let window = loop {
+        let text = reqwest::get(&url)
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("text");
+        let value = text
+            .lines()
+            .find_map(|l| l.strip_prefix("gitea_dynamic_runner_handoff_window_max_micros "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        if value > 0 {
+            break value;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the handoff window is not exported"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    eprintln!("measured fetch→publish window (max over 20 jobs): {window} µs");
     c.stop().await;
 }
 
@@ -370,7 +404,7 @@ async fn an_executor_killed_mid_job_is_reported_as_failed_and_cleaned_up() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_nats_restart_mid_job_loses_no_job() {
     let mut nats = NatsServer::start().await.expect("nats");
-    let mut c = Controller::start_with(2, 1, Some(nats.url())).await;
+    let mut c = Controller::start_with(2, 1, Some(nats.url()), &[]).await;
     let running = c.queue("running", "[self-hosted, pod]", "standin:sleep 3000");
     c.mock
         .handle
@@ -388,5 +422,54 @@ async fn a_nats_restart_mid_job_loses_no_job() {
     let after = c.queue("after", "[self-hosted, pod]", "standin:success");
     c.wait_status(running, Status::Success).await;
     c.wait_status(after, Status::Success).await;
+    c.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn an_executor_whose_runner_never_claims_within_the_deadline_is_failed_and_removed() {
+    let scripts = tempfile::tempdir().expect("dir");
+    let stuck = scripts.path().join("stuck-runner");
+    std::fs::write(&stuck, "#!/bin/sh\nexec sleep 600\n").expect("script");
+    let mut permissions = std::fs::metadata(&stuck).expect("meta").permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut permissions, 0o755);
+    std::fs::set_permissions(&stuck, permissions).expect("chmod");
+    let runner = format!("runner_binary={}", stuck.display());
+    let mut c = Controller::start_with(
+        1,
+        1,
+        None,
+        &[
+            runner.as_str(),
+            "executor_start_deadline=3s",
+            "nats_ack_wait=3s",
+        ],
+    )
+    .await;
+    let job = c.queue("stuck", "[self-hosted, pod]", "standin:success");
+    c.wait_status(job, Status::Failure).await;
+    let rows = c
+        .mock
+        .handle
+        .job(job)
+        .and_then(|j| j.task)
+        .map(|t| t.log_rows)
+        .unwrap_or_default();
+    assert!(
+        rows.iter()
+            .any(|r| r.contains("did not start the job within")),
+        "{rows:?}"
+    );
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while c.executor_dirs() > 0
+        || c.pool_usage(gitea_dynamic_runner::domain::backend::Backend::Pod)
+            .0
+            > 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "executor or slot leaked"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     c.stop().await;
 }

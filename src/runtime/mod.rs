@@ -527,6 +527,9 @@ async fn export_metrics(
         metrics.publish_retries.inc_by(now.1.saturating_sub(last.1));
         metrics.heartbeats.inc_by(now.2.saturating_sub(last.2));
         last = now;
+        metrics
+            .handoff_window_max_micros
+            .set(i64::try_from(stats.handoff_window_micros_max.load(Relaxed)).unwrap_or(i64::MAX));
         for kind in [
             crate::gitea::ErrorKind::Unauthenticated,
             crate::gitea::ErrorKind::NotFound,

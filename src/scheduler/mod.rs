@@ -403,6 +403,8 @@ async fn hand_off(
     report: &mut Report,
 ) {
     let task_id = task.id;
+    // The fetch→publish window (DESIGN invariant 4): a kill inside it loses the task.
+    let fetched_at = std::time::Instant::now();
     let assignment = match Assignment::from_task(task, &shared.policy) {
         Ok(a) => a,
         Err(e) => {
@@ -437,6 +439,15 @@ async fn hand_off(
     match publish_until_stored(shared, &assignment, payload, shutdown).await {
         Some(published) => {
             shared.gate.stored(slot, published.duplicate);
+            let window = u64::try_from(fetched_at.elapsed().as_micros()).unwrap_or(u64::MAX);
+            shared
+                .stats
+                .handoff_window_micros_max
+                .fetch_max(window, std::sync::atomic::Ordering::Relaxed);
+            shared
+                .stats
+                .handoff_window_micros_total
+                .fetch_add(window, std::sync::atomic::Ordering::Relaxed);
             SchedulerStats::inc(&shared.stats.tasks_published);
             if published.duplicate {
                 SchedulerStats::inc(&shared.stats.publish_duplicates);

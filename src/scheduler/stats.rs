@@ -15,6 +15,10 @@ pub struct SchedulerStats {
     pub tasks_fetched: AtomicU64,
     /// Assignments JetStream acknowledged (duplicates included).
     pub tasks_published: AtomicU64,
+    /// Longest fetch→stored window seen, in microseconds (the loss window of invariant 4).
+    pub handoff_window_micros_max: AtomicU64,
+    /// Sum of fetch→stored windows, in microseconds (divide by `tasks_published`).
+    pub handoff_window_micros_total: AtomicU64,
     /// Publish attempts that failed and were retried (or given up).
     pub publish_retries: AtomicU64,
     /// Publishes JetStream answered as duplicates (stored before).
