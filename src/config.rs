@@ -213,17 +213,17 @@ pub const FIELDS: &[FieldDoc] = &[
     },
     FieldDoc {
         key: "pod_backend",
-        default: "kubernetes",
+        default: "process without nats_url, else kubernetes",
         doc: "What runs pod jobs: `kubernetes` (Pods; not implemented yet) or `process` (local child processes, single host).",
     },
     FieldDoc {
         key: "vm_backend",
-        default: "opensandbox",
+        default: "process without nats_url, else opensandbox",
         doc: "What runs vm jobs: `opensandbox` (Kata VMs; not implemented yet) or `process` (local child processes, single host).",
     },
     FieldDoc {
         key: "local_identity",
-        default: "false",
+        default: "true without nats_url, else false",
         doc: "Serve SPIFFE identities from a CA under state_dir instead of SPIRE (required by the process backend).",
     },
     FieldDoc {
@@ -414,9 +414,9 @@ pub struct Config {
     pub spiffe_endpoint_socket: Option<String>,
     pub health_listen: String,
     pub state_dir: PathBuf,
-    pub pod_backend: String,
-    pub vm_backend: String,
-    pub local_identity: bool,
+    pub pod_backend: Option<String>,
+    pub vm_backend: Option<String>,
+    pub local_identity: Option<bool>,
     pub executor_program: Option<PathBuf>,
     pub runner_binary: PathBuf,
     #[serde(with = "duration")]
@@ -482,9 +482,9 @@ impl Default for Config {
             spiffe_endpoint_socket: None,
             health_listen: "0.0.0.0:9090".into(),
             state_dir: PathBuf::from("/var/lib/gitea-dynamic-runner"),
-            pod_backend: "kubernetes".into(),
-            vm_backend: "opensandbox".into(),
-            local_identity: false,
+            pod_backend: None,
+            vm_backend: None,
+            local_identity: None,
             executor_program: None,
             runner_binary: PathBuf::from("gitea-runner"),
             executor_start_deadline: Duration::from_secs(600),
@@ -675,25 +675,25 @@ impl Config {
         let pod_on = self.components.contains(&Component::PodWorker) && self.pod_capacity > 0;
         let vm_on = self.components.contains(&Component::VmWorker) && self.vm_capacity > 0;
         for (key, value, allowed) in [
-            ("pod_backend", &self.pod_backend, ["kubernetes", "process"]),
-            ("vm_backend", &self.vm_backend, ["opensandbox", "process"]),
+            ("pod_backend", self.pod_backend(), ["kubernetes", "process"]),
+            ("vm_backend", self.vm_backend(), ["opensandbox", "process"]),
         ] {
-            if !allowed.contains(&value.as_str()) {
+            if !allowed.contains(&value) {
                 extra.push(Problem {
                     key,
                     rule: format!("{value:?} must be one of {allowed:?}"),
                 });
             }
         }
-        let process =
-            (pod_on && self.pod_backend == "process") || (vm_on && self.vm_backend == "process");
-        if process && !self.local_identity {
+        let process = (pod_on && self.pod_backend() == "process")
+            || (vm_on && self.vm_backend() == "process");
+        if process && !self.local_identity() {
             extra.push(Problem {
                 key: "local_identity",
                 rule: "must be true with the process backend: local executors get their SPIFFE identity from the controller's CA".into(),
             });
         }
-        if pod_on && self.pod_backend == "kubernetes" {
+        if pod_on && self.pod_backend() == "kubernetes" {
             need(
                 "pod_executor_image",
                 self.pod_executor_image.is_some(),
@@ -705,7 +705,7 @@ impl Config {
                 "when pod-worker runs",
             );
         }
-        if vm_on && self.vm_backend == "opensandbox" {
+        if vm_on && self.vm_backend() == "opensandbox" {
             need(
                 "opensandbox_api",
                 self.opensandbox_api.is_some(),
@@ -730,7 +730,7 @@ impl Config {
             );
             need(
                 "spiffe_endpoint_socket",
-                self.spiffe_endpoint_socket.is_some() || self.local_identity,
+                self.spiffe_endpoint_socket.is_some() || self.local_identity(),
                 "when the scheduler runs (or set local_identity)",
             );
         }
@@ -849,6 +849,37 @@ impl Config {
         }
         out.extend(extra);
         out
+    }
+
+    /// Single-host mode: no NATS cluster configured, so the controller runs its own
+    /// nats-server, process executors and local identities unless told otherwise.
+    pub fn single_host(&self) -> bool {
+        self.nats_url.is_none()
+    }
+
+    /// What runs pod jobs (default: `process` on a single host, else `kubernetes`).
+    pub fn pod_backend(&self) -> &str {
+        self.pod_backend
+            .as_deref()
+            .unwrap_or(if self.single_host() {
+                "process"
+            } else {
+                "kubernetes"
+            })
+    }
+
+    /// What runs vm jobs (default: `process` on a single host, else `opensandbox`).
+    pub fn vm_backend(&self) -> &str {
+        self.vm_backend.as_deref().unwrap_or(if self.single_host() {
+            "process"
+        } else {
+            "opensandbox"
+        })
+    }
+
+    /// Whether identities come from the controller's own CA (default: on a single host).
+    pub fn local_identity(&self) -> bool {
+        self.local_identity.unwrap_or(self.single_host())
     }
 
     /// Capacity-derived backlog bound (invariant 5b).
@@ -1249,6 +1280,32 @@ mod tests {
         ] {
             assert!(err.contains(key), "{key} missing from: {err}");
         }
+    }
+
+    #[test]
+    fn without_a_nats_url_the_single_host_defaults_are_process_executors_and_local_identity() {
+        let single = Config::default();
+        assert_eq!(
+            (
+                single.pod_backend(),
+                single.vm_backend(),
+                single.local_identity()
+            ),
+            ("process", "process", true)
+        );
+        let cluster =
+            Config::load_unvalidated(&sources(None, &["nats_url=nats://nats:4222"])).unwrap();
+        assert_eq!(
+            (
+                cluster.pod_backend(),
+                cluster.vm_backend(),
+                cluster.local_identity()
+            ),
+            ("kubernetes", "opensandbox", false)
+        );
+        let explicit =
+            Config::load_unvalidated(&sources(None, &["pod_backend=kubernetes"])).unwrap();
+        assert_eq!(explicit.pod_backend(), "kubernetes");
     }
 
     #[test]

@@ -309,7 +309,13 @@ fn the_executor_without_its_environment_names_the_missing_variable() {
 
 #[test]
 fn the_controller_with_an_incomplete_configuration_lists_the_problems_and_fails() {
-    let out = run(&["controller", "--set", "pod_backend=process"]);
+    let out = run(&[
+        "controller",
+        "--set",
+        "pod_backend=process",
+        "--set",
+        "nats_url=nats://nats.example:4222",
+    ]);
     assert!(!out.status.success());
     let err = text(&out.stderr);
     assert!(

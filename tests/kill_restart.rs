@@ -33,6 +33,7 @@ struct Setup {
     mock: RunningMock,
     dir: tempfile::TempDir,
     config: PathBuf,
+    health: u16,
 }
 
 impl Setup {
@@ -81,6 +82,7 @@ impl Setup {
             mock,
             dir,
             config,
+            health,
         }
     }
 
@@ -144,12 +146,34 @@ impl Setup {
             .unwrap_or(0)
     }
 
+    /// No executor directory and no admission slot in use (read from `/metrics` of
+    /// the restarted controller).
     async fn no_executor_left(&self) {
         let deadline = tokio::time::Instant::now() + WAIT;
-        while self.executors() > 0 {
-            assert!(tokio::time::Instant::now() < deadline, "an executor leaked");
+        loop {
+            let slots = self.pod_slots_in_use().await;
+            if self.executors() == 0 && slots == Some(0) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "leaked: {} executors, slots {slots:?}",
+                self.executors()
+            );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    async fn pod_slots_in_use(&self) -> Option<u64> {
+        let text = reqwest::get(format!("http://127.0.0.1:{}/metrics", self.health))
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("gitea_dynamic_runner_pool_in_use{backend=\"pod\"} "))
+            .and_then(|v| v.trim().parse().ok())
     }
 
     fn runs_of(&self, job: JobId) -> usize {
@@ -176,7 +200,7 @@ async fn killed_after_a_fetch_the_task_is_lost_in_the_documented_window_and_fail
     // Gitea handed the task out and nobody stored it: its zombie clean-up fails it.
     s.status(job, Status::Failure).await;
     assert_eq!(s.runs_of(job), 0, "the lost task never ran");
-    assert_eq!(s.executors(), 0);
+    s.no_executor_left().await;
     let _ = second.start_kill();
 }
 

@@ -244,7 +244,7 @@ pub async fn run(
         .runner_facade_spiffe_id
         .clone()
         .ok_or_else(|| setup("runner_facade_spiffe_id is required"))?;
-    let local_identity = if config.local_identity {
+    let local_identity = if config.local_identity() {
         let ca = LocalCa::load_or_create(&config.state_dir.join("ca"), trust_domain.as_str())
             .map_err(setup)?;
         Some(Arc::new(LocalIdentity::new(ca, Duration::from_secs(3600))))
@@ -272,13 +272,13 @@ pub async fn run(
             Backend::Pod,
             Component::PodWorker,
             config.pod_capacity,
-            config.pod_backend.as_str(),
+            config.pod_backend(),
         ),
         (
             Backend::Vm,
             Component::VmWorker,
             config.vm_capacity,
-            config.vm_backend.as_str(),
+            config.vm_backend(),
         ),
     ] {
         if capacity == 0 || !config.components.contains(&component) {
