@@ -1,5 +1,6 @@
-//! Peak memory of the executor's loopback proxy while it streams 50 MiB from an mTLS
-//! upstream (fake Workload API identities, real rustls, real hyper on both sides).
+//! Peak memory while 50 MiB stream from "Gitea" (a plain HTTP upstream) through the
+//! facade's reverse proxy (the real facade app behind SPIFFE mTLS) and the executor's
+//! loopback proxy to a client: the whole download path of a checkout.
 //!
 //! Run: `cargo bench --bench proxy_stream` (or `--profile dev` for a quick figure).
 //! Prints the process's `VmHWM` (peak resident set, from `/proc/self/status`) before
@@ -10,10 +11,18 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
+use gitea_dynamic_runner::dispatch::Dispatch;
+use gitea_dynamic_runner::domain::backend::Backend;
+use gitea_dynamic_runner::domain::capability::CapabilityKey;
 use gitea_dynamic_runner::executor::proxy::serve_loopback_proxy;
+use gitea_dynamic_runner::executors::ExecutorBackend;
+use gitea_dynamic_runner::facade::Facade;
+use gitea_dynamic_runner::facade::proxy::ReverseProxy;
+use gitea_dynamic_runner::gitea::{ClientOptions, GiteaClient};
 use gitea_dynamic_runner::spiffe_tls::{
     executor_client_config, facade_server_config, serve_tls, x509_source,
 };
+use gitea_dynamic_runner::testkit::memory_backend::MemoryBackend;
 use gitea_dynamic_runner::testkit::spiffe::{FakeWorkloadApi, TestCa};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
@@ -59,20 +68,35 @@ async fn main() -> Result<(), Box<dyn Error>> {
                 axum::body::Body::from_stream(chunks)
             }),
         );
+    // Upstream: plain HTTP, as Gitea behind the facade.
     let upstream = TcpListener::bind("127.0.0.1:0").await?;
     let upstream_addr = upstream.local_addr()?;
+    tokio::spawn(async move { axum::serve(upstream, app).await });
+    let gitea_url = format!("http://{upstream_addr}");
+
+    // The real facade application (RunnerService + reverse proxy) behind SPIFFE mTLS.
+    let backend: Arc<dyn ExecutorBackend> = Arc::new(MemoryBackend::new(Backend::Pod));
+    let dispatch = Arc::new(Dispatch::new(
+        [(backend, 1)],
+        CapabilityKey::new(&[7u8; 32])?,
+    ));
+    let gitea = GiteaClient::new(ClientOptions::new(gitea_url.clone()), None)?;
+    let facade_app = Arc::new(Facade::new(dispatch, gitea, None, "vm".into()))
+        .app(ReverseProxy::new(&gitea_url, None)?);
+    let facade_listener = TcpListener::bind("127.0.0.1:0").await?;
+    let facade_addr = facade_listener.local_addr()?;
     let server_config = Arc::new(facade_server_config(&facade, "bench.test")?);
     tokio::spawn(serve_tls(
-        upstream,
+        facade_listener,
         server_config,
-        app,
+        facade_app,
         std::future::pending(),
     ));
 
     let proxy = TcpListener::bind("127.0.0.1:0").await?;
     let proxy_addr = proxy.local_addr()?;
     let client_config = Arc::new(executor_client_config(&executor, FACADE_ID)?);
-    let facade_url = format!("https://{upstream_addr}");
+    let facade_url = format!("https://{facade_addr}");
     tokio::spawn(async move {
         serve_loopback_proxy(proxy, &facade_url, client_config, std::future::pending()).await
     });
