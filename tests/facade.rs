@@ -1,7 +1,8 @@
 //! The facade with real peers: executor (loopback proxy, SPIFFE mTLS from a fake Workload
 //! API) → facade → mock Gitea, with the stand-in runner doing the runner's side.
 
-use std::sync::{Arc, Mutex};
+use gitea_dynamic_runner::testkit::log_capture::Capture;
+use std::sync::Arc;
 use std::time::Duration;
 
 use connectrpc::client::{ClientConfig, HttpClient};
@@ -510,30 +511,6 @@ async fn a_50_mib_checkout_is_reverse_proxied_from_gitea_through_executor_and_fa
     );
 }
 
-/// Collects everything the JSON subscriber writes.
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Capture {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .map_err(|_| std::io::Error::other("poisoned"))?
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Capture {
-    type Writer = Capture;
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
-    }
-}
-
 #[test]
 fn no_log_line_of_a_whole_job_contains_a_capability_token_or_task_secret() {
     let capture = Capture::default();
@@ -566,7 +543,7 @@ fn no_log_line_of_a_whole_job_contains_a_capability_token_or_task_secret() {
             "super-secret-deploy-key".to_string(),
         ]
     });
-    let logs = String::from_utf8(capture.0.lock().expect("lock").clone()).expect("utf8");
+    let logs = capture.text();
     assert!(
         logs.contains("task claimed by its executor"),
         "the capture must see the facade's events"

@@ -196,6 +196,23 @@ impl Controller {
             .count()
     }
 
+    /// Waits until no executor directory and no admission slot is left.
+    async fn nothing_left(&self) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while self.executor_dirs() > 0
+            || self
+                .pool_usage(gitea_dynamic_runner::domain::backend::Backend::Pod)
+                .0
+                > 0
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "an executor or a slot leaked"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     fn executor_dirs(&self) -> usize {
         ["pod", "vm"]
             .iter()
@@ -243,18 +260,7 @@ async fn success_failure_and_cancellation_reach_gitea_through_the_whole_chain() 
     let rows = c.mock.handle.task(hang_task).expect("task").log_rows;
     assert!(!rows.is_empty());
     // Everything is cleaned up: executors deleted, slots released.
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while c.executor_dirs() > 0
-        || c.pool_usage(gitea_dynamic_runner::domain::backend::Backend::Pod)
-            .0
-            > 0
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "executors or slots leaked"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    c.nothing_left().await;
     c.stop().await;
 }
 
@@ -386,18 +392,7 @@ async fn an_executor_killed_mid_job_is_reported_as_failed_and_cleaned_up() {
             .any(|r| r.contains("without reporting a result")),
         "{rows:?}"
     );
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while c.executor_dirs() > 0
-        || c.pool_usage(gitea_dynamic_runner::domain::backend::Backend::Pod)
-            .0
-            > 0
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "executor or slot leaked"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    c.nothing_left().await;
     c.stop().await;
 }
 
@@ -459,17 +454,6 @@ async fn an_executor_whose_runner_never_claims_within_the_deadline_is_failed_and
             .any(|r| r.contains("did not start the job within")),
         "{rows:?}"
     );
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while c.executor_dirs() > 0
-        || c.pool_usage(gitea_dynamic_runner::domain::backend::Backend::Pod)
-            .0
-            > 0
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "executor or slot leaked"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    c.nothing_left().await;
     c.stop().await;
 }

@@ -1,6 +1,6 @@
 //! The Gitea client against the mock Gitea over real HTTP.
 
-use std::sync::{Arc, Mutex};
+use gitea_dynamic_runner::testkit::log_capture::Capture;
 use std::time::Duration;
 
 use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, ErrorKind, GiteaClient};
@@ -300,30 +300,6 @@ fn a_non_http_gitea_url_is_refused() {
     assert!(err.to_string().contains("expected http or https"), "{err}");
 }
 
-/// Collects everything the JSON subscriber writes.
-#[derive(Clone, Default)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Capture {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .map_err(|_| std::io::Error::other("poisoned"))?
-            .extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Capture {
-    type Writer = Capture;
-    fn make_writer(&'a self) -> Self::Writer {
-        self.clone()
-    }
-}
-
 #[test]
 fn no_log_line_contains_a_token_or_task_secret_even_at_trace_level() {
     let capture = Capture::default();
@@ -386,7 +362,7 @@ fn no_log_line_contains_a_token_or_task_secret_even_at_trace_level() {
             (registered.token, token)
         })
     });
-    let logs = String::from_utf8(capture.0.lock().expect("lock").clone()).expect("utf8");
+    let logs = capture.text();
     assert!(
         logs.contains("using credentials"),
         "the capture must see our own events"
