@@ -16,7 +16,7 @@ use futures::StreamExt;
 use tokio::sync::watch;
 
 use crate::dispatch::{ClaimState, Dispatch};
-use crate::domain::assignment::{Assignment, DerivationPolicy, TaskKeyring, decode};
+use crate::domain::assignment::{Assignment, DerivationPolicy, EnvelopeError, TaskKeyring, decode};
 use crate::domain::backend::Backend;
 use crate::domain::capacity::Admission;
 use crate::executors::{
@@ -65,6 +65,8 @@ pub enum Outcome {
     ExecutorFailed,
     /// Shutting down: NAK so another controller takes it at once.
     Interrupted,
+    /// Sealed with a task key this controller does not have: NAK with a long delay.
+    MissingKey,
 }
 
 impl Outcome {
@@ -79,6 +81,7 @@ impl Outcome {
             Outcome::Poison => "poison",
             Outcome::ExecutorFailed => "executor_failed",
             Outcome::Interrupted => "interrupted",
+            Outcome::MissingKey => "missing_key",
         }
     }
 }
@@ -207,7 +210,7 @@ impl Worker {
                     .ack_with(AckKind::Nak(Some(self.settings.not_ready_delay)))
                     .await
             }
-            Outcome::BackendError => {
+            Outcome::BackendError | Outcome::MissingKey => {
                 message
                     .ack_with(AckKind::Nak(Some(self.settings.error_delay)))
                     .await
@@ -232,6 +235,17 @@ impl Worker {
         let backend = self.settings.backend;
         let assignment = match decode(&message.payload, &self.policy, self.keyring.as_ref()) {
             Ok(a) => a,
+            Err(e @ (EnvelopeError::UnknownKey(_) | EnvelopeError::NoKeyring)) => {
+                // A key this process lacks is a configuration fault (e.g. a rotation
+                // rolled out in the wrong order), not a bad message: keep the job. The
+                // heartbeater keeps it alive in Gitea meanwhile (it reads only the ID).
+                let sequence = message
+                    .info()
+                    .map(|i| i.stream_sequence)
+                    .unwrap_or_default();
+                tracing::error!(%backend, stream_sequence = sequence, error = %e, "cannot decrypt an assignment: configure its task key; retrying later");
+                return (format!("stream-sequence-{sequence}"), Outcome::MissingKey);
+            }
             Err(e) => {
                 let sequence = message
                     .info()

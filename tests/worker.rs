@@ -482,3 +482,51 @@ impl Harness {
         }
     }
 }
+
+#[tokio::test]
+async fn an_assignment_sealed_with_a_key_this_controller_lacks_is_kept_not_terminated() {
+    use gitea_dynamic_runner::domain::assignment::{TaskKey, TaskKeyring, encode_v2};
+    let mut h = Harness::new(1, 1).await;
+    h.start_worker(Backend::Pod, 1).await;
+    h.mock
+        .handle
+        .queue_workflow(
+            "owner/repo",
+            "on: push\njobs:\n  k:\n    runs-on: [self-hosted, pod]\n    steps: []\n",
+        )
+        .expect("queue");
+    let task = h
+        .gitea
+        .fetch_task(0)
+        .await
+        .expect("fetch")
+        .task
+        .into_option()
+        .expect("task");
+    let assignment = Assignment::from_task(task, &policy()).expect("assignment");
+    let sealed = encode_v2(
+        &assignment,
+        &TaskKeyring::new(TaskKey::from_bytes([3; 32]), vec![]),
+    )
+    .expect("seal");
+    queue::publish(
+        &h.js,
+        &stream_settings(),
+        Backend::Pod,
+        assignment.id().as_str(),
+        sealed.into(),
+    )
+    .await
+    .expect("publish");
+    let (_, outcome) = h.next_outcome().await;
+    assert_eq!(outcome, Outcome::MissingKey);
+    let mut stream = queue::open_stream(&h.js, &stream_settings())
+        .await
+        .expect("stream");
+    assert_eq!(
+        queue::unclaimed(&mut stream).await.expect("info"),
+        1,
+        "the job stays in the stream"
+    );
+    assert_eq!(h.pod.created(), 0);
+}
