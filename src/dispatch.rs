@@ -207,6 +207,19 @@ impl Dispatch {
         lock(&self.entries).get(id).map(|e| *e.state.borrow())
     }
 
+    /// The capability is checked first and in constant time, so an unknown ID and a
+    /// wrong token are indistinguishable by timing to someone without the key.
+    fn verified_id(
+        &self,
+        assignment_id: &str,
+        capability: &str,
+    ) -> Result<AssignmentId, AuthError> {
+        if !self.capability_key.verify(assignment_id, capability) {
+            return Err(AuthError::BadCapability);
+        }
+        AssignmentId::parse(assignment_id).map_err(|_| AuthError::UnknownAssignment)
+    }
+
     /// Checks the facade caller: assignment ID (runner UUID), capability (runner
     /// token) and the mTLS peer's SPIFFE ID must all belong to one known assignment.
     pub fn authorize(
@@ -215,12 +228,7 @@ impl Dispatch {
         capability: &str,
         peer_spiffe_id: &str,
     ) -> Result<Authorized, AuthError> {
-        // The capability is checked first and in constant time, so an unknown ID and a
-        // wrong token are indistinguishable by timing to someone without the key.
-        if !self.capability_key.verify(assignment_id, capability) {
-            return Err(AuthError::BadCapability);
-        }
-        let id = AssignmentId::parse(assignment_id).map_err(|_| AuthError::UnknownAssignment)?;
+        let id = self.verified_id(assignment_id, capability)?;
         let entries = lock(&self.entries);
         let entry = entries.get(&id).ok_or(AuthError::UnknownAssignment)?;
         if entry.spiffe_id != peer_spiffe_id {
@@ -242,10 +250,7 @@ impl Dispatch {
         capability: &str,
         peer_spiffe_id: &str,
     ) -> Result<Authorized, AuthError> {
-        if !self.capability_key.verify(assignment_id, capability) {
-            return Err(AuthError::BadCapability);
-        }
-        let id = AssignmentId::parse(assignment_id).map_err(|_| AuthError::UnknownAssignment)?;
+        let id = self.verified_id(assignment_id, capability)?;
         for backend in self.backends.values() {
             if let Ok(Some(record)) = backend.find(&id).await {
                 if record.assignment.identity().spiffe_id() != peer_spiffe_id {
