@@ -140,9 +140,9 @@ impl Harness {
         }));
     }
 
-    /// Queues a job in Gitea, fetches it as the scheduler would and publishes it.
-    async fn publish_job(&self, runs_on: &str) -> Assignment {
-        let yaml = format!("on: push\njobs:\n  build:\n    runs-on: {runs_on}\n    steps: []\n");
+    /// Queues a one-job workflow in Gitea and fetches its task as the scheduler would.
+    async fn fetched(&self, job: &str, runs_on: &str) -> Assignment {
+        let yaml = format!("on: push\njobs:\n  {job}:\n    runs-on: {runs_on}\n    steps: []\n");
         self.mock
             .handle
             .queue_workflow("owner/repo", &yaml)
@@ -155,7 +155,12 @@ impl Harness {
             .task
             .into_option()
             .expect("task");
-        let assignment = Assignment::from_task(task, &policy()).expect("assignment");
+        Assignment::from_task(task, &policy()).expect("assignment")
+    }
+
+    /// Queues a job in Gitea, fetches it as the scheduler would and publishes it.
+    async fn publish_job(&self, runs_on: &str) -> Assignment {
+        let assignment = self.fetched("build", runs_on).await;
         let payload = encode_v1(&assignment).expect("encode");
         queue::publish(
             &self.js,
@@ -444,20 +449,7 @@ impl Harness {
     /// Publishing right after a restart may race JetStream's recovery; retry as the
     /// scheduler does.
     async fn publish_job_after_restart(&self, runs_on: &str) -> Assignment {
-        let yaml = format!("on: push\njobs:\n  build:\n    runs-on: {runs_on}\n    steps: []\n");
-        self.mock
-            .handle
-            .queue_workflow("owner/repo", &yaml)
-            .expect("queue");
-        let task = self
-            .gitea
-            .fetch_task(0)
-            .await
-            .expect("fetch")
-            .task
-            .into_option()
-            .expect("task");
-        let assignment = Assignment::from_task(task, &policy()).expect("assignment");
+        let assignment = self.fetched("build", runs_on).await;
         let payload: bytes::Bytes = encode_v1(&assignment).expect("encode").into();
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
@@ -488,22 +480,7 @@ async fn an_assignment_sealed_with_a_key_this_controller_lacks_is_kept_not_termi
     use gitea_dynamic_runner::domain::assignment::{TaskKey, TaskKeyring, encode_v2};
     let mut h = Harness::new(1, 1).await;
     h.start_worker(Backend::Pod, 1).await;
-    h.mock
-        .handle
-        .queue_workflow(
-            "owner/repo",
-            "on: push\njobs:\n  k:\n    runs-on: [self-hosted, pod]\n    steps: []\n",
-        )
-        .expect("queue");
-    let task = h
-        .gitea
-        .fetch_task(0)
-        .await
-        .expect("fetch")
-        .task
-        .into_option()
-        .expect("task");
-    let assignment = Assignment::from_task(task, &policy()).expect("assignment");
+    let assignment = h.fetched("k", "[self-hosted, pod]").await;
     let sealed = encode_v2(
         &assignment,
         &TaskKeyring::new(TaskKey::from_bytes([3; 32]), vec![]),
