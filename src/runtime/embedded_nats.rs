@@ -23,14 +23,23 @@ impl EmbeddedNats {
     pub async fn start(binary: &Path, store: &Path) -> Result<Self, String> {
         std::fs::create_dir_all(store)
             .map_err(|e| format!("creating the NATS store {}: {e}", store.display()))?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(|e| format!("choosing a loopback port for NATS: {e}"))?
-            .port();
         let binary = binary.to_path_buf();
         let store = store.to_path_buf();
-        let mut child = spawn(&binary, &store, port)?;
-        wait_ready(&mut child, port).await?;
+        // The port comes from binding :0 and releasing it; another process can take it
+        // in between, so a server that exits at start is retried on a new port.
+        let mut attempt = 0;
+        let (child, port) = loop {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map_err(|e| format!("choosing a loopback port for NATS: {e}"))?
+                .port();
+            let mut child = spawn(&binary, &store, port)?;
+            match wait_ready(&mut child, port).await {
+                Ok(()) => break (child, port),
+                Err(e) if attempt >= 4 => return Err(e),
+                Err(_) => attempt += 1,
+            }
+        };
         tracing::info!(port, store = %store.display(), "embedded nats-server started");
         let stop = Arc::new(Notify::new());
         let supervisor = tokio::spawn(supervise(child, binary, store, port, stop.clone()));

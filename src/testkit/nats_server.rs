@@ -27,19 +27,28 @@ impl NatsServer {
             .unwrap_or_else(|| PathBuf::from("nats-server"))
     }
 
-    /// Starts a JetStream server on a free loopback port with a fresh store.
+    /// Starts a JetStream server on a free loopback port with a fresh store. The port is
+    /// picked by binding `:0` and releasing it, which another process may grab in
+    /// between; a server that exits at start is retried on a new port.
     pub async fn start() -> std::io::Result<Self> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let mut server = NatsServer {
-            child: None,
-            port,
-            store: tempfile::tempdir()?,
-            binary: Self::binary(),
-        };
-        server.spawn().await?;
-        Ok(server)
+        let mut last = None;
+        for _ in 0..5 {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")?
+                .local_addr()?
+                .port();
+            let store = tempfile::tempdir()?;
+            let mut server = NatsServer {
+                child: None,
+                port,
+                store,
+                binary: Self::binary(),
+            };
+            match server.spawn().await {
+                Ok(()) => return Ok(server),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| std::io::Error::other("nats-server did not start")))
     }
 
     /// `nats://127.0.0.1:<port>`.
@@ -55,10 +64,19 @@ impl NatsServer {
         Ok(())
     }
 
-    /// Kills and starts the server again on the same port with the same store.
+    /// Kills and starts the server again on the same port with the same store. The
+    /// port can be busy for a moment after the kill, so the start is retried briefly.
     pub async fn restart(&mut self) -> std::io::Result<()> {
         self.kill().await?;
-        self.spawn().await
+        let mut last = None;
+        for _ in 0..20 {
+            match self.spawn().await {
+                Ok(()) => return Ok(()),
+                Err(e) => last = Some(e),
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+        Err(last.unwrap_or_else(|| std::io::Error::other("nats-server did not restart")))
     }
 
     async fn spawn(&mut self) -> std::io::Result<()> {
