@@ -2,7 +2,9 @@
 //! worker → process backend → `gitea-dynamic-runner executor` → stand-in runner →
 //! facade → mock Gitea.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::write;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,12 +26,6 @@ pub struct Controller {
     pub health: std::net::SocketAddr,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     pub task: Option<tokio::task::JoinHandle<Result<(), runtime::RuntimeError>>>,
-}
-
-fn write(dir: &Path, name: &str, content: &str) -> PathBuf {
-    let path = dir.join(name);
-    std::fs::write(&path, content).expect("write");
-    path
 }
 
 impl Controller {
@@ -194,6 +190,16 @@ impl Controller {
                     })
             })
             .count()
+    }
+
+    /// The log rows Gitea stored for a job's task.
+    fn log_rows(&self, job: JobId) -> Vec<String> {
+        self.mock
+            .handle
+            .job(job)
+            .and_then(|j| j.task)
+            .map(|t| t.log_rows)
+            .unwrap_or_default()
     }
 
     /// Waits until no executor directory and no admission slot is left.
@@ -380,13 +386,7 @@ async fn an_executor_killed_mid_job_is_reported_as_failed_and_cleaned_up() {
         libc::kill(-pid, libc::SIGKILL);
     }
     c.wait_status(job, Status::Failure).await;
-    let rows = c
-        .mock
-        .handle
-        .job(job)
-        .and_then(|j| j.task)
-        .map(|t| t.log_rows)
-        .unwrap_or_default();
+    let rows = c.log_rows(job);
     assert!(
         rows.iter()
             .any(|r| r.contains("without reporting a result")),
@@ -442,13 +442,7 @@ async fn an_executor_whose_runner_never_claims_within_the_deadline_is_failed_and
     .await;
     let job = c.queue("stuck", "[self-hosted, pod]", "standin:success");
     c.wait_status(job, Status::Failure).await;
-    let rows = c
-        .mock
-        .handle
-        .job(job)
-        .and_then(|j| j.task)
-        .map(|t| t.log_rows)
-        .unwrap_or_default();
+    let rows = c.log_rows(job);
     assert!(
         rows.iter()
             .any(|r| r.contains("did not start the job within")),

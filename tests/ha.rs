@@ -3,8 +3,10 @@
 //! lost or run twice. A small TCP forwarder plays the Kubernetes Service that routes
 //! executors to the ready (leading) replica.
 
+mod common;
+use common::{free_port, write};
+
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,19 +19,6 @@ use tokio::sync::Mutex;
 const WAIT: Duration = Duration::from_secs(60);
 const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
 const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("port")
-}
-
-fn write(dir: &Path, name: &str, content: &str) -> PathBuf {
-    let path = dir.join(name);
-    std::fs::write(&path, content).expect("write");
-    path
-}
 
 struct Replica {
     child: tokio::process::Child,

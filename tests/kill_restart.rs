@@ -2,7 +2,10 @@
 //! started again; each test asserts what became of the job: no task runs twice, nothing
 //! is lost outside the documented fetch→publish window, no executor or slot leaks.
 
-use std::path::{Path, PathBuf};
+mod common;
+use common::{free_port, write};
+
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -14,19 +17,6 @@ use gitea_dynamic_runner::testkit::nats_server::NatsServer;
 const WAIT: Duration = Duration::from_secs(60);
 const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
 const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("port")
-}
-
-fn write(dir: &Path, name: &str, content: &str) -> PathBuf {
-    let path = dir.join(name);
-    std::fs::write(&path, content).expect("write");
-    path
-}
 
 struct Setup {
     _nats: NatsServer,

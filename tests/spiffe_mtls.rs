@@ -112,6 +112,17 @@ async fn get_text(
     Ok(String::from_utf8(body.to_vec()).unwrap())
 }
 
+/// A facade-configured mTLS server running [`whoami_app`], with its hit counter.
+async fn whoami_facade(pki: &Pki) -> (TlsServer, Arc<AtomicUsize>) {
+    let hits = Arc::new(AtomicUsize::new(0));
+    let server = serve(
+        facade_server_config(&pki.facade, TD).unwrap(),
+        whoami_app(hits.clone()),
+    )
+    .await;
+    (server, hits)
+}
+
 /// Counts handler invocations, to show a refused client never reached the app.
 fn whoami_app(hits: Arc<AtomicUsize>) -> Router {
     Router::new().route(
@@ -159,12 +170,7 @@ where
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executor_of_the_trust_domain_reaches_the_facade_and_the_handler_sees_its_spiffe_id() {
     let pki = pki().await;
-    let hits = Arc::new(AtomicUsize::new(0));
-    let server = serve(
-        facade_server_config(&pki.facade, TD).unwrap(),
-        whoami_app(hits.clone()),
-    )
-    .await;
+    let (server, hits) = whoami_facade(&pki).await;
     let client = https_client(executor_client_config(&pki.executor, FACADE_ID).unwrap());
     let seen = get_text(&client, &format!("https://{}/whoami", server.addr))
         .await
@@ -176,12 +182,7 @@ async fn an_executor_of_the_trust_domain_reaches_the_facade_and_the_handler_sees
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_of_another_trust_domain_is_refused_by_the_facade() {
     let pki = pki().await;
-    let hits = Arc::new(AtomicUsize::new(0));
-    let server = serve(
-        facade_server_config(&pki.facade, TD).unwrap(),
-        whoami_app(hits.clone()),
-    )
-    .await;
+    let (server, hits) = whoami_facade(&pki).await;
     let foreign = TestCa::new("other.test")
         .unwrap()
         .issue(
@@ -215,12 +216,7 @@ async fn a_client_of_another_trust_domain_is_refused_by_the_facade() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_without_a_certificate_is_refused_by_the_facade() {
     let pki = pki().await;
-    let hits = Arc::new(AtomicUsize::new(0));
-    let server = serve(
-        facade_server_config(&pki.facade, TD).unwrap(),
-        whoami_app(hits.clone()),
-    )
-    .await;
+    let (server, hits) = whoami_facade(&pki).await;
     let result = raw_tls_get(
         any_server_client_config(None).unwrap(),
         server.addr,
@@ -237,12 +233,7 @@ async fn a_client_without_a_certificate_is_refused_by_the_facade() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executor_expecting_another_facade_spiffe_id_refuses_the_server() {
     let pki = pki().await;
-    let hits = Arc::new(AtomicUsize::new(0));
-    let server = serve(
-        facade_server_config(&pki.facade, TD).unwrap(),
-        whoami_app(hits.clone()),
-    )
-    .await;
+    let (server, hits) = whoami_facade(&pki).await;
     let config =
         executor_client_config(&pki.executor, "spiffe://example.test/ns/ci/sa/impostor").unwrap();
     let client = https_client(config);
