@@ -22,7 +22,6 @@ const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
 
 struct Replica {
     child: tokio::process::Child,
-    facade: SocketAddr,
     health: SocketAddr,
 }
 
@@ -127,11 +126,7 @@ async fn exactly_one_replica_leads_and_killing_it_hands_over_without_losing_or_r
             .spawn()
             .expect("controller starts");
         targets.lock().await.push((facade, health));
-        replicas.push(Replica {
-            child,
-            facade,
-            health,
-        });
+        replicas.push(Replica { child, health });
     }
 
     // Exactly one becomes ready and stays the only one.
@@ -218,5 +213,4 @@ async fn exactly_one_replica_leads_and_killing_it_hands_over_without_losing_or_r
         assert_eq!(starts, 1, "job {job:?} ran {starts} times: {rows:?}");
     }
     let _ = replicas[standby].child.start_kill();
-    let _ = (replicas[0].facade, replicas[1].facade);
 }
