@@ -138,14 +138,22 @@ fn whoami_app(hits: Arc<AtomicUsize>) -> Router {
     )
 }
 
-/// The leaf certificate a new TLS connection to `addr` presents, and what the server
-/// handler saw of ours (`/peer-cert` echoes our leaf).
-async fn leaf_of_new_connection(config: &rustls::ClientConfig, addr: SocketAddr) -> Vec<u8> {
-    let tcp = TcpStream::connect(addr).await.unwrap();
+/// The leaf certificate a new TLS connection to `addr` presents.
+async fn leaf_of_new_connection(
+    config: &rustls::ClientConfig,
+    addr: SocketAddr,
+) -> std::io::Result<Vec<u8>> {
+    let tcp = TcpStream::connect(addr).await?;
     let connector = tokio_rustls::TlsConnector::from(Arc::new(config.clone()));
     let name = ServerName::IpAddress(IpAddr::V4(Ipv4Addr::LOCALHOST).into());
-    let tls = connector.connect(name, tcp).await.unwrap();
-    tls.get_ref().1.peer_certificates().unwrap()[0].to_vec()
+    let tls = connector.connect(name, tcp).await?;
+    let leaf = tls
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.to_vec());
+    leaf.ok_or_else(|| std::io::Error::other("no peer certificate"))
 }
 
 async fn wait_until<F, Fut>(what: &str, mut check: F)
@@ -310,7 +318,7 @@ async fn an_svid_rotation_during_a_long_streaming_response_does_not_interrupt_it
     let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
     assert_eq!(&first[..], b"part-1;");
 
-    let old_facade_leaf = leaf_of_new_connection(&config, server.addr).await;
+    let old_facade_leaf = leaf_of_new_connection(&config, server.addr).await.unwrap();
     let new_facade = pki.facade_api.rotate().unwrap();
     let new_executor = pki.executor_api.rotate().unwrap();
     assert_ne!(old_facade_leaf, new_facade.cert_chain_der[0]);
@@ -319,7 +327,9 @@ async fn an_svid_rotation_during_a_long_streaming_response_does_not_interrupt_it
     wait_until("the facade presents its rotated SVID", || {
         let config = config.clone();
         let expected = new_facade.cert_chain_der[0].clone();
-        async move { leaf_of_new_connection(&config, server.addr).await == expected }
+        // A handshake racing the swap of both sides' SVIDs may fail once (seen in CI as
+        // a decode_error alert); only the open stream above must never be interrupted.
+        async move { leaf_of_new_connection(&config, server.addr).await.ok() == Some(expected) }
     })
     .await;
     // ... and the executor presents its new one (a fresh client forces a new connection).
@@ -328,21 +338,17 @@ async fn an_svid_rotation_during_a_long_streaming_response_does_not_interrupt_it
         let expected = new_executor.cert_chain_der[0].clone();
         async move {
             let fresh: HttpsClient<Empty<Bytes>> = https_client(config);
-            let resp = fresh
-                .get(
-                    format!("https://{}/peer-cert", server.addr)
-                        .parse()
-                        .unwrap(),
-                )
-                .await
+            let url = format!("https://{}/peer-cert", server.addr)
+                .parse()
                 .unwrap();
-            resp.into_body()
-                .collect()
-                .await
-                .unwrap()
-                .to_bytes()
-                .to_vec()
-                == expected
+            // As above: a handshake racing the swap counts as "not yet".
+            let Ok(resp) = fresh.get(url).await else {
+                return false;
+            };
+            match resp.into_body().collect().await {
+                Ok(body) => body.to_bytes().to_vec() == expected,
+                Err(_) => false,
+            }
         }
     })
     .await;
