@@ -4,17 +4,20 @@
 //!
 //! `NATS_SERVER_BIN=… cargo bench --bench handoff` (plain `main`, no harness).
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
-use gitea_dynamic_runner::domain::assignment::DerivationPolicy;
-use gitea_dynamic_runner::domain::backend::BackendLabels;
-use gitea_dynamic_runner::domain::identity::TrustDomain;
-use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, GiteaClient};
-use gitea_dynamic_runner::queue::{self, StreamSettings};
-use gitea_dynamic_runner::scheduler::{Backoff, Scheduler, SchedulerSettings, shutdown_channel};
-use gitea_dynamic_runner::testkit::mock_gitea::{MockConfig, MockGitea};
-use gitea_dynamic_runner::testkit::nats_server::NatsServer;
+use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
+use gdr_controller::queue::{self, StreamSettings};
+use gdr_controller::scheduler::{Backoff, Scheduler, SchedulerSettings, shutdown_channel};
+use gdr_core::assignment::DerivationPolicy;
+use gdr_core::backend::BackendLabels;
+use gdr_core::identity::TrustDomain;
+use gdr_testkit::mock_gitea::{MockConfig, MockGitea};
+use gdr_testkit::nats_server::NatsServer;
 
 const JOBS: usize = 500;
 const POLLERS: usize = 8;
@@ -113,7 +116,7 @@ async fn main() {
                 queue::publish(
                     &js,
                     &raw,
-                    gitea_dynamic_runner::domain::backend::Backend::Pod,
+                    gdr_core::backend::Backend::Pod,
                     &format!("raw-{i}"),
                     payload.clone(),
                 )

@@ -6,24 +6,26 @@
 //! Prints the process's `VmHWM` (peak resident set, from `/proc/self/status`) before
 //! and after the transfer; a proxy that buffered the body would add ≥ 50 MiB.
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::error::Error;
 use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use gitea_dynamic_runner::dispatch::Dispatch;
-use gitea_dynamic_runner::domain::backend::Backend;
-use gitea_dynamic_runner::domain::capability::CapabilityKey;
-use gitea_dynamic_runner::executor::proxy::serve_loopback_proxy;
-use gitea_dynamic_runner::executors::ExecutorBackend;
-use gitea_dynamic_runner::facade::Facade;
-use gitea_dynamic_runner::facade::proxy::ReverseProxy;
-use gitea_dynamic_runner::gitea::{ClientOptions, GiteaClient};
-use gitea_dynamic_runner::spiffe_tls::{
-    executor_client_config, facade_server_config, serve_tls, x509_source,
-};
-use gitea_dynamic_runner::testkit::memory_backend::MemoryBackend;
-use gitea_dynamic_runner::testkit::spiffe::{FakeWorkloadApi, TestCa};
+use gdr_controller::dispatch::Dispatch;
+use gdr_controller::facade::Facade;
+use gdr_controller::facade::proxy::ReverseProxy;
+use gdr_controller::facade::tls::serve_tls;
+use gdr_controller::gitea::{ClientOptions, GiteaClient};
+use gdr_core::backend::Backend;
+use gdr_core::capability::CapabilityKey;
+use gdr_core::executor::ExecutorBackend;
+use gdr_executor::proxy::serve_loopback_proxy;
+use gdr_identity::tls::{executor_client_config, facade_server_config, x509_source};
+use gdr_testkit::memory_backend::MemoryBackend;
+use gdr_testkit::spiffe::{FakeWorkloadApi, TestCa};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;

@@ -6,12 +6,14 @@
 //! curl http://127.0.0.1:3000/_mock/jobs
 //! ```
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use anyhow::Context as _;
 use clap::Parser;
-use gitea_dynamic_runner::testkit::mock_gitea::{MockConfig, MockGitea};
+use gdr_testkit::mock_gitea::{MockConfig, MockGitea};
 use rand::Rng;
 
 /// A mock Gitea speaking the Actions runner protocol (in memory, for local testing).
@@ -61,7 +63,7 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -77,7 +79,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
+        .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
     let addr = listener.local_addr()?;
     let config = MockConfig {
         zombie_timeout: args.zombie_timeout,
@@ -104,6 +106,6 @@ async fn main() -> anyhow::Result<()> {
             tracing::info!("stopping");
         })
         .await
-        .context("server failed")?;
+        .map_err(|e| format!("server failed: {e}"))?;
     Ok(())
 }

@@ -1,9 +1,12 @@
 //! The binary as an operator uses it: `--help`, `check-config`, `register`.
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::path::Path;
 use std::process::{Command, Output};
 
-use gitea_dynamic_runner::testkit::mock_gitea::{MockConfig, MockGitea};
+use gdr_testkit::mock_gitea::{MockConfig, MockGitea};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
 

@@ -1,29 +1,33 @@
 //! The facade with real peers: executor (loopback proxy, SPIFFE mTLS from a fake Workload
 //! API) → facade → mock Gitea, with the stand-in runner doing the runner's side.
 
-use gitea_dynamic_runner::testkit::log_capture::Capture;
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use gdr_testkit::log_capture::Capture;
 use std::sync::Arc;
 use std::time::Duration;
 
 use connectrpc::client::{ClientConfig, HttpClient};
-use gitea_dynamic_runner::dispatch::{ClaimState, Dispatch};
-use gitea_dynamic_runner::domain::assignment::{Assignment, DerivationPolicy, RecoveredAssignment};
-use gitea_dynamic_runner::domain::backend::{Backend, BackendLabels};
-use gitea_dynamic_runner::domain::capability::CapabilityKey;
-use gitea_dynamic_runner::domain::identity::TrustDomain;
-use gitea_dynamic_runner::executor::oneshot::{ExecutorConfig, run};
-use gitea_dynamic_runner::executors::{ExecutorBackend, ExecutorSpec};
-use gitea_dynamic_runner::facade::Facade;
-use gitea_dynamic_runner::facade::proxy::ReverseProxy;
-use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, GiteaClient};
-use gitea_dynamic_runner::proto::runner::v1::{
+use gdr_controller::dispatch::{ClaimState, Dispatch};
+use gdr_controller::facade::Facade;
+use gdr_controller::facade::proxy::ReverseProxy;
+use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
+use gdr_core::assignment::{Assignment, DerivationPolicy};
+use gdr_core::backend::{Backend, BackendLabels};
+use gdr_core::capability::CapabilityKey;
+use gdr_core::executor::{ExecutorBackend, ExecutorSpec};
+use gdr_core::identity::TrustDomain;
+use gdr_core::metadata::MetadataCodec;
+use gdr_executor::oneshot::{ExecutorConfig, run};
+use gdr_identity::tls;
+use gdr_proto::runner::v1::{
     DeclareRequest, FetchTaskRequest, LogRow, RegisterRequest, RunnerServiceClient,
     UpdateLogRequest,
 };
-use gitea_dynamic_runner::spiffe_tls;
-use gitea_dynamic_runner::testkit::memory_backend::MemoryBackend;
-use gitea_dynamic_runner::testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
-use gitea_dynamic_runner::testkit::spiffe::{
+use gdr_testkit::memory_backend::MemoryBackend;
+use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
+use gdr_testkit::spiffe::{
     FakeWorkloadApi, RunningWorkloadApi, TestCa, any_server_client_config, raw_tls_get,
 };
 
@@ -60,10 +64,10 @@ impl Env {
         let facade_api = FakeWorkloadApi::start(dir.path(), ca.clone(), FACADE_ID)
             .await
             .expect("workload api");
-        let source = spiffe_tls::x509_source(&facade_api.endpoint())
+        let source = tls::x509_source(&facade_api.endpoint())
             .await
             .expect("facade svid");
-        let tls = Arc::new(spiffe_tls::facade_server_config(&source, "example.org").expect("tls"));
+        let tls = Arc::new(tls::facade_server_config(&source, "example.org").expect("tls"));
         let backend = Arc::new(MemoryBackend::new(Backend::Pod));
         let dispatch = Arc::new(Dispatch::new(
             [(backend.clone() as Arc<dyn ExecutorBackend>, 4)],
@@ -126,12 +130,14 @@ impl Env {
         };
         let assignment = Assignment::from_task(task, &policy).expect("assignment");
         self.backend
-            .create(&ExecutorSpec {
-                assignment: RecoveredAssignment::from_assignment(&assignment),
-                capability: self.dispatch.capability_key().issue(assignment.id()),
-                facade_url: self.facade_url(),
-                facade_spiffe_id: FACADE_ID.into(),
-            })
+            .create(&ExecutorSpec::new(
+                &assignment,
+                self.dispatch.capability_key().issue(assignment.id()),
+                &MetadataCodec::default(),
+                self.facade_url(),
+                FACADE_ID,
+                "pod",
+            ))
             .await
             .expect("executor");
         self.dispatch.admit(Backend::Pod, assignment.id());
@@ -182,11 +188,8 @@ impl Env {
         uuid: &str,
         token: &str,
     ) -> RunnerServiceClient<HttpClient> {
-        let source = spiffe_tls::x509_source(&workload.endpoint())
-            .await
-            .expect("svid");
-        let config =
-            Arc::new(spiffe_tls::executor_client_config(&source, FACADE_ID).expect("client tls"));
+        let source = tls::x509_source(&workload.endpoint()).await.expect("svid");
+        let config = Arc::new(tls::executor_client_config(&source, FACADE_ID).expect("client tls"));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -194,7 +197,7 @@ impl Env {
         let facade_url = self.facade_url();
         tokio::spawn(async move {
             let _source = source;
-            gitea_dynamic_runner::executor::proxy::serve_loopback_proxy(
+            gdr_executor::proxy::serve_loopback_proxy(
                 listener,
                 &facade_url,
                 config,
@@ -514,7 +517,7 @@ async fn a_50_mib_checkout_is_reverse_proxied_from_gitea_through_executor_and_fa
 #[test]
 fn no_log_line_of_a_whole_job_contains_a_capability_token_or_task_secret() {
     let capture = Capture::default();
-    let subscriber = gitea_dynamic_runner::logging::subscriber(
+    let subscriber = gdr_controller::logging::subscriber(
         tracing_subscriber::EnvFilter::new("debug"),
         capture.clone(),
     );

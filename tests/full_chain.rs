@@ -2,18 +2,19 @@
 //! worker → process backend → `gitea-dynamic-runner executor` → stand-in runner →
 //! facade → mock Gitea.
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 use common::write;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use gitea_dynamic_runner::config::{Config, Sources};
-use gitea_dynamic_runner::runtime::{self, Handles, Listeners};
-use gitea_dynamic_runner::testkit::mock_gitea::{
-    JobId, MockConfig, MockGitea, RunningMock, Status,
-};
-use gitea_dynamic_runner::testkit::nats_server::NatsServer;
+use gdr_controller::config::{Config, Sources};
+use gdr_controller::runtime::{self, Handles, Listeners};
+use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
+use gdr_testkit::nats_server::NatsServer;
 
 const WAIT: Duration = Duration::from_secs(60);
 const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
@@ -162,10 +163,7 @@ impl Controller {
         }
     }
 
-    fn pool_usage(
-        &self,
-        backend: gitea_dynamic_runner::domain::backend::Backend,
-    ) -> (usize, usize) {
+    fn pool_usage(&self, backend: gdr_core::backend::Backend) -> (usize, usize) {
         self.handles
             .dispatch
             .get()
@@ -205,12 +203,7 @@ impl Controller {
     /// Waits until no executor directory and no admission slot is left.
     async fn nothing_left(&self) {
         let deadline = tokio::time::Instant::now() + WAIT;
-        while self.executor_dirs() > 0
-            || self
-                .pool_usage(gitea_dynamic_runner::domain::backend::Backend::Pod)
-                .0
-                > 0
-        {
+        while self.executor_dirs() > 0 || self.pool_usage(gdr_core::backend::Backend::Pod).0 > 0 {
             assert!(
                 tokio::time::Instant::now() < deadline,
                 "an executor or a slot leaked"
@@ -286,10 +279,9 @@ async fn twenty_jobs_with_capacity_three_all_succeed_and_never_exceed_capacity()
     let done = c.mock.handle.clone();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(180);
     loop {
-        let live = c.live_executors().max(
-            c.pool_usage(gitea_dynamic_runner::domain::backend::Backend::Pod)
-                .0,
-        );
+        let live = c
+            .live_executors()
+            .max(c.pool_usage(gdr_core::backend::Backend::Pod).0);
         max_seen.fetch_max(live, std::sync::atomic::Ordering::SeqCst);
         let finished = jobs
             .iter()
@@ -381,10 +373,8 @@ async fn an_executor_killed_mid_job_is_reported_as_failed_and_cleaned_up() {
         .get("pid")
         .and_then(serde_json::Value::as_i64)
         .expect("pid") as i32;
-    // SAFETY: kill(2) with plain integers; the process group of the executor only.
-    unsafe {
-        libc::kill(-pid, libc::SIGKILL);
-    }
+    let group = rustix::process::Pid::from_raw(pid).expect("pid");
+    rustix::process::kill_process_group(group, rustix::process::Signal::KILL).expect("kill");
     c.wait_status(job, Status::Failure).await;
     let rows = c.log_rows(job);
     assert!(

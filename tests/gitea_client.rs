@@ -1,13 +1,16 @@
 //! The Gitea client against the mock Gitea over real HTTP.
 
-use gitea_dynamic_runner::testkit::log_capture::Capture;
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use gdr_testkit::log_capture::Capture;
 use std::time::Duration;
 
-use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, ErrorKind, GiteaClient};
-use gitea_dynamic_runner::proto::runner::v1::{
-    LogRow, RegisterRequest, Result as TaskResult, TaskState, UpdateLogRequest, UpdateTaskRequest,
+use gdr_controller::gitea::{ClientOptions, Credentials, ErrorKind, GiteaClient};
+use gdr_proto::runner::v1::{
+    LogRow, RegisterRequest, TaskResult, TaskState, UpdateLogRequest, UpdateTaskRequest,
 };
-use gitea_dynamic_runner::testkit::mock_gitea::{
+use gdr_testkit::mock_gitea::{
     GrpcCode, MockConfig, MockFault, MockGitea, RpcMethod, RunningMock, Status,
 };
 
@@ -303,7 +306,7 @@ fn a_non_http_gitea_url_is_refused() {
 #[test]
 fn no_log_line_contains_a_token_or_task_secret_even_at_trace_level() {
     let capture = Capture::default();
-    let subscriber = gitea_dynamic_runner::logging::subscriber(
+    let subscriber = gdr_controller::logging::subscriber(
         tracing_subscriber::EnvFilter::new("trace"),
         capture.clone(),
     );

@@ -3,6 +3,9 @@
 //! lost or run twice. A small TCP forwarder plays the Kubernetes Service that routes
 //! executors to the ready (leading) replica.
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 use common::{free_port, write};
 
@@ -11,9 +14,9 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gitea_dynamic_runner::testkit::fake_kube::FakeKube;
-use gitea_dynamic_runner::testkit::mock_gitea::{JobId, MockConfig, MockGitea, Status};
-use gitea_dynamic_runner::testkit::nats_server::NatsServer;
+use gdr_testkit::fake_kube::FakeKube;
+use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, Status};
+use gdr_testkit::nats_server::NatsServer;
 use tokio::sync::Mutex;
 
 const WAIT: Duration = Duration::from_secs(60);

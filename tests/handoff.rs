@@ -1,19 +1,22 @@
 //! The handoff with real peers: a task fetched from the mock Gitea becomes an
 //! assignment, is published to a real nats-server and read back.
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::time::Duration;
 
 use async_nats::jetstream;
 use futures::StreamExt;
-use gitea_dynamic_runner::domain::assignment::{
+use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
+use gdr_controller::queue::{self, ConsumerSettings, StreamSettings};
+use gdr_core::assignment::{
     Assignment, DerivationPolicy, EnvelopeError, TaskKey, TaskKeyring, decode, encode_v2,
 };
-use gitea_dynamic_runner::domain::backend::{Backend, BackendLabels};
-use gitea_dynamic_runner::domain::identity::TrustDomain;
-use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, GiteaClient};
-use gitea_dynamic_runner::queue::{self, ConsumerSettings, StreamSettings};
-use gitea_dynamic_runner::testkit::mock_gitea::{MockConfig, MockGitea};
-use gitea_dynamic_runner::testkit::nats_server::NatsServer;
+use gdr_core::backend::{Backend, BackendLabels};
+use gdr_core::identity::TrustDomain;
+use gdr_testkit::mock_gitea::{MockConfig, MockGitea};
+use gdr_testkit::nats_server::NatsServer;
 
 fn settings() -> StreamSettings {
     StreamSettings {

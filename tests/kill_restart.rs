@@ -2,6 +2,9 @@
 //! started again; each test asserts what became of the job: no task runs twice, nothing
 //! is lost outside the documented fetch→publish window, no executor or slot leaks.
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 use common::{free_port, write};
 
@@ -9,10 +12,8 @@ use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use gitea_dynamic_runner::testkit::mock_gitea::{
-    JobId, MockConfig, MockGitea, RunningMock, Status,
-};
-use gitea_dynamic_runner::testkit::nats_server::NatsServer;
+use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
+use gdr_testkit::nats_server::NatsServer;
 
 const WAIT: Duration = Duration::from_secs(60);
 const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");

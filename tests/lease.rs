@@ -1,14 +1,17 @@
 //! Lease leader election and the fake Kubernetes API server, both driven by the real `kube`
 //! client over HTTP. Tests wait on observable state with a deadline, never on fixed sleeps.
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use futures::FutureExt;
-use gitea_dynamic_runner::lease::{LeaderElector, Leadership, LeaseError, LeaseSettings};
-use gitea_dynamic_runner::testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use gdr_controller::lease::{LeaderElector, Leadership, LeaseError, LeaseSettings};
+use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
 use http::{Method, StatusCode};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};

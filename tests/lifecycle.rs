@@ -1,17 +1,21 @@
 //! The lifecycle reconciler against the mock Gitea and an in-memory backend.
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 
-use gitea_dynamic_runner::dispatch::Dispatch;
-use gitea_dynamic_runner::domain::assignment::{Assignment, DerivationPolicy, RecoveredAssignment};
-use gitea_dynamic_runner::domain::backend::{Backend, BackendLabels};
-use gitea_dynamic_runner::domain::capability::CapabilityKey;
-use gitea_dynamic_runner::domain::identity::TrustDomain;
-use gitea_dynamic_runner::executors::{ExecutorBackend, ExecutorSpec};
-use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, GiteaClient};
-use gitea_dynamic_runner::lifecycle::{Lifecycle, Pass};
-use gitea_dynamic_runner::testkit::memory_backend::MemoryBackend;
-use gitea_dynamic_runner::testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
+use gdr_controller::dispatch::Dispatch;
+use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
+use gdr_controller::lifecycle::{Lifecycle, Pass};
+use gdr_core::assignment::{Assignment, DerivationPolicy};
+use gdr_core::backend::{Backend, BackendLabels};
+use gdr_core::capability::CapabilityKey;
+use gdr_core::executor::{ExecutorBackend, ExecutorSpec};
+use gdr_core::identity::TrustDomain;
+use gdr_core::metadata::MetadataCodec;
+use gdr_testkit::memory_backend::MemoryBackend;
+use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
 
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
 
@@ -66,12 +70,14 @@ async fn running_executor(s: &Setup, claimed: bool) -> Assignment {
         labels: BackendLabels::default(),
     };
     let assignment = Assignment::from_task(task, &policy).expect("assignment");
-    let spec = ExecutorSpec {
-        assignment: RecoveredAssignment::from_assignment(&assignment),
-        capability: s.dispatch.capability_key().issue(assignment.id()),
-        facade_url: "https://facade".into(),
-        facade_spiffe_id: "spiffe://example.org/controller".into(),
-    };
+    let spec = ExecutorSpec::new(
+        &assignment,
+        s.dispatch.capability_key().issue(assignment.id()),
+        &MetadataCodec::default(),
+        "https://facade",
+        "spiffe://example.org/controller",
+        "pod",
+    );
     s.backend.create(&spec).await.expect("create");
     s.backend.start(assignment.id());
     if claimed {

@@ -1,14 +1,17 @@
 //! The mock Gitea, exercised over real HTTP with the generated Connect client: one test per
 //! rule of `reference/gitea-protocol.md` §3 that the mock reproduces.
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::HashSet;
 use std::time::Duration;
 
 use connectrpc::client::{CallOptions, ClientConfig, HttpClient};
 use connectrpc::{ConnectError, ErrorCode};
-use gitea_dynamic_runner::proto::ping::v1 as ping;
-use gitea_dynamic_runner::proto::runner::v1 as pb;
-use gitea_dynamic_runner::testkit::mock_gitea::{
+use gdr_proto::ping::v1 as ping;
+use gdr_proto::runner::v1 as pb;
+use gdr_testkit::mock_gitea::{
     GrpcCode, JobId, MockConfig, MockFault, MockGitea, RpcMethod, RunningMock, Status,
 };
 
@@ -73,7 +76,7 @@ async fn fetch_task(c: &Client) -> pb::Task {
         .expect("a task")
 }
 
-fn state(task_id: i64, result: pb::Result) -> pb::TaskState {
+fn state(task_id: i64, result: pb::TaskResult) -> pb::TaskState {
     pb::TaskState {
         id: task_id,
         result: result.into(),
@@ -99,7 +102,7 @@ async fn update(
 }
 
 async fn heartbeat(c: &Client, task_id: i64) -> pb::UpdateTaskResponse {
-    update(c, state(task_id, pb::Result::RESULT_UNSPECIFIED), &[])
+    update(c, state(task_id, pb::TaskResult::RESULT_UNSPECIFIED), &[])
         .await
         .unwrap()
 }
@@ -385,7 +388,7 @@ async fn only_the_fetching_runner_may_update_a_task() {
     mock.handle.queue_workflow("o/r", ONE_JOB).unwrap();
     let task = fetch_task(&owner).await;
 
-    let err = update(&other, state(task.id, pb::Result::RESULT_SUCCESS), &[])
+    let err = update(&other, state(task.id, pb::TaskResult::RESULT_SUCCESS), &[])
         .await
         .unwrap_err();
     assert_gitea_error(&err, "Internal", "invalid runner for task");
@@ -402,7 +405,7 @@ async fn only_the_fetching_runner_may_update_a_task() {
 async fn updating_an_unknown_task_is_not_found() {
     let mock = start().await;
     let (c, _) = runner(&mock, &["l"], false);
-    let err = update(&c, state(4242, pb::Result::RESULT_UNSPECIFIED), &[])
+    let err = update(&c, state(4242, pb::TaskResult::RESULT_UNSPECIFIED), &[])
         .await
         .unwrap_err();
     assert_gitea_error(&err, "NotFound", "task 4242 does not exist");
@@ -418,7 +421,7 @@ async fn a_heartbeat_refreshes_updated() {
     assert_eq!(before.heartbeats, 0);
 
     let resp = heartbeat(&c, task.id).await;
-    assert_eq!(result_of(&resp), pb::Result::RESULT_UNSPECIFIED as i32);
+    assert_eq!(result_of(&resp), pb::TaskResult::RESULT_UNSPECIFIED as i32);
     let after = mock.handle.task(task.id).unwrap();
     assert_eq!(after.heartbeats, 1);
     assert!(after.updated > before.updated, "updated moves forward");
@@ -432,17 +435,17 @@ async fn a_result_finalises_the_task_and_later_updates_change_nothing() {
     let job = mock.handle.queue_workflow("o/r", ONE_JOB).unwrap()[0];
     let task = fetch_task(&c).await;
 
-    let mut done = state(task.id, pb::Result::RESULT_SUCCESS);
+    let mut done = state(task.id, pb::TaskResult::RESULT_SUCCESS);
     done.stopped_at = buffa::MessageField::some(buffa_types::google::protobuf::Timestamp::now());
     done.steps = vec![pb::StepState {
         id: 0,
-        result: pb::Result::RESULT_SUCCESS.into(),
+        result: pb::TaskResult::RESULT_SUCCESS.into(),
         log_index: 0,
         log_length: 3,
         ..Default::default()
     }];
     let resp = update(&c, done, &[]).await.unwrap();
-    assert_eq!(result_of(&resp), pb::Result::RESULT_SUCCESS as i32);
+    assert_eq!(result_of(&resp), pb::TaskResult::RESULT_SUCCESS as i32);
     let snap = mock.handle.task(task.id).unwrap();
     assert_eq!(snap.status, Status::Success);
     assert!(snap.stopped.is_some());
@@ -450,10 +453,10 @@ async fn a_result_finalises_the_task_and_later_updates_change_nothing() {
     assert_eq!((snap.steps[0].log_index, snap.steps[0].log_length), (0, 3));
     assert_eq!(mock.handle.job(job).unwrap().status, Status::Success);
 
-    let resp = update(&c, state(task.id, pb::Result::RESULT_FAILURE), &[])
+    let resp = update(&c, state(task.id, pb::TaskResult::RESULT_FAILURE), &[])
         .await
         .unwrap();
-    assert_eq!(result_of(&resp), pb::Result::RESULT_SUCCESS as i32);
+    assert_eq!(result_of(&resp), pb::TaskResult::RESULT_SUCCESS as i32);
     heartbeat(&c, task.id).await;
     let later = mock.handle.task(task.id).unwrap();
     assert_eq!(later.status, Status::Success);
@@ -472,7 +475,7 @@ async fn a_cancelled_job_answers_cancelled_on_the_next_update() {
     // Without the `cancelling` capability Gitea stops the task at once.
     assert_eq!(mock.handle.task(task.id).unwrap().status, Status::Cancelled);
     let resp = heartbeat(&c, task.id).await;
-    assert_eq!(result_of(&resp), pb::Result::RESULT_CANCELLED as i32);
+    assert_eq!(result_of(&resp), pb::TaskResult::RESULT_CANCELLED as i32);
 }
 
 #[tokio::test]
@@ -502,13 +505,13 @@ async fn a_runner_with_the_cancelling_capability_finishes_a_cancelled_task_as_ca
     let resp = heartbeat(&c, task.id).await;
     assert_eq!(
         result_of(&resp),
-        pb::Result::RESULT_CANCELLED as i32,
+        pb::TaskResult::RESULT_CANCELLED as i32,
         "still running, already cancelled on the wire"
     );
-    let resp = update(&c, state(task.id, pb::Result::RESULT_FAILURE), &[])
+    let resp = update(&c, state(task.id, pb::TaskResult::RESULT_FAILURE), &[])
         .await
         .unwrap();
-    assert_eq!(result_of(&resp), pb::Result::RESULT_CANCELLED as i32);
+    assert_eq!(result_of(&resp), pb::TaskResult::RESULT_CANCELLED as i32);
     assert_eq!(mock.handle.task(task.id).unwrap().status, Status::Cancelled);
 }
 
@@ -528,7 +531,7 @@ async fn outputs_are_insert_if_absent_and_sent_outputs_lists_every_stored_key() 
     let (c, _) = runner(&mock, &["self-hosted", "pod"], false);
     mock.handle.queue_workflow("o/r", ONE_JOB).unwrap();
     let task = fetch_task(&c).await;
-    let hb = state(task.id, pb::Result::RESULT_UNSPECIFIED);
+    let hb = state(task.id, pb::TaskResult::RESULT_UNSPECIFIED);
 
     let resp = update(&c, hb.clone(), &[("a", "1")]).await.unwrap();
     assert_eq!(resp.sent_outputs, vec!["a"]);
@@ -625,7 +628,7 @@ async fn an_idle_task_is_failed_by_the_zombie_sweeper() {
     assert!(snap.log_archived && snap.stopped.is_some());
     assert_eq!(mock.handle.job(job).unwrap().status, Status::Failure);
     let resp = heartbeat(&c, task.id).await;
-    assert_eq!(result_of(&resp), pb::Result::RESULT_FAILURE as i32);
+    assert_eq!(result_of(&resp), pb::TaskResult::RESULT_FAILURE as i32);
 }
 
 #[tokio::test]
@@ -678,7 +681,7 @@ async fn an_ephemeral_runner_is_removed_after_its_task_finishes() {
         fetch(&c, 0).await.unwrap().task.is_unset(),
         "no second task while the first is unfinished"
     );
-    update(&c, state(task.id, pb::Result::RESULT_SUCCESS), &[])
+    update(&c, state(task.id, pb::TaskResult::RESULT_SUCCESS), &[])
         .await
         .unwrap();
     assert!(mock.handle.runner(&uuid).is_none());

@@ -1,5 +1,8 @@
 //! The local process backend with real child processes in temporary state directories.
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::io::Write;
@@ -8,20 +11,19 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use gitea_dynamic_runner::domain::assignment::{
-    Assignment, AssignmentId, DEFAULT_METADATA_PREFIX, DerivationPolicy, RecoveredAssignment,
-};
-use gitea_dynamic_runner::domain::backend::{Backend, BackendLabels};
-use gitea_dynamic_runner::domain::capability::CapabilityKey;
-use gitea_dynamic_runner::domain::identity::TrustDomain;
-use gitea_dynamic_runner::executors::process::{
+use gdr_backends::process::{
     IdentityProvider, LOG_FILE, METADATA_FILE, ProcessBackend, ProcessBackendSettings,
 };
-use gitea_dynamic_runner::executors::{
+use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
+use gdr_core::assignment::{Assignment, AssignmentId, DerivationPolicy};
+use gdr_core::backend::{Backend, BackendLabels};
+use gdr_core::capability::CapabilityKey;
+use gdr_core::executor::{
     Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec, Phase,
 };
-use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, GiteaClient};
-use gitea_dynamic_runner::testkit::mock_gitea::{MockConfig, MockGitea, RunningMock};
+use gdr_core::identity::TrustDomain;
+use gdr_core::metadata::MetadataCodec;
+use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock};
 use tempfile::TempDir;
 use tokio::time::Instant;
 
@@ -49,7 +51,7 @@ impl RecordingIdentity {
 impl IdentityProvider for RecordingIdentity {
     async fn provision(&self, dir: &Path, spiffe_id: &str) -> Result<String, ExecutorError> {
         let socket = dir.join("workload.sock");
-        std::fs::write(&socket, b"").map_err(|e| ExecutorError::Unavailable(e.to_string()))?;
+        std::fs::write(&socket, b"").map_err(ExecutorError::unavailable)?;
         self.provisioned
             .lock()
             .expect("lock")
@@ -106,7 +108,7 @@ impl Setup {
             program: PathBuf::from("/bin/sh"),
             args: vec!["-c".into(), script.into()],
             extra_env: BTreeMap::from([("CI_RUNNER_LABEL".into(), "pod".into())]),
-            metadata_prefix: DEFAULT_METADATA_PREFIX.into(),
+            codec: MetadataCodec::default(),
             trust_domain: trust_domain(),
             stop_grace,
         };
@@ -136,12 +138,14 @@ impl Setup {
             labels: BackendLabels::default(),
         };
         let assignment = Assignment::from_task(task, &policy).expect("assignment");
-        ExecutorSpec {
-            assignment: RecoveredAssignment::from_assignment(&assignment),
-            capability: CapabilityKey::new(KEY).expect("key").issue(assignment.id()),
-            facade_url: "https://facade.example:8443".into(),
-            facade_spiffe_id: "spiffe://example.org/controller".into(),
-        }
+        ExecutorSpec::new(
+            &assignment,
+            CapabilityKey::new(KEY).expect("key").issue(assignment.id()),
+            &MetadataCodec::default(),
+            "https://facade.example:8443",
+            "spiffe://example.org/controller",
+            "pod",
+        )
     }
 
     fn dir(&self, id: &AssignmentId) -> PathBuf {
@@ -191,11 +195,17 @@ async fn phase_of(backend: &ProcessBackend, id: &AssignmentId) -> Phase {
 async fn wait_finished(backend: &ProcessBackend, id: &AssignmentId) -> bool {
     eventually("the executor to finish", || async {
         match phase_of(backend, id).await {
-            Phase::Finished { success } => Some(success),
+            Phase::Finished { success, .. } => Some(success),
             _ => None,
         }
     })
     .await
+}
+
+/// SIGKILLs a child this test started.
+fn kill(pid: i32) {
+    let pid = rustix::process::Pid::from_raw(pid).expect("pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("kill");
 }
 
 /// Dead, or a zombie nobody reaped yet (the process no longer runs).
@@ -318,8 +328,7 @@ async fn a_new_backend_instance_re_adopts_live_executors_and_sees_dead_ones() {
     backend.mark_terminal(&dead_id).await.expect("terminal");
     let live_pid = s.pid(&live_id);
 
-    // SAFETY: signalling a child this test started.
-    assert_eq!(unsafe { libc::kill(s.pid(&dead_id), libc::SIGKILL) }, 0);
+    kill(s.pid(&dead_id));
     drop(backend);
 
     let identity = Arc::new(RecordingIdentity::default());
@@ -333,7 +342,11 @@ async fn a_new_backend_instance_re_adopts_live_executors_and_sees_dead_ones() {
     let (l, d) = (by_name(&records, &live_id), by_name(&records, &dead_id));
     assert_eq!(l.phase, Phase::Running);
     assert!(l.claimed && !l.terminal);
-    assert_eq!(d.phase, Phase::Finished { success: false });
+    assert!(
+        matches!(&d.phase, Phase::Finished { success: false, reason: Some(r) } if r.contains("no controller watched")),
+        "{:?}",
+        d.phase
+    );
     assert!(d.claimed && d.terminal);
     assert_eq!(s.pid(&live_id), live_pid, "re-adopted, not restarted");
 
@@ -419,11 +432,17 @@ async fn an_exited_executor_reports_its_exit_status() {
     let backend = s.backend("exit 0", &identity);
     assert_eq!(
         phase_of(&backend, &failing_id).await,
-        Phase::Finished { success: false }
+        Phase::Finished {
+            success: false,
+            reason: Some("the executor exited with status 3".into())
+        }
     );
     assert_eq!(
         phase_of(&backend, &ok_id).await,
-        Phase::Finished { success: true }
+        Phase::Finished {
+            success: true,
+            reason: Some("the executor exited with status 0".into())
+        }
     );
     let provisions = identity.provisioned().len();
     backend.list().await.expect("list");
@@ -514,7 +533,9 @@ async fn corrupt_metadata_is_skipped_not_fatal() {
         "the WARN names the directory"
     );
     match backend.find(&broken_id).await {
-        Err(ExecutorError::Permanent(why)) => assert!(why.contains(broken_id.as_str()), "{why}"),
+        Err(ExecutorError::Permanent(why)) => {
+            assert!(why.to_string().contains(broken_id.as_str()), "{why}")
+        }
         other => panic!("expected a permanent error, got {other:?}"),
     }
     assert!(
@@ -546,7 +567,7 @@ async fn metadata_naming_another_spiffe_id_is_refused() {
     drop(backend);
 
     let mut metadata = s.metadata(&id);
-    let key = format!("{DEFAULT_METADATA_PREFIX}spiffe-id");
+    let key = format!("{}spiffe-id", gdr_core::metadata::DEFAULT_PREFIX);
     metadata["annotations"][&key] = "spiffe://example.org/ci/other/secrets/deploy".into();
     std::fs::write(
         s.dir(&id).join(METADATA_FILE),
@@ -559,6 +580,7 @@ async fn metadata_naming_another_spiffe_id_is_refused() {
     assert!(backend.list().await.expect("list").is_empty());
     match backend.find(&id).await {
         Err(ExecutorError::Permanent(why)) => {
+            let why = why.to_string();
             assert!(why.contains("SPIFFE"), "{why}");
             assert!(why.contains(id.as_str()), "{why}");
         }
@@ -571,8 +593,7 @@ async fn metadata_naming_another_spiffe_id_is_refused() {
 
     backend.delete(&id).await.expect("delete");
     // Untrusted metadata names no process to signal; stop the test's own child.
-    // SAFETY: signalling a child this test started.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
+    kill(pid);
 }
 
 #[tokio::test]

@@ -1,6 +1,9 @@
 //! The scheduler against real peers: the mock Gitea (real Connect protocol) and a
 //! real nats-server child process.
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::collections::BTreeSet;
 use std::future::Future;
 use std::sync::Arc;
@@ -9,20 +12,18 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
-use gitea_dynamic_runner::domain::assignment::{AssignmentId, DerivationPolicy};
-use gitea_dynamic_runner::domain::backend::BackendLabels;
-use gitea_dynamic_runner::domain::identity::TrustDomain;
-use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, GiteaClient};
-use gitea_dynamic_runner::proto::runner::v1 as pb;
-use gitea_dynamic_runner::queue::{self, StreamSettings};
-use gitea_dynamic_runner::scheduler::{
+use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
+use gdr_controller::queue::{self, StreamSettings};
+use gdr_controller::scheduler::{
     Backoff, Heartbeater, INVALID_TASK_LOG_PREFIX, Report, Scheduler, SchedulerSettings,
     SchedulerStats, ShutdownTrigger, TasksVersion, shutdown_channel,
 };
-use gitea_dynamic_runner::testkit::mock_gitea::{
-    JobId, MockConfig, MockGitea, RunningMock, Status,
-};
-use gitea_dynamic_runner::testkit::nats_server::NatsServer;
+use gdr_core::assignment::{AssignmentId, DerivationPolicy};
+use gdr_core::backend::BackendLabels;
+use gdr_core::identity::TrustDomain;
+use gdr_proto::runner::v1 as pb;
+use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
+use gdr_testkit::nats_server::NatsServer;
 use tokio::task::JoinHandle;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -223,7 +224,7 @@ fn count(c: &AtomicU64) -> u64 {
 
 struct Running {
     trigger: ShutdownTrigger,
-    join: JoinHandle<Result<Report, gitea_dynamic_runner::scheduler::SchedulerError>>,
+    join: JoinHandle<Result<Report, gdr_controller::scheduler::SchedulerError>>,
     stats: Arc<SchedulerStats>,
 }
 
@@ -480,7 +481,10 @@ async fn a_heartbeat_reports_a_queued_task_that_was_cancelled_in_gitea() {
 
     env.gitea_mock().cancel_job(job).expect("cancel");
     let round = heartbeater.beat_once().await.expect("round");
-    assert_eq!(round.ended, vec![(task_id, pb::Result::RESULT_CANCELLED)]);
+    assert_eq!(
+        round.ended,
+        vec![(task_id, pb::TaskResult::RESULT_CANCELLED)]
+    );
     assert_eq!(count(&heartbeater.stats().queued_tasks_ended), 1);
 }
 

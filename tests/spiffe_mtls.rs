@@ -2,6 +2,9 @@
 //! `X509Source`, real rustls handshakes), the executor's loopback proxy, and the
 //! stand-in runner against the mock Gitea.
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -11,15 +14,14 @@ use axum::extract::{Path, State};
 use axum::routing::{get, post};
 use axum::{Extension, Router};
 use bytes::Bytes;
-use gitea_dynamic_runner::executor::proxy::serve_loopback_proxy;
-use gitea_dynamic_runner::proto::runner::v1 as pb;
-use gitea_dynamic_runner::spiffe_tls::{
-    PeerSpiffeId, executor_client_config, facade_server_config, serve_tls, x509_source_with_timeout,
+use gdr_controller::facade::tls::serve_tls;
+use gdr_executor::proxy::serve_loopback_proxy;
+use gdr_identity::tls::{
+    PeerSpiffeId, executor_client_config, facade_server_config, x509_source_with_timeout,
 };
-use gitea_dynamic_runner::testkit::mock_gitea::{
-    JobId, MockConfig, MockGitea, RunningMock, Status,
-};
-use gitea_dynamic_runner::testkit::spiffe::{
+use gdr_proto::runner::v1 as pb;
+use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
+use gdr_testkit::spiffe::{
     FakeWorkloadApi, RunningWorkloadApi, TestCa, any_server_client_config, raw_tls_get,
 };
 use http_body_util::{BodyExt, Empty, Full, StreamBody};
@@ -676,7 +678,10 @@ async fn the_stand_in_runner_reports_cancelled_after_gitea_cancels_a_hanging_job
     mock.handle.cancel_job(job).unwrap();
     assert_eq!(exit_code(child).await, 0);
     assert_eq!(mock.handle.job(job).unwrap().status, Status::Cancelled);
-    assert_eq!(task_result(&mock, job), pb::Result::RESULT_CANCELLED as i32);
+    assert_eq!(
+        task_result(&mock, job),
+        pb::TaskResult::RESULT_CANCELLED as i32
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

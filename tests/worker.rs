@@ -1,24 +1,25 @@
 //! Workers against a real nats-server, the mock Gitea and in-memory backends: capacity,
 //! isolation between backends, poison messages and NATS restarts (DESIGN invariants 5–9).
 
+// A panic is how a test (or a benchmark harness) fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::PullConsumer};
-use gitea_dynamic_runner::dispatch::{ClaimState, Dispatch};
-use gitea_dynamic_runner::domain::assignment::{
-    Assignment, AssignmentId, DerivationPolicy, encode_v1,
-};
-use gitea_dynamic_runner::domain::backend::{Backend, BackendLabels};
-use gitea_dynamic_runner::domain::capability::CapabilityKey;
-use gitea_dynamic_runner::domain::identity::TrustDomain;
-use gitea_dynamic_runner::executors::{ExecutorBackend, ExecutorError};
-use gitea_dynamic_runner::gitea::{ClientOptions, Credentials, GiteaClient};
-use gitea_dynamic_runner::queue::{self, ConsumerSettings, StreamSettings};
-use gitea_dynamic_runner::testkit::memory_backend::MemoryBackend;
-use gitea_dynamic_runner::testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
-use gitea_dynamic_runner::testkit::nats_server::NatsServer;
-use gitea_dynamic_runner::worker::{Outcome, Worker, WorkerSettings};
+use gdr_controller::dispatch::{ClaimState, Dispatch};
+use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
+use gdr_controller::queue::{self, ConsumerSettings, StreamSettings};
+use gdr_controller::worker::{Outcome, Worker, WorkerSettings};
+use gdr_core::assignment::{Assignment, AssignmentId, DerivationPolicy, encode_v1};
+use gdr_core::backend::{Backend, BackendLabels};
+use gdr_core::capability::CapabilityKey;
+use gdr_core::executor::ExecutorBackend;
+use gdr_core::identity::TrustDomain;
+use gdr_testkit::memory_backend::{Failure, MemoryBackend};
+use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
+use gdr_testkit::nats_server::NatsServer;
 use tokio::sync::{mpsc, watch};
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -124,6 +125,8 @@ impl Harness {
             start_deadline: Duration::from_secs(60),
             facade_url: "https://facade.test:8443".into(),
             facade_spiffe_id: "spiffe://example.org/controller".into(),
+            runner_label: backend.as_str().into(),
+            codec: gdr_core::metadata::MetadataCodec::default(),
         };
         let worker = Worker::new(
             self.dispatch.clone(),
@@ -272,9 +275,7 @@ async fn a_full_pod_pool_creates_nothing_beyond_capacity_and_runs_the_assignment
 #[tokio::test]
 async fn a_failing_vm_backend_does_not_delay_pod_assignments() {
     let mut h = Harness::new(2, 1).await;
-    h.vm.set_failing(Some(ExecutorError::Unavailable(
-        "OpenSandbox is down".into(),
-    )));
+    h.vm.set_failing(Some(Failure::Unavailable));
     h.start_worker(Backend::Pod, 2).await;
     h.start_worker(Backend::Vm, 1).await;
     let vm_job = h.publish_job("[self-hosted, vm]").await;
@@ -477,7 +478,7 @@ impl Harness {
 
 #[tokio::test]
 async fn an_assignment_sealed_with_a_key_this_controller_lacks_is_kept_not_terminated() {
-    use gitea_dynamic_runner::domain::assignment::{TaskKey, TaskKeyring, encode_v2};
+    use gdr_core::assignment::{TaskKey, TaskKeyring, encode_v2};
     let mut h = Harness::new(1, 1).await;
     h.start_worker(Backend::Pod, 1).await;
     let assignment = h.fetched("k", "[self-hosted, pod]").await;

@@ -2,7 +2,7 @@
 //! Run with `cargo fuzz run decode_envelope` from the repository root.
 #![no_main]
 
-use gitea_dynamic_runner::domain::{
+use gdr_core::{
     assignment::{DerivationPolicy, TaskKey, TaskKeyring, decode, encode_v1},
     backend::BackendLabels,
     identity::TrustDomain,

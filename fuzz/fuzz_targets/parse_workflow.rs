@@ -2,7 +2,7 @@
 //! Run with `cargo fuzz run parse_workflow` from the repository root.
 #![no_main]
 
-use gitea_dynamic_runner::domain::workflow::parse_single_job;
+use gdr_core::workflow::parse_single_job;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -1,0 +1,226 @@
+//! Command-line interface. `--help` on each subcommand is the user documentation.
+
+use std::path::PathBuf;
+
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::config::{Config, ConfigError, FIELDS, Sources};
+
+/// Claims Gitea Actions jobs through Gitea's runner protocol, queues each one in NATS
+/// JetStream and runs it in a fresh Kubernetes Pod or Kata microVM with a SPIFFE
+/// workload identity. Executors never see the controller's Gitea credential.
+#[derive(Debug, Parser)]
+#[command(name = "gitea-dynamic-runner", version, propagate_version = true)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+impl Cli {
+    /// Parses the process arguments (exits with usage on error, as clap does).
+    pub fn parse_args() -> Self {
+        Self::parse()
+    }
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the controller components (scheduler with facade, pod-worker, vm-worker).
+    #[command(after_long_help = reference())]
+    Controller(ConfigArgs),
+    /// Run inside a Pod or VM: serve the loopback proxy to the facade and run the
+    /// official runner once (`daemon --once`).
+    Executor,
+    /// Run in the sandbox cluster: keep SPIRE ClusterStaticEntries in step with
+    /// OpenSandbox runner sandboxes.
+    SandboxIdentity,
+    /// Register the controller's own runner in Gitea (once), writing the UUID and
+    /// token files named by gitea_runner_uuid_file and gitea_runner_token_file.
+    #[command(after_long_help = reference())]
+    Register(RegisterArgs),
+    /// Load the configuration, print it (secrets are only shown as file paths) and
+    /// report every problem; exits non-zero when there is one.
+    #[command(after_long_help = reference())]
+    CheckConfig(CheckConfigArgs),
+    /// Print the version.
+    Version,
+}
+
+/// Where the configuration comes from.
+#[derive(Debug, Clone, Args)]
+pub struct ConfigArgs {
+    /// TOML configuration file (keys as in the reference below).
+    #[arg(long, short = 'c', value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Override one key, applied after the file and the environment (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
+}
+
+impl ConfigArgs {
+    /// The configuration sources these flags describe (with the environment).
+    pub fn sources(&self) -> Result<Sources, ConfigError> {
+        Ok(Sources {
+            file: self.config.clone(),
+            overrides: self
+                .set
+                .iter()
+                .map(|s| Sources::parse_override(s))
+                .collect::<Result<_, _>>()?,
+            environment: true,
+        })
+    }
+}
+
+/// `register` flags.
+#[derive(Debug, Args)]
+pub struct RegisterArgs {
+    /// Configuration (gitea_instance_url and the two output file paths come from it).
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// File holding the registration token from Gitea's runner settings page.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "GITEA_RUNNER_REGISTRATION_TOKEN_FILE"
+    )]
+    pub registration_token_file: PathBuf,
+    /// Runner name shown in Gitea (default: runner_name from the configuration).
+    #[arg(long)]
+    pub name: Option<String>,
+    /// Labels to register, comma-separated (default: self-hosted plus the enabled
+    /// backend labels, e.g. self-hosted,pod,vm).
+    #[arg(long, value_delimiter = ',')]
+    pub labels: Option<Vec<String>>,
+    /// Overwrite existing UUID and token files (the old runner stays in Gitea until
+    /// removed there).
+    #[arg(long)]
+    pub force: bool,
+}
+
+/// `check-config` flags.
+#[derive(Debug, Args)]
+pub struct CheckConfigArgs {
+    /// Configuration sources.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Print the configuration reference (every key, its variable, default) and exit.
+    #[arg(long)]
+    pub reference: bool,
+}
+
+/// The configuration reference appended to `--help`.
+pub fn reference() -> String {
+    let mut out = String::from(
+        "Configuration (defaults < --config file < environment < --set). Each key's\nenvironment variable is its upper-case form. Secrets are only ever file paths.\n\n",
+    );
+    for f in FIELDS {
+        out.push_str(&format!(
+            "  {} / {}  [default: {}]\n      {}\n",
+            f.key,
+            f.env(),
+            f.default,
+            f.doc
+        ));
+    }
+    out
+}
+
+/// `check-config`: prints the effective configuration and every problem.
+pub fn check_config(args: CheckConfigArgs) -> ExitCode {
+    if args.reference {
+        print!("{}", reference());
+        return ExitCode::SUCCESS;
+    }
+    let config = match args
+        .config
+        .sources()
+        .and_then(|s| Config::load_unvalidated(&s))
+    {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("configuration error:\n{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    print!("{}", config.render());
+    let mut problems: Vec<String> = config.problems().iter().map(ToString::to_string).collect();
+    for (key, path) in config.secret_files() {
+        if let Err(e) = crate::config::read_secret_file(key, path) {
+            problems.push(e.to_string());
+        }
+    }
+    for plain in [
+        "GITEA_RUNNER_TOKEN",
+        "NATS_PRODUCER_PASSWORD",
+        "NATS_WORKER_PASSWORD",
+        "OPENSANDBOX_API_KEY",
+        "RUNNER_FACADE_CAPABILITY_KEY",
+    ] {
+        if std::env::var_os(plain).is_some() {
+            problems.push(format!(
+                "{plain} is set but ignored: secrets are read only from files ({plain}_FILE)"
+            ));
+        }
+    }
+    if problems.is_empty() {
+        eprintln!("configuration OK");
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("{} problem(s):", problems.len());
+        for p in &problems {
+            eprintln!("  - {p}");
+        }
+        ExitCode::FAILURE
+    }
+}
+
+/// `register`: registers the controller's runner and prints the next steps.
+pub fn register(args: RegisterArgs) -> ExitCode {
+    let config = match args
+        .config
+        .sources()
+        .and_then(|s| Config::load_unvalidated(&s))
+    {
+        Ok(c) => c,
+        Err(ConfigError::Invalid(p)) => return fail(ConfigError::Invalid(p)),
+        Err(e) => return fail(e),
+    };
+    let registration = match crate::register::from_config(
+        &config,
+        &args.registration_token_file,
+        args.name,
+        args.labels,
+        args.force,
+    ) {
+        Ok(r) => r,
+        Err(e) => return fail(e),
+    };
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => return fail(e),
+    };
+    match runtime.block_on(crate::register::run(&registration)) {
+        Ok(registered) => {
+            print!(
+                "{}",
+                crate::register::next_steps(&registration, &registered)
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e),
+    }
+}
+
+/// Prints `error: …` and fails.
+pub fn fail(error: impl std::fmt::Display) -> ExitCode {
+    eprintln!("error: {error}");
+    ExitCode::FAILURE
+}

@@ -1,0 +1,336 @@
+//! Dispatch: the state the workers and the facade share in one controller process.
+//!
+//! - Admission pools per backend (invariants 6, 7).
+//! - Offered assignments, which the facade hands to their executor's runner exactly once
+//!   (invariants 9, 15), after the claim is durable on the backend.
+//!
+//! Everything here is rebuildable from the backends and JetStream: after a restart,
+//! [`Dispatch::restore`] re-admits live executors and re-authorises *claimed* ones from
+//! backend metadata; unclaimed ones wait for their redelivered assignment (the Go
+//! version restored every live executor as claimed, which locked out a runner that had
+//! not fetched yet).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::watch;
+
+use gdr_core::assignment::{Assignment, AssignmentId};
+use gdr_core::backend::Backend;
+use gdr_core::capability::CapabilityKey;
+use gdr_core::capacity::{Admission, Pool};
+use gdr_core::executor::{ExecutorBackend, ExecutorError, ExecutorRecord};
+use gdr_proto::runner::v1::Task;
+
+/// Where an offered assignment stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimState {
+    /// Waiting for its runner's FetchTask.
+    Pending,
+    /// Its runner fetched the task; the claim is durable on the backend.
+    Claimed,
+    /// Gitea accepted a terminal result; the slot is released.
+    Terminal,
+}
+
+struct Entry {
+    backend: Backend,
+    task_id: i64,
+    spiffe_id: String,
+    /// Present only while `Pending`: the task is handed out once.
+    task: Option<Box<Task>>,
+    /// A FetchTask is recording the claim right now.
+    claiming: bool,
+    state: watch::Sender<ClaimState>,
+}
+
+/// An assignment the facade has authenticated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Authorized {
+    /// Assignment ID.
+    pub id: AssignmentId,
+    /// The Gitea task ID; updates must name it.
+    pub task_id: i64,
+    /// Backend of the executor.
+    pub backend: Backend,
+}
+
+/// Why the facade refuses a caller.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AuthError {
+    /// The assignment ID is malformed or unknown to this controller.
+    #[error("unknown assignment")]
+    UnknownAssignment,
+    /// The capability does not belong to the assignment.
+    #[error("invalid capability for the assignment")]
+    BadCapability,
+    /// The peer's SPIFFE ID is not the assignment's.
+    #[error("peer identity does not match the assignment")]
+    WrongIdentity,
+}
+
+/// Why handing out a task failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// The backend could not record the claim; the runner should retry.
+    #[error("recording the claim failed: {0}")]
+    Backend(#[from] ExecutorError),
+    /// The backend for the assignment is not configured here.
+    #[error("no {0} backend in this controller")]
+    NoBackend(Backend),
+}
+
+/// Shared dispatch state.
+pub struct Dispatch {
+    backends: BTreeMap<Backend, Arc<dyn ExecutorBackend>>,
+    capability_key: CapabilityKey,
+    pools: Mutex<BTreeMap<Backend, Pool>>,
+    entries: Mutex<HashMap<AssignmentId, Entry>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding these locks leaves plain data in a consistent state
+    // (single-step updates), so recovering from poison is safe.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Dispatch {
+    /// Dispatch over the given backends with their capacities.
+    pub fn new(
+        backends: impl IntoIterator<Item = (Arc<dyn ExecutorBackend>, usize)>,
+        capability_key: CapabilityKey,
+    ) -> Self {
+        let mut map = BTreeMap::new();
+        let mut pools = BTreeMap::new();
+        for (backend, capacity) in backends {
+            pools.insert(backend.backend(), Pool::new(capacity));
+            map.insert(backend.backend(), backend);
+        }
+        Dispatch {
+            backends: map,
+            capability_key,
+            pools: Mutex::new(pools),
+            entries: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The backend adapter, if configured.
+    pub fn backend(&self, backend: Backend) -> Option<Arc<dyn ExecutorBackend>> {
+        self.backends.get(&backend).cloned()
+    }
+
+    /// The capability key (issuing capabilities for executor specs).
+    pub fn capability_key(&self) -> &CapabilityKey {
+        &self.capability_key
+    }
+
+    /// Rebuilds pools and claims from what the backends report. Returns how many
+    /// executors were re-admitted and how many re-authorised as claimed.
+    pub fn restore(&self, records: &[ExecutorRecord]) -> (usize, usize) {
+        let mut pools = lock(&self.pools);
+        let mut entries = lock(&self.entries);
+        let (mut admitted, mut claimed) = (0, 0);
+        let mut live: BTreeMap<Backend, Vec<AssignmentId>> = BTreeMap::new();
+        for record in records.iter().filter(|r| !r.terminal) {
+            let backend = record.assignment.backend();
+            if pools.contains_key(&backend) {
+                live.entry(backend)
+                    .or_default()
+                    .push(record.assignment.id().clone());
+                admitted += 1;
+            }
+            if record.claimed {
+                let (state, _) = watch::channel(ClaimState::Claimed);
+                entries.insert(
+                    record.assignment.id().clone(),
+                    Entry {
+                        backend,
+                        task_id: record.assignment.task_id(),
+                        spiffe_id: record.assignment.identity().spiffe_id().to_string(),
+                        task: None,
+                        claiming: false,
+                        state,
+                    },
+                );
+                claimed += 1;
+            }
+        }
+        for (backend, ids) in live {
+            if let Some(pool) = pools.get_mut(&backend) {
+                *pool = Pool::restore(pool.capacity(), ids);
+            }
+        }
+        (admitted, claimed)
+    }
+
+    /// Admits an assignment into its backend's pool.
+    pub fn admit(&self, backend: Backend, id: &AssignmentId) -> Admission {
+        lock(&self.pools)
+            .get_mut(&backend)
+            .map_or(Admission::Full, |p| p.admit(id))
+    }
+
+    /// Releases an assignment's slot (idempotent).
+    pub fn release(&self, backend: Backend, id: &AssignmentId) -> bool {
+        lock(&self.pools)
+            .get_mut(&backend)
+            .is_some_and(|p| p.release(id))
+    }
+
+    /// `(in use, capacity)` of a backend's pool.
+    pub fn pool_usage(&self, backend: Backend) -> (usize, usize) {
+        lock(&self.pools)
+            .get(&backend)
+            .map_or((0, 0), |p| (p.in_use(), p.capacity()))
+    }
+
+    /// Offers an assignment to its runner. Idempotent: a redelivered assignment keeps
+    /// its state (a claimed one stays claimed). The watch reports the claim.
+    pub fn offer(&self, assignment: &Assignment) -> watch::Receiver<ClaimState> {
+        let mut entries = lock(&self.entries);
+        let entry = entries.entry(assignment.id().clone()).or_insert_with(|| {
+            let (state, _) = watch::channel(ClaimState::Pending);
+            Entry {
+                backend: assignment.backend(),
+                task_id: assignment.id().task_id(),
+                spiffe_id: assignment.identity().spiffe_id().to_string(),
+                task: Some(Box::new(assignment.task().clone())),
+                claiming: false,
+                state,
+            }
+        });
+        entry.state.subscribe()
+    }
+
+    /// The claim state of an assignment, if offered or restored.
+    pub fn claim_state(&self, id: &AssignmentId) -> Option<ClaimState> {
+        lock(&self.entries).get(id).map(|e| *e.state.borrow())
+    }
+
+    /// The capability is checked first and in constant time, so an unknown ID and a
+    /// wrong token are indistinguishable by timing to someone without the key.
+    fn verified_id(
+        &self,
+        assignment_id: &str,
+        capability: &str,
+    ) -> Result<AssignmentId, AuthError> {
+        if !self.capability_key.verify(assignment_id, capability) {
+            return Err(AuthError::BadCapability);
+        }
+        AssignmentId::parse(assignment_id).map_err(|_| AuthError::UnknownAssignment)
+    }
+
+    /// Checks the facade caller: assignment ID (runner UUID), capability (runner
+    /// token) and the mTLS peer's SPIFFE ID must all belong to one known assignment.
+    pub fn authorize(
+        &self,
+        assignment_id: &str,
+        capability: &str,
+        peer_spiffe_id: &str,
+    ) -> Result<Authorized, AuthError> {
+        let id = self.verified_id(assignment_id, capability)?;
+        let entries = lock(&self.entries);
+        let entry = entries.get(&id).ok_or(AuthError::UnknownAssignment)?;
+        if entry.spiffe_id != peer_spiffe_id {
+            return Err(AuthError::WrongIdentity);
+        }
+        Ok(Authorized {
+            id,
+            task_id: entry.task_id,
+            backend: entry.backend,
+        })
+    }
+
+    /// Authenticates a runner whose assignment is not offered in this process (yet): the
+    /// controller restarted and the assignment waits for redelivery. The capability
+    /// proves we issued it; the backend's metadata says which workload may use it.
+    pub async fn authorize_from_backend(
+        &self,
+        assignment_id: &str,
+        capability: &str,
+        peer_spiffe_id: &str,
+    ) -> Result<Authorized, AuthError> {
+        let id = self.verified_id(assignment_id, capability)?;
+        for backend in self.backends.values() {
+            if let Ok(Some(record)) = backend.find(&id).await {
+                if record.assignment.identity().spiffe_id() != peer_spiffe_id {
+                    return Err(AuthError::WrongIdentity);
+                }
+                return Ok(Authorized {
+                    id,
+                    task_id: record.assignment.task_id(),
+                    backend: backend.backend(),
+                });
+            }
+        }
+        Err(AuthError::UnknownAssignment)
+    }
+
+    /// Hands the pre-assigned task to its runner, exactly once: the claim is recorded
+    /// on the backend first, then the state turns `Claimed` and the worker is told.
+    /// `Ok(None)` when there is nothing (more) to hand out.
+    pub async fn take_task(&self, auth: &Authorized) -> Result<Option<Task>, ClaimError> {
+        let task = {
+            let mut entries = lock(&self.entries);
+            let Some(entry) = entries.get_mut(&auth.id) else {
+                return Ok(None);
+            };
+            if entry.claiming || *entry.state.borrow() != ClaimState::Pending {
+                return Ok(None);
+            }
+            let Some(task) = entry.task.take() else {
+                return Ok(None);
+            };
+            entry.claiming = true;
+            task
+        };
+        let backend = self
+            .backend(auth.backend)
+            .ok_or(ClaimError::NoBackend(auth.backend));
+        let recorded = match backend {
+            Ok(b) => b.record_claimed(&auth.id).await.map_err(ClaimError::from),
+            Err(e) => Err(e),
+        };
+        let mut entries = lock(&self.entries);
+        let Some(entry) = entries.get_mut(&auth.id) else {
+            return Ok(None);
+        };
+        entry.claiming = false;
+        match recorded {
+            Ok(()) => {
+                crate::failpoint::hit(crate::failpoint::points::AFTER_CLAIM);
+                entry.state.send_replace(ClaimState::Claimed);
+                Ok(Some(*task))
+            }
+            Err(e) => {
+                // Not claimed: put the task back so the runner's retry can take it.
+                entry.task = Some(task);
+                Err(e)
+            }
+        }
+    }
+
+    /// Marks the task terminal on the backend and releases its slot. Called by the
+    /// facade after Gitea accepted a terminal result and before answering the runner.
+    pub async fn finish(&self, auth: &Authorized) -> Result<(), ClaimError> {
+        let backend = self
+            .backend(auth.backend)
+            .ok_or(ClaimError::NoBackend(auth.backend))?;
+        backend.mark_terminal(&auth.id).await?;
+        crate::failpoint::hit(crate::failpoint::points::AFTER_TERMINAL_MARKER);
+        self.release(auth.backend, &auth.id);
+        if let Some(entry) = lock(&self.entries).get_mut(&auth.id) {
+            entry.task = None;
+            entry.state.send_replace(ClaimState::Terminal);
+        }
+        Ok(())
+    }
+
+    /// Forgets an assignment whose executor was deleted or failed.
+    pub fn forget(&self, backend: Backend, id: &AssignmentId) {
+        self.release(backend, id);
+        if let Some(entry) = lock(&self.entries).remove(id) {
+            entry.state.send_replace(ClaimState::Terminal);
+        }
+    }
+}

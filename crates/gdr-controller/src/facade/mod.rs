@@ -1,0 +1,333 @@
+//! The RunnerService facade the executors' official runners talk to (DESIGN invariant 15).
+//!
+//! Every call must come from an mTLS peer of the trust domain (enforced by the TLS
+//! server) and present the assignment ID as runner UUID, the assignment's capability as
+//! runner token, and a peer SPIFFE ID equal to the assignment's. Then:
+//! - `Declare` answers an ephemeral runner record named after the assignment;
+//! - `FetchTask` hands out the pre-assigned task exactly once, after the claim is durable;
+//! - `UpdateTask`/`UpdateLog` must name the assignment's task and are forwarded to Gitea
+//!   with the controller's credential; Gitea's answer returns unchanged. A terminal
+//!   result is persisted on the backend and releases the slot before the runner hears
+//!   back (invariant 10);
+//! - `Register` is refused.
+
+#![allow(refining_impl_trait)]
+
+pub mod proxy;
+pub mod tls;
+
+use std::sync::Arc;
+
+use connectrpc::{ConnectError, RequestContext, Response, ServiceRequest, ServiceResult};
+
+use crate::dispatch::{AuthError, Authorized, ClaimError, Dispatch};
+use crate::gitea::{
+    CAPABILITIES_HEADER, ErrorKind, GiteaClient, GiteaError, TOKEN_HEADER, UUID_HEADER,
+};
+use gdr_proto::runner::v1::{
+    DeclareRequest, DeclareResponse, FetchTaskRequest, FetchTaskResponse, RegisterRequest,
+    RegisterResponse, Runner, RunnerService, TaskResult, UpdateLogRequest, UpdateLogResponse,
+    UpdateTaskRequest, UpdateTaskResponse,
+};
+
+pub use gdr_identity::tls::PeerSpiffeId;
+
+/// The facade service.
+pub struct Facade {
+    dispatch: Arc<Dispatch>,
+    gitea: GiteaClient,
+    /// `X-Gitea-Actions-Capabilities` from the controller's own Declare, once known.
+    server_capabilities: std::sync::RwLock<Option<String>>,
+    /// Label of each backend as declared to the runner.
+    vm_label: String,
+}
+
+impl Facade {
+    /// A facade over `dispatch`, forwarding to Gitea with `gitea` (the controller's
+    /// credential).
+    pub fn new(
+        dispatch: Arc<Dispatch>,
+        gitea: GiteaClient,
+        server_capabilities: Option<String>,
+        vm_label: String,
+    ) -> Self {
+        Facade {
+            dispatch,
+            gitea,
+            server_capabilities: std::sync::RwLock::new(server_capabilities),
+            vm_label,
+        }
+    }
+
+    /// Records Gitea's capabilities header from the controller's Declare.
+    pub fn set_server_capabilities(&self, value: Option<String>) {
+        *self
+            .server_capabilities
+            .write()
+            .unwrap_or_else(|p| p.into_inner()) = value;
+    }
+
+    /// The Connect router serving this facade (mount it under `/api/actions`).
+    pub fn router(self: Arc<Self>) -> connectrpc::Router {
+        connectrpc::Router::new().add_service(self)
+    }
+
+    /// The whole facade application: the RunnerService under `/api/actions`, everything
+    /// else reverse-proxied to Gitea.
+    pub fn app(self: Arc<Self>, proxy: proxy::ReverseProxy) -> axum::Router {
+        axum::Router::new()
+            .nest_service("/api/actions", self.router().into_axum_service())
+            .fallback(proxy::handler)
+            .with_state(proxy)
+    }
+
+    /// Serves the facade over SPIFFE mTLS until `shutdown` resolves. Only peers of the
+    /// trust domain complete the handshake; the peer's SPIFFE ID reaches the handlers.
+    pub async fn serve(
+        self: Arc<Self>,
+        listener: tokio::net::TcpListener,
+        tls: Arc<rustls::ServerConfig>,
+        proxy: proxy::ReverseProxy,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        tls::serve_tls(listener, tls, self.app(proxy), shutdown).await
+    }
+
+    /// Like [`Self::authenticate`], but also accepts a runner whose assignment this
+    /// process has not been offered (yet), e.g. after a restart: it may declare and
+    /// poll, and gets its task once the redelivered assignment is offered.
+    async fn authenticate_waiting(
+        &self,
+        ctx: &RequestContext,
+        method: &str,
+    ) -> Result<Authorized, ConnectError> {
+        match self.authenticate(ctx, method) {
+            Err(e) if e.code == connectrpc::ErrorCode::Unauthenticated => {
+                let header = |name: &str| {
+                    ctx.header(name)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                };
+                let Some(PeerSpiffeId(peer)) = ctx.extensions().get::<PeerSpiffeId>() else {
+                    return Err(e);
+                };
+                match self
+                    .dispatch
+                    .authorize_from_backend(header(UUID_HEADER), header(TOKEN_HEADER), peer)
+                    .await
+                {
+                    Ok(auth) => Ok(auth),
+                    Err(AuthError::WrongIdentity) => Err(ConnectError::permission_denied(
+                        "peer SPIFFE ID does not match the assignment",
+                    )),
+                    Err(_) => Err(e),
+                }
+            }
+            other => other,
+        }
+    }
+
+    fn authenticate(&self, ctx: &RequestContext, method: &str) -> Result<Authorized, ConnectError> {
+        let header = |name: &str| {
+            ctx.header(name)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or_default()
+        };
+        let uuid = header(UUID_HEADER);
+        let token = header(TOKEN_HEADER);
+        let Some(PeerSpiffeId(peer)) = ctx.extensions().get::<PeerSpiffeId>() else {
+            tracing::warn!(
+                method,
+                assignment_id = uuid,
+                "facade call without an mTLS peer identity refused"
+            );
+            return Err(ConnectError::unauthenticated(
+                "a SPIFFE mTLS client certificate is required",
+            ));
+        };
+        self.dispatch.authorize(uuid, token, peer).map_err(|e| {
+            tracing::warn!(method, assignment_id = uuid, peer = %peer, reason = %e, "facade call refused");
+            match e {
+                AuthError::WrongIdentity => {
+                    ConnectError::permission_denied("peer SPIFFE ID does not match the assignment")
+                }
+                AuthError::BadCapability | AuthError::UnknownAssignment => {
+                    ConnectError::unauthenticated("unregistered runner")
+                }
+            }
+        })
+    }
+
+    fn check_task(auth: &Authorized, task_id: i64, method: &str) -> Result<(), ConnectError> {
+        if task_id == auth.task_id {
+            Ok(())
+        } else {
+            tracing::warn!(method, assignment_id = %auth.id, task_id, "update for another task refused");
+            Err(ConnectError::permission_denied(format!(
+                "assignment {} may only update task {}",
+                auth.id, auth.task_id
+            )))
+        }
+    }
+
+    fn runner_record(&self, auth: &Authorized, version: String) -> Runner {
+        let label = match auth.backend {
+            gdr_core::backend::Backend::Pod => "pod".to_string(),
+            gdr_core::backend::Backend::Vm => self.vm_label.clone(),
+        };
+        Runner {
+            id: auth.task_id,
+            uuid: auth.id.as_str().to_string(),
+            name: auth.id.as_str().to_string(),
+            version,
+            labels: vec!["self-hosted".into(), label],
+            ephemeral: true,
+            ..Default::default()
+        }
+    }
+}
+
+/// Gitea's failure as the runner should see it. A refusal of the *controller's*
+/// credential is not the runner's fault, so it becomes `unavailable` (retry later).
+fn forward_error(method: &'static str, e: GiteaError) -> ConnectError {
+    tracing::warn!(method, error = %e, "forwarding to Gitea failed");
+    let message = e.message().to_string();
+    match e.kind() {
+        ErrorKind::Invalid => ConnectError::invalid_argument(message),
+        ErrorKind::NotFound => ConnectError::not_found(message),
+        ErrorKind::Unavailable | ErrorKind::Unauthenticated => {
+            ConnectError::unavailable(format!("Gitea: {message}"))
+        }
+        ErrorKind::Other => ConnectError::internal(format!("Gitea: {message}")),
+    }
+}
+
+impl RunnerService for Facade {
+    async fn register(
+        &self,
+        _ctx: RequestContext,
+        _request: ServiceRequest<'_, RegisterRequest>,
+    ) -> ServiceResult<RegisterResponse> {
+        Err(ConnectError::permission_denied(
+            "executors cannot register runners: the facade accepts only its pre-assigned runner",
+        ))
+    }
+
+    async fn declare(
+        &self,
+        ctx: RequestContext,
+        request: ServiceRequest<'_, DeclareRequest>,
+    ) -> ServiceResult<DeclareResponse> {
+        let auth = self.authenticate_waiting(&ctx, "Declare").await?;
+        let version = request.to_owned_message().version;
+        tracing::info!(assignment_id = %auth.id, runner_version = %version, "executor runner declared");
+        let response = Response::new(DeclareResponse {
+            runner: self.runner_record(&auth, version).into(),
+            ..Default::default()
+        });
+        let capabilities = self
+            .server_capabilities
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        Ok(match capabilities {
+            Some(value) => response.with_header(CAPABILITIES_HEADER, value),
+            None => response,
+        })
+    }
+
+    async fn fetch_task(
+        &self,
+        ctx: RequestContext,
+        request: ServiceRequest<'_, FetchTaskRequest>,
+    ) -> ServiceResult<FetchTaskResponse> {
+        let auth = self.authenticate_waiting(&ctx, "FetchTask").await?;
+        let version = request.to_owned_message().tasks_version;
+        let state = self.dispatch.claim_state(&auth.id);
+        if matches!(
+            state,
+            Some(crate::dispatch::ClaimState::Claimed | crate::dispatch::ClaimState::Terminal)
+        ) {
+            // A runner that got its task never fetches again (`--once`), so a second fetch
+            // means the answer to the first was lost (e.g. the controller died right after
+            // recording the claim). The task cannot be handed out twice: tell the runner
+            // it is unregistered so it exits; the lifecycle reconciler then fails the task
+            // in Gitea instead of leaving a polling executor behind.
+            tracing::warn!(assignment_id = %auth.id, "second FetchTask for an already claimed task refused");
+            return Err(ConnectError::unauthenticated(format!(
+                "the task of {} was already handed out; unregistered runner",
+                auth.id
+            )));
+        }
+        match self.dispatch.take_task(&auth).await {
+            Ok(Some(task)) => {
+                tracing::info!(assignment_id = %auth.id, task_id = auth.task_id, "task claimed by its executor");
+                Response::ok(FetchTaskResponse {
+                    task: task.into(),
+                    tasks_version: version + 1,
+                    ..Default::default()
+                })
+            }
+            // Not offered yet (e.g. after a restart, before redelivery): keep polling.
+            Ok(None) => Response::ok(FetchTaskResponse {
+                tasks_version: version,
+                ..Default::default()
+            }),
+            Err(ClaimError::Backend(e)) => {
+                tracing::warn!(assignment_id = %auth.id, error = %e, "recording the claim failed");
+                Err(ConnectError::unavailable(
+                    "recording the claim failed; retry",
+                ))
+            }
+            Err(e @ ClaimError::NoBackend(_)) => Err(ConnectError::internal(e.to_string())),
+        }
+    }
+
+    async fn update_task(
+        &self,
+        ctx: RequestContext,
+        request: ServiceRequest<'_, UpdateTaskRequest>,
+    ) -> ServiceResult<UpdateTaskResponse> {
+        let auth = self.authenticate(&ctx, "UpdateTask")?;
+        let request = request.to_owned_message();
+        let (task_id, result) = request
+            .state
+            .as_option()
+            .map_or((0, TaskResult::RESULT_UNSPECIFIED.into()), |s| {
+                (s.id, s.result)
+            });
+        Self::check_task(&auth, task_id, "UpdateTask")?;
+        let response = self
+            .gitea
+            .update_task(request)
+            .await
+            .map_err(|e| forward_error("UpdateTask", e))?;
+        if result != buffa::EnumValue::from(TaskResult::RESULT_UNSPECIFIED) {
+            // Invariant 10: the terminal marker is durable before the runner hears back;
+            // if it is not, the runner retries and Gitea ignores the repeated result.
+            crate::failpoint::hit(crate::failpoint::points::AFTER_TERMINAL_ACCEPTED);
+            self.dispatch.finish(&auth).await.map_err(|e| {
+                tracing::warn!(assignment_id = %auth.id, error = %e, "persisting the terminal marker failed");
+                ConnectError::unavailable("persisting the terminal state failed; retry")
+            })?;
+            tracing::info!(assignment_id = %auth.id, task_id, result = ?result, "task finished");
+        }
+        Response::ok(response)
+    }
+
+    async fn update_log(
+        &self,
+        ctx: RequestContext,
+        request: ServiceRequest<'_, UpdateLogRequest>,
+    ) -> ServiceResult<UpdateLogResponse> {
+        let auth = self.authenticate(&ctx, "UpdateLog")?;
+        let request = request.to_owned_message();
+        Self::check_task(&auth, request.task_id, "UpdateLog")?;
+        let response = self
+            .gitea
+            .update_log(request)
+            .await
+            .map_err(|e| forward_error("UpdateLog", e))?;
+        Response::ok(response)
+    }
+}

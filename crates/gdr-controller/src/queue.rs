@@ -1,0 +1,188 @@
+//! Adapter: the JetStream handoff between the scheduler and the workers.
+//!
+//! Subjects `<base>.pod` / `<base>.vm`, one work-queue stream, one durable pull
+//! consumer per backend (names `pod` / `vm`, as the Go version used). The message
+//! ID is the assignment ID, so a retried publish of the same task is stored once.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, stream};
+
+use gdr_core::backend::Backend;
+
+/// Stream layout.
+#[derive(Debug, Clone)]
+pub struct StreamSettings {
+    /// Stream name (default `CI_RUNNER`).
+    pub stream: String,
+    /// Subject base (default `ci.runner`).
+    pub subject_base: String,
+    /// Window in which a repeated message ID is dropped as a duplicate.
+    pub duplicate_window: Duration,
+}
+
+impl StreamSettings {
+    /// The subject of a backend's assignments.
+    pub fn subject(&self, backend: Backend) -> String {
+        format!("{}.{}", self.subject_base, backend.as_str())
+    }
+}
+
+/// Why a queue operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum QueueError {
+    /// The stream could not be created or read.
+    #[error("JetStream stream {stream}: {message}")]
+    Stream {
+        /// Stream name.
+        stream: String,
+        /// Cause.
+        message: String,
+    },
+    /// The consumer could not be created or read.
+    #[error("JetStream consumer {consumer}: {message}")]
+    Consumer {
+        /// Durable name.
+        consumer: String,
+        /// Cause.
+        message: String,
+    },
+    /// JetStream did not acknowledge a publish.
+    #[error("publishing {id} to {subject}: {message}")]
+    Publish {
+        /// Assignment ID.
+        id: String,
+        /// Subject.
+        subject: String,
+        /// Cause.
+        message: String,
+    },
+}
+
+/// Creates the stream if missing, or checks an existing one covers our subjects.
+pub async fn ensure_stream(
+    js: &jetstream::Context,
+    settings: &StreamSettings,
+) -> Result<stream::Stream, QueueError> {
+    let err = |e: &dyn std::fmt::Display| QueueError::Stream {
+        stream: settings.stream.clone(),
+        message: e.to_string(),
+    };
+    let config = stream::Config {
+        name: settings.stream.clone(),
+        subjects: vec![
+            settings.subject(Backend::Pod),
+            settings.subject(Backend::Vm),
+        ],
+        retention: stream::RetentionPolicy::WorkQueue,
+        storage: stream::StorageType::File,
+        duplicate_window: settings.duplicate_window,
+        ..Default::default()
+    };
+    js.get_or_create_stream(config).await.map_err(|e| err(&e))
+}
+
+/// Opens the stream an operator provisioned (least-privilege deployments).
+pub async fn open_stream(
+    js: &jetstream::Context,
+    settings: &StreamSettings,
+) -> Result<stream::Stream, QueueError> {
+    js.get_stream(&settings.stream)
+        .await
+        .map_err(|e| QueueError::Stream {
+            stream: settings.stream.clone(),
+            message: e.to_string(),
+        })
+}
+
+/// Per-backend consumer settings.
+#[derive(Debug, Clone)]
+pub struct ConsumerSettings {
+    /// At most this many assignments are delivered and unacknowledged at once;
+    /// bound to the backend capacity.
+    pub max_ack_pending: i64,
+    /// Redelivery after this long without an ack (or a progress signal).
+    pub ack_wait: Duration,
+    /// Deliveries before JetStream gives up on a message (-1: unlimited).
+    pub max_deliver: i64,
+}
+
+/// Creates (or opens) the durable pull consumer of one backend.
+pub async fn ensure_consumer(
+    stream: &stream::Stream,
+    settings: &StreamSettings,
+    backend: Backend,
+    consumer_settings: &ConsumerSettings,
+) -> Result<consumer::PullConsumer, QueueError> {
+    let name = backend.as_str().to_string();
+    let config = consumer::pull::Config {
+        durable_name: Some(name.clone()),
+        filter_subject: settings.subject(backend),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: consumer_settings.ack_wait,
+        max_deliver: consumer_settings.max_deliver,
+        max_ack_pending: consumer_settings.max_ack_pending,
+        ..Default::default()
+    };
+    stream
+        .get_or_create_consumer(&name, config)
+        .await
+        .map_err(|e| QueueError::Consumer {
+            consumer: name,
+            message: e.to_string(),
+        })
+}
+
+/// The outcome of a publish JetStream acknowledged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Published {
+    /// Stream sequence of the stored message.
+    pub sequence: u64,
+    /// JetStream had this message ID already: nothing new was stored, which
+    /// counts as success for a retried publish.
+    pub duplicate: bool,
+}
+
+/// Publishes an assignment with its ID as the JetStream message ID and waits
+/// for the stream's acknowledgement.
+pub async fn publish(
+    js: &jetstream::Context,
+    settings: &StreamSettings,
+    backend: Backend,
+    assignment_id: &str,
+    payload: bytes::Bytes,
+) -> Result<Published, QueueError> {
+    let subject = settings.subject(backend);
+    let err = |e: &dyn std::fmt::Display| QueueError::Publish {
+        id: assignment_id.to_string(),
+        subject: subject.clone(),
+        message: e.to_string(),
+    };
+    let message = jetstream::message::PublishMessage::build()
+        .payload(payload)
+        .message_id(assignment_id);
+    let ack = js
+        .send_publish(subject.clone(), message)
+        .await
+        .map_err(|e| err(&e))?
+        .await
+        .map_err(|e| err(&e))?;
+    Ok(Published {
+        sequence: ack.sequence,
+        duplicate: ack.duplicate,
+    })
+}
+
+/// Messages in the stream: with work-queue retention this is the number of
+/// assignments not yet acknowledged (i.e. not claimed by an executor).
+pub async fn unclaimed(stream: &mut stream::Stream) -> Result<u64, QueueError> {
+    let name = stream.cached_info().config.name.clone();
+    stream
+        .info()
+        .await
+        .map(|i| i.state.messages)
+        .map_err(|e| QueueError::Stream {
+            stream: name,
+            message: e.to_string(),
+        })
+}

@@ -1,0 +1,593 @@
+//! The scheduler: claims tasks from Gitea and hands them to JetStream.
+//!
+//! - One `Declare`, then N concurrent FetchTask pollers sharing one
+//!   [`TasksVersion`] (invariant 1).
+//! - A poller holding a task publishes that assignment until JetStream acknowledges
+//!   it and fetches nothing else meanwhile (invariant 2); the message ID is the
+//!   assignment ID (invariant 3).
+//! - [`Shutdown`] stops new fetches; an in-flight fetch finishes and its task is
+//!   published for a bounded time (invariant 4). A task fetched and not stored within
+//!   that time is logged at ERROR with its task ID: the documented loss window.
+//! - A backlog gate stops fetching while the stream holds `backlog_limit` unclaimed
+//!   assignments (invariant 5b); [`Heartbeater`] keeps queued tasks alive (5a).
+//! - A task that cannot become an assignment is failed in Gitea with a log row
+//!   giving the reason, never dropped silently.
+
+mod backoff;
+mod gate;
+mod heartbeat;
+mod shutdown;
+mod stats;
+mod version;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use buffa::MessageField;
+use buffa_types::google::protobuf::Timestamp;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+pub use backoff::Backoff;
+pub use heartbeat::{HeartbeatRound, Heartbeater};
+pub use shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
+pub use stats::{ERROR_KINDS, SchedulerStats};
+pub use version::TasksVersion;
+
+use crate::gitea::{ErrorKind, GiteaClient, GiteaError};
+use crate::queue::{self, QueueError, StreamSettings};
+use gate::{BacklogGate, Slot};
+use gdr_core::assignment::{Assignment, DerivationPolicy, TaskKeyring, encode_v1, encode_v2};
+use gdr_proto::runner::v1 as pb;
+
+/// Prefix of the log row written when a task cannot run.
+pub const INVALID_TASK_LOG_PREFIX: &str = "gitea-dynamic-runner: cannot run this job: ";
+
+/// Tunables of the pollers.
+#[derive(Debug, Clone)]
+pub struct SchedulerSettings {
+    /// Labels sent with `Declare` (e.g. `self-hosted`, `pod`, `vm`).
+    pub labels: Vec<String>,
+    /// Capabilities sent with `Declare` (e.g. `cancelling`).
+    pub capabilities: Vec<String>,
+    /// Concurrent FetchTask pollers: pod capacity + vm capacity of enabled backends.
+    pub pollers: usize,
+    /// No fetch while the stream holds this many unclaimed assignments (≥ 1).
+    pub backlog_limit: u64,
+    /// How often the stream's message count is refreshed.
+    pub backlog_refresh: Duration,
+    /// Pause after empty FetchTask answers (grows with consecutive empty answers).
+    pub idle_backoff: Backoff,
+    /// Pause after failed Gitea calls or an unreadable stream.
+    pub error_backoff: Backoff,
+    /// Pause between publish attempts of one assignment.
+    pub publish_backoff: Backoff,
+    /// After shutdown is requested, how long a fetched task's publish is still retried.
+    pub shutdown_publish_timeout: Duration,
+}
+
+impl SchedulerSettings {
+    /// Settings with production defaults: 1–5 s idle backoff, 1–30 s error backoff,
+    /// 100 ms–5 s publish backoff, 500 ms backlog refresh, 30 s publish bound at shutdown.
+    pub fn new(
+        labels: Vec<String>,
+        capabilities: Vec<String>,
+        pollers: usize,
+        backlog_limit: u64,
+    ) -> Self {
+        SchedulerSettings {
+            labels,
+            capabilities,
+            pollers,
+            backlog_limit,
+            backlog_refresh: Duration::from_millis(500),
+            idle_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(5)),
+            error_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
+            publish_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
+            shutdown_publish_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Why the scheduler could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum SchedulerError {
+    /// Gitea refused `Declare` for a reason retrying does not fix.
+    #[error("declaring the runner: {0}")]
+    Declare(#[source] GiteaError),
+    /// The settings cannot work.
+    #[error("scheduler settings: {0}")]
+    Settings(String),
+    /// A poller task panicked or was aborted.
+    #[error("poller stopped abnormally: {0}")]
+    Poller(String),
+}
+
+/// What a finished [`Scheduler::run`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Report {
+    /// Tasks FetchTask handed out.
+    pub tasks_fetched: u64,
+    /// Assignments JetStream acknowledged.
+    pub tasks_published: u64,
+    /// Tasks failed in Gitea because they cannot become assignments.
+    pub invalid_tasks_failed: u64,
+    /// Tasks fetched but not stored before the shutdown bound ran out.
+    pub lost_task_ids: Vec<i64>,
+}
+
+impl Report {
+    fn merge(&mut self, other: Report) {
+        self.tasks_fetched += other.tasks_fetched;
+        self.tasks_published += other.tasks_published;
+        self.invalid_tasks_failed += other.invalid_tasks_failed;
+        self.lost_task_ids.extend(other.lost_task_ids);
+    }
+}
+
+struct Shared {
+    gitea: GiteaClient,
+    js: jetstream::Context,
+    stream: StreamSettings,
+    policy: DerivationPolicy,
+    keyring: Option<Arc<TaskKeyring>>,
+    settings: SchedulerSettings,
+    stats: Arc<SchedulerStats>,
+    version: Arc<TasksVersion>,
+    gate: BacklogGate,
+    declared: tokio::sync::watch::Sender<Option<crate::gitea::Declared>>,
+}
+
+/// The FetchTask pollers of one controller (one runner registration).
+pub struct Scheduler {
+    /// Shared by the pollers once [`Scheduler::run`] starts them.
+    shared: Shared,
+}
+
+impl std::fmt::Debug for Scheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scheduler")
+            .field("stream", &self.shared.stream.stream)
+            .field("settings", &self.shared.settings)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Scheduler {
+    /// A scheduler publishing v1 envelopes; add a keyring with [`Scheduler::with_keyring`].
+    /// The stream must exist (see [`queue::ensure_stream`]).
+    pub fn new(
+        gitea: GiteaClient,
+        js: jetstream::Context,
+        stream: StreamSettings,
+        policy: DerivationPolicy,
+        settings: SchedulerSettings,
+    ) -> Self {
+        let gate = BacklogGate::new(settings.backlog_limit);
+        Scheduler {
+            shared: Shared {
+                gitea,
+                js,
+                stream,
+                policy,
+                keyring: None,
+                settings,
+                stats: Arc::new(SchedulerStats::new()),
+                version: Arc::new(TasksVersion::new()),
+                gate,
+                declared: tokio::sync::watch::Sender::new(None),
+            },
+        }
+    }
+
+    /// Seals task bytes with `keyring` (v2 envelopes).
+    #[must_use]
+    pub fn with_keyring(mut self, keyring: Arc<TaskKeyring>) -> Self {
+        self.shared.keyring = Some(keyring);
+        self
+    }
+
+    /// Counts into `stats` (e.g. shared with a [`Heartbeater`]).
+    #[must_use]
+    pub fn with_stats(mut self, stats: Arc<SchedulerStats>) -> Self {
+        self.shared.stats = stats;
+        self
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> Arc<SchedulerStats> {
+        self.shared.stats.clone()
+    }
+
+    /// What the controller's one `Declare` answered, once it has (the facade passes
+    /// Gitea's capabilities header on to executors).
+    pub fn declared(&self) -> tokio::sync::watch::Receiver<Option<crate::gitea::Declared>> {
+        self.shared.declared.subscribe()
+    }
+
+    /// The tasks version shared by the pollers.
+    pub fn tasks_version(&self) -> Arc<TasksVersion> {
+        self.shared.version.clone()
+    }
+
+    /// Declares the runner, then polls until `shutdown`; returns when every poller
+    /// has stopped (in-flight fetches finished, their tasks published or given up).
+    pub async fn run(self, shutdown: Shutdown) -> Result<Report, SchedulerError> {
+        let shared = Arc::new(self.shared);
+        if shared.settings.pollers == 0 {
+            return Err(SchedulerError::Settings(
+                "at least one poller is needed".into(),
+            ));
+        }
+        if !declare(&shared, &shutdown).await? {
+            return Ok(Report::default());
+        }
+        let (stop_watcher, watcher_stop) = shutdown_channel();
+        let watcher = tokio::spawn(watch_backlog(shared.clone(), watcher_stop));
+        let mut pollers = JoinSet::new();
+        for index in 0..shared.settings.pollers {
+            pollers.spawn(poll(shared.clone(), index, shutdown.clone()));
+        }
+        let mut report = Report::default();
+        let mut failure = None;
+        while let Some(joined) = pollers.join_next().await {
+            match joined {
+                Ok(r) => report.merge(r),
+                Err(e) => failure = Some(SchedulerError::Poller(e.to_string())),
+            }
+        }
+        stop_watcher.trigger();
+        let _ = watcher.await;
+        tracing::info!(
+            tasks_fetched = report.tasks_fetched,
+            tasks_published = report.tasks_published,
+            tasks_lost = report.lost_task_ids.len(),
+            "scheduler stopped"
+        );
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(report),
+        }
+    }
+}
+
+/// One `Declare`, retried while Gitea is unavailable; false if shutdown came first.
+async fn declare(shared: &Shared, shutdown: &Shutdown) -> Result<bool, SchedulerError> {
+    let mut attempt = 0;
+    loop {
+        if shutdown.is_triggered() {
+            return Ok(false);
+        }
+        match shared
+            .gitea
+            .declare(
+                shared.settings.labels.clone(),
+                shared.settings.capabilities.clone(),
+            )
+            .await
+        {
+            Ok(declared) => {
+                shared.declared.send_replace(Some(declared.clone()));
+                tracing::info!(
+                    runner = %declared.runner.name,
+                    labels = ?shared.settings.labels,
+                    pollers = shared.settings.pollers,
+                    backlog_limit = shared.settings.backlog_limit,
+                    "runner declared"
+                );
+                return Ok(true);
+            }
+            Err(e) if e.is_retryable() => {
+                tracing::warn!(error = %e, "Declare failed; retrying");
+                if !shutdown
+                    .sleep(shared.settings.error_backoff.delay(attempt))
+                    .await
+                {
+                    return Ok(false);
+                }
+                attempt = attempt.saturating_add(1);
+            }
+            Err(e) => return Err(SchedulerError::Declare(e)),
+        }
+    }
+}
+
+/// Keeps the gate's view of the stream's message count fresh.
+async fn watch_backlog(shared: Arc<Shared>, stop: Shutdown) {
+    let mut stream: Option<jetstream::stream::Stream> = None;
+    let mut healthy = true;
+    loop {
+        let epoch = shared.gate.epoch();
+        let read = async {
+            let s = match &mut stream {
+                Some(s) => s,
+                None => stream.insert(queue::open_stream(&shared.js, &shared.stream).await?),
+            };
+            queue::unclaimed(s).await
+        };
+        let bound = shared.settings.backlog_refresh.max(Duration::from_secs(2));
+        let result = match tokio::time::timeout(bound, read).await {
+            Ok(r) => r,
+            Err(_) => Err(QueueError::Stream {
+                stream: shared.stream.stream.clone(),
+                message: "stream info timed out".into(),
+            }),
+        };
+        match result {
+            Ok(messages) => {
+                if !healthy {
+                    tracing::info!(unclaimed = messages, "stream readable again");
+                }
+                healthy = true;
+                shared.gate.refreshed(messages, epoch);
+            }
+            Err(e) => {
+                if healthy {
+                    tracing::warn!(error = %e, "cannot read the backlog; fetching paused");
+                }
+                healthy = false;
+                shared.gate.unknown();
+            }
+        }
+        if !stop.sleep(shared.settings.backlog_refresh).await {
+            return;
+        }
+    }
+}
+
+/// One poller: gate, fetch, hand off; until shutdown.
+async fn poll(shared: Arc<Shared>, index: usize, shutdown: Shutdown) -> Report {
+    let mut report = Report::default();
+    let mut idle = 0u32;
+    let mut errors = 0u32;
+    loop {
+        let waiting = &shared.stats.pollers_waiting_for_backlog;
+        let Some(slot) = shared.gate.admit(&shutdown, waiting).await else {
+            break;
+        };
+        let sent = shared.version.current();
+        SchedulerStats::inc(&shared.stats.fetch_calls);
+        // Not raced against shutdown: a task Gitea hands out must reach the stream.
+        match shared.gitea.fetch_task(sent).await {
+            Err(e) => {
+                shared.gate.release(slot);
+                shared.stats.fetch_error(e.kind());
+                if e.kind() == ErrorKind::Unavailable {
+                    tracing::warn!(poller = index, error = %e, "FetchTask failed");
+                } else {
+                    tracing::error!(poller = index, error = %e, kind = e.kind().as_str(), "FetchTask failed");
+                }
+                let delay = shared.settings.error_backoff.delay(errors);
+                errors = errors.saturating_add(1);
+                if !shutdown.sleep(delay).await {
+                    break;
+                }
+            }
+            Ok(answer) => {
+                errors = 0;
+                match answer.task.into_option() {
+                    None => {
+                        shared.gate.release(slot);
+                        shared.version.empty_answer(sent, answer.tasks_version);
+                        let delay = shared.settings.idle_backoff.delay(idle);
+                        idle = idle.saturating_add(1);
+                        if !shutdown.sleep(delay).await {
+                            break;
+                        }
+                    }
+                    Some(task) => {
+                        shared.version.task_received();
+                        idle = 0;
+                        SchedulerStats::inc(&shared.stats.tasks_fetched);
+                        report.tasks_fetched += 1;
+                        crate::failpoint::hit(crate::failpoint::points::AFTER_FETCH);
+                        hand_off(&shared, task, slot, &shutdown, &mut report).await;
+                    }
+                }
+            }
+        }
+    }
+    report
+}
+
+/// Turns a fetched task into a stored assignment, or fails it in Gitea.
+async fn hand_off(
+    shared: &Shared,
+    task: pb::Task,
+    slot: Slot,
+    shutdown: &Shutdown,
+    report: &mut Report,
+) {
+    let task_id = task.id;
+    // The fetch→publish window (DESIGN invariant 4): a kill inside it loses the task.
+    let fetched_at = std::time::Instant::now();
+    let assignment = match Assignment::from_task(task, &shared.policy) {
+        Ok(a) => a,
+        Err(e) => {
+            shared.gate.release(slot);
+            fail_invalid_task(shared, task_id, &e.to_string()).await;
+            SchedulerStats::inc(&shared.stats.invalid_tasks_failed);
+            report.invalid_tasks_failed += 1;
+            return;
+        }
+    };
+    let encoded = match &shared.keyring {
+        Some(keyring) => encode_v2(&assignment, keyring),
+        None => encode_v1(&assignment),
+    };
+    let payload = match encoded {
+        Ok(p) => bytes::Bytes::from(p),
+        Err(e) => {
+            shared.gate.release(slot);
+            fail_invalid_task(
+                shared,
+                task_id,
+                &format!("the assignment cannot be encoded: {e}"),
+            )
+            .await;
+            SchedulerStats::inc(&shared.stats.invalid_tasks_failed);
+            report.invalid_tasks_failed += 1;
+            return;
+        }
+    };
+    let id = assignment.id().as_str();
+    let backend = assignment.backend();
+    match publish_until_stored(shared, &assignment, payload, shutdown).await {
+        Some(published) => {
+            shared.gate.stored(slot, published.duplicate);
+            let window = u64::try_from(fetched_at.elapsed().as_micros()).unwrap_or(u64::MAX);
+            shared
+                .stats
+                .handoff_window_micros_max
+                .fetch_max(window, std::sync::atomic::Ordering::Relaxed);
+            shared
+                .stats
+                .handoff_window_micros_total
+                .fetch_add(window, std::sync::atomic::Ordering::Relaxed);
+            SchedulerStats::inc(&shared.stats.tasks_published);
+            if published.duplicate {
+                SchedulerStats::inc(&shared.stats.publish_duplicates);
+            }
+            report.tasks_published += 1;
+            tracing::info!(
+                task_id,
+                assignment_id = id,
+                backend = backend.as_str(),
+                sequence = published.sequence,
+                duplicate = published.duplicate,
+                "assignment queued"
+            );
+        }
+        None => {
+            shared.gate.release(slot);
+            SchedulerStats::inc(&shared.stats.tasks_lost);
+            report.lost_task_ids.push(task_id);
+            tracing::error!(
+                task_id,
+                assignment_id = id,
+                backend = backend.as_str(),
+                "task fetched from Gitea but not stored in JetStream before shutdown; \
+                 it stays Running in Gitea until its zombie timeout"
+            );
+        }
+    }
+}
+
+/// Publishes until JetStream acknowledges; gives up only once shutdown has been
+/// requested and `shutdown_publish_timeout` has passed since.
+async fn publish_until_stored(
+    shared: &Shared,
+    assignment: &Assignment,
+    payload: bytes::Bytes,
+    shutdown: &Shutdown,
+) -> Option<queue::Published> {
+    let id = assignment.id().as_str();
+    let backend = assignment.backend();
+    let task_id = assignment.id().task_id();
+    let mut attempt = 0u32;
+    let mut deadline: Option<Instant> = None;
+    loop {
+        if deadline.is_none() && shutdown.is_triggered() {
+            deadline = Some(Instant::now() + shared.settings.shutdown_publish_timeout);
+        }
+        let publish = queue::publish(&shared.js, &shared.stream, backend, id, payload.clone());
+        let result = match deadline {
+            None => publish.await.map_err(|e| e.to_string()),
+            Some(d) => match tokio::time::timeout_at(d, publish).await {
+                Ok(r) => r.map_err(|e| e.to_string()),
+                Err(_) => Err("publish timed out at shutdown".to_string()),
+            },
+        };
+        let error = match result {
+            Ok(published) => {
+                crate::failpoint::hit(crate::failpoint::points::AFTER_PUBLISH);
+                return Some(published);
+            }
+            Err(e) => e,
+        };
+        SchedulerStats::inc(&shared.stats.publish_retries);
+        tracing::warn!(
+            task_id,
+            assignment_id = id,
+            backend = backend.as_str(),
+            attempt,
+            error = %error,
+            "publish not acknowledged; retrying"
+        );
+        let delay = shared.settings.publish_backoff.delay(attempt);
+        attempt = attempt.saturating_add(1);
+        match deadline {
+            Some(d) => {
+                if Instant::now() >= d {
+                    return None;
+                }
+                tokio::time::sleep_until(d.min(Instant::now() + delay)).await;
+            }
+            // A shutdown during the pause ends it early; the loop then sets the deadline.
+            None => {
+                shutdown.sleep(delay).await;
+            }
+        }
+    }
+}
+
+/// Reports a task that cannot run as failed, with one log row saying why.
+async fn fail_invalid_task(shared: &Shared, task_id: i64, reason: &str) {
+    tracing::error!(
+        task_id,
+        reason,
+        "task cannot become an assignment; failing it in Gitea"
+    );
+    let row = pb::LogRow {
+        time: MessageField::some(Timestamp::now()),
+        content: format!("{INVALID_TASK_LOG_PREFIX}{reason}"),
+        ..Default::default()
+    };
+    let log = pb::UpdateLogRequest {
+        task_id,
+        index: 0,
+        rows: vec![row],
+        no_more: true,
+        ..Default::default()
+    };
+    if let Err(e) = retry_gitea(shared, || shared.gitea.update_log(log.clone())).await {
+        tracing::warn!(task_id, error = %e, "could not write the failure reason to the task log");
+    }
+    let state = pb::UpdateTaskRequest {
+        state: MessageField::some(pb::TaskState {
+            id: task_id,
+            result: pb::TaskResult::RESULT_FAILURE.into(),
+            stopped_at: MessageField::some(Timestamp::now()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    if let Err(e) = retry_gitea(shared, || shared.gitea.update_task(state.clone())).await {
+        tracing::error!(
+            task_id,
+            error = %e,
+            "could not fail the task in Gitea; it ends at Gitea's zombie timeout"
+        );
+    }
+}
+
+/// A few attempts while Gitea is unavailable.
+async fn retry_gitea<T, F, Fut>(shared: &Shared, mut call: F) -> Result<T, GiteaError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, GiteaError>>,
+{
+    const ATTEMPTS: u32 = 5;
+    let mut attempt = 0;
+    loop {
+        match call().await {
+            Ok(v) => return Ok(v),
+            Err(e) if e.is_retryable() && attempt + 1 < ATTEMPTS => {
+                tokio::time::sleep(shared.settings.error_backoff.delay(attempt)).await;
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}

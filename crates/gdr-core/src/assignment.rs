@@ -1,0 +1,661 @@
+//! The assignment: the durable handoff between the scheduler and the workers (DESIGN
+//! invariant 5).
+//!
+//! An assignment is the complete Gitea `Task` plus three fields derived from it: the
+//! assignment ID, the backend and the identity. The derived fields travel in the envelope
+//! only so that humans and routing can read them; every consumer decodes the task and
+//! derives them again, and an envelope whose copies disagree is rejected as tampered.
+//!
+//! Two envelope versions exist:
+//! - **v1**, byte-compatible with the Go seed (`json.Marshal` of its `envelope` struct): the
+//!   task protobuf in plain base64. Still read, so a Rust controller can drain a Go queue.
+//! - **v2**: the task protobuf sealed with AES-256-GCM under a key from a file, so job
+//!   secrets do not sit readable in the stream. The redundant fields and the key ID are
+//!   bound as additional data, so ciphertext cannot be moved between envelopes.
+
+use std::{fmt, str::FromStr};
+
+use aws_lc_rs::{
+    aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey},
+    digest,
+    rand::{SecureRandom, SystemRandom},
+};
+use base64::{
+    Engine,
+    engine::general_purpose::{STANDARD, STANDARD_NO_PAD_INDIFFERENT, URL_SAFE_NO_PAD_INDIFFERENT},
+};
+use buffa::Message;
+use serde::{Deserialize, Serialize};
+
+use super::{
+    backend::{Backend, BackendError, BackendLabels, select_backend},
+    identity::{Identity, IdentityError, TrustDomain},
+    workflow::{WorkflowError, parse_single_job},
+};
+use gdr_proto::runner::v1::Task;
+
+const ID_PREFIX: &str = "gitea-task-";
+
+// === AssignmentId ===
+
+/// `gitea-task-<task id>`: the stable ID used for JetStream de-duplication, backend
+/// metadata and the runner UUID. It is always the canonical spelling of a positive task ID.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AssignmentId {
+    text: String,
+    task_id: i64,
+}
+
+/// Not an assignment ID.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AssignmentIdError {
+    /// Gitea task IDs are positive.
+    #[error("task ID {0} is not positive")]
+    NotPositive(i64),
+    /// Not `gitea-task-<positive decimal>` in canonical form.
+    #[error("invalid assignment ID {0:?}: expected \"gitea-task-<positive task id>\"")]
+    Invalid(String),
+}
+
+impl AssignmentId {
+    /// The assignment ID of Gitea task `task_id`.
+    pub fn from_task_id(task_id: i64) -> Result<Self, AssignmentIdError> {
+        if task_id <= 0 {
+            return Err(AssignmentIdError::NotPositive(task_id));
+        }
+        Ok(Self {
+            text: format!("{ID_PREFIX}{task_id}"),
+            task_id,
+        })
+    }
+
+    /// Parses the canonical form only (no sign, no leading zeros), so one task has exactly
+    /// one assignment ID string.
+    pub fn parse(text: &str) -> Result<Self, AssignmentIdError> {
+        let invalid = || AssignmentIdError::Invalid(text.to_owned());
+        let digits = text.strip_prefix(ID_PREFIX).ok_or_else(invalid)?;
+        let task_id: i64 = digits.parse().map_err(|_| invalid())?;
+        match Self::from_task_id(task_id) {
+            Ok(id) if id.text == text => Ok(id),
+            _ => Err(invalid()),
+        }
+    }
+
+    /// The Gitea task ID.
+    pub fn task_id(&self) -> i64 {
+        self.task_id
+    }
+
+    /// `gitea-task-<task id>`.
+    pub fn as_str(&self) -> &str {
+        &self.text
+    }
+}
+
+impl fmt::Display for AssignmentId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+impl FromStr for AssignmentId {
+    type Err = AssignmentIdError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+// === Assignment ===
+
+/// The operator policy that turns a task into an assignment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DerivationPolicy {
+    /// Trust domain of the SPIFFE IDs.
+    pub trust_domain: TrustDomain,
+    /// Labels that select the backend.
+    pub labels: BackendLabels,
+}
+
+/// Why a task cannot become an assignment. Permanent: the same task always fails the same way.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AssignmentError {
+    /// The task ID is not positive.
+    #[error("invalid task ID: {0}")]
+    TaskId(#[from] AssignmentIdError),
+    /// The workflow payload is unreadable.
+    #[error("task workflow: {0}")]
+    Workflow(#[from] WorkflowError),
+    /// `runs-on` does not select exactly one backend.
+    #[error("task backend: {0}")]
+    Backend(#[from] BackendError),
+    /// No identity can be derived.
+    #[error("task identity: {0}")]
+    Identity(#[from] IdentityError),
+}
+
+/// A task with its derived ID, backend and identity. Only [`Assignment::from_task`] and
+/// [`decode`] build one, so the derived fields always agree with the task.
+#[derive(Clone, PartialEq)]
+pub struct Assignment {
+    id: AssignmentId,
+    backend: Backend,
+    task: Task,
+    identity: Identity,
+    runs_on: Vec<String>,
+}
+
+impl Assignment {
+    /// Derives every trusted field from the task Gitea handed out.
+    pub fn from_task(task: Task, policy: &DerivationPolicy) -> Result<Self, AssignmentError> {
+        let id = AssignmentId::from_task_id(task.id)?;
+        let job = parse_single_job(task.workflow_payload.as_deref().unwrap_or_default())?;
+        let identity = Identity::from_task_job(&task, &job, &policy.trust_domain)?;
+        let backend = select_backend(&job.runs_on, &policy.labels)?;
+        Ok(Self {
+            id,
+            backend,
+            task,
+            identity,
+            runs_on: job.runs_on,
+        })
+    }
+
+    /// The assignment ID.
+    pub fn id(&self) -> &AssignmentId {
+        &self.id
+    }
+
+    /// The backend selected by `runs-on`.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// The Gitea task, complete (including its secrets).
+    pub fn task(&self) -> &Task {
+        &self.task
+    }
+
+    /// The job's identity.
+    pub fn identity(&self) -> &Identity {
+        &self.identity
+    }
+
+    /// The job's `runs-on` labels, as its workflow states them.
+    pub fn runs_on(&self) -> &[String] {
+        &self.runs_on
+    }
+}
+
+impl fmt::Debug for Assignment {
+    // The task holds job secrets and the workflow; only the routing facts are printed.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Assignment")
+            .field("id", &self.id.as_str())
+            .field("backend", &self.backend)
+            .field("spiffe_id", &self.identity.spiffe_id())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What backend metadata tells about a running executor: enough to authorise it, not the task.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecoveredAssignment {
+    id: AssignmentId,
+    task_id: i64,
+    backend: Backend,
+    identity: Identity,
+}
+
+impl RecoveredAssignment {
+    /// The routing facts of an assignment. Only the metadata codec and
+    /// [`RecoveredAssignment::from_assignment`] call this, after validating each part.
+    pub(crate) fn new(id: AssignmentId, backend: Backend, identity: Identity) -> Self {
+        RecoveredAssignment {
+            task_id: id.task_id(),
+            id,
+            backend,
+            identity,
+        }
+    }
+
+    /// The routing facts of a full assignment, as backend metadata records them.
+    pub fn from_assignment(assignment: &Assignment) -> Self {
+        RecoveredAssignment {
+            id: assignment.id.clone(),
+            task_id: assignment.id.task_id(),
+            backend: assignment.backend,
+            identity: assignment.identity.clone(),
+        }
+    }
+
+    /// The assignment ID.
+    pub fn id(&self) -> &AssignmentId {
+        &self.id
+    }
+
+    /// The Gitea task ID.
+    pub fn task_id(&self) -> i64 {
+        self.task_id
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    /// The job's identity.
+    pub fn identity(&self) -> &Identity {
+        &self.identity
+    }
+}
+
+// === Task keys ===
+
+const TASK_KEY_BYTES: usize = 32;
+const KEY_ID_CONTEXT: &[u8] = b"gitea-dynamic-runner task key\0";
+const KEY_FORMAT_HINT: &str = "expected 64 hex characters or base64 of exactly 32 bytes (generate one with `head -c 32 /dev/urandom | base64`)";
+
+/// An AES-256-GCM key for task bytes at rest (envelope v2).
+///
+/// Its ID is derived from the key itself, so rotation needs no separate ID configuration
+/// and an envelope names the key it needs without revealing anything useful about it.
+#[derive(Clone)]
+pub struct TaskKey {
+    key: [u8; TASK_KEY_BYTES],
+    id: String,
+}
+
+/// A task key file that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TaskKeyError {
+    /// Neither hex nor base64.
+    #[error("task key is neither hex nor base64: {KEY_FORMAT_HINT}")]
+    Format,
+    /// Decodes, but not to 32 bytes.
+    #[error("task key decodes to {len} bytes: {KEY_FORMAT_HINT}")]
+    Length {
+        /// Decoded length.
+        len: usize,
+    },
+}
+
+impl TaskKey {
+    /// A key from its raw 32 bytes.
+    pub fn from_bytes(key: [u8; TASK_KEY_BYTES]) -> Self {
+        let mut context = digest::Context::new(&digest::SHA256);
+        context.update(KEY_ID_CONTEXT);
+        context.update(&key);
+        let id = context
+            .finish()
+            .as_ref()
+            .iter()
+            .take(8)
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        Self { key, id }
+    }
+
+    /// A key from the text of a key file, surrounding whitespace ignored: 64 hex digits, or
+    /// base64 (standard or URL-safe alphabet, padded or not) of exactly 32 bytes.
+    pub fn from_file_contents(contents: &[u8]) -> Result<Self, TaskKeyError> {
+        let text = contents.trim_ascii();
+        let bytes = match decode_hex(text) {
+            Some(bytes) => bytes,
+            None => STANDARD_NO_PAD_INDIFFERENT
+                .decode(text)
+                .or_else(|_| URL_SAFE_NO_PAD_INDIFFERENT.decode(text))
+                .map_err(|_| TaskKeyError::Format)?,
+        };
+        let key: [u8; TASK_KEY_BYTES] = bytes
+            .as_slice()
+            .try_into()
+            .map_err(|_| TaskKeyError::Length { len: bytes.len() })?;
+        Ok(Self::from_bytes(key))
+    }
+
+    /// First 16 hex digits of SHA-256(`"gitea-dynamic-runner task key\0"` + key).
+    pub fn key_id(&self) -> &str {
+        &self.id
+    }
+
+    fn aead_key(&self) -> Option<LessSafeKey> {
+        // Only fails for a wrong key length, which the array type rules out.
+        UnboundKey::new(&AES_256_GCM, &self.key)
+            .ok()
+            .map(LessSafeKey::new)
+    }
+}
+
+impl fmt::Debug for TaskKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TaskKey")
+            .field("key_id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Only 64 hex digits count as hex: shorter hex strings are valid base64 too, and reading
+/// them as base64 keeps the two forms unambiguous.
+fn decode_hex(text: &[u8]) -> Option<Vec<u8>> {
+    if text.len() != 2 * TASK_KEY_BYTES {
+        return None;
+    }
+    let nibble = |c: u8| (c as char).to_digit(16);
+    text.chunks_exact(2)
+        .map(|pair| Some((nibble(pair[0])? << 4 | nibble(pair[1])?) as u8))
+        .collect()
+}
+
+/// The task keys in use: new envelopes are sealed with `current`; envelopes sealed with
+/// any of them are opened. Rotate by deploying the new key as `previous` everywhere, then
+/// promoting it to `current`, and drop the old key once no envelope sealed with it remains
+/// in the stream (a consumer that lacks a key rejects the message for good).
+#[derive(Clone, Debug)]
+pub struct TaskKeyring {
+    /// Seals new envelopes.
+    pub current: TaskKey,
+    /// Still open older envelopes.
+    pub previous: Vec<TaskKey>,
+}
+
+impl TaskKeyring {
+    /// A keyring sealing with `current` and also opening with `previous`.
+    pub fn new(current: TaskKey, previous: Vec<TaskKey>) -> Self {
+        Self { current, previous }
+    }
+
+    fn find(&self, key_id: &str) -> Option<&TaskKey> {
+        std::iter::once(&self.current)
+            .chain(&self.previous)
+            .find(|key| key.key_id() == key_id)
+    }
+}
+
+// === Envelope ===
+
+/// Go's `taskidentity.Identity` as `json.Marshal` writes it (exported field names, in order).
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WireIdentity {
+    #[serde(rename = "Repository")]
+    repository: String,
+    #[serde(rename = "Task")]
+    job_key: String,
+    #[serde(rename = "SPIFFEID")]
+    spiffe_id: String,
+}
+
+impl From<&Identity> for WireIdentity {
+    fn from(identity: &Identity) -> Self {
+        Self {
+            repository: identity.repository().to_owned(),
+            job_key: identity.job_key().to_owned(),
+            spiffe_id: identity.spiffe_id().to_owned(),
+        }
+    }
+}
+
+/// Field order is the Go struct's, so the output is byte-identical to the seed's for every
+/// valid assignment (Go additionally escapes `<`, `>`, `&`, which valid IDs never contain).
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EnvelopeV1 {
+    version: u64,
+    id: String,
+    backend: String,
+    task: String,
+    identity: WireIdentity,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EnvelopeV2 {
+    version: u64,
+    id: String,
+    backend: String,
+    key_id: String,
+    nonce: String,
+    task: String,
+    identity: WireIdentity,
+}
+
+#[derive(Deserialize)]
+struct VersionProbe {
+    version: u64,
+}
+
+/// Why an envelope cannot be encoded. Not expected in practice.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EncodeError {
+    /// The task exceeds the 2 GiB protobuf limit.
+    #[error("task is too large to encode")]
+    TaskTooLarge,
+    /// The system random source failed.
+    #[error("no random nonce available")]
+    Random,
+    /// The AEAD refused to seal.
+    #[error("task encryption failed")]
+    Seal,
+    /// JSON serialisation failed.
+    #[error("envelope serialisation failed")]
+    Json,
+}
+
+/// Why an envelope was rejected.
+///
+/// Every variant is permanent for the message at hand: decoding it again gives the same
+/// result, so the worker terminates (TERM) the message instead of redelivering it, and
+/// [`EnvelopeError::is_poison`] says so. `UnknownKey` and `NoKeyring` usually mean the
+/// consumer's key configuration lags the producer's (see [`TaskKeyring`] on rotation order).
+/// No message contains payload bytes.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnvelopeError {
+    /// Not JSON, wrong shape, bad base64 or an undecodable task protobuf.
+    #[error("malformed assignment envelope: {0}")]
+    Malformed(String),
+    /// A version this build does not read.
+    #[error("unsupported assignment envelope version {0}")]
+    UnsupportedVersion(u64),
+    /// Sealed with a key this consumer does not have.
+    #[error("assignment envelope is sealed with unknown task key {0}")]
+    UnknownKey(String),
+    /// A v2 envelope, but no task keys are configured.
+    #[error("assignment envelope is encrypted but no task key is configured")]
+    NoKeyring,
+    /// Authentication failed: wrong key, altered ciphertext or altered bound fields.
+    #[error("assignment envelope does not decrypt")]
+    Decrypt,
+    /// A redundant field disagrees with the one derived from the task.
+    #[error("assignment envelope field {field} does not match its task")]
+    Tampered {
+        /// The envelope field, as spelled on the wire.
+        field: &'static str,
+    },
+    /// The task inside does not make a valid assignment.
+    #[error("assignment envelope task: {0}")]
+    Invalid(#[from] AssignmentError),
+}
+
+impl EnvelopeError {
+    /// Whether redelivering the message can never succeed. Always true for this error
+    /// type; kept as a method so the worker states its decision where it acks.
+    pub fn is_poison(&self) -> bool {
+        true
+    }
+}
+
+fn encode_task(task: &Task) -> Result<Vec<u8>, EncodeError> {
+    task.try_encode_to_vec()
+        .map_err(|_| EncodeError::TaskTooLarge)
+}
+
+/// Encodes `assignment` as a version 1 envelope, as the Go seed does. Job secrets are
+/// readable in it: use [`encode_v2`] wherever a task key is configured.
+pub fn encode_v1(assignment: &Assignment) -> Result<Vec<u8>, EncodeError> {
+    let envelope = EnvelopeV1 {
+        version: 1,
+        id: assignment.id.as_str().to_owned(),
+        backend: assignment.backend.as_str().to_owned(),
+        task: STANDARD.encode(encode_task(&assignment.task)?),
+        identity: (&assignment.identity).into(),
+    };
+    serde_json::to_vec(&envelope).map_err(|_| EncodeError::Json)
+}
+
+/// The additional data of a v2 envelope: every redundant field and the key ID, each
+/// length-prefixed so that no two different field tuples give the same bytes.
+fn aad_v2(id: &str, backend: &str, identity: &WireIdentity, key_id: &str) -> Vec<u8> {
+    let mut aad = b"gitea-dynamic-runner assignment v2\0".to_vec();
+    for field in [
+        id,
+        backend,
+        &identity.repository,
+        &identity.job_key,
+        &identity.spiffe_id,
+        key_id,
+    ] {
+        aad.extend_from_slice(&(field.len() as u64).to_be_bytes());
+        aad.extend_from_slice(field.as_bytes());
+    }
+    aad
+}
+
+/// Encodes `assignment` as a version 2 envelope, the task sealed with the current key.
+pub fn encode_v2(assignment: &Assignment, keyring: &TaskKeyring) -> Result<Vec<u8>, EncodeError> {
+    let key = &keyring.current;
+    let mut nonce = [0u8; NONCE_LEN];
+    // A fresh random 96-bit nonce per envelope. NIST SP 800-38D allows 2^32 random-nonce
+    // messages per key; a controller seals one per job, many orders of magnitude fewer.
+    SystemRandom::new()
+        .fill(&mut nonce)
+        .map_err(|_| EncodeError::Random)?;
+    let identity = WireIdentity::from(&assignment.identity);
+    let id = assignment.id.as_str();
+    let backend = assignment.backend.as_str();
+    let aad = aad_v2(id, backend, &identity, key.key_id());
+    let mut sealed = encode_task(&assignment.task)?;
+    key.aead_key()
+        .ok_or(EncodeError::Seal)?
+        .seal_in_place_append_tag(
+            Nonce::assume_unique_for_key(nonce),
+            Aad::from(aad),
+            &mut sealed,
+        )
+        .map_err(|_| EncodeError::Seal)?;
+    let envelope = EnvelopeV2 {
+        version: 2,
+        id: id.to_owned(),
+        backend: backend.to_owned(),
+        key_id: key.key_id().to_owned(),
+        nonce: STANDARD.encode(nonce),
+        task: STANDARD.encode(sealed),
+        identity,
+    };
+    serde_json::to_vec(&envelope).map_err(|_| EncodeError::Json)
+}
+
+/// Describes a JSON error by category and position only: serde_json's own message can quote
+/// input, and the input may hold a plaintext task.
+fn json_error(err: &serde_json::Error) -> EnvelopeError {
+    let kind = match err.classify() {
+        serde_json::error::Category::Io => "read error",
+        serde_json::error::Category::Syntax => "invalid JSON",
+        serde_json::error::Category::Data => "unexpected fields or types",
+        serde_json::error::Category::Eof => "truncated JSON",
+    };
+    EnvelopeError::Malformed(format!(
+        "{kind} at line {} column {}",
+        err.line(),
+        err.column()
+    ))
+}
+
+fn decode_base64(field: &str, text: &str) -> Result<Vec<u8>, EnvelopeError> {
+    STANDARD
+        .decode(text)
+        .map_err(|_| EnvelopeError::Malformed(format!("{field} is not valid base64")))
+}
+
+fn is_key_id(text: &str) -> bool {
+    text.len() == 16
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// Decodes a v1 or v2 envelope, then derives the assignment from the task inside and
+/// rejects the envelope if its `id`, `backend` or `identity` differ from the derived ones.
+/// `keyring` is needed only for v2. Never panics.
+pub fn decode(
+    bytes: &[u8],
+    policy: &DerivationPolicy,
+    keyring: Option<&TaskKeyring>,
+) -> Result<Assignment, EnvelopeError> {
+    let probe: VersionProbe = serde_json::from_slice(bytes).map_err(|e| json_error(&e))?;
+    let (id, backend, identity, task_bytes) = match probe.version {
+        1 => {
+            let envelope: EnvelopeV1 = serde_json::from_slice(bytes).map_err(|e| json_error(&e))?;
+            let task = decode_base64("task", &envelope.task)?;
+            (envelope.id, envelope.backend, envelope.identity, task)
+        }
+        2 => {
+            let envelope: EnvelopeV2 = serde_json::from_slice(bytes).map_err(|e| json_error(&e))?;
+            let keyring = keyring.ok_or(EnvelopeError::NoKeyring)?;
+            if !is_key_id(&envelope.key_id) {
+                return Err(EnvelopeError::Malformed(
+                    "key_id is not a task key ID".into(),
+                ));
+            }
+            let key = keyring
+                .find(&envelope.key_id)
+                .ok_or_else(|| EnvelopeError::UnknownKey(envelope.key_id.clone()))?;
+            let nonce: [u8; NONCE_LEN] = decode_base64("nonce", &envelope.nonce)?
+                .try_into()
+                .map_err(|_| EnvelopeError::Malformed(format!("nonce is not {NONCE_LEN} bytes")))?;
+            let mut sealed = decode_base64("task", &envelope.task)?;
+            let aad = aad_v2(
+                &envelope.id,
+                &envelope.backend,
+                &envelope.identity,
+                &envelope.key_id,
+            );
+            let plain_len = key
+                .aead_key()
+                .ok_or(EnvelopeError::Decrypt)?
+                .open_in_place(
+                    Nonce::assume_unique_for_key(nonce),
+                    Aad::from(aad),
+                    &mut sealed,
+                )
+                .map_err(|_| EnvelopeError::Decrypt)?
+                .len();
+            sealed.truncate(plain_len);
+            (envelope.id, envelope.backend, envelope.identity, sealed)
+        }
+        other => return Err(EnvelopeError::UnsupportedVersion(other)),
+    };
+    let task = Task::decode_from_slice(&task_bytes)
+        .map_err(|_| EnvelopeError::Malformed("task is not a valid Task protobuf".into()))?;
+    let assignment = Assignment::from_task(task, policy)?;
+    let tampered = |field| Err(EnvelopeError::Tampered { field });
+    if id != assignment.id.as_str() {
+        return tampered("id");
+    }
+    if backend != assignment.backend.as_str() {
+        return tampered("backend");
+    }
+    if identity.repository != assignment.identity.repository() {
+        return tampered("identity.Repository");
+    }
+    if identity.job_key != assignment.identity.job_key() {
+        return tampered("identity.Task");
+    }
+    if identity.spiffe_id != assignment.identity.spiffe_id() {
+        return tampered("identity.SPIFFEID");
+    }
+    Ok(assignment)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,240 @@
+//! The executor-backend contract: one trait implemented by the Pod, OpenSandbox and
+//! local-process backends (DESIGN invariants 8–12).
+//!
+//! The backend is the authority on executor state (Pod labels and annotations, OpenSandbox
+//! metadata, the process backend's state directory); the controller keeps no database.
+//! Every operation is idempotent and keyed by assignment ID, so a worker can reconcile from
+//! observed state after any crash: find → create if absent → bind identity → wait for the
+//! claim. Errors say what the caller should do ([`ExecutorError`]): retry after a delay,
+//! retry with backoff, or give up and fail the task.
+
+use std::collections::BTreeMap;
+use std::error::Error as StdError;
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+
+use crate::assignment::{Assignment, AssignmentId, RecoveredAssignment};
+use crate::backend::Backend;
+use crate::capability::Capability;
+use crate::metadata::{ExecutorMetadata, MetadataCodec};
+
+/// Environment variable names handed to an executor (compatible with the Go version).
+pub mod env {
+    /// The assignment ID (also the runner UUID the executor presents).
+    pub const ASSIGNMENT_ID: &str = "CI_ASSIGNMENT_ID";
+    /// The assignment-scoped capability (the runner token the executor presents).
+    pub const CAPABILITY: &str = "CI_RUNNER_CAPABILITY";
+    /// URL of the controller's RunnerService facade.
+    pub const FACADE_URL: &str = "CI_RUNNER_FACADE_URL";
+    /// The facade's exact SPIFFE ID, verified by the executor.
+    pub const FACADE_SPIFFE_ID: &str = "CI_RUNNER_FACADE_SPIFFE_ID";
+    /// The job's SPIFFE ID.
+    pub const SPIFFE_ID: &str = "CI_SPIFFE_ID";
+    /// `pod` or `vm`.
+    pub const BACKEND: &str = "CI_RUNNER_BACKEND";
+    /// The runs-on label the runner declares for the backend (`pod`, `vm` or the VM alias).
+    pub const RUNNER_LABEL: &str = "CI_RUNNER_LABEL";
+    /// The SPIFFE Workload API socket.
+    pub const SPIFFE_ENDPOINT_SOCKET: &str = "SPIFFE_ENDPOINT_SOCKET";
+}
+
+/// Everything a backend needs to start one executor.
+#[derive(Debug, Clone)]
+pub struct ExecutorSpec {
+    /// The assignment as backend metadata records it.
+    pub assignment: RecoveredAssignment,
+    /// The runner token of this assignment.
+    pub capability: Capability,
+    /// Facade URL the executor dials.
+    pub facade_url: String,
+    /// Facade SPIFFE ID the executor verifies.
+    pub facade_spiffe_id: String,
+    /// The job's `runs-on` labels (backends pick per-label profiles from them).
+    pub runs_on: Vec<String>,
+    /// The label the executor's runner declares for its backend.
+    pub runner_label: String,
+    /// The metadata to place on the executor object, from the one codec
+    /// ([`crate::metadata::MetadataCodec::encode`]), `runner=true` included.
+    pub metadata: ExecutorMetadata,
+}
+
+impl ExecutorSpec {
+    /// The spec of `assignment`'s executor: its metadata from `codec`, its runs-on labels
+    /// from the job, and where and how it reaches the facade.
+    pub fn new(
+        assignment: &Assignment,
+        capability: Capability,
+        codec: &MetadataCodec,
+        facade_url: impl Into<String>,
+        facade_spiffe_id: impl Into<String>,
+        runner_label: impl Into<String>,
+    ) -> Self {
+        let recovered = RecoveredAssignment::from_assignment(assignment);
+        ExecutorSpec {
+            metadata: codec.encode(&recovered),
+            assignment: recovered,
+            capability,
+            facade_url: facade_url.into(),
+            facade_spiffe_id: facade_spiffe_id.into(),
+            runs_on: assignment.runs_on().to_vec(),
+            runner_label: runner_label.into(),
+        }
+    }
+
+    /// The executor's `CI_*` environment (the capability included: it is what the
+    /// executor authenticates with; it is never logged).
+    pub fn environment(&self) -> BTreeMap<&'static str, String> {
+        BTreeMap::from([
+            (env::ASSIGNMENT_ID, self.assignment.id().as_str().to_owned()),
+            (env::CAPABILITY, self.capability.expose().to_owned()),
+            (env::FACADE_URL, self.facade_url.clone()),
+            (env::FACADE_SPIFFE_ID, self.facade_spiffe_id.clone()),
+            (
+                env::SPIFFE_ID,
+                self.assignment.identity().spiffe_id().to_owned(),
+            ),
+            (env::BACKEND, self.assignment.backend().as_str().to_owned()),
+            (env::RUNNER_LABEL, self.runner_label.clone()),
+        ])
+    }
+}
+
+/// Lifecycle of an executor as the backend observes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Phase {
+    /// Created, not yet running.
+    Starting {
+        /// Why it is not running yet, when the backend says (`ImagePullBackOff: …`,
+        /// `Unschedulable: …`, VM boot); reported if the start deadline passes.
+        reason: Option<String>,
+    },
+    /// Running.
+    Running,
+    /// Ended; `success` is the executor's own exit status, not the job result.
+    Finished {
+        /// Whether the executor exited cleanly.
+        success: bool,
+        /// What the backend knows about the end (exit code, `OOMKilled`, node lost).
+        reason: Option<String>,
+    },
+}
+
+impl Phase {
+    /// Whether the executor has ended.
+    pub fn is_finished(&self) -> bool {
+        matches!(self, Phase::Finished { .. })
+    }
+}
+
+/// What the controller binds a job's identity to, as the backend reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IdentityTarget {
+    /// A Pod's UID (SPIRE selector `k8s:pod-uid:<uid>`).
+    PodUid(String),
+    /// An OpenSandbox sandbox ID (its Pods are bound by `sandbox-identity`).
+    SandboxId(String),
+    /// A local process: its pid and start time (`/proc/<pid>/stat` field 22), which tell it
+    /// from a process that later reuses the pid.
+    Process {
+        /// Process ID.
+        pid: u32,
+        /// Start time in clock ticks since boot.
+        start_time: u64,
+    },
+}
+
+/// One executor as recorded on the backend.
+#[derive(Debug, Clone)]
+pub struct ExecutorRecord {
+    /// Backend object name (Pod name, sandbox ID, state directory name).
+    pub name: String,
+    /// The assignment, re-validated from backend metadata.
+    pub assignment: RecoveredAssignment,
+    /// Observed phase.
+    pub phase: Phase,
+    /// The runner claimed the task through the facade (durable marker, invariant 9).
+    pub claimed: bool,
+    /// Gitea accepted a terminal result (or the executor was failed) (invariant 10).
+    pub terminal: bool,
+    /// The workload identity is bound (SPIRE entry, local SVID served).
+    pub identity_bound: bool,
+    /// What the identity binds to, once it exists (`None`: not yet, e.g. Pod not created).
+    pub identity_target: Option<IdentityTarget>,
+    /// When the executor was created (the start deadline counts from here).
+    pub created_at: SystemTime,
+}
+
+/// The outcome of binding an executor's workload identity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Binding {
+    /// The identity is bound; the executor can obtain its SVID.
+    Bound,
+    /// The identity target (Pod UID, node) does not exist yet; try again later.
+    NotReady(String),
+}
+
+/// The cause of a backend failure, kept for logs and reports.
+pub type Source = Box<dyn StdError + Send + Sync + 'static>;
+
+/// Why a backend operation failed, by what the caller should do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecutorError {
+    /// The backend refused for lack of room (OpenSandbox 429): leave the assignment queued
+    /// and retry after `retry_after` (the backend's hint) or a default delay.
+    #[error("backend full: {reason}")]
+    Full {
+        /// The backend's `Retry-After`, when it gave one.
+        retry_after: Option<Duration>,
+        /// What the backend said.
+        reason: String,
+    },
+    /// A transient failure (API unreachable, conflict, timeout): retry with backoff.
+    #[error("backend unavailable: {0}")]
+    Unavailable(#[source] Source),
+    /// The request can never succeed (invalid spec, corrupt metadata, missing
+    /// permission): fail the task with the reason instead of retrying.
+    #[error("backend refused: {0}")]
+    Permanent(#[source] Source),
+}
+
+impl ExecutorError {
+    /// A transient failure with `source` as its cause.
+    pub fn unavailable(source: impl Into<Source>) -> Self {
+        ExecutorError::Unavailable(source.into())
+    }
+
+    /// A permanent failure with `source` as its cause.
+    pub fn permanent(source: impl Into<Source>) -> Self {
+        ExecutorError::Permanent(source.into())
+    }
+}
+
+/// One executor backend. Every method is idempotent.
+#[async_trait]
+pub trait ExecutorBackend: Send + Sync + 'static {
+    /// Which backend this is.
+    fn backend(&self) -> Backend;
+
+    /// The executor of an assignment, if one exists.
+    async fn find(&self, id: &AssignmentId) -> Result<Option<ExecutorRecord>, ExecutorError>;
+
+    /// Creates the executor, or returns the existing one.
+    async fn create(&self, spec: &ExecutorSpec) -> Result<ExecutorRecord, ExecutorError>;
+
+    /// Binds the workload identity once its target exists.
+    async fn bind_identity(&self, record: &ExecutorRecord) -> Result<Binding, ExecutorError>;
+
+    /// Durably records that the runner claimed the task; must complete before the facade
+    /// hands the task out.
+    async fn record_claimed(&self, id: &AssignmentId) -> Result<(), ExecutorError>;
+
+    /// Durably records that the task reached a terminal state in Gitea.
+    async fn mark_terminal(&self, id: &AssignmentId) -> Result<(), ExecutorError>;
+
+    /// Every executor that still exists (for restoring pools, claims and reconcilers).
+    async fn list(&self) -> Result<Vec<ExecutorRecord>, ExecutorError>;
+
+    /// Deletes the executor and its identity binding (no-op when absent).
+    async fn delete(&self, id: &AssignmentId) -> Result<(), ExecutorError>;
+}

@@ -1,0 +1,10 @@
+//! The executor: what runs next to the unmodified official runner inside each disposable
+//! environment (Pod, VM or local process directory). It holds no controller credential.
+//!
+//! - [`oneshot`]: reads the `CI_*` environment, writes a one-shot `.runner`, waits for the
+//!   facade and runs the runner once (`daemon --once`).
+//! - [`proxy`]: the loopback HTTP proxy the runner's `.runner` `address` points at; it
+//!   forwards everything to the facade over mTLS with the executor's SVID.
+
+pub mod oneshot;
+pub mod proxy;

@@ -1,0 +1,351 @@
+//! The `executor` subcommand (DESIGN invariant 16): runs inside a Pod, VM or local
+//! process directory, serves the loopback proxy to the facade over SPIFFE mTLS, writes a
+//! one-shot `.runner`, waits until the facade answers, then runs the unmodified official
+//! runner as `daemon --once` and exits with its status.
+//!
+//! The executor never sees the controller's Gitea credential: its runner token is the
+//! assignment-scoped capability, useful only at the facade and only with this
+//! workload's SVID.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustix::process::{Pid, Signal};
+use serde::Serialize;
+
+use gdr_core::assignment::AssignmentId;
+use gdr_core::backend::Backend;
+use gdr_core::executor::env;
+
+/// Everything the executor reads from its environment.
+#[derive(Clone)]
+pub struct ExecutorConfig {
+    /// `CI_ASSIGNMENT_ID`.
+    pub assignment_id: AssignmentId,
+    /// `CI_RUNNER_CAPABILITY` (never logged).
+    pub capability: String,
+    /// `CI_RUNNER_BACKEND`.
+    pub backend: Backend,
+    /// Label the runner declares for the backend (`CI_RUNNER_LABEL`, default the backend name).
+    pub backend_label: String,
+    /// `CI_RUNNER_FACADE_URL`.
+    pub facade_url: String,
+    /// `CI_RUNNER_FACADE_SPIFFE_ID`.
+    pub facade_spiffe_id: String,
+    /// `SPIFFE_ENDPOINT_SOCKET`.
+    pub workload_api: String,
+    /// `GITEA_RUNNER_BINARY` (default `gitea-runner`).
+    pub runner_binary: PathBuf,
+    /// `CI_RUNNER_WORKDIR` (default: a new temporary directory, removed afterwards).
+    pub work_dir: Option<PathBuf>,
+    /// How long to wait for the SVID and the facade (`CI_EXECUTOR_READY_TIMEOUT` seconds, default 120).
+    pub ready_timeout: Duration,
+}
+
+impl std::fmt::Debug for ExecutorConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecutorConfig")
+            .field("assignment_id", &self.assignment_id.as_str())
+            .field("backend", &self.backend)
+            .field("facade_url", &self.facade_url)
+            .field("facade_spiffe_id", &self.facade_spiffe_id)
+            .field("runner_binary", &self.runner_binary)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why the executor could not run its job.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// A required variable is missing or invalid.
+    #[error("{name}: {problem}")]
+    Env {
+        /// Variable.
+        name: &'static str,
+        /// What is wrong.
+        problem: String,
+    },
+    /// SPIFFE setup failed.
+    #[error(transparent)]
+    Spiffe(#[from] gdr_identity::tls::SpiffeError),
+    /// The loopback proxy could not start.
+    #[error(transparent)]
+    Proxy(#[from] crate::proxy::ProxyError),
+    /// Local I/O failed.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The facade never answered.
+    #[error("the facade at {0} did not answer in time")]
+    FacadeUnreachable(String),
+}
+
+impl ExecutorConfig {
+    /// Reads the `CI_*` environment through `get` (the process environment in `main`).
+    pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Self, RunError> {
+        let required = |name: &'static str| {
+            get(name)
+                .filter(|v| !v.trim().is_empty())
+                .ok_or(RunError::Env {
+                    name,
+                    problem: "is required".into(),
+                })
+        };
+        let id_text = required(env::ASSIGNMENT_ID)?;
+        let assignment_id = AssignmentId::parse(&id_text).map_err(|e| RunError::Env {
+            name: env::ASSIGNMENT_ID,
+            problem: e.to_string(),
+        })?;
+        let backend_text = required(env::BACKEND)?;
+        let backend: Backend = backend_text.parse().map_err(|_| RunError::Env {
+            name: env::BACKEND,
+            problem: format!("{backend_text:?} is neither pod nor vm"),
+        })?;
+        let facade_url = required(env::FACADE_URL)?;
+        if !facade_url.starts_with("https://") {
+            return Err(RunError::Env {
+                name: env::FACADE_URL,
+                problem: "must be an https:// URL".into(),
+            });
+        }
+        let ready_timeout = match get("CI_EXECUTOR_READY_TIMEOUT") {
+            Some(v) => Duration::from_secs(v.trim().parse().map_err(|_| RunError::Env {
+                name: "CI_EXECUTOR_READY_TIMEOUT",
+                problem: format!("{v:?} is not a number of seconds"),
+            })?),
+            None => Duration::from_secs(120),
+        };
+        Ok(ExecutorConfig {
+            assignment_id,
+            capability: required(env::CAPABILITY)?,
+            backend_label: get("CI_RUNNER_LABEL").unwrap_or_else(|| backend.as_str().to_string()),
+            backend,
+            facade_url,
+            facade_spiffe_id: required(env::FACADE_SPIFFE_ID)?,
+            workload_api: required(env::SPIFFE_ENDPOINT_SOCKET)?,
+            runner_binary: get("GITEA_RUNNER_BINARY")
+                .map_or_else(|| PathBuf::from("gitea-runner"), PathBuf::from),
+            work_dir: get("CI_RUNNER_WORKDIR").map(PathBuf::from),
+            ready_timeout,
+        })
+    }
+}
+
+/// The official runner's registration file (v3.5.0 schema).
+#[derive(Serialize)]
+struct RunnerFile<'a> {
+    #[serde(rename = "WARNING")]
+    warning: &'a str,
+    id: i64,
+    uuid: &'a str,
+    name: &'a str,
+    token: &'a str,
+    address: &'a str,
+    labels: Vec<&'a str>,
+    ephemeral: bool,
+}
+
+/// Writes `.runner` (mode 0600) for one pre-assigned task.
+pub fn write_runner_file(
+    dir: &Path,
+    config: &ExecutorConfig,
+    proxy_url: &str,
+) -> Result<PathBuf, RunError> {
+    let file = RunnerFile {
+        warning: "Generated for one pre-assigned task by gitea-dynamic-runner; the token works only at its facade.",
+        id: 0,
+        uuid: config.assignment_id.as_str(),
+        name: config.assignment_id.as_str(),
+        token: &config.capability,
+        address: proxy_url,
+        labels: vec!["self-hosted", &config.backend_label],
+        ephemeral: true,
+    };
+    let mut text = serde_json::to_string_pretty(&file).map_err(|e| RunError::Io {
+        what: "encoding .runner".into(),
+        source: std::io::Error::other(e),
+    })?;
+    text.push('\n');
+    let path = dir.join(".runner");
+    let io = |source| RunError::Io {
+        what: format!("writing {}", path.display()),
+        source,
+    };
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create(true).truncate(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    let mut handle = options.open(&path).map_err(io)?;
+    std::io::Write::write_all(&mut handle, text.as_bytes()).map_err(io)?;
+    Ok(path)
+}
+
+/// Runs the executor until the runner exits; returns the runner's exit status.
+pub async fn run(config: ExecutorConfig) -> Result<ExitStatus, RunError> {
+    let id = config.assignment_id.as_str().to_string();
+    let source =
+        gdr_identity::tls::x509_source_with_timeout(&config.workload_api, config.ready_timeout)
+            .await?;
+    let client_config = Arc::new(gdr_identity::tls::executor_client_config(
+        &source,
+        &config.facade_spiffe_id,
+    )?);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(|source| RunError::Io {
+            what: "binding the loopback proxy".into(),
+            source,
+        })?;
+    let local = listener.local_addr().map_err(|source| RunError::Io {
+        what: "reading the proxy address".into(),
+        source,
+    })?;
+    let proxy_url = format!("http://{local}");
+    let (stop_proxy, proxy_stopped) = tokio::sync::oneshot::channel::<()>();
+    let facade_url = config.facade_url.clone();
+    let proxy = tokio::spawn(async move {
+        crate::proxy::serve_loopback_proxy(listener, &facade_url, client_config, async {
+            let _ = proxy_stopped.await;
+        })
+        .await
+    });
+
+    let temp;
+    let work_dir = match &config.work_dir {
+        Some(dir) => dir.clone(),
+        None => {
+            temp = tempdir()?;
+            temp.clone()
+        }
+    };
+    write_runner_file(&work_dir, &config, &proxy_url)?;
+    wait_for_facade(&proxy_url, config.ready_timeout).await?;
+    tracing::info!(assignment_id = %id, proxy = %proxy_url, runner = %config.runner_binary.display(), "starting the one-shot runner");
+
+    let mut child = tokio::process::Command::new(&config.runner_binary)
+        .args(["daemon", "--once"])
+        .current_dir(&work_dir)
+        // The runner gets no CI_RUNNER_CAPABILITY: it reads its token from .runner.
+        .env_remove(env::CAPABILITY)
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|source| RunError::Io {
+            what: format!("starting the runner {}", config.runner_binary.display()),
+            source,
+        })?;
+    let status = wait_forwarding_signals(&mut child, &id).await?;
+    tracing::info!(assignment_id = %id, status = %status, "the one-shot runner exited");
+    let _ = stop_proxy.send(());
+    let _ = proxy.await;
+    if config.work_dir.is_none() {
+        let _ = std::fs::remove_dir_all(&work_dir);
+    }
+    Ok(status)
+}
+
+fn tempdir() -> Result<PathBuf, RunError> {
+    let base = std::env::temp_dir();
+    for attempt in 0..100u32 {
+        let candidate = base.join(format!(
+            "gitea-task-runner-{}-{attempt}",
+            std::process::id()
+        ));
+        match std::fs::create_dir(&candidate) {
+            Ok(()) => return Ok(candidate),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(source) => {
+                return Err(RunError::Io {
+                    what: "creating the work directory".into(),
+                    source,
+                });
+            }
+        }
+    }
+    Err(RunError::Io {
+        what: "creating the work directory".into(),
+        source: std::io::Error::other("no free name"),
+    })
+}
+
+/// The runner cancels its job on SIGTERM/SIGINT and still reports a cancelled result,
+/// so the executor passes those signals on and keeps waiting for the runner to exit.
+async fn wait_forwarding_signals(
+    child: &mut tokio::process::Child,
+    id: &str,
+) -> Result<ExitStatus, RunError> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let io = |source| RunError::Io {
+        what: "installing signal handlers".into(),
+        source,
+    };
+    let mut term = signal(SignalKind::terminate()).map_err(io)?;
+    let mut int = signal(SignalKind::interrupt()).map_err(io)?;
+    loop {
+        let forwarded = tokio::select! {
+            status = child.wait() => {
+                return status.map_err(|source| RunError::Io { what: "waiting for the runner".into(), source });
+            }
+            _ = term.recv() => Signal::TERM,
+            _ = int.recv() => Signal::INT,
+        };
+        if let Some(pid) = child
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .and_then(Pid::from_raw)
+        {
+            tracing::info!(assignment_id = %id, signal = ?forwarded, "forwarding a signal to the runner");
+            let _ = rustix::process::kill_process(pid, forwarded);
+        }
+    }
+}
+
+/// Waits until a request through the proxy gets any answer from the facade (the
+/// runner exits at once if its first Declare fails).
+async fn wait_for_facade(proxy_url: &str, timeout: Duration) -> Result<(), RunError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let url = format!("{proxy_url}/api/actions/ping.v1.PingService/Ping");
+    loop {
+        if let Ok(stream) =
+            tokio::net::TcpStream::connect(proxy_url.trim_start_matches("http://")).await
+            && probe(stream, &url).await
+        {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(RunError::FacadeUnreachable(proxy_url.to_string()));
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// One HTTP/1.1 request on `stream`; true when the facade (not the proxy) answered,
+/// i.e. any status below 502.
+async fn probe(stream: tokio::net::TcpStream, url: &str) -> bool {
+    let Ok((mut sender, conn)) = hyper::client::conn::http1::handshake::<
+        _,
+        http_body_util::Empty<bytes::Bytes>,
+    >(hyper_util::rt::TokioIo::new(stream))
+    .await
+    else {
+        return false;
+    };
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let Ok(request) = http::Request::post(url)
+        .header(http::header::HOST, "localhost")
+        .body(http_body_util::Empty::new())
+    else {
+        return false;
+    };
+    match tokio::time::timeout(Duration::from_secs(5), sender.send_request(request)).await {
+        Ok(Ok(response)) => response.status().as_u16() < 502,
+        _ => false,
+    }
+}

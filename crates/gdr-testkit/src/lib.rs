@@ -1,0 +1,18 @@
+//! Test peers that speak the real protocols, and the helpers the tests share. Only ever a
+//! dev-dependency: nothing here reaches a product build.
+//!
+//! - [`mock_gitea`]: Gitea's RunnerService with Gitea's semantics, over real Connect.
+//! - [`standin_runner`]: the official runner's side of the protocol, for executors to run.
+//! - [`fake_kube`]: an in-process Kubernetes API server for the real `kube` client.
+//! - [`nats_server`]: a real `nats-server` child process with a temporary store.
+//! - [`spiffe`]: a fake SPIFFE Workload API with a test CA.
+//! - [`memory_backend`]: an in-memory executor backend.
+//! - [`log_capture`]: JSON log capture, for the tests that look for leaked secrets.
+
+pub mod fake_kube;
+pub mod log_capture;
+pub mod memory_backend;
+pub mod mock_gitea;
+pub mod nats_server;
+pub mod spiffe;
+pub mod standin_runner;

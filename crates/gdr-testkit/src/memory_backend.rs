@@ -1,0 +1,241 @@
+//! An in-memory executor backend: a stand-in for Kubernetes/OpenSandbox that follows the
+//! trait's contract (idempotent, keyed by assignment ID) and lets tests inject failures and
+//! end executors. [`MemoryBackend::reopen`] gives a second instance over the same store, as
+//! a restarted controller sees the same cluster.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use async_trait::async_trait;
+
+use gdr_core::assignment::AssignmentId;
+use gdr_core::backend::Backend;
+use gdr_core::executor::{
+    Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec, IdentityTarget, Phase,
+};
+
+/// A failure the backend answers every call with, until cleared.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    /// [`ExecutorError::Full`] with this retry hint.
+    Full(Option<Duration>),
+    /// [`ExecutorError::Unavailable`].
+    Unavailable,
+    /// [`ExecutorError::Permanent`].
+    Permanent,
+}
+
+/// The cause injected failures carry.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Injected(pub String);
+
+impl Failure {
+    fn error(&self) -> ExecutorError {
+        match self {
+            Failure::Full(retry_after) => ExecutorError::Full {
+                retry_after: *retry_after,
+                reason: "injected: pool full".into(),
+            },
+            Failure::Unavailable => {
+                ExecutorError::unavailable(Injected("injected: backend unavailable".into()))
+            }
+            Failure::Permanent => {
+                ExecutorError::permanent(Injected("injected: backend refused".into()))
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    executors: BTreeMap<AssignmentId, ExecutorRecord>,
+    specs: BTreeMap<AssignmentId, ExecutorSpec>,
+    created: usize,
+    deleted: usize,
+    failing: Option<Failure>,
+    /// Failures for `create` only (the other calls keep working).
+    failing_create: Option<Failure>,
+    not_ready_binds: usize,
+}
+
+/// In-memory executors of one backend kind.
+pub struct MemoryBackend {
+    backend: Backend,
+    state: Arc<Mutex<State>>,
+}
+
+impl MemoryBackend {
+    /// An empty backend.
+    pub fn new(backend: Backend) -> Self {
+        MemoryBackend {
+            backend,
+            state: Arc::new(Mutex::new(State::default())),
+        }
+    }
+
+    /// A new instance over the same executors (a controller restart).
+    pub fn reopen(&self) -> Self {
+        MemoryBackend {
+            backend: self.backend,
+            state: Arc::clone(&self.state),
+        }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Every operation fails with `failure` until cleared with `None`.
+    pub fn set_failing(&self, failure: Option<Failure>) {
+        self.state().failing = failure;
+    }
+
+    /// `create` fails with `failure` until cleared with `None`.
+    pub fn set_failing_create(&self, failure: Option<Failure>) {
+        self.state().failing_create = failure;
+    }
+
+    /// The next `n` identity bindings answer not-ready.
+    pub fn set_not_ready_binds(&self, n: usize) {
+        self.state().not_ready_binds = n;
+    }
+
+    /// Current executors.
+    pub fn records(&self) -> Vec<ExecutorRecord> {
+        self.state().executors.values().cloned().collect()
+    }
+
+    /// The spec an executor was created from (the environment it would get).
+    pub fn spec(&self, id: &AssignmentId) -> Option<ExecutorSpec> {
+        self.state().specs.get(id).cloned()
+    }
+
+    /// Executors created so far (each assignment counts once).
+    pub fn created(&self) -> usize {
+        self.state().created
+    }
+
+    /// Executors deleted so far.
+    pub fn deleted(&self) -> usize {
+        self.state().deleted
+    }
+
+    /// Marks an executor running.
+    pub fn start(&self, id: &AssignmentId) {
+        if let Some(r) = self.state().executors.get_mut(id) {
+            r.phase = Phase::Running;
+        }
+    }
+
+    /// Ends an executor as its process would.
+    pub fn finish(&self, id: &AssignmentId, success: bool) {
+        if let Some(r) = self.state().executors.get_mut(id) {
+            r.phase = Phase::Finished {
+                success,
+                reason: Some(format!("memory executor ended (success: {success})")),
+            };
+        }
+    }
+
+    fn check(&self) -> Result<(), ExecutorError> {
+        match &self.state().failing {
+            Some(f) => Err(f.error()),
+            None => Ok(()),
+        }
+    }
+}
+
+#[async_trait]
+impl ExecutorBackend for MemoryBackend {
+    fn backend(&self) -> Backend {
+        self.backend
+    }
+
+    async fn find(&self, id: &AssignmentId) -> Result<Option<ExecutorRecord>, ExecutorError> {
+        self.check()?;
+        Ok(self.state().executors.get(id).cloned())
+    }
+
+    async fn create(&self, spec: &ExecutorSpec) -> Result<ExecutorRecord, ExecutorError> {
+        self.check()?;
+        let mut state = self.state();
+        if let Some(f) = &state.failing_create {
+            return Err(f.error());
+        }
+        let id = spec.assignment.id().clone();
+        if let Some(existing) = state.executors.get(&id) {
+            return Ok(existing.clone());
+        }
+        let record = ExecutorRecord {
+            name: format!("{}-{}", self.backend, id),
+            assignment: spec.assignment.clone(),
+            phase: Phase::Starting { reason: None },
+            claimed: false,
+            terminal: false,
+            identity_bound: false,
+            identity_target: Some(IdentityTarget::PodUid(format!("uid-{id}"))),
+            created_at: SystemTime::now(),
+        };
+        state.created += 1;
+        state.specs.insert(id.clone(), spec.clone());
+        state.executors.insert(id, record.clone());
+        Ok(record)
+    }
+
+    async fn bind_identity(&self, record: &ExecutorRecord) -> Result<Binding, ExecutorError> {
+        self.check()?;
+        let mut state = self.state();
+        if state.not_ready_binds > 0 {
+            state.not_ready_binds -= 1;
+            return Ok(Binding::NotReady("identity target not created yet".into()));
+        }
+        match state.executors.get_mut(record.assignment.id()) {
+            Some(r) => {
+                r.identity_bound = true;
+                Ok(Binding::Bound)
+            }
+            None => Err(ExecutorError::unavailable(Injected(format!(
+                "executor {} is gone",
+                record.name
+            )))),
+        }
+    }
+
+    async fn record_claimed(&self, id: &AssignmentId) -> Result<(), ExecutorError> {
+        self.check()?;
+        match self.state().executors.get_mut(id) {
+            Some(r) => {
+                r.claimed = true;
+                Ok(())
+            }
+            None => Err(ExecutorError::unavailable(Injected(format!(
+                "no executor for {id}"
+            )))),
+        }
+    }
+
+    async fn mark_terminal(&self, id: &AssignmentId) -> Result<(), ExecutorError> {
+        self.check()?;
+        if let Some(r) = self.state().executors.get_mut(id) {
+            r.terminal = true;
+        }
+        Ok(())
+    }
+
+    async fn list(&self) -> Result<Vec<ExecutorRecord>, ExecutorError> {
+        self.check()?;
+        Ok(self.records())
+    }
+
+    async fn delete(&self, id: &AssignmentId) -> Result<(), ExecutorError> {
+        self.check()?;
+        let mut state = self.state();
+        if state.executors.remove(id).is_some() {
+            state.deleted += 1;
+        }
+        state.specs.remove(id);
+        Ok(())
+    }
+}
