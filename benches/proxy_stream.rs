@@ -83,7 +83,7 @@ async fn main() -> Result<(), Box<dyn Error>> {
         CapabilityKey::new(&[7u8; 32])?,
     ));
     let gitea = GiteaClient::new(ClientOptions::new(gitea_url.clone()), None)?;
-    let facade_app = Arc::new(Facade::new(dispatch, gitea, None, "vm".into()))
+    let facade_app = Arc::new(Facade::new(dispatch, gitea, None, Default::default()))
         .app(ReverseProxy::new(&gitea_url, None)?);
     let facade_listener = TcpListener::bind("127.0.0.1:0").await?;
     let facade_addr = facade_listener.local_addr()?;

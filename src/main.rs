@@ -1,17 +1,19 @@
-//! Entry point: parses the CLI, installs logging and runs one subcommand.
+//! `gitea-dynamic-runner`: parses the command line and runs one subcommand. Everything
+//! else lives in the crates under `crates/` (see ARCHITECTURE.md); this file only binds
+//! the listeners and turns signals into the one shutdown.
 
 use std::process::ExitCode;
 
-use gdr_controller::cli::{self, Cli, Command};
-use gdr_controller::config::Config;
-use gdr_controller::logging;
+use gdr_controller::cli::{self, Cli, Command, ConfigArgs};
+use gdr_controller::runtime::{self, Listeners};
+use gdr_controller::shutdown::{Shutdown, shutdown_channel};
+use gdr_executor::oneshot::{self, ExecutorConfig, Forward};
 
 fn main() -> ExitCode {
     let cli = Cli::parse_args();
-    // Pick aws-lc-rs explicitly: if a second provider ever got linked in, rustls
-    // could not choose one and would fail at the first TLS config.
+    // One crypto provider for every TLS configuration in the process.
     let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
-    logging::init();
+    gdr_controller::logging::init();
     match cli.command {
         Command::Version => {
             println!("gitea-dynamic-runner {}", gdr_controller::VERSION);
@@ -19,95 +21,125 @@ fn main() -> ExitCode {
         }
         Command::CheckConfig(args) => cli::check_config(args),
         Command::Register(args) => cli::register(args),
-        Command::Controller(args) => run_controller(args),
-        Command::Executor => run_executor(),
-        Command::SandboxIdentity => not_implemented("sandbox-identity"),
+        Command::Controller(args) => controller(&args),
+        Command::Executor => executor(),
+        Command::SandboxIdentity => {
+            eprintln!("gitea-dynamic-runner sandbox-identity: not implemented yet");
+            ExitCode::from(2)
+        }
     }
 }
 
-fn not_implemented(what: &str) -> ExitCode {
-    eprintln!("gitea-dynamic-runner {what}: not implemented yet");
-    ExitCode::from(2)
-}
-
-fn run_controller(args: gdr_controller::cli::ConfigArgs) -> ExitCode {
-    use gdr_controller::runtime;
-    let config = match args.sources().and_then(|s| Config::load(&s)) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("configuration error:\n{e}");
-            return ExitCode::FAILURE;
-        }
+fn controller(args: &ConfigArgs) -> ExitCode {
+    let settings = match cli::controller_settings(args) {
+        Ok(s) => s,
+        Err(code) => return code,
     };
-    let tokio = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let tokio = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => return cli::fail(e),
     };
     tokio.block_on(async move {
-        let bind = |what: &'static str, addr: String| async move {
-            tokio::net::TcpListener::bind(&addr)
-                .await
-                .map_err(|e| format!("{what}: cannot listen on {addr}: {e}"))
-        };
+        let facade_addr = settings.scheduler.as_ref().map_or_else(
+            // No scheduler, no facade: an ephemeral loopback port nothing dials.
+            || "127.0.0.1:0".to_owned(),
+            |s| s.facade.listen.clone(),
+        );
+        let mut inherited = listenfd::ListenFd::from_env();
         let listeners = match (
-            bind("runner_facade_listen", config.runner_facade_listen.clone()).await,
-            bind("health_listen", config.health_listen.clone()).await,
+            listen(&mut inherited, "facade", &facade_addr).await,
+            listen(&mut inherited, "health", &settings.health_listen).await,
         ) {
-            (Ok(facade), Ok(health)) => runtime::Listeners { facade, health },
+            (Ok(facade), Ok(health)) => Listeners { facade, health },
             (Err(e), _) | (_, Err(e)) => return cli::fail(e),
         };
-        match runtime::run(
-            config,
-            listeners,
-            shutdown_signal(),
-            runtime::Handles::default(),
-        )
-        .await
-        {
+        match runtime::run(settings, listeners, signalled()).await {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => cli::fail(e),
         }
     })
 }
 
-/// Resolves on SIGTERM or SIGINT: the controller then stops fetching and drains.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    match (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) {
-        (Ok(mut term), Ok(mut int)) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-        }
-        _ => {
-            let _ = tokio::signal::ctrl_c().await;
-        }
+/// The listener named `name` handed over by socket activation (`LISTEN_FDS`, named by
+/// `LISTEN_FDNAMES`, else facade then health), or a new one bound on `addr`.
+async fn listen(
+    inherited: &mut listenfd::ListenFd,
+    name: &str,
+    addr: &str,
+) -> Result<tokio::net::TcpListener, String> {
+    let names = std::env::var("LISTEN_FDNAMES").unwrap_or_else(|_| "facade:health".into());
+    if let Some(index) = names.split(':').position(|n| n == name)
+        && let Some(std) = inherited
+            .take_tcp_listener(index)
+            .map_err(|e| format!("{name}: the inherited socket {index} is unusable: {e}"))?
+    {
+        std.set_nonblocking(true)
+            .map_err(|e| format!("{name}: {e}"))?;
+        return tokio::net::TcpListener::from_std(std).map_err(|e| format!("{name}: {e}"));
     }
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("{name}: cannot listen on {addr}: {e}"))
 }
 
-fn run_executor() -> ExitCode {
-    use gdr_executor::oneshot;
-    let config = match oneshot::ExecutorConfig::from_env(|name| std::env::var(name).ok()) {
+fn executor() -> ExitCode {
+    let config = match ExecutorConfig::from_env(|name| std::env::var(name).ok()) {
         Ok(c) => c,
         Err(e) => return cli::fail(e),
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let tokio = match tokio::runtime::Runtime::new() {
         Ok(r) => r,
         Err(e) => return cli::fail(e),
     };
-    match runtime.block_on(oneshot::run(config)) {
+    match tokio.block_on(async { oneshot::run(config, forwarded_signals()).await }) {
         // The runner's own exit status; it does not reflect the job result.
         Ok(status) => ExitCode::from(u8::try_from(status.code().unwrap_or(1)).unwrap_or(1)),
         Err(e) => cli::fail(e),
     }
+}
+
+/// SIGTERM and SIGINT, for the executor to pass on to its runner.
+fn forwarded_signals() -> tokio::sync::mpsc::Receiver<Forward> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    for (kind, forward) in [
+        (SignalKind::terminate(), Forward::Terminate),
+        (SignalKind::interrupt(), Forward::Interrupt),
+    ] {
+        let tx = tx.clone();
+        match signal(kind) {
+            Ok(mut stream) => {
+                tokio::spawn(async move {
+                    while stream.recv().await.is_some() && tx.send(forward).await.is_ok() {}
+                });
+            }
+            Err(e) => eprintln!("cannot watch {forward:?}: {e}"),
+        }
+    }
+    rx
+}
+
+/// Triggers on SIGTERM or SIGINT: the controller then stops fetching and drains.
+fn signalled() -> Shutdown {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (trigger, shutdown) = shutdown_channel();
+    tokio::spawn(async move {
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) {
+            (Ok(mut term), Ok(mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+            }
+            _ => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+        eprintln!("shutdown requested");
+        trigger.trigger();
+    });
+    shutdown
 }

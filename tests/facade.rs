@@ -13,13 +13,14 @@ use gdr_controller::dispatch::{ClaimState, Dispatch};
 use gdr_controller::facade::Facade;
 use gdr_controller::facade::proxy::ReverseProxy;
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
+use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
 use gdr_core::assignment::{Assignment, DerivationPolicy};
 use gdr_core::backend::{Backend, BackendLabels};
 use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::{ExecutorBackend, ExecutorSpec};
 use gdr_core::identity::TrustDomain;
 use gdr_core::metadata::MetadataCodec;
-use gdr_executor::oneshot::{ExecutorConfig, run};
+use gdr_executor::oneshot::{ExecutorConfig, Forward, run};
 use gdr_identity::tls;
 use gdr_proto::runner::v1::{
     DeclareRequest, FetchTaskRequest, LogRow, RegisterRequest, RunnerServiceClient,
@@ -32,6 +33,11 @@ use gdr_testkit::spiffe::{
 };
 
 const WAIT: Duration = Duration::from_secs(30);
+/// No signal ever reaches these executors.
+fn no_signals() -> tokio::sync::mpsc::Receiver<Forward> {
+    tokio::sync::mpsc::channel(1).1
+}
+
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
 const FACADE_ID: &str = "spiffe://example.org/controller";
 const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
@@ -45,7 +51,7 @@ struct Env {
     dispatch: Arc<Dispatch>,
     facade_api: RunningWorkloadApi,
     facade_addr: std::net::SocketAddr,
-    _stop: tokio::sync::oneshot::Sender<()>,
+    _stop: ShutdownTrigger,
 }
 
 impl Env {
@@ -77,22 +83,18 @@ impl Env {
             dispatch.clone(),
             gitea.clone(),
             Some("job-summary".into()),
-            "vm".into(),
+            BackendLabels::default(),
         ));
         let proxy = ReverseProxy::new(&mock.url, None).expect("proxy");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let facade_addr = listener.local_addr().expect("addr");
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (stop, stopped) = shutdown_channel();
         tokio::spawn(async move {
             // The source must live as long as the server: it rotates the facade's SVID.
             let _source = source;
-            facade
-                .serve(listener, tls, proxy, async {
-                    let _ = stopped.await;
-                })
-                .await
+            facade.serve(listener, tls, proxy, stopped).await
         });
         Env {
             mock,
@@ -233,7 +235,7 @@ async fn a_job_runs_through_executor_facade_and_mock_gitea_with_its_logs_and_res
     let env = Env::new().await;
     let a = env.assignment("standin:success").await;
     let workload = env.workload(a.identity().spiffe_id()).await;
-    let status = run(env.executor_config(&a, &workload))
+    let status = run(env.executor_config(&a, &workload), no_signals())
         .await
         .expect("executor runs");
     assert!(status.success(), "the runner exits 0");
@@ -269,7 +271,7 @@ async fn a_cancel_in_gitea_reaches_the_runner_which_reports_cancelled() {
     let env = Env::new().await;
     let a = env.assignment("standin:hang").await;
     let workload = env.workload(a.identity().spiffe_id()).await;
-    let executor = tokio::spawn(run(env.executor_config(&a, &workload)));
+    let executor = tokio::spawn(run(env.executor_config(&a, &workload), no_signals()));
     let task_id = a.id().task_id();
     env.mock
         .handle
@@ -298,7 +300,7 @@ async fn an_svid_rotation_during_a_job_does_not_interrupt_it() {
     let env = Env::new().await;
     let a = env.assignment("standin:sleep 3000").await;
     let workload = env.workload(a.identity().spiffe_id()).await;
-    let executor = tokio::spawn(run(env.executor_config(&a, &workload)));
+    let executor = tokio::spawn(run(env.executor_config(&a, &workload), no_signals()));
     let task_id = a.id().task_id();
     env.mock
         .handle
@@ -492,7 +494,9 @@ async fn a_50_mib_checkout_is_reverse_proxied_from_gitea_through_executor_and_fa
     let env = Env::new().await;
     let a = env.assignment("standin:checkout 52428800").await;
     let workload = env.workload(a.identity().spiffe_id()).await;
-    let status = run(env.executor_config(&a, &workload)).await.expect("runs");
+    let status = run(env.executor_config(&a, &workload), no_signals())
+        .await
+        .expect("runs");
     assert!(status.success());
     env.job_status(&a, Status::Success).await;
     let rows = env
@@ -533,7 +537,9 @@ fn no_log_line_of_a_whole_job_contains_a_capability_token_or_task_secret() {
             .set_secret("owner/repo", "DEPLOY_KEY", "super-secret-deploy-key");
         let a = env.assignment("standin:success").await;
         let workload = env.workload(a.identity().spiffe_id()).await;
-        run(env.executor_config(&a, &workload)).await.expect("runs");
+        run(env.executor_config(&a, &workload), no_signals())
+            .await
+            .expect("runs");
         env.job_status(&a, Status::Success).await;
         let task_token = env.mock.handle.task(a.id().task_id()).expect("task").token;
         vec![

@@ -5,14 +5,13 @@
 // A panic is how a test (or a benchmark harness) fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-use common::write;
-
 use std::sync::Arc;
 use std::time::Duration;
 
-use gdr_controller::config::{Config, Sources};
-use gdr_controller::runtime::{self, Handles, Listeners};
+use gdr_controller::runtime::{self, Listeners};
+use gdr_controller::settings::{Settings, Sources};
+use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
+use gdr_testkit::controller::ControllerFixture;
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;
 
@@ -22,10 +21,9 @@ const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
 
 pub struct Controller {
     pub mock: RunningMock,
-    pub state: tempfile::TempDir,
-    pub handles: Handles,
+    pub fixture: ControllerFixture,
     pub health: std::net::SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    stop: ShutdownTrigger,
     pub task: Option<tokio::task::JoinHandle<Result<(), runtime::RuntimeError>>>,
 }
 
@@ -38,93 +36,43 @@ impl Controller {
         pod_capacity: u32,
         vm_capacity: u32,
         nats_url: Option<String>,
-        extra: &[&str],
+        extra: &[(&str, &str)],
     ) -> Self {
         let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
-        let state = tempfile::Builder::new()
-            .prefix("gdr")
-            .tempdir()
-            .expect("state");
-        let (uuid, token) = mock
-            .handle
-            .create_runner("ctl", &["self-hosted", "pod", "vm"], false);
-        let secrets = state.path().join("secrets");
-        std::fs::create_dir_all(&secrets).expect("secrets");
-        let uuid_file = write(&secrets, "uuid", &uuid);
-        let token_file = write(&secrets, "token", &token);
-        let key_file = write(&secrets, "capability", "0123456789abcdef0123456789abcdef");
-        let task_key = write(&secrets, "task-key", &"ab".repeat(32));
         let facade = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let health = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
-        let facade_url = format!("https://{}", facade.local_addr().expect("addr"));
         let health_addr = health.local_addr().expect("addr");
-        let set = |k: &str, v: String| format!("{k}={v}");
-        let overrides = [
-            set("gitea_instance_url", mock.url.clone()),
-            set("gitea_runner_uuid_file", uuid_file.display().to_string()),
-            set("gitea_runner_token_file", token_file.display().to_string()),
-            set(
-                "runner_facade_capability_key_file",
-                key_file.display().to_string(),
-            ),
-            set("task_encryption_key_file", task_key.display().to_string()),
-            set("trust_domain", "example.org".into()),
-            set("runner_facade_url", facade_url),
-            set(
-                "runner_facade_spiffe_id",
-                "spiffe://example.org/controller".into(),
-            ),
-            set("local_identity", "true".into()),
-            set("pod_backend", "process".into()),
-            set("vm_backend", "process".into()),
-            set("pod_capacity", pod_capacity.to_string()),
-            set("vm_capacity", vm_capacity.to_string()),
-            set(
-                "state_dir",
-                state.path().join("state").display().to_string(),
-            ),
-            set(
-                "nats_server_binary",
-                NatsServer::binary().display().to_string(),
-            ),
-            set("executor_program", BIN.into()),
-            set("runner_binary", STANDIN.into()),
-            set("heartbeat_interval", "2s".into()),
-        ];
-        let mut overrides = overrides.to_vec();
+        let mut fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref())
+            .facade_at(facade.local_addr().expect("addr"))
+            .set("pod_capacity", pod_capacity)
+            .set("vm_capacity", vm_capacity)
+            .set("nats_server_binary", NatsServer::binary().as_path())
+            .set("heartbeat_interval", "2s");
+        let task_key = fixture.file("secrets/task-key", &"ab".repeat(32));
+        fixture = fixture.set("task_encryption_key_file", task_key.as_path());
         if let Some(url) = nats_url {
-            overrides.push(set("nats_url", url));
+            fixture = fixture.set("nats_url", url);
         }
-        overrides.extend(extra.iter().map(|e| e.to_string()));
-        let sources = Sources {
-            file: None,
-            overrides: overrides
-                .iter()
-                .map(|o| Sources::parse_override(o).expect("override"))
-                .collect(),
-            environment: false,
-        };
-        let config = Config::load(&sources).expect("valid configuration");
-        let handles = Handles::default();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        for (k, v) in extra {
+            fixture = fixture.set(k, *v);
+        }
+        let settings = Settings::load(&Sources::overrides(fixture.overrides()).expect("overrides"))
+            .expect("valid configuration");
+        let (stop, shutdown) = shutdown_channel();
         let task = tokio::spawn(runtime::run(
-            config,
+            settings,
             Listeners { facade, health },
-            async {
-                let _ = stopped.await;
-            },
-            handles.clone(),
+            shutdown,
         ));
         Controller {
             mock,
-            state,
-            handles,
+            fixture,
             health: health_addr,
-            stop: Some(stop),
+            stop,
             task: Some(task),
         }
     }
@@ -151,9 +99,7 @@ impl Controller {
     }
 
     async fn stop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
+        self.stop.trigger();
         if let Some(task) = self.task.take() {
             let result = tokio::time::timeout(WAIT, task)
                 .await
@@ -163,12 +109,26 @@ impl Controller {
         }
     }
 
-    fn pool_usage(&self, backend: gdr_core::backend::Backend) -> (usize, usize) {
-        self.handles
-            .dispatch
-            .get()
-            .map(|d| d.pool_usage(backend))
-            .unwrap_or_default()
+    /// `(in use, capacity)` of a backend's admission pool, from `/metrics`.
+    async fn pool_usage(&self, backend: gdr_core::backend::Backend) -> (usize, usize) {
+        let Ok(text) = async {
+            reqwest::get(format!("http://{}/metrics", self.health))
+                .await?
+                .text()
+                .await
+        }
+        .await
+        else {
+            return (0, 0);
+        };
+        let gauge = |name: &str| {
+            let prefix = format!("gitea_dynamic_runner_{name}{{backend=\"{backend}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(&prefix))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0)
+        };
+        (gauge("pool_in_use"), gauge("pool_capacity"))
     }
 
     /// Executors not yet terminal (the ones holding capacity), read from the backend's
@@ -177,7 +137,7 @@ impl Controller {
         ["pod", "vm"]
             .iter()
             .flat_map(|b| {
-                std::fs::read_dir(self.state.path().join("state").join(b).join("executors"))
+                std::fs::read_dir(self.fixture.state_dir().join(b).join("executors"))
                     .into_iter()
                     .flatten()
                     .filter_map(|e| e.ok())
@@ -202,21 +162,18 @@ impl Controller {
 
     /// Waits until no executor directory and no admission slot is left.
     async fn nothing_left(&self) {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        while self.executor_dirs() > 0 || self.pool_usage(gdr_core::backend::Backend::Pod).0 > 0 {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "an executor or a slot leaked"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        gdr_testkit::until(WAIT, "no executor and no admission slot left", || async {
+            self.executor_dirs() == 0
+                && self.pool_usage(gdr_core::backend::Backend::Pod).await.0 == 0
+        })
+        .await;
     }
 
     fn executor_dirs(&self) -> usize {
         ["pod", "vm"]
             .iter()
             .map(|b| {
-                std::fs::read_dir(self.state.path().join("state").join(b).join("executors"))
+                std::fs::read_dir(self.fixture.state_dir().join(b).join("executors"))
                     .map(|d| d.count())
                     .unwrap_or(0)
             })
@@ -226,9 +183,7 @@ impl Controller {
 
 impl Drop for Controller {
     fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
+        self.stop.trigger();
     }
 }
 
@@ -281,7 +236,7 @@ async fn twenty_jobs_with_capacity_three_all_succeed_and_never_exceed_capacity()
     loop {
         let live = c
             .live_executors()
-            .max(c.pool_usage(gdr_core::backend::Backend::Pod).0);
+            .max(c.pool_usage(gdr_core::backend::Backend::Pod).await.0);
         max_seen.fetch_max(live, std::sync::atomic::Ordering::SeqCst);
         let finished = jobs
             .iter()
@@ -335,7 +290,7 @@ async fn pod_and_vm_labels_run_in_their_own_pools() {
     let vm = c.queue("v", "[self-hosted, vm]", "standin:sleep 500");
     c.wait_status(pod, Status::Success).await;
     c.wait_status(vm, Status::Success).await;
-    let state = c.state.path().join("state");
+    let state = c.fixture.state_dir();
     assert!(
         state.join("pod/executors").exists() && state.join("vm/executors").exists(),
         "each backend has its own executors"
@@ -359,7 +314,7 @@ async fn an_executor_killed_mid_job_is_reported_as_failed_and_cleaned_up() {
         )
         .await
         .expect("the job runs");
-    let executors = c.state.path().join("state/pod/executors");
+    let executors = c.fixture.state_dir().join("pod/executors");
     let dir = std::fs::read_dir(&executors)
         .expect("dir")
         .next()
@@ -418,15 +373,15 @@ async fn an_executor_whose_runner_never_claims_within_the_deadline_is_failed_and
     let mut permissions = std::fs::metadata(&stuck).expect("meta").permissions();
     std::os::unix::fs::PermissionsExt::set_mode(&mut permissions, 0o755);
     std::fs::set_permissions(&stuck, permissions).expect("chmod");
-    let runner = format!("runner_binary={}", stuck.display());
+    let runner = stuck.display().to_string();
     let mut c = Controller::start_with(
         1,
         1,
         None,
         &[
-            runner.as_str(),
-            "executor_start_deadline=3s",
-            "nats_ack_wait=3s",
+            ("runner_binary", runner.as_str()),
+            ("executor_start_deadline", "3s"),
+            ("nats_ack_wait", "5s"),
         ],
     )
     .await;

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use gdr_controller::lease::{LeaderElector, Leadership, LeaseError, LeaseSettings};
+use gdr_controller::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
 use http::{Method, StatusCode};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -19,7 +20,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
-use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 const NS: &str = "ci";
@@ -45,22 +45,20 @@ fn settings(identity: &str) -> LeaseSettings {
 struct Candidate {
     identity: String,
     leadership: Leadership,
-    stop: Option<oneshot::Sender<()>>,
+    stop: ShutdownTrigger,
     task: JoinHandle<Result<(), LeaseError>>,
 }
 
 fn campaign(fake: &RunningFakeKube, settings: LeaseSettings) -> Candidate {
     let identity = settings.identity.clone();
     let (tx, leadership) = Leadership::channel();
-    let (stop, stopped) = oneshot::channel::<()>();
+    let (stop, stopped) = shutdown_channel();
     let elector = LeaderElector::new(client(&fake.url), settings);
-    let task = tokio::spawn(elector.run(tx, async {
-        let _ = stopped.await;
-    }));
+    let task = tokio::spawn(elector.run(tx, stopped));
     Candidate {
         identity,
         leadership,
-        stop: Some(stop),
+        stop,
         task,
     }
 }
@@ -348,18 +346,13 @@ async fn shutdown_releases_the_lease_so_the_standby_takes_over_at_once() {
     let a = campaign(&fake, long("replica-a"));
     let b = campaign(&fake, long("replica-b"));
     let leader_id = leader_of(&fake, &[&a, &b]).await;
-    let (mut leader, standby) = if leader_id == a.identity {
+    let (leader, standby) = if leader_id == a.identity {
         (a, b)
     } else {
         (b, a)
     };
 
-    leader
-        .stop
-        .take()
-        .expect("stop")
-        .send(())
-        .expect("elector running");
+    leader.stop.trigger();
     let result = leader.task.await.expect("elector task");
     assert!(result.is_ok(), "{result:?}");
     assert!(!leader.leadership.is_leader());
@@ -375,7 +368,7 @@ async fn shutdown_while_campaigning_returns_ok_without_leading() {
     let fake = fake_kube::start().await.expect("fake API");
     let a = campaign(&fake, settings("replica-a"));
     assert_eq!(leader_of(&fake, &[&a]).await, "replica-a");
-    let mut b = campaign(&fake, settings("replica-b"));
+    let b = campaign(&fake, settings("replica-b"));
     wait_until("the standby has campaigned", || {
         fake.handle
             .requests()
@@ -385,11 +378,7 @@ async fn shutdown_while_campaigning_returns_ok_without_leading() {
             >= 2
     })
     .await;
-    b.stop
-        .take()
-        .expect("stop")
-        .send(())
-        .expect("elector running");
+    b.stop.trigger();
     assert!(b.task.await.expect("task").is_ok());
     assert!(!b.leadership.is_leader());
     assert_eq!(holder(&fake).as_deref(), Some("replica-a"));
@@ -423,7 +412,7 @@ async fn timings_under_which_two_replicas_could_both_lead_are_rejected() {
     assert!(matches!(bad.validate(), Err(LeaseError::Config(_))));
     let (tx, leadership) = Leadership::channel();
     let result = LeaderElector::new(client(&fake.url), bad)
-        .run(tx, std::future::pending())
+        .run(tx, Shutdown::never())
         .await;
     assert!(matches!(result, Err(LeaseError::Config(_))), "{result:?}");
     assert!(!leadership.is_leader());

@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use gdr_controller::dispatch::Dispatch;
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
@@ -18,6 +19,8 @@ use gdr_testkit::memory_backend::MemoryBackend;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
 
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
+/// Long enough that no test here sees an executor fall silent by accident.
+const IDLE: Duration = Duration::from_secs(3600);
 
 struct Setup {
     mock: RunningMock,
@@ -95,7 +98,7 @@ async fn a_claimed_executor_that_ends_without_a_result_is_failed_in_gitea_releas
     let a = running_executor(&s, true).await;
     s.dispatch.restore(&s.backend.records());
     assert_eq!(s.dispatch.pool_usage(Backend::Pod), (1, 2));
-    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone());
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE);
 
     assert_eq!(
         lifecycle.reconcile_once().await.expect("pass"),
@@ -107,7 +110,8 @@ async fn a_claimed_executor_that_ends_without_a_result_is_failed_in_gitea_releas
         lifecycle.reconcile_once().await.expect("pass"),
         Pass {
             deleted: 1,
-            failed: 1
+            failed: 1,
+            ..Pass::default()
         }
     );
 
@@ -135,7 +139,7 @@ async fn a_terminal_executor_is_deleted_only_once_it_has_finished() {
     let s = setup().await;
     let a = running_executor(&s, true).await;
     s.backend.mark_terminal(a.id()).await.expect("terminal");
-    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone());
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE);
     assert_eq!(
         lifecycle.reconcile_once().await.expect("pass").deleted,
         0,
@@ -146,7 +150,7 @@ async fn a_terminal_executor_is_deleted_only_once_it_has_finished() {
         lifecycle.reconcile_once().await.expect("pass"),
         Pass {
             deleted: 1,
-            failed: 0
+            ..Pass::default()
         }
     );
     let job = s
@@ -168,7 +172,7 @@ async fn an_unclaimed_finished_executor_is_left_to_its_worker() {
     let s = setup().await;
     let a = running_executor(&s, false).await;
     s.backend.finish(a.id(), false);
-    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone());
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE);
     assert_eq!(
         lifecycle.reconcile_once().await.expect("pass"),
         Pass::default()

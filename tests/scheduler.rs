@@ -16,8 +16,9 @@ use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::queue::{self, StreamSettings};
 use gdr_controller::scheduler::{
     Backoff, Heartbeater, INVALID_TASK_LOG_PREFIX, Report, Scheduler, SchedulerSettings,
-    SchedulerStats, ShutdownTrigger, TasksVersion, shutdown_channel,
+    SchedulerStats, TasksVersion,
 };
+use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
 use gdr_core::assignment::{AssignmentId, DerivationPolicy};
 use gdr_core::backend::BackendLabels;
 use gdr_core::identity::TrustDomain;

@@ -11,6 +11,7 @@ use async_nats::jetstream::{self, consumer::PullConsumer};
 use gdr_controller::dispatch::{ClaimState, Dispatch};
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::queue::{self, ConsumerSettings, StreamSettings};
+use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
 use gdr_controller::worker::{Outcome, Worker, WorkerSettings};
 use gdr_core::assignment::{Assignment, AssignmentId, DerivationPolicy, encode_v1};
 use gdr_core::backend::{Backend, BackendLabels};
@@ -20,7 +21,7 @@ use gdr_core::identity::TrustDomain;
 use gdr_testkit::memory_backend::{Failure, MemoryBackend};
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 
 const WAIT: Duration = Duration::from_secs(20);
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
@@ -50,7 +51,7 @@ struct Harness {
     vm: Arc<MemoryBackend>,
     outcomes: mpsc::UnboundedReceiver<(String, Outcome)>,
     outcome_tx: mpsc::UnboundedSender<(String, Outcome)>,
-    stop: watch::Sender<bool>,
+    stop: ShutdownTrigger,
     workers: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -80,7 +81,7 @@ impl Harness {
             CapabilityKey::new(KEY).expect("key"),
         ));
         let (outcome_tx, outcomes) = mpsc::unbounded_channel();
-        let (stop, _) = watch::channel(false);
+        let (stop, _) = shutdown_channel();
         Harness {
             nats,
             js,
@@ -137,9 +138,9 @@ impl Harness {
         )
         .expect("worker")
         .with_outcomes(self.outcome_tx.clone());
-        let stop = self.stop.subscribe();
+        let stop = self.stop.signal();
         self.workers.push(tokio::spawn(async move {
-            worker.run(consumer, stop).await.expect("worker runs");
+            worker.run(consumer, stop).await;
         }));
     }
 
@@ -238,7 +239,7 @@ impl Harness {
 
 impl Drop for Harness {
     fn drop(&mut self) {
-        let _ = self.stop.send(true);
+        self.stop.trigger();
     }
 }
 

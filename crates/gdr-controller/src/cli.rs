@@ -1,12 +1,11 @@
 //! Command-line interface. `--help` on each subcommand is the user documentation.
 
 use std::path::PathBuf;
-
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::config::{Config, ConfigError, FIELDS, Sources};
+use crate::settings::{self, Format, RegisterSettings, Settings, SettingsError, Sources};
 
 /// Claims Gitea Actions jobs through Gitea's runner protocol, queues each one in NATS
 /// JetStream and runs it in a fresh Kubernetes Pod or Kata microVM with a SPIFFE
@@ -63,7 +62,7 @@ pub struct ConfigArgs {
 
 impl ConfigArgs {
     /// The configuration sources these flags describe (with the environment).
-    pub fn sources(&self) -> Result<Sources, ConfigError> {
+    pub fn sources(&self) -> Result<Sources, SettingsError> {
         Ok(Sources {
             file: self.config.clone(),
             overrides: self
@@ -108,71 +107,40 @@ pub struct CheckConfigArgs {
     /// Configuration sources.
     #[command(flatten)]
     pub config: ConfigArgs,
-    /// Print the configuration reference (every key, its variable, default) and exit.
+    /// Print the configuration reference (every key, its variable, type, default) and exit.
     #[arg(long)]
     pub reference: bool,
+    /// Format of `--reference`: text, markdown (docs/configuration.md), nix (the NixOS
+    /// module's options) or json.
+    #[arg(long, value_enum, default_value = "text", requires = "reference")]
+    pub format: Format,
 }
 
 /// The configuration reference appended to `--help`.
-pub fn reference() -> String {
-    let mut out = String::from(
-        "Configuration (defaults < --config file < environment < --set). Each key's\nenvironment variable is its upper-case form. Secrets are only ever file paths.\n\n",
-    );
-    for f in FIELDS {
-        out.push_str(&format!(
-            "  {} / {}  [default: {}]\n      {}\n",
-            f.key,
-            f.env(),
-            f.default,
-            f.doc
-        ));
-    }
-    out
+fn reference() -> String {
+    settings::reference(Format::Text)
 }
 
 /// `check-config`: prints the effective configuration and every problem.
 pub fn check_config(args: CheckConfigArgs) -> ExitCode {
     if args.reference {
-        print!("{}", reference());
+        print!("{}", settings::reference(args.format));
         return ExitCode::SUCCESS;
     }
-    let config = match args
-        .config
-        .sources()
-        .and_then(|s| Config::load_unvalidated(&s))
-    {
+    let checked = match args.config.sources().and_then(|s| settings::check(&s)) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("configuration error:\n{e}");
             return ExitCode::FAILURE;
         }
     };
-    print!("{}", config.render());
-    let mut problems: Vec<String> = config.problems().iter().map(ToString::to_string).collect();
-    for (key, path) in config.secret_files() {
-        if let Err(e) = crate::config::read_secret_file(key, path) {
-            problems.push(e.to_string());
-        }
-    }
-    for plain in [
-        "GITEA_RUNNER_TOKEN",
-        "NATS_PRODUCER_PASSWORD",
-        "NATS_WORKER_PASSWORD",
-        "OPENSANDBOX_API_KEY",
-        "RUNNER_FACADE_CAPABILITY_KEY",
-    ] {
-        if std::env::var_os(plain).is_some() {
-            problems.push(format!(
-                "{plain} is set but ignored: secrets are read only from files ({plain}_FILE)"
-            ));
-        }
-    }
-    if problems.is_empty() {
+    print!("{}", checked.rendered);
+    if checked.problems.is_empty() {
         eprintln!("configuration OK");
         ExitCode::SUCCESS
     } else {
-        eprintln!("{} problem(s):", problems.len());
-        for p in &problems {
+        eprintln!("{} problem(s):", checked.problems.len());
+        for p in &checked.problems {
             eprintln!("  - {p}");
         }
         ExitCode::FAILURE
@@ -181,17 +149,16 @@ pub fn check_config(args: CheckConfigArgs) -> ExitCode {
 
 /// `register`: registers the controller's runner and prints the next steps.
 pub fn register(args: RegisterArgs) -> ExitCode {
-    let config = match args
+    let settings = match args
         .config
         .sources()
-        .and_then(|s| Config::load_unvalidated(&s))
+        .and_then(|s| RegisterSettings::load(&s))
     {
-        Ok(c) => c,
-        Err(ConfigError::Invalid(p)) => return fail(ConfigError::Invalid(p)),
+        Ok(s) => s,
         Err(e) => return fail(e),
     };
-    let registration = match crate::register::from_config(
-        &config,
+    let registration = match crate::register::prepare(
+        settings,
         &args.registration_token_file,
         args.name,
         args.labels,
@@ -217,6 +184,17 @@ pub fn register(args: RegisterArgs) -> ExitCode {
         }
         Err(e) => fail(e),
     }
+}
+
+/// The controller's settings from its flags (and the environment); prints the problems and
+/// fails when they are unusable.
+pub fn controller_settings(args: &ConfigArgs) -> Result<Settings, ExitCode> {
+    args.sources()
+        .and_then(|s| Settings::load(&s))
+        .map_err(|e| {
+            eprintln!("configuration error:\n{e}");
+            ExitCode::FAILURE
+        })
 }
 
 /// Prints `error: …` and fails.

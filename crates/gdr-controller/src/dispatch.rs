@@ -14,6 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use gdr_core::assignment::{Assignment, AssignmentId};
 use gdr_core::backend::Backend;
@@ -67,6 +68,10 @@ pub enum AuthError {
     /// The peer's SPIFFE ID is not the assignment's.
     #[error("peer identity does not match the assignment")]
     WrongIdentity,
+    /// The backend could not be asked (after a restart, before the assignment's
+    /// redelivery): the caller may well be legitimate, so it should retry, not give up.
+    #[error("the backend cannot be read: {0}")]
+    Unavailable(String),
 }
 
 /// Why handing out a task failed.
@@ -86,6 +91,9 @@ pub struct Dispatch {
     capability_key: CapabilityKey,
     pools: Mutex<BTreeMap<Backend, Pool>>,
     entries: Mutex<HashMap<AssignmentId, Entry>>,
+    /// When the facade last heard from each claimed assignment's runner (invariant 12: a
+    /// claimed executor that falls silent is failed after the idle timeout).
+    heard: Mutex<HashMap<AssignmentId, Instant>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -111,6 +119,7 @@ impl Dispatch {
             capability_key,
             pools: Mutex::new(pools),
             entries: Mutex::new(HashMap::new()),
+            heard: Mutex::new(HashMap::new()),
         }
     }
 
@@ -159,6 +168,12 @@ impl Dispatch {
             if let Some(pool) = pools.get_mut(&backend) {
                 *pool = Pool::restore(pool.capacity(), ids);
             }
+        }
+        // Silence is counted from now for executors this process has never heard from.
+        let now = Instant::now();
+        let mut heard = lock(&self.heard);
+        for record in records.iter().filter(|r| r.claimed && !r.terminal) {
+            heard.entry(record.assignment.id().clone()).or_insert(now);
         }
         (admitted, claimed)
     }
@@ -251,19 +266,25 @@ impl Dispatch {
         peer_spiffe_id: &str,
     ) -> Result<Authorized, AuthError> {
         let id = self.verified_id(assignment_id, capability)?;
+        let mut unavailable = None;
         for backend in self.backends.values() {
-            if let Ok(Some(record)) = backend.find(&id).await {
-                if record.assignment.identity().spiffe_id() != peer_spiffe_id {
-                    return Err(AuthError::WrongIdentity);
+            match backend.find(&id).await {
+                Ok(Some(record)) => {
+                    if record.assignment.identity().spiffe_id() != peer_spiffe_id {
+                        return Err(AuthError::WrongIdentity);
+                    }
+                    return Ok(Authorized {
+                        id,
+                        task_id: record.assignment.task_id(),
+                        backend: backend.backend(),
+                    });
                 }
-                return Ok(Authorized {
-                    id,
-                    task_id: record.assignment.task_id(),
-                    backend: backend.backend(),
-                });
+                Ok(None) => {}
+                Err(e) => unavailable = Some(e.to_string()),
             }
         }
-        Err(AuthError::UnknownAssignment)
+        // The capability is ours; if a backend could not answer, the executor may be in it.
+        Err(unavailable.map_or(AuthError::UnknownAssignment, AuthError::Unavailable))
     }
 
     /// Hands the pre-assigned task to its runner, exactly once: the claim is recorded
@@ -299,6 +320,7 @@ impl Dispatch {
         match recorded {
             Ok(()) => {
                 crate::failpoint::hit(crate::failpoint::points::AFTER_CLAIM);
+                lock(&self.heard).insert(auth.id.clone(), Instant::now());
                 entry.state.send_replace(ClaimState::Claimed);
                 Ok(Some(*task))
             }
@@ -319,6 +341,7 @@ impl Dispatch {
         backend.mark_terminal(&auth.id).await?;
         crate::failpoint::hit(crate::failpoint::points::AFTER_TERMINAL_MARKER);
         self.release(auth.backend, &auth.id);
+        lock(&self.heard).remove(&auth.id);
         if let Some(entry) = lock(&self.entries).get_mut(&auth.id) {
             entry.task = None;
             entry.state.send_replace(ClaimState::Terminal);
@@ -329,8 +352,20 @@ impl Dispatch {
     /// Forgets an assignment whose executor was deleted or failed.
     pub fn forget(&self, backend: Backend, id: &AssignmentId) {
         self.release(backend, id);
+        lock(&self.heard).remove(id);
         if let Some(entry) = lock(&self.entries).remove(id) {
             entry.state.send_replace(ClaimState::Terminal);
         }
+    }
+
+    /// The facade heard from `id`'s runner just now.
+    pub fn heard_from(&self, id: &AssignmentId) {
+        lock(&self.heard).insert(id.clone(), Instant::now());
+    }
+
+    /// How long the facade has not heard from `id`'s runner; `None` if it never did (and
+    /// the executor was not restored as claimed).
+    pub fn silence(&self, id: &AssignmentId) -> Option<std::time::Duration> {
+        lock(&self.heard).get(id).map(Instant::elapsed)
     }
 }

@@ -26,7 +26,6 @@
 //! instead times the lease from when it *observed* a change, which tolerates clock skew
 //! between replicas. Keep node clocks synchronised (NTP), or switch to observed time.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -37,6 +36,8 @@ use kube::Api;
 use kube::api::PostParams;
 use tokio::sync::watch;
 use tokio::time::Instant;
+
+use crate::shutdown::Shutdown;
 
 /// Why election stopped.
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +91,24 @@ impl LeaseSettings {
             lease_duration: Duration::from_secs(15),
             renew_deadline: Duration::from_secs(10),
             retry_period: Duration::from_secs(2),
+        }
+    }
+
+    /// Timings derived from one lease duration, as the `lease_duration` key documents: a
+    /// renewal every duration/7 (several chances before anyone may take over) and stepping
+    /// down after 2/3 of it without one (well before a standby may start at the full
+    /// duration). `lease_duration` = 15s gives client-go's 10s deadline and ~2s retry.
+    pub fn with_duration(
+        namespace: impl Into<String>,
+        name: impl Into<String>,
+        identity: impl Into<String>,
+        lease_duration: Duration,
+    ) -> Self {
+        LeaseSettings {
+            lease_duration,
+            renew_deadline: lease_duration * 2 / 3,
+            retry_period: lease_duration / 7,
+            ..LeaseSettings::new(namespace, name, identity)
         }
     }
 
@@ -228,19 +247,18 @@ impl LeaderElector {
     pub async fn run(
         self,
         leadership: watch::Sender<bool>,
-        shutdown: impl Future<Output = ()>,
+        shutdown: Shutdown,
     ) -> Result<(), LeaseError> {
         leadership.send_replace(false);
         self.settings.validate()?;
         let s = &self.settings;
-        tokio::pin!(shutdown);
 
         // ---- campaign ----
         let mut last_holder: Option<String> = None;
         let (mut current, mut renewed_at) = loop {
             let started = Instant::now();
             let attempt = tokio::select! {
-                () = &mut shutdown => {
+                () = shutdown.wait() => {
                     tracing::info!(lease = %s.name, identity = %s.identity, "shutdown while campaigning");
                     return Ok(());
                 }
@@ -266,7 +284,7 @@ impl LeaderElector {
                 }
             }
             tokio::select! {
-                () = &mut shutdown => return Ok(()),
+                () = shutdown.wait() => return Ok(()),
                 () = tokio::time::sleep(jittered(s.retry_period)) => {}
             }
         };
@@ -279,7 +297,7 @@ impl LeaderElector {
         // ---- lead ----
         loop {
             tokio::select! {
-                () = &mut shutdown => {
+                () = shutdown.wait() => {
                     leadership.send_replace(false);
                     self.release(&current).await;
                     return Ok(());
@@ -295,7 +313,7 @@ impl LeaderElector {
             // Each request is bounded by what is left of the deadline: a hanging API server
             // must not keep us believing we lead.
             let outcome = tokio::select! {
-                () = &mut shutdown => {
+                () = shutdown.wait() => {
                     leadership.send_replace(false);
                     self.release(&current).await;
                     return Ok(());

@@ -6,10 +6,10 @@
 //! - Components: [`scheduler`] (FetchTask pollers, heartbeats), [`worker`] (one per
 //!   backend), [`dispatch`] (admission and claims shared by workers and facade), [`facade`],
 //!   [`lifecycle`] (clean-up and failure reports).
-//! - Wiring: [`config`], [`cli`], [`register`], [`runtime`], [`metrics`], [`logging`].
+//! - Wiring: [`settings`], [`cli`], [`register`], [`runtime`], [`metrics`], [`logging`].
 
+pub mod backoff;
 pub mod cli;
-pub mod config;
 pub mod dispatch;
 pub mod facade;
 pub mod failpoint;
@@ -22,6 +22,8 @@ pub mod queue;
 pub mod register;
 pub mod runtime;
 pub mod scheduler;
+pub mod settings;
+pub mod shutdown;
 pub mod worker;
 
 /// Version string reported to Gitea and by `version`.

@@ -1,27 +1,48 @@
 //! The lifecycle reconciler (DESIGN invariants 10 and 12): from what a backend reports,
-//! delete executors that are terminal-marked *and* finished, and fail in Gitea the
-//! tasks whose claimed executor ended without a terminal report. It keeps no state of
-//! its own, so a restart between the terminal marker and deletion still cleans up.
+//! delete executors whose result Gitea has, and fail in Gitea the tasks whose claimed
+//! executor ended — or fell silent — without a terminal report. It keeps no state of its
+//! own (the facade's last-heard times are rebuildable: after a restart silence counts from
+//! the restart), so a restart between the terminal marker and deletion still cleans up.
 //!
-//! Executors that end before their runner claimed the task are the worker's to fail:
-//! the worker still holds their assignment.
+//! Each pass looks at every executor; one that cannot be handled now (Gitea or the backend
+//! unavailable) is logged, counted and retried next pass, and never blocks the others.
+//!
+//! Executors that end before their runner claimed the task are the worker's to fail: the
+//! worker still holds their assignment.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
-
+use crate::backoff::Backoff;
 use crate::dispatch::Dispatch;
-use crate::gitea::GiteaClient;
-use gdr_core::executor::{ExecutorBackend, ExecutorError, Phase};
+use crate::gitea::{GiteaClient, Reported};
+use crate::shutdown::Shutdown;
+use gdr_core::executor::{ExecutorBackend, ExecutorError, ExecutorRecord};
+
+/// One report per executor per pass; the next pass is the retry.
+const REPORT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(1));
+const REPORT_ATTEMPTS: u32 = 2;
 
 /// What one pass did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Pass {
-    /// Terminal and finished executors deleted.
+    /// Executors deleted (their result is in Gitea).
     pub deleted: usize,
     /// Claimed executors that ended without a result, failed in Gitea.
     pub failed: usize,
+    /// Claimed executors whose runner fell silent, failed in Gitea.
+    pub idle: usize,
+    /// Executors that could not be handled this pass (retried next pass).
+    pub errors: usize,
+}
+
+/// Why an executor could not be handled in this pass.
+#[derive(Debug, thiserror::Error)]
+enum StepError {
+    #[error("reporting the failure to Gitea: {0}")]
+    Report(#[source] crate::gitea::GiteaError),
+    #[error("{0}")]
+    Backend(#[source] ExecutorError),
 }
 
 /// Reconciles one backend's executors.
@@ -29,68 +50,155 @@ pub struct Lifecycle {
     dispatch: Arc<Dispatch>,
     backend: Arc<dyn ExecutorBackend>,
     gitea: GiteaClient,
+    idle_timeout: Duration,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 impl Lifecycle {
-    /// A reconciler for one backend.
+    /// A reconciler for one backend; a claimed executor the facade has not heard from for
+    /// `idle_timeout` is failed.
     pub fn new(
         dispatch: Arc<Dispatch>,
         backend: Arc<dyn ExecutorBackend>,
         gitea: GiteaClient,
+        idle_timeout: Duration,
     ) -> Self {
         Lifecycle {
             dispatch,
             backend,
             gitea,
+            idle_timeout,
+            metrics: None,
         }
     }
 
-    /// One pass over the backend's executors.
+    /// Counts errors and idle failures into `metrics`.
+    #[must_use]
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
+    }
+
+    /// One pass over the backend's executors. `Err` only when the backend cannot even be
+    /// listed.
     pub async fn reconcile_once(&self) -> Result<Pass, ExecutorError> {
         let mut pass = Pass::default();
-        let kind = self.backend.backend();
         for record in self.backend.list().await? {
-            let id = record.assignment.id();
-            let finished = matches!(record.phase, Phase::Finished { .. });
-            if !finished {
-                continue;
+            if let Err(e) = self.reconcile(&record, &mut pass).await {
+                pass.errors += 1;
+                self.count(|m| &m.lifecycle_errors);
+                tracing::warn!(backend = %self.backend.backend(), assignment_id = %record.assignment.id(), executor = %record.name, error = %e, "lifecycle step failed; retrying next pass");
             }
-            if !record.terminal {
-                if !record.claimed {
-                    continue;
-                }
-                let reason = "the executor ended without reporting a result for this job";
-                tracing::error!(backend = %kind, assignment_id = %id, executor = %record.name, "claimed executor ended without a terminal report; failing the task");
-                // Invariant 12: report first; if Gitea is unreachable, retry next pass
-                // rather than hide the failure behind a deleted executor.
-                if let Err(e) = self
-                    .gitea
-                    .fail_task(record.assignment.task_id(), reason)
-                    .await
-                {
-                    tracing::warn!(backend = %kind, assignment_id = %id, error = %e, "reporting the failed task to Gitea failed; will retry");
-                    continue;
-                }
-                self.backend.mark_terminal(id).await?;
-                pass.failed += 1;
-            }
-            self.backend.delete(id).await?;
-            self.dispatch.forget(kind, id);
-            pass.deleted += 1;
-            tracing::info!(backend = %kind, assignment_id = %id, executor = %record.name, "executor deleted");
         }
         Ok(pass)
     }
 
-    /// Runs passes every `interval` until `shutdown` turns true.
-    pub async fn run(self, interval: Duration, mut shutdown: watch::Receiver<bool>) {
+    fn count(
+        &self,
+        family: impl Fn(
+            &crate::metrics::Metrics,
+        ) -> &prometheus_client::metrics::family::Family<
+            crate::metrics::BackendLabel,
+            prometheus_client::metrics::counter::Counter,
+        >,
+    ) {
+        if let Some(m) = &self.metrics {
+            family(m)
+                .get_or_create(&crate::metrics::BackendLabel {
+                    backend: self.backend.backend().as_str().into(),
+                })
+                .inc();
+        }
+    }
+
+    async fn reconcile(&self, record: &ExecutorRecord, pass: &mut Pass) -> Result<(), StepError> {
+        let kind = self.backend.backend();
+        let id = record.assignment.id();
+        let finished = record.phase.is_finished();
+        if record.terminal {
+            // Invariant 10: the result is in Gitea; delete once the runner has its answer
+            // (it has finished) — or at once if it never claimed (failed by the worker).
+            if finished || !record.claimed {
+                self.delete(record).await?;
+                pass.deleted += 1;
+            }
+            return Ok(());
+        }
+        if !record.claimed {
+            return Ok(());
+        }
+        let reason = if finished {
+            let detail = match &record.phase {
+                gdr_core::executor::Phase::Finished {
+                    reason: Some(r), ..
+                } => format!(" ({r})"),
+                _ => String::new(),
+            };
+            format!("the executor ended without reporting a result for this job{detail}")
+        } else {
+            match self.dispatch.silence(id) {
+                Some(silent) if silent > self.idle_timeout => format!(
+                    "the job's runner stopped reporting: nothing was heard from it for {} while its environment stayed up",
+                    humantime_serde::re::humantime::format_duration(Duration::from_secs(
+                        silent.as_secs()
+                    ))
+                ),
+                // Never heard of (restored before this process saw it): start counting.
+                None => {
+                    self.dispatch.heard_from(id);
+                    return Ok(());
+                }
+                Some(_) => return Ok(()),
+            }
+        };
+        tracing::error!(backend = %kind, assignment_id = %id, executor = %record.name, %reason, "failing the task in Gitea");
+        // Invariant 12: report first; if Gitea is unreachable, retry next pass rather
+        // than hide the failure behind a deleted executor.
+        match self
+            .gitea
+            .report_failure(
+                record.assignment.task_id(),
+                &reason,
+                &REPORT_BACKOFF,
+                REPORT_ATTEMPTS,
+            )
+            .await
+        {
+            Ok(Reported::Accepted | Reported::TaskGone) => {}
+            Err(e) => return Err(StepError::Report(e)),
+        }
+        self.backend
+            .mark_terminal(id)
+            .await
+            .map_err(StepError::Backend)?;
+        if finished {
+            pass.failed += 1;
+        } else {
+            pass.idle += 1;
+            self.count(|m| &m.idle_executors_failed);
+        }
+        self.delete(record).await?;
+        pass.deleted += 1;
+        Ok(())
+    }
+
+    async fn delete(&self, record: &ExecutorRecord) -> Result<(), StepError> {
+        let id = record.assignment.id();
+        self.backend.delete(id).await.map_err(StepError::Backend)?;
+        self.dispatch.forget(self.backend.backend(), id);
+        tracing::info!(backend = %self.backend.backend(), assignment_id = %id, executor = %record.name, "executor deleted");
+        Ok(())
+    }
+
+    /// Runs passes every `interval` until `shutdown`.
+    pub async fn run(self, interval: Duration, shutdown: Shutdown) {
         loop {
             if let Err(e) = self.reconcile_once().await {
-                tracing::warn!(backend = %self.backend.backend(), error = %e, "lifecycle pass failed; retrying");
+                self.count(|m| &m.lifecycle_errors);
+                tracing::warn!(backend = %self.backend.backend(), error = %e, "listing executors failed; retrying");
             }
-            tokio::select! {
-                _ = tokio::time::sleep(interval) => {}
-                _ = shutdown.changed() => return,
+            if !shutdown.sleep(interval).await {
+                return;
             }
         }
     }

@@ -3,7 +3,6 @@
 //! The server takes its listener and a shutdown signal from the caller, so tests bind
 //! `127.0.0.1:0` and nothing below `main` picks a port.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -16,6 +15,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+
+use crate::shutdown::Shutdown;
 
 /// Label: backend.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -61,6 +62,10 @@ pub struct Metrics {
     pub leader: Gauge,
     /// Longest fetch→stored window seen (µs): a kill inside it loses the task.
     pub handoff_window_max_micros: Gauge,
+    /// Lifecycle steps that failed (listing, reporting, marking, deleting) by backend.
+    pub lifecycle_errors: Family<BackendLabel, Counter>,
+    /// Claimed executors failed because their runner fell silent, by backend.
+    pub idle_executors_failed: Family<BackendLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -84,6 +89,8 @@ impl Metrics {
             gitea_errors: Family::default(),
             leader: Gauge::default(),
             handoff_window_max_micros: Gauge::default(),
+            lifecycle_errors: Family::default(),
+            idle_executors_failed: Family::default(),
         };
         registry.register(
             "tasks_fetched",
@@ -129,6 +136,16 @@ impl Metrics {
             "handoff_window_max_micros",
             "Longest time between a FetchTask answer and JetStream storing its assignment, in microseconds",
             m.handoff_window_max_micros.clone(),
+        );
+        registry.register(
+            "lifecycle_errors",
+            "Lifecycle reconciler steps that failed and will be retried, by backend",
+            m.lifecycle_errors.clone(),
+        );
+        registry.register(
+            "idle_executors_failed",
+            "Claimed executors failed in Gitea because their runner stopped reporting, by backend",
+            m.idle_executors_failed.clone(),
         );
         Metrics { registry, ..m }
     }
@@ -205,10 +222,10 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
     readiness: Arc<Readiness>,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    shutdown: Shutdown,
 ) -> std::io::Result<()> {
     axum::serve(listener, router(metrics, readiness))
-        .with_graceful_shutdown(shutdown)
+        .with_graceful_shutdown(async move { shutdown.wait().await })
         .await
 }
 
@@ -254,14 +271,12 @@ mod tests {
         let readiness = Arc::new(Readiness::default());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let (stop, shutdown) = crate::shutdown::shutdown_channel();
         let server = tokio::spawn(serve(
             listener,
             Arc::new(Metrics::new()),
             readiness.clone(),
-            async {
-                let _ = rx.await;
-            },
+            shutdown,
         ));
         let get = |path: &str| reqwest::get(format!("http://{addr}{path}"));
         assert_eq!(get("/healthz").await.unwrap().status(), 200);
@@ -275,7 +290,7 @@ mod tests {
                 .unwrap()
                 .starts_with("application/openmetrics-text")
         );
-        let _ = tx.send(());
+        stop.trigger();
         server.await.unwrap().unwrap();
     }
 }

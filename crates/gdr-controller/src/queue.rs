@@ -133,6 +133,21 @@ pub async fn ensure_consumer(
         })
 }
 
+/// Opens the durable consumer of one backend that an operator provisioned.
+pub async fn open_consumer(
+    stream: &stream::Stream,
+    backend: Backend,
+) -> Result<consumer::PullConsumer, QueueError> {
+    let name = backend.as_str().to_owned();
+    stream
+        .get_consumer(&name)
+        .await
+        .map_err(|e| QueueError::Consumer {
+            consumer: name,
+            message: e.to_string(),
+        })
+}
+
 /// The outcome of a publish JetStream acknowledged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Published {

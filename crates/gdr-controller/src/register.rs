@@ -3,8 +3,8 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use crate::config::{Config, Problem, read_secret_file};
 use crate::gitea::{ClientOptions, GiteaClient, GiteaError};
+use crate::settings::{RegisterSettings, read_secret_file};
 use gdr_proto::runner::v1::RegisterRequest;
 
 /// What to register and where to write the result.
@@ -44,12 +44,18 @@ pub struct Registered {
 /// Why registration failed.
 #[derive(Debug, thiserror::Error)]
 pub enum RegisterError {
-    /// Configuration is incomplete or wrong.
-    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("\n"))]
-    Config(Vec<Problem>),
     /// A secret file could not be read.
     #[error(transparent)]
-    Secret(#[from] crate::config::SecretFileError),
+    Secret(#[from] crate::settings::SecretFileError),
+    /// The CA bundle for an https Gitea could not be read.
+    #[error("gitea_ca_file (GITEA_CA_FILE): cannot read {}: {source}", path.display())]
+    ReadCa {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// Output files exist already.
     #[error("{} already exists; refusing to overwrite a registration (use --force to register a new runner)", .0.display())]
     Exists(PathBuf),
@@ -62,81 +68,43 @@ pub enum RegisterError {
         /// The file.
         path: PathBuf,
         /// The cause.
+        #[source]
         source: std::io::Error,
     },
 }
 
-/// Builds a [`Registration`] from the configuration and flags.
-pub fn from_config(
-    config: &Config,
+/// Builds a [`Registration`] from the settings and flags.
+pub fn prepare(
+    settings: RegisterSettings,
     registration_token_file: &Path,
     name: Option<String>,
     labels: Option<Vec<String>>,
     force: bool,
 ) -> Result<Registration, RegisterError> {
-    let mut problems = Vec::new();
-    let mut need = |key: &'static str, present: bool| {
-        if !present {
-            problems.push(Problem {
-                key,
-                rule: "is required to register".into(),
-            });
-        }
-    };
-    need("gitea_instance_url", config.gitea_instance_url.is_some());
-    need(
-        "gitea_runner_uuid_file",
-        config.gitea_runner_uuid_file.is_some(),
-    );
-    need(
-        "gitea_runner_token_file",
-        config.gitea_runner_token_file.is_some(),
-    );
-    let (Some(url), Some(uuid_file), Some(token_file)) = (
-        config.gitea_instance_url.clone(),
-        config.gitea_runner_uuid_file.clone(),
-        config.gitea_runner_token_file.clone(),
-    ) else {
-        return Err(RegisterError::Config(problems));
-    };
-    if uuid_file == token_file {
-        return Err(RegisterError::Config(vec![Problem {
-            key: "gitea_runner_token_file",
-            rule: "must differ from gitea_runner_uuid_file".into(),
-        }]));
-    }
+    let RegisterSettings {
+        gitea,
+        runner,
+        labels: default_labels,
+    } = settings;
     let registration_token = read_secret_file("registration_token_file", registration_token_file)?;
-    let mut client = ClientOptions::new(url);
-    client.request_timeout = config.gitea_request_timeout;
-    if let Some(ca) = &config.gitea_ca_file {
-        client.extra_ca_pem = Some(std::fs::read(ca).map_err(|source| RegisterError::Write {
+    let mut client = ClientOptions::new(gitea.url.as_str().trim_end_matches('/'));
+    client.request_timeout = gitea.request_timeout;
+    if let Some(ca) = &gitea.ca_file {
+        client.extra_ca_pem = Some(std::fs::read(ca).map_err(|source| RegisterError::ReadCa {
             path: ca.clone(),
             source,
         })?);
     }
-    let labels = labels.unwrap_or_else(|| default_labels(config));
     Ok(Registration {
         client,
         registration_token,
-        name: name.unwrap_or_else(|| config.runner_name.clone()),
-        labels,
-        capabilities: config.runner_capabilities.clone(),
-        uuid_file,
-        token_file,
+        name: name.unwrap_or(runner.name),
+        labels: labels.unwrap_or(default_labels),
+        capabilities: runner.capabilities,
+        uuid_file: gitea.uuid_file,
+        token_file: gitea.token_file,
         force,
     })
-}
-
-/// `self-hosted` plus the label of every enabled backend.
-pub fn default_labels(config: &Config) -> Vec<String> {
-    let mut labels = vec!["self-hosted".to_string()];
-    if config.pod_capacity > 0 {
-        labels.push("pod".into());
-    }
-    if config.vm_capacity > 0 {
-        labels.push(config.vm_runner_label.clone());
-    }
-    labels
 }
 
 /// Registers and writes the UUID and token files (mode 0600).

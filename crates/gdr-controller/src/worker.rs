@@ -1,44 +1,62 @@
 //! Workers: one per backend, each consuming its own durable JetStream consumer
-//! (DESIGN invariants 5, 6, 8, 9).
+//! (DESIGN invariants 5, 6, 8, 9, 12).
 //!
-//! For every delivered assignment: decode and re-derive (poison or tampered → TERM);
-//! skip if the backend shows it claimed already; take an admission slot or NAK with a
-//! delay (the assignment stays pending, nothing is created beyond capacity); reconcile
-//! the executor through the backend (find → create → bind identity); offer the task to
-//! the facade and wait, extending the ack deadline, until the runner claims it; then
-//! double-ack. A failing or full backend only delays its own consumer.
+//! For every delivered assignment: decode and re-derive (poison or tampered → TERM); skip
+//! if the backend shows it claimed already; take an admission slot or NAK with a delay (the
+//! assignment stays pending, nothing is created beyond capacity); reconcile the executor
+//! through the backend (find → create → bind identity); offer the task to the facade and
+//! wait, extending the ack deadline, until the runner claims it; then double-ack. A failing
+//! or full backend only delays its own consumer.
+//!
+//! One assignment is handled by at most one delivery at a time in this process: a
+//! redelivery that arrives while an earlier one still works (OpenSandbox's create blocks up
+//! to a minute) is put back instead of starting a second create.
 
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::collections::HashSet;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
 use futures::StreamExt;
-use tokio::sync::watch;
 
+use crate::backoff::Backoff;
 use crate::dispatch::{ClaimState, Dispatch};
-use crate::gitea::GiteaClient;
-use gdr_core::assignment::{Assignment, DerivationPolicy, EnvelopeError, TaskKeyring, decode};
+use crate::gitea::{GiteaClient, Reported};
+use crate::shutdown::Shutdown;
+use gdr_core::assignment::{
+    Assignment, AssignmentId, DerivationPolicy, EnvelopeError, TaskKeyring, decode, envelope_id,
+};
 use gdr_core::backend::Backend;
 use gdr_core::capacity::Admission;
 use gdr_core::executor::{
     Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec, Phase,
 };
+use gdr_core::metadata::MetadataCodec;
+
+/// Re-subscribing after a stream error: quick at first, never a spin.
+const RESUBSCRIBE: Backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+/// Reporting a failed executor: a few attempts within one delivery; if Gitea stays away the
+/// delivery is put back and the next one reports again.
+const REPORT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(5));
+const REPORT_ATTEMPTS: u32 = 4;
 
 /// Worker timings and executor wiring.
 #[derive(Debug, Clone)]
 pub struct WorkerSettings {
     /// Backend this worker serves.
     pub backend: Backend,
-    /// NAK delay while the pool is full.
+    /// NAK delay while the pool is full (and the backend gave no retry hint).
     pub full_delay: Duration,
     /// NAK delay while the identity target does not exist yet.
     pub not_ready_delay: Duration,
     /// NAK delay after a backend error.
     pub error_delay: Duration,
     /// How often the ack deadline is extended and the executor looked at while waiting
-    /// for the claim (must be below the consumer's ack wait).
+    /// (must be below the consumer's ack wait).
     pub progress_interval: Duration,
-    /// An executor whose runner has not claimed the task by then has failed to start.
+    /// An executor whose runner has not claimed the task this long after the executor's
+    /// creation has failed to start.
     pub start_deadline: Duration,
     /// Facade URL handed to executors.
     pub facade_url: String,
@@ -47,7 +65,7 @@ pub struct WorkerSettings {
     /// The runs-on label of this backend as the executor's runner declares it.
     pub runner_label: String,
     /// The metadata codec of executor objects.
-    pub codec: gdr_core::metadata::MetadataCodec,
+    pub codec: MetadataCodec,
 }
 
 /// What became of one delivery; logged and counted.
@@ -65,8 +83,14 @@ pub enum Outcome {
     BackendError,
     /// Undecodable, tampered or misrouted: terminated, never retried.
     Poison,
-    /// The executor ended or never started without claiming: reported as failed.
+    /// The executor ended or never started without claiming, or the backend refused it
+    /// for good: reported as failed in Gitea, cleaned up, acknowledged.
     ExecutorFailed,
+    /// The executor failed but Gitea did not take the report: NAK, the next delivery
+    /// reports again (nothing is cleaned up before Gitea has the result).
+    ReportPending,
+    /// Another delivery of this assignment is still being handled here: NAK.
+    InFlight,
     /// Shutting down: NAK so another controller takes it at once.
     Interrupted,
     /// Sealed with a task key this controller does not have: NAK with a long delay.
@@ -84,10 +108,19 @@ impl Outcome {
             Outcome::BackendError => "backend_error",
             Outcome::Poison => "poison",
             Outcome::ExecutorFailed => "executor_failed",
+            Outcome::ReportPending => "report_pending",
+            Outcome::InFlight => "in_flight",
             Outcome::Interrupted => "interrupted",
             Outcome::MissingKey => "missing_key",
         }
     }
+}
+
+/// How a delivery is settled.
+enum Settle {
+    Ack,
+    Term,
+    Nak(Option<Duration>),
 }
 
 /// A backend worker.
@@ -99,22 +132,31 @@ pub struct Worker {
     keyring: Option<TaskKeyring>,
     settings: WorkerSettings,
     outcomes: Option<tokio::sync::mpsc::UnboundedSender<(String, Outcome)>>,
+    /// Assignments a delivery is being handled for right now.
+    in_flight: Mutex<HashSet<AssignmentId>>,
 }
 
-/// Why a worker stopped.
+/// Why a worker could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     /// The dispatch has no adapter for this worker's backend.
     #[error("no {0} backend configured")]
     NoBackend(Backend),
-    /// Pulling from JetStream failed permanently.
-    #[error("pulling {backend} assignments: {message}")]
-    Pull {
-        /// Backend.
-        backend: Backend,
-        /// Cause.
-        message: String,
-    },
+}
+
+/// Removes an assignment from the in-flight set when its handler ends, however it ends.
+struct InFlight<'a> {
+    set: &'a Mutex<HashSet<AssignmentId>>,
+    id: AssignmentId,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
+    }
 }
 
 impl Worker {
@@ -137,6 +179,7 @@ impl Worker {
             keyring,
             settings,
             outcomes: None,
+            in_flight: Mutex::new(HashSet::new()),
         })
     }
 
@@ -149,40 +192,42 @@ impl Worker {
         self
     }
 
-    /// Consumes until `shutdown` turns true. In-flight deliveries are NAKed on shutdown.
-    pub async fn run(
-        self,
-        consumer: PullConsumer,
-        mut shutdown: watch::Receiver<bool>,
-    ) -> Result<(), WorkerError> {
+    /// Consumes until `shutdown`. In-flight deliveries are NAKed on shutdown.
+    pub async fn run(self, consumer: PullConsumer, shutdown: Shutdown) {
         let this = Arc::new(self);
         let backend = this.settings.backend;
         let mut tasks = tokio::task::JoinSet::new();
-        'outer: loop {
-            if *shutdown.borrow() {
-                break;
-            }
+        let mut failures = 0u32;
+        'outer: while !shutdown.is_triggered() {
             let mut messages = match consumer.messages().await {
                 Ok(m) => m,
                 Err(e) => {
-                    tracing::warn!(%backend, error = %e, "cannot pull assignments; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
-                        _ = shutdown.changed() => break,
+                    let delay = RESUBSCRIBE.delay(failures);
+                    failures = failures.saturating_add(1);
+                    tracing::warn!(%backend, error = %e, retry_in = ?delay, "cannot pull assignments; retrying");
+                    if !shutdown.sleep(delay).await {
+                        break;
                     }
+                    continue;
                 }
             };
             loop {
                 tokio::select! {
-                    _ = shutdown.changed() => break 'outer,
+                    _ = shutdown.wait() => break 'outer,
                     next = messages.next() => match next {
                         Some(Ok(message)) => {
+                            failures = 0;
                             let worker = Arc::clone(&this);
                             let stop = shutdown.clone();
                             tasks.spawn(async move { worker.handle(message, stop).await });
                         }
                         Some(Err(e)) => {
-                            tracing::warn!(%backend, error = %e, "assignment pull interrupted; re-subscribing");
+                            let delay = RESUBSCRIBE.delay(failures);
+                            failures = failures.saturating_add(1);
+                            tracing::warn!(%backend, error = %e, retry_in = ?delay, "assignment pull interrupted; re-subscribing");
+                            if !shutdown.sleep(delay).await {
+                                break 'outer;
+                            }
                             continue 'outer;
                         }
                         None => continue 'outer,
@@ -193,33 +238,15 @@ impl Worker {
         }
         // Handlers see the shutdown too and NAK what they hold.
         while tasks.join_next().await.is_some() {}
-        Ok(())
     }
 
-    async fn handle(&self, message: jetstream::Message, shutdown: watch::Receiver<bool>) {
+    async fn handle(&self, message: jetstream::Message, shutdown: Shutdown) {
         let (label, outcome) = self.process(&message, shutdown).await;
         let backend = self.settings.backend;
-        let settle = match outcome {
-            Outcome::Claimed | Outcome::AlreadyClaimed | Outcome::ExecutorFailed => {
-                message.double_ack().await
-            }
-            Outcome::Poison => message.double_ack_with(AckKind::Term).await,
-            Outcome::Full => {
-                message
-                    .ack_with(AckKind::Nak(Some(self.settings.full_delay)))
-                    .await
-            }
-            Outcome::NotReady => {
-                message
-                    .ack_with(AckKind::Nak(Some(self.settings.not_ready_delay)))
-                    .await
-            }
-            Outcome::BackendError | Outcome::MissingKey => {
-                message
-                    .ack_with(AckKind::Nak(Some(self.settings.error_delay)))
-                    .await
-            }
-            Outcome::Interrupted => message.ack_with(AckKind::Nak(None)).await,
+        let settle = match self.settlement(outcome) {
+            Settle::Ack => message.double_ack().await,
+            Settle::Term => message.double_ack_with(AckKind::Term).await,
+            Settle::Nak(delay) => message.ack_with(AckKind::Nak(delay)).await,
         };
         if let Err(e) = settle {
             // JetStream redelivers after the ack wait; every step is idempotent.
@@ -231,47 +258,101 @@ impl Worker {
         }
     }
 
-    async fn process(
-        &self,
-        message: &jetstream::Message,
-        shutdown: watch::Receiver<bool>,
-    ) -> (String, Outcome) {
+    fn settlement(&self, outcome: Outcome) -> Settle {
+        let s = &self.settings;
+        match outcome {
+            Outcome::Claimed | Outcome::AlreadyClaimed | Outcome::ExecutorFailed => Settle::Ack,
+            Outcome::Poison => Settle::Term,
+            Outcome::Full => Settle::Nak(Some(s.full_delay)),
+            Outcome::NotReady => Settle::Nak(Some(s.not_ready_delay)),
+            Outcome::InFlight => Settle::Nak(Some(s.progress_interval)),
+            Outcome::BackendError | Outcome::MissingKey | Outcome::ReportPending => {
+                Settle::Nak(Some(s.error_delay))
+            }
+            Outcome::Interrupted => Settle::Nak(None),
+        }
+    }
+
+    async fn process(&self, message: &jetstream::Message, shutdown: Shutdown) -> (String, Outcome) {
         let backend = self.settings.backend;
+        let label = || {
+            envelope_id(&message.payload).map_or_else(
+                || {
+                    let sequence = message
+                        .info()
+                        .map(|i| i.stream_sequence)
+                        .unwrap_or_default();
+                    format!("stream-sequence-{sequence}")
+                },
+                |id| id.to_string(),
+            )
+        };
         let assignment = match decode(&message.payload, &self.policy, self.keyring.as_ref()) {
             Ok(a) => a,
             Err(e @ (EnvelopeError::UnknownKey(_) | EnvelopeError::NoKeyring)) => {
                 // A key this process lacks is a configuration fault (e.g. a rotation
                 // rolled out in the wrong order), not a bad message: keep the job. The
                 // heartbeater keeps it alive in Gitea meanwhile (it reads only the ID).
-                let sequence = message
-                    .info()
-                    .map(|i| i.stream_sequence)
-                    .unwrap_or_default();
-                tracing::error!(%backend, stream_sequence = sequence, error = %e, "cannot decrypt an assignment: configure its task key; retrying later");
-                return (format!("stream-sequence-{sequence}"), Outcome::MissingKey);
+                let label = label();
+                tracing::error!(%backend, assignment_id = %label, error = %e, "cannot decrypt an assignment: configure its task key; retrying later");
+                return (label, Outcome::MissingKey);
             }
             Err(e) => {
-                let sequence = message
-                    .info()
-                    .map(|i| i.stream_sequence)
-                    .unwrap_or_default();
-                tracing::error!(%backend, stream_sequence = sequence, error = %e, "terminating an undecodable or tampered assignment");
-                return (format!("stream-sequence-{sequence}"), Outcome::Poison);
+                let label = label();
+                tracing::error!(%backend, assignment_id = %label, error = %e, "terminating an undecodable or tampered assignment");
+                return (label, Outcome::Poison);
             }
         };
-        let label = assignment.id().as_str().to_string();
+        let label = assignment.id().as_str().to_owned();
         if assignment.backend() != backend {
             tracing::error!(%backend, assignment_id = %label, derived = %assignment.backend(), "terminating an assignment published to the wrong backend subject");
             return (label, Outcome::Poison);
         }
+        let Some(_guard) = self.enter(assignment.id()) else {
+            tracing::info!(%backend, assignment_id = %label, "an earlier delivery of this assignment is still being handled; putting this one back");
+            return (label, Outcome::InFlight);
+        };
         (label, self.reconcile(assignment, message, shutdown).await)
+    }
+
+    fn enter(&self, id: &AssignmentId) -> Option<InFlight<'_>> {
+        let fresh = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone());
+        fresh.then(|| InFlight {
+            set: &self.in_flight,
+            id: id.clone(),
+        })
+    }
+
+    /// Runs `work` while extending the delivery's ack deadline, so a slow backend call
+    /// (a blocking VM create) never lets JetStream redeliver the message meanwhile.
+    async fn keeping_alive<T>(
+        &self,
+        message: &jetstream::Message,
+        id: &AssignmentId,
+        work: impl Future<Output = T>,
+    ) -> T {
+        let mut work = std::pin::pin!(work);
+        loop {
+            tokio::select! {
+                done = &mut work => return done,
+                _ = tokio::time::sleep(self.settings.progress_interval) => {
+                    if let Err(e) = message.ack_with(AckKind::Progress).await {
+                        tracing::warn!(backend = %self.settings.backend, assignment_id = %id, error = %e, "extending the ack deadline failed");
+                    }
+                }
+            }
+        }
     }
 
     async fn reconcile(
         &self,
         assignment: Assignment,
         message: &jetstream::Message,
-        mut shutdown: watch::Receiver<bool>,
+        shutdown: Shutdown,
     ) -> Outcome {
         let backend = self.settings.backend;
         let id = assignment.id().clone();
@@ -293,7 +374,10 @@ impl Worker {
             Some(r) => r,
             None => {
                 let spec = self.spec(&assignment);
-                match self.backend.create(&spec).await {
+                match self
+                    .keeping_alive(message, &id, self.backend.create(&spec))
+                    .await
+                {
                     Ok(r) => {
                         crate::failpoint::hit(crate::failpoint::points::AFTER_CREATE);
                         tracing::info!(%backend, assignment_id = %id, executor = %r.name, "executor created");
@@ -302,11 +386,23 @@ impl Worker {
                     Err(e) => {
                         // Nothing was created, so the slot goes back.
                         self.dispatch.release(backend, &id);
-                        tracing::warn!(%backend, assignment_id = %id, error = %e, "creating the executor failed");
                         return match e {
-                            ExecutorError::Full { .. } => Outcome::Full,
-                            ExecutorError::Unavailable(_) | ExecutorError::Permanent(_) => {
+                            ExecutorError::Full {
+                                retry_after,
+                                reason,
+                            } => {
+                                tracing::info!(%backend, assignment_id = %id, %reason, ?retry_after, "the backend is full; the job stays queued");
+                                Outcome::Full
+                            }
+                            ExecutorError::Unavailable(cause) => {
+                                tracing::warn!(%backend, assignment_id = %id, error = %cause, "creating the executor failed; retrying later");
                                 Outcome::BackendError
+                            }
+                            ExecutorError::Permanent(cause) => {
+                                let reason = format!(
+                                    "the {backend} backend refused to create the job's environment: {cause}"
+                                );
+                                self.fail(&assignment, &reason).await
                             }
                         };
                     }
@@ -318,23 +414,29 @@ impl Worker {
                 Ok(Binding::Bound) => {}
                 Ok(Binding::NotReady(why)) => {
                     tracing::info!(%backend, assignment_id = %id, reason = %why, "identity target not ready");
+                    if let Some(failure) = self.start_overdue(&record, Some(&why)) {
+                        return self.fail(&assignment, &failure).await;
+                    }
                     return Outcome::NotReady;
                 }
+                Err(ExecutorError::Permanent(cause)) => {
+                    let reason = format!("the job's identity cannot be bound: {cause}");
+                    return self.fail(&assignment, &reason).await;
+                }
                 Err(e) => {
-                    tracing::warn!(%backend, assignment_id = %id, error = %e, "binding the identity failed");
+                    tracing::warn!(%backend, assignment_id = %id, error = %e, "binding the identity failed; retrying later");
                     return Outcome::BackendError;
                 }
             }
         }
         let mut claim = self.dispatch.offer(&assignment);
-        let started = Instant::now();
         loop {
             if matches!(*claim.borrow(), ClaimState::Claimed | ClaimState::Terminal) {
                 return Outcome::Claimed;
             }
             tokio::select! {
                 _ = claim.changed() => continue,
-                _ = shutdown.changed() => return Outcome::Interrupted,
+                _ = shutdown.wait() => return Outcome::Interrupted,
                 _ = tokio::time::sleep(self.settings.progress_interval) => {
                     // Keeps JetStream from redelivering while the executor starts.
                     if let Err(e) = message.ack_with(AckKind::Progress).await {
@@ -342,61 +444,100 @@ impl Worker {
                     }
                 }
             }
-            if let Some(failure) = self.executor_failure(&id, &record, started).await {
-                self.fail(&assignment, &failure).await;
-                return Outcome::ExecutorFailed;
+            if let Some(failure) = self.executor_failure(&id, &record).await {
+                return self.fail(&assignment, &failure).await;
             }
         }
     }
 
-    /// Checks, while waiting for the claim, whether the executor has died or is too
-    /// late; `None` while it may still claim (or when the backend cannot tell now).
-    async fn executor_failure(
-        &self,
-        id: &gdr_core::assignment::AssignmentId,
-        record: &ExecutorRecord,
-        started: Instant,
-    ) -> Option<String> {
+    /// Why an executor created at `record.created_at` is past its start deadline, if it is.
+    /// Counted from the creation, not from this delivery, so a controller that restarts
+    /// again and again still fails a stuck executor.
+    fn start_overdue(&self, record: &ExecutorRecord, waiting_for: Option<&str>) -> Option<String> {
+        let age = SystemTime::now()
+            .duration_since(record.created_at)
+            .unwrap_or_default();
+        (age > self.settings.start_deadline).then(|| {
+            let deadline =
+                humantime_serde::re::humantime::format_duration(self.settings.start_deadline);
+            match waiting_for {
+                Some(why) => format!(
+                    "the executor {} did not start the job within {deadline}: {why}",
+                    record.name
+                ),
+                None => format!(
+                    "the executor {} did not start the job within {deadline}",
+                    record.name
+                ),
+            }
+        })
+    }
+
+    /// Checks, while waiting for the claim, whether the executor has died or is too late;
+    /// `None` while it may still claim (or when the backend cannot tell now).
+    async fn executor_failure(&self, id: &AssignmentId, record: &ExecutorRecord) -> Option<String> {
         match self.backend.find(id).await {
             Ok(Some(current)) if current.claimed || current.terminal => None,
-            Ok(Some(current)) => match current.phase {
+            Ok(Some(current)) => match &current.phase {
                 Phase::Finished { success, reason } => Some(format!(
-                    "the executor {} ended ({}) before its runner fetched the task",
+                    "the executor {} ended before its runner fetched the task ({})",
                     current.name,
-                    reason.unwrap_or_else(|| if success {
+                    reason.clone().unwrap_or_else(|| if *success {
                         "exit 0".into()
                     } else {
                         "failed".into()
                     })
                 )),
-                _ if started.elapsed() > self.settings.start_deadline => Some(format!(
-                    "the executor {} did not start the job within {:?}",
-                    record.name, self.settings.start_deadline
-                )),
-                _ => None,
+                Phase::Starting { reason } => self.start_overdue(&current, reason.as_deref()),
+                Phase::Running => self.start_overdue(&current, None),
             },
             Ok(None) => Some(format!(
                 "the executor {} disappeared before its runner fetched the task",
                 record.name
             )),
-            Err(_) => None,
+            Err(e) => {
+                tracing::warn!(backend = %self.settings.backend, assignment_id = %id, error = %e, "looking at the executor failed; looking again later");
+                None
+            }
         }
     }
 
-    /// Invariant 12: report the failure, mark terminal, release the slot, clean up.
-    async fn fail(&self, assignment: &Assignment, reason: &str) {
+    /// Invariant 12: report the failure first; only once Gitea has it, mark terminal,
+    /// release the slot and clean up. If Gitea does not take it, keep everything and put
+    /// the delivery back, so the next one reports again.
+    async fn fail(&self, assignment: &Assignment, reason: &str) -> Outcome {
         let backend = self.settings.backend;
         let id = assignment.id();
-        tracing::error!(%backend, assignment_id = %id, reason, "executor failed before claiming its task");
-        if let Err(e) = self.gitea.fail_task(id.task_id(), reason).await {
-            tracing::error!(%backend, assignment_id = %id, error = %e, "reporting the failure to Gitea failed");
+        tracing::error!(%backend, assignment_id = %id, reason, "the job failed before its runner claimed it; failing it in Gitea");
+        match self
+            .gitea
+            .report_failure(id.task_id(), reason, &REPORT_BACKOFF, REPORT_ATTEMPTS)
+            .await
+        {
+            Ok(Reported::Accepted) => {}
+            Ok(Reported::TaskGone) => {
+                tracing::warn!(%backend, assignment_id = %id, "Gitea no longer has the task; cleaning up");
+            }
+            Err(e) => {
+                tracing::error!(%backend, assignment_id = %id, error = %e, "Gitea did not take the failure report; keeping the executor and retrying with the next delivery");
+                return Outcome::ReportPending;
+            }
         }
-        if let Err(e) = self.backend.mark_terminal(id).await {
-            tracing::warn!(%backend, assignment_id = %id, error = %e, "marking the failed executor terminal failed");
-        }
+        let marked = self.backend.mark_terminal(id).await;
         self.dispatch.forget(backend, id);
-        if let Err(e) = self.backend.delete(id).await {
-            tracing::warn!(%backend, assignment_id = %id, error = %e, "deleting the failed executor failed; the lifecycle reconciler retries");
+        match (self.backend.delete(id).await, marked) {
+            (Ok(()), _) => Outcome::ExecutorFailed,
+            // Terminal and never claimed: the lifecycle reconciler deletes it.
+            (Err(e), Ok(())) => {
+                tracing::warn!(%backend, assignment_id = %id, error = %e, "deleting the failed executor failed; the lifecycle reconciler retries");
+                Outcome::ExecutorFailed
+            }
+            // Neither marked nor deleted: only a redelivery still knows it. Reporting again
+            // is harmless (Gitea keeps the first result).
+            (Err(e), Err(mark)) => {
+                tracing::warn!(%backend, assignment_id = %id, error = %e, mark_error = %mark, "cleaning up the failed executor failed; retrying with the next delivery");
+                Outcome::BackendError
+            }
         }
     }
 

@@ -425,6 +425,19 @@ struct VersionProbe {
     version: u64,
 }
 
+#[derive(Deserialize)]
+struct IdProbe {
+    id: String,
+}
+
+/// The assignment ID an envelope of any version names, read without decrypting or
+/// validating anything else. For routing facts only (heartbeats, logs about a message that
+/// cannot be opened); never trust it for authorisation: [`decode`] re-derives everything.
+pub fn envelope_id(bytes: &[u8]) -> Option<AssignmentId> {
+    let probe: IdProbe = serde_json::from_slice(bytes).ok()?;
+    AssignmentId::parse(&probe.id).ok()
+}
+
 /// Why an envelope cannot be encoded. Not expected in practice.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum EncodeError {

@@ -67,20 +67,25 @@ pub struct BackendLabels {
 /// A VM label alias that would make backend selection ambiguous or meaningless.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "VM runner label {0:?} is not usable: it must be non-empty and differ from \"pod\" and \"self-hosted\""
+    "VM runner label {0:?} is not usable: it must be 1-63 characters of letters, digits, '.', '-' or '_' and differ from \"pod\" and \"self-hosted\" (e.g. vm or vm-dev)"
 )]
 pub struct InvalidVmLabel(pub String);
 
+/// Longest label Gitea accepts for a runner label (its label column).
+const MAX_LABEL_CHARS: usize = 63;
+
 impl BackendLabels {
-    /// Uses `vm_label` as the VM alias. It must not be `pod` (every job would then be
-    /// ambiguous) nor `self-hosted` (every job would select a VM).
+    /// Uses `vm_label` as the VM alias: a plain label (letters, digits, `.`, `-`, `_`) that
+    /// is not `pod` (every job would then be ambiguous) nor `self-hosted` (every job would
+    /// select a VM). This is the only rule for the VM label.
     pub fn new(vm_label: impl Into<String>) -> Result<Self, InvalidVmLabel> {
         let vm_label = vm_label.into();
-        if vm_label.trim().is_empty()
-            || vm_label != vm_label.trim()
-            || vm_label == Backend::Pod.as_str()
-            || vm_label == SELF_HOSTED
-        {
+        let plain = !vm_label.is_empty()
+            && vm_label.len() <= MAX_LABEL_CHARS
+            && vm_label
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'));
+        if !plain || vm_label == Backend::Pod.as_str() || vm_label == SELF_HOSTED {
             return Err(InvalidVmLabel(vm_label));
         }
         Ok(Self { vm_label })
@@ -89,6 +94,15 @@ impl BackendLabels {
     /// The configured VM alias (`vm` unless configured otherwise).
     pub fn vm_label(&self) -> &str {
         &self.vm_label
+    }
+
+    /// The label a runner of `backend` declares: `pod`, or the VM alias. The one mapping
+    /// from backend to label (Declare, `register`, the facade's runner record, executors).
+    pub fn label_of(&self, backend: Backend) -> &str {
+        match backend {
+            Backend::Pod => Backend::Pod.as_str(),
+            Backend::Vm => &self.vm_label,
+        }
     }
 
     fn selects_vm(&self, label: &str) -> bool {
@@ -242,9 +256,26 @@ mod tests {
 
     #[test]
     fn a_vm_alias_that_collides_with_other_labels_is_refused() {
-        for bad in ["", " ", "pod", "self-hosted", " vm"] {
+        for bad in [
+            "",
+            " ",
+            "pod",
+            "self-hosted",
+            " vm",
+            "vm dev",
+            "vm/dev",
+            &"v".repeat(64),
+        ] {
             assert!(BackendLabels::new(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn each_backend_has_one_label() {
+        let policy = BackendLabels::new("vm-dev").unwrap();
+        assert_eq!(policy.label_of(Backend::Pod), "pod");
+        assert_eq!(policy.label_of(Backend::Vm), "vm-dev");
+        assert_eq!(BackendLabels::default().label_of(Backend::Vm), "vm");
     }
 
     #[test]

@@ -137,6 +137,9 @@ impl ExecutorConfig {
     }
 }
 
+/// The runner's registration file name; it holds the capability.
+pub const RUNNER_FILE: &str = ".runner";
+
 /// The official runner's registration file (v3.5.0 schema).
 #[derive(Serialize)]
 struct RunnerFile<'a> {
@@ -172,7 +175,7 @@ pub fn write_runner_file(
         source: std::io::Error::other(e),
     })?;
     text.push('\n');
-    let path = dir.join(".runner");
+    let path = dir.join(RUNNER_FILE);
     let io = |source| RunError::Io {
         what: format!("writing {}", path.display()),
         source,
@@ -186,8 +189,40 @@ pub fn write_runner_file(
     Ok(path)
 }
 
-/// Runs the executor until the runner exits; returns the runner's exit status.
-pub async fn run(config: ExecutorConfig) -> Result<ExitStatus, RunError> {
+/// A signal the executor passes on to its runner (the runner cancels its job on either and
+/// still reports a cancelled result).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Forward {
+    /// SIGTERM.
+    Terminate,
+    /// SIGINT.
+    Interrupt,
+}
+
+/// Removes the capability-bearing `.runner` (and a temporary work directory) however the
+/// executor returns: early errors included.
+struct Cleanup {
+    runner_file: Option<PathBuf>,
+    temp_dir: Option<PathBuf>,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if let Some(file) = self.runner_file.take() {
+            let _ = std::fs::remove_file(file);
+        }
+        if let Some(dir) = self.temp_dir.take() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// Runs the executor until the runner exits; returns the runner's exit status. `signals`
+/// are passed on to the runner (the caller owns the signal handlers).
+pub async fn run(
+    config: ExecutorConfig,
+    mut signals: tokio::sync::mpsc::Receiver<Forward>,
+) -> Result<ExitStatus, RunError> {
     let id = config.assignment_id.as_str().to_string();
     let source =
         gdr_identity::tls::x509_source_with_timeout(&config.workload_api, config.ready_timeout)
@@ -216,14 +251,19 @@ pub async fn run(config: ExecutorConfig) -> Result<ExitStatus, RunError> {
         .await
     });
 
-    let temp;
+    let mut cleanup = Cleanup {
+        runner_file: None,
+        temp_dir: None,
+    };
     let work_dir = match &config.work_dir {
         Some(dir) => dir.clone(),
         None => {
-            temp = tempdir()?;
-            temp.clone()
+            let temp = tempdir()?;
+            cleanup.temp_dir = Some(temp.clone());
+            temp
         }
     };
+    cleanup.runner_file = Some(work_dir.join(RUNNER_FILE));
     write_runner_file(&work_dir, &config, &proxy_url)?;
     wait_for_facade(&proxy_url, config.ready_timeout).await?;
     tracing::info!(assignment_id = %id, proxy = %proxy_url, runner = %config.runner_binary.display(), "starting the one-shot runner");
@@ -239,13 +279,11 @@ pub async fn run(config: ExecutorConfig) -> Result<ExitStatus, RunError> {
             what: format!("starting the runner {}", config.runner_binary.display()),
             source,
         })?;
-    let status = wait_forwarding_signals(&mut child, &id).await?;
+    let status = wait_forwarding_signals(&mut child, &id, &mut signals).await?;
     tracing::info!(assignment_id = %id, status = %status, "the one-shot runner exited");
     let _ = stop_proxy.send(());
     let _ = proxy.await;
-    if config.work_dir.is_none() {
-        let _ = std::fs::remove_dir_all(&work_dir);
-    }
+    drop(cleanup);
     Ok(status)
 }
 
@@ -278,21 +316,18 @@ fn tempdir() -> Result<PathBuf, RunError> {
 async fn wait_forwarding_signals(
     child: &mut tokio::process::Child,
     id: &str,
+    signals: &mut tokio::sync::mpsc::Receiver<Forward>,
 ) -> Result<ExitStatus, RunError> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let io = |source| RunError::Io {
-        what: "installing signal handlers".into(),
-        source,
-    };
-    let mut term = signal(SignalKind::terminate()).map_err(io)?;
-    let mut int = signal(SignalKind::interrupt()).map_err(io)?;
     loop {
         let forwarded = tokio::select! {
             status = child.wait() => {
                 return status.map_err(|source| RunError::Io { what: "waiting for the runner".into(), source });
             }
-            _ = term.recv() => Signal::TERM,
-            _ = int.recv() => Signal::INT,
+            Some(forward) = signals.recv() => forward,
+        };
+        let signal = match forwarded {
+            Forward::Terminate => Signal::TERM,
+            Forward::Interrupt => Signal::INT,
         };
         if let Some(pid) = child
             .id()
@@ -300,7 +335,7 @@ async fn wait_forwarding_signals(
             .and_then(Pid::from_raw)
         {
             tracing::info!(assignment_id = %id, signal = ?forwarded, "forwarding a signal to the runner");
-            let _ = rustix::process::kill_process(pid, forwarded);
+            let _ = rustix::process::kill_process(pid, signal);
         }
     }
 }

@@ -8,7 +8,11 @@
 //! - [`spiffe`]: a fake SPIFFE Workload API with a test CA.
 //! - [`memory_backend`]: an in-memory executor backend.
 //! - [`log_capture`]: JSON log capture, for the tests that look for leaked secrets.
+//! - [`controller`]: one builder of controller configurations, and controller processes
+//!   started with listeners the test bound.
+//! - [`eventually`] / [`until`]: waiting on observable state with a deadline.
 
+pub mod controller;
 pub mod fake_kube;
 pub mod log_capture;
 pub mod memory_backend;
@@ -16,3 +20,6 @@ pub mod mock_gitea;
 pub mod nats_server;
 pub mod spiffe;
 pub mod standin_runner;
+mod wait;
+
+pub use wait::{eventually, until};

@@ -24,6 +24,8 @@ use crate::dispatch::{AuthError, Authorized, ClaimError, Dispatch};
 use crate::gitea::{
     CAPABILITIES_HEADER, ErrorKind, GiteaClient, GiteaError, TOKEN_HEADER, UUID_HEADER,
 };
+use crate::shutdown::Shutdown;
+use gdr_core::backend::BackendLabels;
 use gdr_proto::runner::v1::{
     DeclareRequest, DeclareResponse, FetchTaskRequest, FetchTaskResponse, RegisterRequest,
     RegisterResponse, Runner, RunnerService, TaskResult, UpdateLogRequest, UpdateLogResponse,
@@ -39,7 +41,7 @@ pub struct Facade {
     /// `X-Gitea-Actions-Capabilities` from the controller's own Declare, once known.
     server_capabilities: std::sync::RwLock<Option<String>>,
     /// Label of each backend as declared to the runner.
-    vm_label: String,
+    labels: BackendLabels,
 }
 
 impl Facade {
@@ -49,13 +51,13 @@ impl Facade {
         dispatch: Arc<Dispatch>,
         gitea: GiteaClient,
         server_capabilities: Option<String>,
-        vm_label: String,
+        labels: BackendLabels,
     ) -> Self {
         Facade {
             dispatch,
             gitea,
             server_capabilities: std::sync::RwLock::new(server_capabilities),
-            vm_label,
+            labels,
         }
     }
 
@@ -88,9 +90,12 @@ impl Facade {
         listener: tokio::net::TcpListener,
         tls: Arc<rustls::ServerConfig>,
         proxy: proxy::ReverseProxy,
-        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+        shutdown: Shutdown,
     ) -> std::io::Result<()> {
-        tls::serve_tls(listener, tls, self.app(proxy), shutdown).await
+        tls::serve_tls(listener, tls, self.app(proxy), async move {
+            shutdown.wait().await
+        })
+        .await
     }
 
     /// Like [`Self::authenticate`], but also accepts a runner whose assignment this
@@ -116,10 +121,19 @@ impl Facade {
                     .authorize_from_backend(header(UUID_HEADER), header(TOKEN_HEADER), peer)
                     .await
                 {
-                    Ok(auth) => Ok(auth),
+                    Ok(auth) => {
+                        tracing::debug!(method, assignment_id = %auth.id, "runner of an assignment not offered yet authorised from backend metadata");
+                        Ok(auth)
+                    }
                     Err(AuthError::WrongIdentity) => Err(ConnectError::permission_denied(
                         "peer SPIFFE ID does not match the assignment",
                     )),
+                    Err(AuthError::Unavailable(why)) => {
+                        tracing::warn!(method, assignment_id = header(UUID_HEADER), reason = %why, "cannot check a runner against the backend; asking it to retry");
+                        Err(ConnectError::unavailable(
+                            "the controller cannot check this runner right now; retry",
+                        ))
+                    }
                     Err(_) => Err(e),
                 }
             }
@@ -145,17 +159,34 @@ impl Facade {
                 "a SPIFFE mTLS client certificate is required",
             ));
         };
-        self.dispatch.authorize(uuid, token, peer).map_err(|e| {
-            tracing::warn!(method, assignment_id = uuid, peer = %peer, reason = %e, "facade call refused");
-            match e {
-                AuthError::WrongIdentity => {
-                    ConnectError::permission_denied("peer SPIFFE ID does not match the assignment")
-                }
-                AuthError::BadCapability | AuthError::UnknownAssignment => {
-                    ConnectError::unauthenticated("unregistered runner")
-                }
+        match self.dispatch.authorize(uuid, token, peer) {
+            Ok(auth) => {
+                self.dispatch.heard_from(&auth.id);
+                Ok(auth)
             }
-        })
+            // Not offered in this process (yet): after a restart the fallback may accept it,
+            // so this is not worth a warning by itself.
+            Err(AuthError::UnknownAssignment) => {
+                tracing::debug!(
+                    method,
+                    assignment_id = uuid,
+                    "facade call for an assignment not offered here"
+                );
+                Err(ConnectError::unauthenticated("unregistered runner"))
+            }
+            Err(e) => {
+                tracing::warn!(method, assignment_id = uuid, peer = %peer, reason = %e, "facade call refused");
+                Err(match e {
+                    AuthError::WrongIdentity => ConnectError::permission_denied(
+                        "peer SPIFFE ID does not match the assignment",
+                    ),
+                    AuthError::Unavailable(_) => ConnectError::unavailable("retry"),
+                    AuthError::BadCapability | AuthError::UnknownAssignment => {
+                        ConnectError::unauthenticated("unregistered runner")
+                    }
+                })
+            }
+        }
     }
 
     fn check_task(auth: &Authorized, task_id: i64, method: &str) -> Result<(), ConnectError> {
@@ -171,10 +202,7 @@ impl Facade {
     }
 
     fn runner_record(&self, auth: &Authorized, version: String) -> Runner {
-        let label = match auth.backend {
-            gdr_core::backend::Backend::Pod => "pod".to_string(),
-            gdr_core::backend::Backend::Vm => self.vm_label.clone(),
-        };
+        let label = self.labels.label_of(auth.backend).to_owned();
         Runner {
             id: auth.task_id,
             uuid: auth.id.as_str().to_string(),

@@ -84,6 +84,13 @@ impl GiteaError {
         self.kind == ErrorKind::Unavailable
     }
 
+    /// Gitea itself says the task does not exist (any more): its handler answered
+    /// `NotFound`. A plain HTTP 404 (wrong URL, Actions disabled) does not count, so a
+    /// misconfiguration never makes the controller treat running jobs as gone.
+    pub fn task_gone(&self) -> bool {
+        self.kind == ErrorKind::NotFound && self.code == "NotFound"
+    }
+
     pub(crate) fn config(message: String) -> Self {
         GiteaError {
             kind: ErrorKind::Other,

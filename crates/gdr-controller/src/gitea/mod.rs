@@ -27,6 +27,8 @@ use gdr_proto::runner::v1::{
 pub const UUID_HEADER: &str = "x-runner-uuid";
 /// Header carrying the runner token on every call but Register/Ping.
 pub const TOKEN_HEADER: &str = "x-runner-token";
+/// How every log row the controller itself writes into a task's log begins.
+pub const FAILURE_LOG_PREFIX: &str = "gitea-dynamic-runner: ";
 /// Response header of `Declare` listing server capabilities (e.g. `job-summary`).
 pub const CAPABILITIES_HEADER: &str = "x-gitea-actions-capabilities";
 
@@ -51,16 +53,11 @@ impl Credentials {
     pub fn from_files(
         uuid_file: &Path,
         token_file: &Path,
-    ) -> Result<Self, crate::config::SecretFileError> {
+    ) -> Result<Self, crate::settings::SecretFileError> {
         Ok(Credentials {
-            uuid: crate::config::read_secret_file("gitea_runner_uuid_file", uuid_file)?,
-            token: crate::config::read_secret_file("gitea_runner_token_file", token_file)?,
+            uuid: crate::settings::read_secret_file("gitea_runner_uuid_file", uuid_file)?,
+            token: crate::settings::read_secret_file("gitea_runner_token_file", token_file)?,
         })
-    }
-
-    /// The token, for the one place that must send it.
-    pub fn expose_token(&self) -> &str {
-        &self.token
     }
 }
 
@@ -108,6 +105,15 @@ pub struct Declared {
     pub runner: Runner,
     /// Raw `X-Gitea-Actions-Capabilities` value, passed on to one-shot runners.
     pub server_capabilities: Option<String>,
+}
+
+/// What became of a failure report Gitea answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reported {
+    /// Gitea recorded the failure (or the task had ended already: its first result wins).
+    Accepted,
+    /// Gitea does not know the task: it was removed or never existed.
+    TaskGone,
 }
 
 /// A Connect client for Gitea's RunnerService.
@@ -297,7 +303,7 @@ impl GiteaClient {
         if let Ok(ack) = probe {
             let row = gdr_proto::runner::v1::LogRow {
                 time: timestamp.clone().into(),
-                content: format!("gitea-dynamic-runner: {reason}"),
+                content: format!("{FAILURE_LOG_PREFIX}{reason}"),
                 ..Default::default()
             };
             // The log row is a courtesy; the result below is what must land.
@@ -324,6 +330,33 @@ impl GiteaClient {
             ..Default::default()
         })
         .await
+    }
+
+    /// Fails a task as [`GiteaClient::fail_task`] does, retrying with `backoff` while Gitea
+    /// is unavailable, at most `attempts` times. `Ok(Reported::TaskGone)` when Gitea says the
+    /// task does not exist (any more): nothing is left to report, so callers may clean up.
+    /// On `Err` the report did not land and callers must keep what they would clean up,
+    /// so a later attempt can still report (DESIGN invariant 12: report first).
+    pub async fn report_failure(
+        &self,
+        task_id: i64,
+        reason: &str,
+        backoff: &crate::backoff::Backoff,
+        attempts: u32,
+    ) -> Result<Reported, GiteaError> {
+        let mut attempt = 0;
+        loop {
+            match self.fail_task(task_id, reason).await {
+                Ok(_) => return Ok(Reported::Accepted),
+                Err(e) if e.task_gone() => return Ok(Reported::TaskGone),
+                Err(e) if e.is_retryable() && attempt + 1 < attempts => {
+                    tracing::warn!(task_id, attempt, error = %e, "reporting the failure to Gitea failed; retrying");
+                    tokio::time::sleep(backoff.delay(attempt)).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Ping; Gitea answers `Hello, <data>!`.

@@ -1,22 +1,22 @@
-//! Wiring of the `controller` subcommand: configuration → adapters → components.
+//! Wiring of the `controller` subcommand: settings → adapters → components.
 //!
-//! The leader runs everything (pollers, heartbeats, facade, workers, lifecycle
-//! reconcilers); a standby only campaigns and answers not-ready (invariant 18). Losing
-//! the lease or a shutdown stops new fetches, lets in-flight work finish within bounds
-//! (invariant 4) and returns; a lost lease is an error so the process exits non-zero.
+//! [`run`] is a sequence of named steps: credentials, health server, NATS, leadership,
+//! identities, backends, dispatch, components, drain. The leader runs everything (pollers,
+//! heartbeats, facade, workers, lifecycle reconcilers); a standby only campaigns and answers
+//! not-ready (invariant 18). A shutdown or a lost lease stops new fetches first, lets
+//! in-flight work finish within bounds (invariant 4) and returns; a lost lease is an error so
+//! the process exits non-zero.
 
 mod embedded_nats;
 
 use std::collections::BTreeMap;
-use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use tokio::sync::watch;
+use tokio::task::JoinSet;
 
-use crate::config::{Component, Config, read_secret_file};
 use crate::dispatch::Dispatch;
 use crate::facade::Facade;
 use crate::facade::proxy::ReverseProxy;
@@ -25,19 +25,48 @@ use crate::lease::{LeaderElector, Leadership, LeaseSettings};
 use crate::lifecycle::Lifecycle;
 use crate::metrics::{BackendLabel, Metrics, OutcomeLabels, Readiness};
 use crate::queue::{self, ConsumerSettings, StreamSettings};
-use crate::scheduler::{
-    Heartbeater, Scheduler, SchedulerSettings, SchedulerStats, shutdown_channel,
+use crate::scheduler::{Heartbeater, Scheduler, SchedulerStats};
+use crate::settings::{
+    self, BackendSettings, GiteaSettings, IdentitySource, LeaderSettings, NatsAuth, NatsServer,
+    NatsSettings, PodBackend, ProcessSettings, Settings, TaskKeyFiles, VmBackend, read_secret_file,
 };
+use crate::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use crate::worker::{Worker, WorkerSettings};
 use gdr_backends::process::{ProcessBackend, ProcessBackendSettings};
 use gdr_core::assignment::{DerivationPolicy, TaskKey, TaskKeyring};
-use gdr_core::backend::{Backend, BackendLabels};
+use gdr_core::backend::Backend;
 use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::ExecutorBackend;
-use gdr_core::identity::TrustDomain;
+use gdr_core::metadata::MetadataCodec;
 use gdr_identity::workload_api::{LocalCa, LocalIdentity};
 
 pub use embedded_nats::EmbeddedNats;
+
+/// JetStream drops a repeated message ID within this window (a retried publish). Two
+/// minutes is JetStream's default and far longer than any publish retry loop.
+const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
+/// How long a fetched task's publish is still retried after shutdown is requested: long
+/// enough to ride out a NATS restart, short enough for a rolling upgrade.
+const SHUTDOWN_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
+/// After the scheduler stopped fetching, how long the other components get to stop.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(45);
+/// How long the elector gets to release the Lease at shutdown (so a standby starts at once).
+const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How quickly a finished executor is cleaned up; each pass lists the backend once.
+const LIFECYCLE_INTERVAL: Duration = Duration::from_secs(2);
+/// NAK delay while a pool is full; the executor that frees the slot usually ends well
+/// within this.
+const FULL_DELAY: Duration = Duration::from_secs(5);
+/// NAK delay while an identity target (Pod UID) does not exist yet.
+const NOT_READY_DELAY: Duration = Duration::from_secs(2);
+/// NAK delay after a backend error, so a broken backend is not hammered.
+const ERROR_DELAY: Duration = Duration::from_secs(15);
+/// Lifetime of locally issued SVIDs (rotated at half of it).
+const LOCAL_SVID_TTL: Duration = Duration::from_secs(3600);
+/// How long the process backend waits after SIGTERM before SIGKILL when deleting.
+const PROCESS_STOP_GRACE: Duration = Duration::from_secs(10);
+/// How often pool and scheduler counters are copied into the metrics.
+const METRICS_INTERVAL: Duration = Duration::from_secs(1);
 
 /// Sockets the caller bound (so nothing below `main` picks a port).
 pub struct Listeners {
@@ -47,189 +76,97 @@ pub struct Listeners {
     pub health: tokio::net::TcpListener,
 }
 
+/// The cause of a failed start-up step.
+pub type Source = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 /// Why the controller stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
-    /// Configuration or secrets are unusable.
-    #[error("{0}")]
-    Setup(String),
+    /// A start-up step failed: unusable secrets, unreachable NATS, a backend that cannot
+    /// be built.
+    #[error("{step}: {source}")]
+    Setup {
+        /// What was being set up.
+        step: &'static str,
+        /// Why it failed.
+        #[source]
+        source: Source,
+    },
     /// This replica lost the leader lease: it stopped working and must exit.
     #[error("lost the leader lease")]
     LostLeadership,
+    /// A component stopped although nothing asked it to.
+    #[error("{0} stopped unexpectedly")]
+    Component(&'static str),
     /// A component failed.
-    #[error("{component}: {message}")]
-    Component {
+    #[error("{component}: {source}")]
+    ComponentFailed {
         /// Which component.
         component: &'static str,
         /// What happened.
-        message: String,
+        #[source]
+        source: Source,
     },
 }
 
-fn setup(e: impl std::fmt::Display) -> RuntimeError {
-    RuntimeError::Setup(e.to_string())
+fn step(step: &'static str) -> impl FnOnce(Source) -> RuntimeError {
+    move |source| RuntimeError::Setup { step, source }
 }
 
-/// Test hooks: what the runtime exposes of itself while running.
-#[derive(Clone, Default)]
-pub struct Handles {
-    /// Set once the dispatch exists.
-    pub dispatch: Arc<std::sync::OnceLock<Arc<Dispatch>>>,
-    /// Set once the readiness exists.
-    pub readiness: Arc<std::sync::OnceLock<Arc<Readiness>>>,
-    /// Kubernetes client for leader election (default: in-cluster or kubeconfig).
-    pub kube: Option<kube::Client>,
+fn setup<E: Into<Source>>(name: &'static str) -> impl FnOnce(E) -> RuntimeError {
+    move |e| step(name)(e.into())
 }
 
-/// Runs the controller until `shutdown` resolves (Ok) or leadership is lost (Err).
+/// Runs the controller until `shutdown` (Ok) or until leadership is lost (Err).
 pub async fn run(
-    config: Config,
+    settings: Settings,
     listeners: Listeners,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-    handles: Handles,
+    shutdown: Shutdown,
 ) -> Result<(), RuntimeError> {
-    let trust_domain =
-        TrustDomain::new(config.trust_domain.clone().unwrap_or_default()).map_err(setup)?;
-    let policy = DerivationPolicy {
-        trust_domain: trust_domain.clone(),
-        labels: BackendLabels::new(config.vm_runner_label.clone()).map_err(setup)?,
-    };
-    let (uuid_file, token_file) = match (
-        &config.gitea_runner_uuid_file,
-        &config.gitea_runner_token_file,
-    ) {
-        (Some(u), Some(t)) => (u.clone(), t.clone()),
-        _ => {
-            return Err(setup(
-                "gitea_runner_uuid_file and gitea_runner_token_file are required",
-            ));
-        }
-    };
-    let credentials = Credentials::from_files(&uuid_file, &token_file).map_err(setup)?;
-    let capability_key = {
-        let path = config
-            .runner_facade_capability_key_file
-            .as_ref()
-            .ok_or_else(|| setup("runner_facade_capability_key_file is required"))?;
-        let text = read_secret_file("runner_facade_capability_key_file", path).map_err(setup)?;
-        CapabilityKey::new(text.as_bytes()).map_err(|e| {
-            setup(format!(
-                "runner_facade_capability_key_file ({}): {e}",
-                path.display()
-            ))
-        })?
-    };
-    let keyring = load_keyring(&config)?;
-    let gitea_url = config
-        .gitea_instance_url
-        .clone()
-        .ok_or_else(|| setup("gitea_instance_url is required"))?;
-    let extra_ca = match &config.gitea_ca_file {
-        Some(p) => Some(
-            std::fs::read(p).map_err(|e| setup(format!("gitea_ca_file ({}): {e}", p.display())))?,
-        ),
-        None => None,
-    };
-    let mut options = ClientOptions::new(gitea_url.clone());
-    options.extra_ca_pem = extra_ca.clone();
-    options.request_timeout = config.gitea_request_timeout;
-    options.fetch_timeout = config.gitea_fetch_timeout;
-    let gitea = GiteaClient::new(options, Some(&credentials)).map_err(setup)?;
+    let Settings {
+        gitea,
+        runner,
+        policy,
+        codec,
+        capability_key_file,
+        task_keys,
+        nats,
+        state_dir,
+        // Bound by the caller (`listeners.health`).
+        health_listen: _,
+        identity,
+        scheduler,
+        pod,
+        vm,
+        executors,
+        leader,
+    } = settings;
+    let single_host = matches!(nats.server, NatsServer::Embedded { .. });
+    let (gitea_client, extra_ca) = gitea_client(&gitea)?;
+    let capability_key = capability_key(&capability_key_file)?;
+    let keyring = keyring(task_keys)?;
 
     let metrics = Arc::new(Metrics::new());
     let readiness = Arc::new(Readiness::default());
-    let _ = handles.readiness.set(readiness.clone());
-    let (stop_all, stop_all_rx) = watch::channel(false);
-    let health = {
-        let mut stop = stop_all_rx.clone();
-        tokio::spawn(crate::metrics::serve(
-            listeners.health,
-            metrics.clone(),
-            readiness.clone(),
-            async move {
-                let _ = stop.wait_for(|s| *s).await;
-            },
-        ))
-    };
+    let (stop_health, health_shutdown) = shutdown_channel();
+    let health = tokio::spawn(crate::metrics::serve(
+        listeners.health,
+        metrics.clone(),
+        readiness.clone(),
+        health_shutdown,
+    ));
 
-    // NATS: the configured cluster, or the embedded single-host server.
-    let mut embedded = None;
-    let nats_url = match &config.nats_url {
-        Some(url) => url.clone(),
-        None => {
-            let server =
-                EmbeddedNats::start(&config.nats_server_binary, &config.state_dir.join("nats"))
-                    .await
-                    .map_err(setup)?;
-            let url = server.url();
-            embedded = Some(server);
-            url
-        }
-    };
-    let producer = connect_nats(&config, &nats_url, Role::Producer).await?;
-    let consumer_conn = connect_nats(&config, &nats_url, Role::Worker).await?;
-    let js_producer = jetstream::new(producer);
-    let js_worker = jetstream::new(consumer_conn);
-    let stream_settings = StreamSettings {
-        stream: config.nats_stream.clone(),
-        subject_base: config.nats_subject_base.clone(),
-        duplicate_window: Duration::from_secs(120),
-    };
-    let _stream = if config.nats_create_stream {
-        queue::ensure_stream(&js_producer, &stream_settings)
-            .await
-            .map_err(setup)?
-    } else {
-        queue::open_stream(&js_producer, &stream_settings)
-            .await
-            .map_err(setup)?
-    };
-
-    // Leadership.
-    let (leader_tx, mut leadership) = if config.leader_election {
-        let (tx, rx) = Leadership::channel();
-        (Some(tx), rx)
-    } else {
-        (None, Leadership::always())
-    };
-    let elector = match leader_tx {
-        Some(tx) => {
-            let client = crate::lease::client_from_environment()
-                .await
-                .map_err(setup)?;
-            let identity = config
-                .leader_identity
-                .clone()
-                .or_else(|| std::env::var("HOSTNAME").ok())
-                .ok_or_else(|| {
-                    setup("leader_identity (or HOSTNAME) is required for leader election")
-                })?;
-            let settings = LeaseSettings::new(
-                config.lease_namespace.clone(),
-                config.lease_name.clone(),
-                identity,
-            );
-            let mut stop = stop_all_rx.clone();
-            Some(tokio::spawn(LeaderElector::new(client, settings).run(
-                tx,
-                async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                },
-            )))
-        }
-        None => None,
-    };
-
-    tokio::pin!(shutdown);
+    let queue = Queue::connect(&nats, &state_dir).await?;
+    let (mut leadership, elector) = campaign(leader, &stop_health).await?;
     tokio::select! {
-        _ = &mut shutdown => {
-            let _ = stop_all.send(true);
+        _ = shutdown.wait() => {
+            stop_health.trigger();
             let _ = health.await;
             return Ok(());
         }
         acquired = leadership.acquired() => {
             if !acquired {
-                let _ = stop_all.send(true);
+                stop_health.trigger();
                 return Err(RuntimeError::LostLeadership);
             }
         }
@@ -237,240 +174,119 @@ pub async fn run(
     tracing::info!("leading: starting every component");
     metrics.leader.set(1);
 
-    // Backend state (executors, identities) is touched only by the leader: a standby
-    // must not re-serve or re-adopt what the leader owns.
-    // Identity: the controller's own CA (single host) or SPIRE's Workload API.
-    let facade_spiffe_id = config
-        .runner_facade_spiffe_id
-        .clone()
-        .ok_or_else(|| setup("runner_facade_spiffe_id is required"))?;
-    let local_identity = if config.local_identity() {
-        let ca = LocalCa::load_or_create(&config.state_dir.join("ca"), trust_domain.as_str())
-            .map_err(setup)?;
-        Some(Arc::new(LocalIdentity::new(ca, Duration::from_secs(3600))))
-    } else {
-        None
-    };
-    let facade_endpoint = match &local_identity {
-        Some(local) => local
-            .serve(
-                config.state_dir.join("facade-workload.sock"),
-                &facade_spiffe_id,
-            )
-            .await
-            .map_err(setup)?,
-        None => config
-            .spiffe_endpoint_socket
-            .clone()
-            .ok_or_else(|| setup("spiffe_endpoint_socket is required"))?,
-    };
-
-    // Backends and their pools.
-    let mut backends: Vec<(Arc<dyn ExecutorBackend>, usize)> = Vec::new();
-    for (backend, component, capacity, kind) in [
-        (
-            Backend::Pod,
-            Component::PodWorker,
-            config.pod_capacity,
-            config.pod_backend(),
-        ),
-        (
-            Backend::Vm,
-            Component::VmWorker,
-            config.vm_capacity,
-            config.vm_backend(),
-        ),
-    ] {
-        if capacity == 0 || !config.components.contains(&component) {
-            continue;
-        }
-        let adapter: Arc<dyn ExecutorBackend> = match kind {
-            "process" => {
-                let identity = local_identity
-                    .clone()
-                    .ok_or_else(|| setup("the process backend needs local_identity = true"))?;
-                Arc::new(process_backend(&config, backend, &trust_domain, identity)?)
-            }
-            other => {
-                return Err(setup(format!(
-                    "{backend} backend {other:?} is not supported yet; set {backend}_backend = \"process\" for single-host mode"
-                )));
-            }
-        };
-        backends.push((adapter, capacity as usize));
-    }
+    // Backend state (executors, identities) is touched only by the leader: a standby must
+    // not re-serve or re-adopt what the leader owns.
+    let local = local_identity(&identity, &state_dir, &policy)?;
+    let backends = backends(
+        pod,
+        vm,
+        &Wiring {
+            state_dir: &state_dir,
+            policy: &policy,
+            codec: &codec,
+            local: local.as_ref(),
+        },
+    )?;
     let capacities: BTreeMap<Backend, usize> =
         backends.iter().map(|(b, c)| (b.backend(), *c)).collect();
     let dispatch = Arc::new(Dispatch::new(backends, capability_key));
-    let _ = handles.dispatch.set(dispatch.clone());
-    for backend in capacities.keys() {
-        if let Some(adapter) = dispatch.backend(*backend) {
-            let records = adapter.list().await.map_err(setup)?;
-            let (admitted, claimed) = dispatch.restore(&records);
-            tracing::info!(%backend, admitted, claimed, "restored executors from the backend");
-        }
-    }
+    restore(&dispatch, &capacities).await?;
 
-    // Components, all stopped by `stop_work`.
-    let (stop_work, work_rx) = watch::channel(false);
-    let (sched_trigger, sched_shutdown) = shutdown_channel();
-    let mut tasks = tokio::task::JoinSet::new();
+    // Components. Stopping the scheduler first lets an in-flight fetch publish (4).
+    let (stop_scheduler, scheduler_shutdown) = shutdown_channel();
+    let (stop_work, work_shutdown) = shutdown_channel();
+    let mut tasks: JoinSet<(&'static str, Result<(), Source>)> = JoinSet::new();
     let stats = Arc::new(SchedulerStats::new());
-
-    let facade = Arc::new(Facade::new(
-        dispatch.clone(),
-        gitea.clone(),
-        None,
-        config.vm_runner_label.clone(),
-    ));
-    if config.components.contains(&Component::Scheduler) {
-        let labels = crate::register::default_labels(&config);
-        let pollers = capacities.values().sum::<usize>().max(1);
-        let mut settings = SchedulerSettings::new(
-            labels,
-            config.runner_capabilities.clone(),
-            pollers,
-            u64::from(config.effective_backlog_limit()),
+    let labels = settings::declared_labels(&policy.labels, capacities.keys().copied());
+    let facade_settings = scheduler.as_ref().map(|s| s.facade.clone());
+    if let Some(scheduler) = scheduler {
+        let facade = Arc::new(Facade::new(
+            dispatch.clone(),
+            gitea_client.clone(),
+            None,
+            policy.labels.clone(),
+        ));
+        spawn_scheduler(
+            &mut tasks,
+            SchedulerWiring {
+                settings: &scheduler,
+                labels,
+                capabilities: runner.capabilities.clone(),
+                pollers: capacities.values().sum::<usize>().max(1),
+                gitea: &gitea_client,
+                queue: &queue,
+                policy: &policy,
+                keyring: keyring.as_ref(),
+                stats: &stats,
+                facade: &facade,
+            },
+            &scheduler_shutdown,
         );
-        settings.shutdown_publish_timeout = Duration::from_secs(30);
-        let mut scheduler = Scheduler::new(
-            gitea.clone(),
-            js_producer.clone(),
-            stream_settings.clone(),
-            policy.clone(),
-            settings,
+        let endpoint = facade_endpoint(
+            &identity,
+            local.as_ref(),
+            &state_dir,
+            &scheduler.facade.spiffe_id,
         )
-        .with_stats(stats.clone());
-        if let Some(k) = &keyring {
-            scheduler = scheduler.with_keyring(Arc::new(k.clone()));
-        }
-        let mut declared = scheduler.declared();
-        let facade_for_caps = facade.clone();
-        tokio::spawn(async move {
-            if let Ok(d) = declared.wait_for(Option::is_some).await {
-                facade_for_caps.set_server_capabilities(
-                    d.as_ref().and_then(|d| d.server_capabilities.clone()),
-                );
-            }
-        });
-        let shutdown = sched_shutdown.clone();
-        tasks.spawn(async move {
-            (
-                "scheduler",
-                scheduler
-                    .run(shutdown)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string()),
-            )
-        });
-        let heartbeater = Heartbeater::new(
-            gitea.clone(),
-            js_producer.clone(),
-            stream_settings.clone(),
-            config.heartbeat_interval,
+        .await?;
+        spawn_facade(
+            &mut tasks,
+            facade,
+            listeners.facade,
+            FacadeWiring {
+                endpoint: &endpoint,
+                trust_domain: policy.trust_domain.as_str(),
+                gitea_url: gitea.url.as_str(),
+                extra_ca: extra_ca.as_deref(),
+            },
+            work_shutdown.clone(),
         )
-        .with_stats(stats.clone());
-        let shutdown = sched_shutdown.clone();
-        tasks.spawn(async move {
-            heartbeater.run(shutdown).await;
-            ("heartbeater", Ok(()))
-        });
-
-        // Facade.
-        let source = gdr_identity::tls::x509_source(&facade_endpoint)
-            .await
-            .map_err(setup)?;
-        let tls = Arc::new(
-            gdr_identity::tls::facade_server_config(&source, trust_domain.as_str())
-                .map_err(setup)?,
-        );
-        let proxy = ReverseProxy::new(&gitea_url, extra_ca.as_deref()).map_err(setup)?;
-        let mut stop = work_rx.clone();
-        let facade_listener = listeners.facade;
-        let facade = facade.clone();
-        tasks.spawn(async move {
-            let _source = source;
-            let result = facade
-                .serve(facade_listener, tls, proxy, async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                })
-                .await;
-            ("facade", result.map_err(|e| e.to_string()))
-        });
+        .await?;
     }
-
-    let facade_url = config.runner_facade_url.clone().unwrap_or_default();
-    let codec =
-        gdr_core::metadata::MetadataCodec::new(config.metadata_prefix.clone()).map_err(setup)?;
     for (backend, capacity) in &capacities {
         let Some(adapter) = dispatch.backend(*backend) else {
             continue;
         };
-        let stream_for_consumer = queue::open_stream(&js_worker, &stream_settings)
-            .await
-            .map_err(setup)?;
-        let consumer = queue::ensure_consumer(
-            &stream_for_consumer,
-            &stream_settings,
-            *backend,
-            &ConsumerSettings {
-                max_ack_pending: i64::try_from(*capacity).unwrap_or(i64::MAX),
-                ack_wait: config.nats_ack_wait,
-                max_deliver: -1,
-            },
-        )
-        .await
-        .map_err(setup)?;
+        let facade = facade_settings.as_ref();
         let settings = WorkerSettings {
             backend: *backend,
-            full_delay: Duration::from_secs(5),
-            not_ready_delay: Duration::from_secs(2),
-            error_delay: Duration::from_secs(15),
-            progress_interval: config.nats_ack_wait / 3,
-            start_deadline: config.executor_start_deadline,
-            facade_url: facade_url.clone(),
-            facade_spiffe_id: facade_spiffe_id.clone(),
-            runner_label: match backend {
-                Backend::Pod => "pod".to_string(),
-                Backend::Vm => config.vm_runner_label.clone(),
-            },
+            full_delay: FULL_DELAY,
+            not_ready_delay: NOT_READY_DELAY,
+            error_delay: ERROR_DELAY,
+            progress_interval: nats.ack_wait / 3,
+            start_deadline: executors.start_deadline,
+            facade_url: facade.map(|f| f.url.clone()).unwrap_or_default(),
+            facade_spiffe_id: facade.map(|f| f.spiffe_id.clone()).unwrap_or_default(),
+            runner_label: policy.labels.label_of(*backend).to_owned(),
             codec: codec.clone(),
         };
-        let (outcome_tx, mut outcome_rx) = tokio::sync::mpsc::unbounded_channel();
+        let consumer = queue
+            .consumer(*backend, *capacity, nats.ack_wait, nats.create_stream)
+            .await?;
         let worker = Worker::new(
             dispatch.clone(),
-            gitea.clone(),
+            gitea_client.clone(),
             policy.clone(),
             keyring.clone(),
             settings,
         )
-        .map_err(setup)?
-        .with_outcomes(outcome_tx);
-        let stop = work_rx.clone();
+        .map_err(setup("starting a worker"))?
+        .with_outcomes(count_outcomes(&metrics, *backend));
+        let stop = work_shutdown.clone();
         tasks.spawn(async move {
-            (
-                "worker",
-                worker.run(consumer, stop).await.map_err(|e| e.to_string()),
-            )
+            worker.run(consumer, stop).await;
+            ("worker", Ok(()))
         });
-        let metrics_for_outcomes = metrics.clone();
-        let label = backend.as_str().to_string();
-        tokio::spawn(async move {
-            while let Some((_, outcome)) = outcome_rx.recv().await {
-                metrics_for_outcomes
-                    .assignments
-                    .get_or_create(&OutcomeLabels {
-                        backend: label.clone(),
-                        outcome: outcome.as_str().into(),
-                    })
-                    .inc();
-            }
-        });
-        let lifecycle = Lifecycle::new(dispatch.clone(), adapter, gitea.clone());
-        let stop = work_rx.clone();
+        let lifecycle = Lifecycle::new(
+            dispatch.clone(),
+            adapter,
+            gitea_client.clone(),
+            executors.idle_timeout,
+        )
+        .with_metrics(metrics.clone());
+        let stop = work_shutdown.clone();
         tasks.spawn(async move {
-            lifecycle.run(Duration::from_secs(2), stop).await;
+            lifecycle.run(LIFECYCLE_INTERVAL, stop).await;
             ("lifecycle", Ok(()))
         });
     }
@@ -479,39 +295,516 @@ pub async fn run(
         stats.clone(),
         dispatch.clone(),
         capacities.clone(),
-        work_rx.clone(),
+        work_shutdown.clone(),
     ));
     readiness.set(true);
+    if single_host {
+        tracing::info!("single-host mode: embedded NATS, local executors");
+    }
 
     let outcome = tokio::select! {
-        _ = &mut shutdown => Ok(()),
+        _ = shutdown.wait() => Ok(()),
         _ = leadership.lost() => Err(RuntimeError::LostLeadership),
-        Some(joined) = tasks.join_next() => match joined {
-            Ok((component, Err(message))) => Err(RuntimeError::Component { component, message }),
-            Ok((component, Ok(()))) => Err(RuntimeError::Component { component, message: "stopped unexpectedly".into() }),
-            Err(e) => Err(RuntimeError::Component { component: "task", message: e.to_string() }),
-        },
+        Some(joined) = tasks.join_next() => Err(match joined {
+            Ok((component, Err(source))) => RuntimeError::ComponentFailed { component, source },
+            Ok((component, Ok(()))) => RuntimeError::Component(component),
+            Err(e) => RuntimeError::ComponentFailed { component: "task", source: e.into() },
+        }),
     };
-    // Invariant 4: stop fetching first; an in-flight fetch still publishes (bounded by
-    // the scheduler's shutdown publish timeout); then stop the rest.
+    // Invariant 4: stop fetching first; an in-flight fetch still publishes (bounded by the
+    // scheduler's shutdown publish timeout); then stop the rest.
     readiness.set(false);
     metrics.leader.set(0);
-    sched_trigger.trigger();
-    let _ = stop_work.send(true);
+    stop_scheduler.trigger();
+    stop_work.trigger();
     let drain = async { while tasks.join_next().await.is_some() {} };
-    if tokio::time::timeout(Duration::from_secs(45), drain)
-        .await
-        .is_err()
-    {
-        tracing::warn!("components did not stop within 45s");
+    if tokio::time::timeout(DRAIN_TIMEOUT, drain).await.is_err() {
+        tracing::warn!(timeout = ?DRAIN_TIMEOUT, "components did not stop in time");
     }
-    let _ = stop_all.send(true);
+    stop_health.trigger();
     if let Some(e) = elector {
-        let _ = tokio::time::timeout(Duration::from_secs(10), e).await;
+        let _ = tokio::time::timeout(RELEASE_TIMEOUT, e).await;
     }
     let _ = health.await;
-    drop(embedded);
+    drop(queue);
     outcome
+}
+
+// === credentials ===
+
+fn gitea_client(gitea: &GiteaSettings) -> Result<(GiteaClient, Option<Vec<u8>>), RuntimeError> {
+    let credentials = Credentials::from_files(&gitea.uuid_file, &gitea.token_file)
+        .map_err(setup("reading the runner credentials"))?;
+    let extra_ca = match &gitea.ca_file {
+        Some(p) => Some(std::fs::read(p).map_err(|e| {
+            step("gitea_ca_file")(format!("cannot read {}: {e}", p.display()).into())
+        })?),
+        None => None,
+    };
+    let mut options = ClientOptions::new(gitea.url.as_str().trim_end_matches('/'));
+    options.extra_ca_pem = extra_ca.clone();
+    options.request_timeout = gitea.request_timeout;
+    options.fetch_timeout = gitea.fetch_timeout;
+    let client = GiteaClient::new(options, Some(&credentials))
+        .map_err(setup("building the Gitea client"))?;
+    Ok((client, extra_ca))
+}
+
+fn capability_key(path: &Path) -> Result<CapabilityKey, RuntimeError> {
+    let text = read_secret_file("runner_facade_capability_key_file", path)
+        .map_err(setup("reading the capability key"))?;
+    CapabilityKey::new(text.as_bytes()).map_err(|e| {
+        step("runner_facade_capability_key_file")(format!("{}: {e}", path.display()).into())
+    })
+}
+
+fn keyring(files: Option<TaskKeyFiles>) -> Result<Option<TaskKeyring>, RuntimeError> {
+    let Some(TaskKeyFiles { current, previous }) = files else {
+        return Ok(None);
+    };
+    let load = |path: &PathBuf| -> Result<TaskKey, RuntimeError> {
+        let bytes = std::fs::read(path).map_err(|e| {
+            step("task_encryption_key_file")(format!("cannot read {}: {e}", path.display()).into())
+        })?;
+        TaskKey::from_file_contents(&bytes).map_err(|e| {
+            step("task_encryption_key_file")(format!("{}: {e}", path.display()).into())
+        })
+    };
+    let previous = previous.iter().map(load).collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(TaskKeyring::new(load(&current)?, previous)))
+}
+
+// === NATS ===
+
+/// The producer and worker connections, and the embedded server when there is one.
+struct Queue {
+    producer: jetstream::Context,
+    worker: jetstream::Context,
+    stream: StreamSettings,
+    /// Stopped when the queue is dropped, after every component.
+    _embedded: Option<EmbeddedNats>,
+}
+
+#[derive(Clone, Copy)]
+enum Role {
+    Producer,
+    Worker,
+}
+
+impl Queue {
+    async fn connect(nats: &NatsSettings, state_dir: &Path) -> Result<Self, RuntimeError> {
+        let stream = StreamSettings {
+            stream: nats.stream.clone(),
+            subject_base: nats.subject_base.clone(),
+            duplicate_window: DUPLICATE_WINDOW,
+        };
+        let (url, embedded, producer_auth, worker_auth, ca) = match &nats.server {
+            NatsServer::Embedded { binary } => {
+                let server = EmbeddedNats::start(binary, &state_dir.join("nats"))
+                    .await
+                    .map_err(setup("starting the embedded nats-server"))?;
+                (
+                    server.url(),
+                    Some(server),
+                    NatsAuth::Anonymous,
+                    NatsAuth::Anonymous,
+                    None,
+                )
+            }
+            NatsServer::External {
+                url,
+                producer,
+                worker,
+                ca_file,
+            } => (
+                url.clone(),
+                None,
+                producer.clone(),
+                worker.clone(),
+                ca_file.clone(),
+            ),
+        };
+        let producer = connect(&url, Role::Producer, &producer_auth, ca.as_deref()).await?;
+        let worker = connect(&url, Role::Worker, &worker_auth, ca.as_deref()).await?;
+        let queue = Queue {
+            producer: jetstream::new(producer),
+            worker: jetstream::new(worker),
+            stream,
+            _embedded: embedded,
+        };
+        if nats.create_stream {
+            queue::ensure_stream(&queue.producer, &queue.stream)
+                .await
+                .map_err(setup("creating the JetStream stream"))?;
+        } else {
+            queue::open_stream(&queue.producer, &queue.stream)
+                .await
+                .map_err(setup("opening the JetStream stream"))?;
+        }
+        Ok(queue)
+    }
+
+    async fn consumer(
+        &self,
+        backend: Backend,
+        capacity: usize,
+        ack_wait: Duration,
+        create: bool,
+    ) -> Result<jetstream::consumer::PullConsumer, RuntimeError> {
+        let stream = queue::open_stream(&self.worker, &self.stream)
+            .await
+            .map_err(setup("opening the JetStream stream for a worker"))?;
+        let settings = ConsumerSettings {
+            max_ack_pending: i64::try_from(capacity).unwrap_or(i64::MAX),
+            ack_wait,
+            // Unlimited on purpose: a NAK while the pool is full counts as a delivery, so
+            // a finite limit would silently strand queued jobs.
+            max_deliver: -1,
+        };
+        if create {
+            queue::ensure_consumer(&stream, &self.stream, backend, &settings)
+                .await
+                .map_err(setup("creating the worker consumer"))
+        } else {
+            queue::open_consumer(&stream, backend).await.map_err(setup(
+                "opening the worker consumer (nats_create_stream = false)",
+            ))
+        }
+    }
+}
+
+/// Separate connections and credentials for the producer and the workers, as in the Go
+/// version, so each can be granted only what it needs.
+async fn connect(
+    url: &str,
+    role: Role,
+    auth: &NatsAuth,
+    ca_file: Option<&Path>,
+) -> Result<async_nats::Client, RuntimeError> {
+    let name = match role {
+        Role::Producer => "gitea-dynamic-runner-scheduler",
+        Role::Worker => "gitea-dynamic-runner-worker",
+    };
+    let mut options = match auth {
+        NatsAuth::Creds(path) => async_nats::ConnectOptions::with_credentials_file(path.clone())
+            .await
+            .map_err(|e| {
+                step("reading the NATS credentials file")(format!("{}: {e}", path.display()).into())
+            })?,
+        NatsAuth::Password { user, file, key } => {
+            let password = read_secret_file(key, file).map_err(setup("reading a NATS password"))?;
+            async_nats::ConnectOptions::new().user_and_password(user.clone(), password)
+        }
+        NatsAuth::Anonymous => async_nats::ConnectOptions::new(),
+    }
+    .name(name)
+    .retry_on_initial_connect();
+    if let Some(ca) = ca_file {
+        options = options
+            .add_root_certificates(ca.to_path_buf())
+            .require_tls(true);
+    }
+    options.connect(url).await.map_err(|e| {
+        step("connecting to NATS")(format!("{}: {e}", settings::redact_url_userinfo(url)).into())
+    })
+}
+
+// === leadership ===
+
+type ElectorTask = tokio::task::JoinHandle<Result<(), crate::lease::LeaseError>>;
+
+async fn campaign(
+    leader: Option<LeaderSettings>,
+    stop: &ShutdownTrigger,
+) -> Result<(Leadership, Option<ElectorTask>), RuntimeError> {
+    let Some(LeaderSettings {
+        namespace,
+        name,
+        identity,
+        lease_duration,
+    }) = leader
+    else {
+        return Ok((Leadership::always(), None));
+    };
+    let client = crate::lease::client_from_environment()
+        .await
+        .map_err(setup("leader election"))?;
+    let identity = identity
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .ok_or_else(|| {
+            step("leader election")(
+                "leader_identity (or HOSTNAME) is required for leader election".into(),
+            )
+        })?;
+    let settings = LeaseSettings::with_duration(namespace, name, identity, lease_duration);
+    settings.validate().map_err(setup("leader election"))?;
+    let (tx, leadership) = Leadership::channel();
+    let elector = tokio::spawn(LeaderElector::new(client, settings).run(tx, stop.signal()));
+    Ok((leadership, Some(elector)))
+}
+
+// === identities ===
+
+fn local_identity(
+    identity: &IdentitySource,
+    state_dir: &Path,
+    policy: &DerivationPolicy,
+) -> Result<Option<Arc<LocalIdentity>>, RuntimeError> {
+    match identity {
+        IdentitySource::WorkloadApi(_) => Ok(None),
+        IdentitySource::Local => {
+            let ca = LocalCa::load_or_create(&state_dir.join("ca"), policy.trust_domain.as_str())
+                .map_err(setup("loading the local CA"))?;
+            Ok(Some(Arc::new(LocalIdentity::new(ca, LOCAL_SVID_TTL))))
+        }
+    }
+}
+
+async fn facade_endpoint(
+    identity: &IdentitySource,
+    local: Option<&Arc<LocalIdentity>>,
+    state_dir: &Path,
+    spiffe_id: &str,
+) -> Result<String, RuntimeError> {
+    match (identity, local) {
+        (IdentitySource::WorkloadApi(endpoint), _) => Ok(endpoint.clone()),
+        (IdentitySource::Local, Some(local)) => local
+            .serve(state_dir.join("facade-workload.sock"), spiffe_id)
+            .await
+            .map_err(setup("serving the facade's local identity")),
+        (IdentitySource::Local, None) => Err(step("serving the facade's local identity")(
+            "no local CA".into(),
+        )),
+    }
+}
+
+// === backends ===
+
+/// What building a backend needs besides its own settings.
+struct Wiring<'a> {
+    state_dir: &'a Path,
+    policy: &'a DerivationPolicy,
+    codec: &'a MetadataCodec,
+    local: Option<&'a Arc<LocalIdentity>>,
+}
+
+/// The error of a backend kind this build cannot run yet.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the {backend} backend {kind:?} is not supported yet; set {backend}_backend = \"process\" for single-host mode"
+)]
+struct NotSupported {
+    backend: Backend,
+    kind: &'static str,
+}
+
+/// Each enabled backend's adapter and capacity.
+type Backends = Vec<(Arc<dyn ExecutorBackend>, usize)>;
+
+fn backends(
+    pod: Option<BackendSettings<PodBackend>>,
+    vm: Option<BackendSettings<VmBackend>>,
+    wiring: &Wiring<'_>,
+) -> Result<Backends, RuntimeError> {
+    let mut out: Backends = Vec::new();
+    if let Some(pod) = pod {
+        let slots = pod.slots();
+        let adapter: Arc<dyn ExecutorBackend> = match pod.kind {
+            PodBackend::Process(process) => {
+                Arc::new(process_backend(Backend::Pod, &process, wiring)?)
+            }
+            PodBackend::Kubernetes(_) => {
+                return Err(setup("building the pod backend")(NotSupported {
+                    backend: Backend::Pod,
+                    kind: "kubernetes",
+                }));
+            }
+        };
+        out.push((adapter, slots));
+    }
+    if let Some(vm) = vm {
+        let slots = vm.slots();
+        let adapter: Arc<dyn ExecutorBackend> = match vm.kind {
+            VmBackend::Process(process) => {
+                Arc::new(process_backend(Backend::Vm, &process, wiring)?)
+            }
+            VmBackend::OpenSandbox(_) => {
+                return Err(setup("building the vm backend")(NotSupported {
+                    backend: Backend::Vm,
+                    kind: "opensandbox",
+                }));
+            }
+        };
+        out.push((adapter, slots));
+    }
+    Ok(out)
+}
+
+fn process_backend(
+    backend: Backend,
+    process: &ProcessSettings,
+    wiring: &Wiring<'_>,
+) -> Result<ProcessBackend, RuntimeError> {
+    let identity = wiring.local.cloned().ok_or_else(|| {
+        step("building the process backend")(
+            "the process backend needs local_identity = true".into(),
+        )
+    })?;
+    let program = match &process.program {
+        Some(p) => p.clone(),
+        None => std::env::current_exe().map_err(setup("locating this binary for executors"))?,
+    };
+    let settings = ProcessBackendSettings {
+        backend,
+        state_root: wiring.state_dir.join(backend.as_str()),
+        program,
+        args: vec!["executor".into()],
+        extra_env: BTreeMap::from([(
+            "GITEA_RUNNER_BINARY".to_owned(),
+            process.runner_binary.display().to_string(),
+        )]),
+        codec: wiring.codec.clone(),
+        trust_domain: wiring.policy.trust_domain.clone(),
+        stop_grace: PROCESS_STOP_GRACE,
+    };
+    ProcessBackend::new(settings, identity).map_err(setup("building the process backend"))
+}
+
+async fn restore(
+    dispatch: &Dispatch,
+    capacities: &BTreeMap<Backend, usize>,
+) -> Result<(), RuntimeError> {
+    for backend in capacities.keys() {
+        if let Some(adapter) = dispatch.backend(*backend) {
+            let records = adapter
+                .list()
+                .await
+                .map_err(setup("listing executors to restore"))?;
+            let (admitted, claimed) = dispatch.restore(&records);
+            tracing::info!(%backend, admitted, claimed, "restored executors from the backend");
+        }
+    }
+    Ok(())
+}
+
+// === components ===
+
+struct SchedulerWiring<'a> {
+    settings: &'a settings::SchedulerSettings,
+    labels: Vec<String>,
+    capabilities: Vec<String>,
+    pollers: usize,
+    gitea: &'a GiteaClient,
+    queue: &'a Queue,
+    policy: &'a DerivationPolicy,
+    keyring: Option<&'a TaskKeyring>,
+    stats: &'a Arc<SchedulerStats>,
+    facade: &'a Arc<Facade>,
+}
+
+fn spawn_scheduler(
+    tasks: &mut JoinSet<(&'static str, Result<(), Source>)>,
+    w: SchedulerWiring<'_>,
+    shutdown: &Shutdown,
+) {
+    let mut poller_settings = crate::scheduler::SchedulerSettings::new(
+        w.labels,
+        w.capabilities,
+        w.pollers,
+        w.settings.backlog_limit,
+    );
+    poller_settings.shutdown_publish_timeout = SHUTDOWN_PUBLISH_TIMEOUT;
+    let mut scheduler = Scheduler::new(
+        w.gitea.clone(),
+        w.queue.producer.clone(),
+        w.queue.stream.clone(),
+        w.policy.clone(),
+        poller_settings,
+    )
+    .with_stats(w.stats.clone());
+    if let Some(k) = w.keyring {
+        scheduler = scheduler.with_keyring(Arc::new(k.clone()));
+    }
+    // The facade passes Gitea's capabilities header from the one Declare on to runners.
+    let mut declared = scheduler.declared();
+    let facade = w.facade.clone();
+    tokio::spawn(async move {
+        if let Ok(d) = declared.wait_for(Option::is_some).await {
+            facade.set_server_capabilities(d.as_ref().and_then(|d| d.server_capabilities.clone()));
+        }
+    });
+    let stop = shutdown.clone();
+    tasks.spawn(async move {
+        (
+            "scheduler",
+            scheduler.run(stop).await.map(|_| ()).map_err(Source::from),
+        )
+    });
+    let heartbeater = Heartbeater::new(
+        w.gitea.clone(),
+        w.queue.producer.clone(),
+        w.queue.stream.clone(),
+        w.settings.heartbeat_interval,
+    )
+    .with_stats(w.stats.clone());
+    let stop = shutdown.clone();
+    tasks.spawn(async move {
+        heartbeater.run(stop).await;
+        ("heartbeater", Ok(()))
+    });
+}
+
+struct FacadeWiring<'a> {
+    endpoint: &'a str,
+    trust_domain: &'a str,
+    gitea_url: &'a str,
+    extra_ca: Option<&'a [u8]>,
+}
+
+async fn spawn_facade(
+    tasks: &mut JoinSet<(&'static str, Result<(), Source>)>,
+    facade: Arc<Facade>,
+    listener: tokio::net::TcpListener,
+    w: FacadeWiring<'_>,
+    shutdown: Shutdown,
+) -> Result<(), RuntimeError> {
+    let source = gdr_identity::tls::x509_source(w.endpoint)
+        .await
+        .map_err(setup("obtaining the facade's SVID"))?;
+    let tls = Arc::new(
+        gdr_identity::tls::facade_server_config(&source, w.trust_domain)
+            .map_err(setup("building the facade's TLS configuration"))?,
+    );
+    let proxy =
+        ReverseProxy::new(w.gitea_url, w.extra_ca).map_err(setup("building the reverse proxy"))?;
+    tasks.spawn(async move {
+        // The source must live as long as the server: it rotates the SVID.
+        let _source = source;
+        let result = facade.serve(listener, tls, proxy, shutdown).await;
+        ("facade", result.map_err(Source::from))
+    });
+    Ok(())
+}
+
+fn count_outcomes(
+    metrics: &Arc<Metrics>,
+    backend: Backend,
+) -> tokio::sync::mpsc::UnboundedSender<(String, crate::worker::Outcome)> {
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let metrics = metrics.clone();
+    tokio::spawn(async move {
+        while let Some((_, outcome)) = rx.recv().await {
+            let outcome: crate::worker::Outcome = outcome;
+            metrics
+                .assignments
+                .get_or_create(&OutcomeLabels {
+                    backend: backend.as_str().into(),
+                    outcome: outcome.as_str().into(),
+                })
+                .inc();
+        }
+    });
+    tx
 }
 
 /// Copies the scheduler's counters and the pools into Prometheus every second.
@@ -520,8 +813,8 @@ async fn export_metrics(
     stats: Arc<SchedulerStats>,
     dispatch: Arc<Dispatch>,
     capacities: BTreeMap<Backend, usize>,
-    mut stop: watch::Receiver<bool>,
-) -> (&'static str, Result<(), String>) {
+    stop: Shutdown,
+) -> (&'static str, Result<(), Source>) {
     use std::sync::atomic::Ordering::Relaxed;
     let mut last = (0u64, 0u64, 0u64);
     loop {
@@ -537,13 +830,7 @@ async fn export_metrics(
         metrics
             .handoff_window_max_micros
             .set(i64::try_from(stats.handoff_window_micros_max.load(Relaxed)).unwrap_or(i64::MAX));
-        for kind in [
-            crate::gitea::ErrorKind::Unauthenticated,
-            crate::gitea::ErrorKind::NotFound,
-            crate::gitea::ErrorKind::Invalid,
-            crate::gitea::ErrorKind::Unavailable,
-            crate::gitea::ErrorKind::Other,
-        ] {
+        for kind in crate::scheduler::ERROR_KINDS {
             let counter = metrics
                 .gitea_errors
                 .get_or_create(&crate::metrics::ErrorKindLabel {
@@ -566,130 +853,8 @@ async fn export_metrics(
                 .get_or_create(&label)
                 .set(i64::try_from(capacity).unwrap_or(i64::MAX));
         }
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-            _ = stop.wait_for(|s| *s) => return ("metrics", Ok(())),
+        if !stop.sleep(METRICS_INTERVAL).await {
+            return ("metrics", Ok(()));
         }
     }
-}
-
-fn load_keyring(config: &Config) -> Result<Option<TaskKeyring>, RuntimeError> {
-    let Some(current) = &config.task_encryption_key_file else {
-        if !config.task_encryption_previous_key_files.is_empty() {
-            return Err(setup(
-                "task_encryption_previous_key_files needs task_encryption_key_file",
-            ));
-        }
-        return Ok(None);
-    };
-    let load = |path: &PathBuf| -> Result<TaskKey, RuntimeError> {
-        let bytes = std::fs::read(path).map_err(|e| {
-            setup(format!(
-                "task_encryption_key_file ({}): {e}",
-                path.display()
-            ))
-        })?;
-        TaskKey::from_file_contents(&bytes).map_err(|e| {
-            setup(format!(
-                "task_encryption_key_file ({}): {e}",
-                path.display()
-            ))
-        })
-    };
-    let previous = config
-        .task_encryption_previous_key_files
-        .iter()
-        .map(load)
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Some(TaskKeyring::new(load(current)?, previous)))
-}
-
-fn process_backend(
-    config: &Config,
-    backend: Backend,
-    trust_domain: &TrustDomain,
-    identity: Arc<LocalIdentity>,
-) -> Result<ProcessBackend, RuntimeError> {
-    let program = match &config.executor_program {
-        Some(p) => p.clone(),
-        None => std::env::current_exe()
-            .map_err(|e| setup(format!("locating this binary for executors: {e}")))?,
-    };
-    let label = match backend {
-        Backend::Pod => "pod".to_string(),
-        Backend::Vm => config.vm_runner_label.clone(),
-    };
-    let settings = ProcessBackendSettings {
-        backend,
-        state_root: config.state_dir.join(backend.as_str()),
-        program,
-        args: vec!["executor".into()],
-        extra_env: BTreeMap::from([
-            (
-                "GITEA_RUNNER_BINARY".to_string(),
-                config.runner_binary.display().to_string(),
-            ),
-            ("CI_RUNNER_LABEL".to_string(), label),
-        ]),
-        codec: gdr_core::metadata::MetadataCodec::new(config.metadata_prefix.clone())
-            .map_err(setup)?,
-        trust_domain: trust_domain.clone(),
-        stop_grace: Duration::from_secs(10),
-    };
-    ProcessBackend::new(settings, identity).map_err(setup)
-}
-
-#[derive(Clone, Copy)]
-enum Role {
-    Producer,
-    Worker,
-}
-
-/// Separate connections and credentials for the producer and the workers, as in the
-/// Go version, so each can be granted only what it needs.
-async fn connect_nats(
-    config: &Config,
-    url: &str,
-    role: Role,
-) -> Result<async_nats::Client, RuntimeError> {
-    let (name, user, password_file, creds_file) = match role {
-        Role::Producer => (
-            "gitea-dynamic-runner-scheduler",
-            &config.nats_producer_user,
-            &config.nats_producer_password_file,
-            &config.nats_producer_creds_file,
-        ),
-        Role::Worker => (
-            "gitea-dynamic-runner-worker",
-            &config.nats_worker_user,
-            &config.nats_worker_password_file,
-            &config.nats_worker_creds_file,
-        ),
-    };
-    let mut options = async_nats::ConnectOptions::new()
-        .name(name)
-        .retry_on_initial_connect();
-    if let Some(creds) = creds_file {
-        options = async_nats::ConnectOptions::with_credentials_file(creds.clone())
-            .await
-            .map_err(|e| setup(format!("NATS credentials file {}: {e}", creds.display())))?
-            .name(name)
-            .retry_on_initial_connect();
-    } else if let Some(path) = password_file {
-        let key = match role {
-            Role::Producer => "nats_producer_password_file",
-            Role::Worker => "nats_worker_password_file",
-        };
-        let password = read_secret_file(key, path).map_err(setup)?;
-        options = options.user_and_password(user.clone(), password);
-    }
-    if let Some(ca) = &config.nats_ca_file {
-        options = options.add_root_certificates(ca.clone()).require_tls(true);
-    }
-    options.connect(url).await.map_err(|e| {
-        setup(format!(
-            "connecting to NATS at {}: {e}",
-            crate::config::redact_url_userinfo(url)
-        ))
-    })
 }

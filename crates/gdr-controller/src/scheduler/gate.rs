@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio::sync::watch;
 
-use super::shutdown::Shutdown;
+use crate::shutdown::Shutdown;
 
 #[derive(Debug, Default)]
 struct GateState {

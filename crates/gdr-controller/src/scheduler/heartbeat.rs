@@ -14,13 +14,12 @@ use std::time::Duration;
 use async_nats::jetstream;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use buffa::MessageField;
-use serde::Deserialize;
 
-use super::shutdown::Shutdown;
 use super::stats::SchedulerStats;
 use crate::gitea::GiteaClient;
 use crate::queue::{self, QueueError, StreamSettings};
-use gdr_core::assignment::AssignmentId;
+use crate::shutdown::Shutdown;
+use gdr_core::assignment::envelope_id;
 use gdr_proto::runner::v1 as pb;
 
 /// Sends heartbeats for the assignments waiting in the stream.
@@ -52,11 +51,6 @@ pub struct HeartbeatRound {
     pub failed: usize,
     /// Queued tasks Gitea reports as ended (task ID, result), e.g. cancelled.
     pub ended: Vec<(i64, pb::TaskResult)>,
-}
-
-#[derive(Deserialize)]
-struct EnvelopeId {
-    id: String,
 }
 
 impl Heartbeater {
@@ -139,10 +133,7 @@ impl Heartbeater {
                 break;
             }
             round.queued += 1;
-            let task_id = match serde_json::from_slice::<EnvelopeId>(&message.payload)
-                .ok()
-                .and_then(|e| AssignmentId::parse(&e.id).ok())
-            {
+            let task_id = match envelope_id(&message.payload) {
                 Some(id) => id.task_id(),
                 None => {
                     round.failed += 1;

@@ -13,10 +13,8 @@
 //! - A task that cannot become an assignment is failed in Gitea with a log row
 //!   giving the reason, never dropped silently.
 
-mod backoff;
 mod gate;
 mod heartbeat;
-mod shutdown;
 mod stats;
 mod version;
 
@@ -24,14 +22,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use buffa::MessageField;
-use buffa_types::google::protobuf::Timestamp;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-pub use backoff::Backoff;
+pub use crate::backoff::Backoff;
+use crate::shutdown::{Shutdown, shutdown_channel};
 pub use heartbeat::{HeartbeatRound, Heartbeater};
-pub use shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 pub use stats::{ERROR_KINDS, SchedulerStats};
 pub use version::TasksVersion;
 
@@ -40,6 +36,9 @@ use crate::queue::{self, QueueError, StreamSettings};
 use gate::{BacklogGate, Slot};
 use gdr_core::assignment::{Assignment, DerivationPolicy, TaskKeyring, encode_v1, encode_v2};
 use gdr_proto::runner::v1 as pb;
+
+/// How the reason of a task that cannot run begins.
+const INVALID_TASK_REASON: &str = "cannot run this job: ";
 
 /// Prefix of the log row written when a task cannot run.
 pub const INVALID_TASK_LOG_PREFIX: &str = "gitea-dynamic-runner: cannot run this job: ";
@@ -539,31 +538,8 @@ async fn fail_invalid_task(shared: &Shared, task_id: i64, reason: &str) {
         reason,
         "task cannot become an assignment; failing it in Gitea"
     );
-    let row = pb::LogRow {
-        time: MessageField::some(Timestamp::now()),
-        content: format!("{INVALID_TASK_LOG_PREFIX}{reason}"),
-        ..Default::default()
-    };
-    let log = pb::UpdateLogRequest {
-        task_id,
-        index: 0,
-        rows: vec![row],
-        no_more: true,
-        ..Default::default()
-    };
-    if let Err(e) = retry_gitea(shared, || shared.gitea.update_log(log.clone())).await {
-        tracing::warn!(task_id, error = %e, "could not write the failure reason to the task log");
-    }
-    let state = pb::UpdateTaskRequest {
-        state: MessageField::some(pb::TaskState {
-            id: task_id,
-            result: pb::TaskResult::RESULT_FAILURE.into(),
-            stopped_at: MessageField::some(Timestamp::now()),
-            ..Default::default()
-        }),
-        ..Default::default()
-    };
-    if let Err(e) = retry_gitea(shared, || shared.gitea.update_task(state.clone())).await {
+    let reason = format!("{INVALID_TASK_REASON}{reason}");
+    if let Err(e) = retry_gitea(shared, || shared.gitea.fail_task(task_id, &reason)).await {
         tracing::error!(
             task_id,
             error = %e,

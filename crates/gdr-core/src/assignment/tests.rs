@@ -612,3 +612,14 @@ proptest! {
         prop_assert_eq!(&v2, &assignment);
     }
 }
+
+#[test]
+fn the_envelope_id_is_readable_without_the_key_in_both_versions() {
+    let assignment = pod_assignment();
+    let v2 = encode_v2(&assignment, &keyring()).unwrap();
+    assert_eq!(envelope_id(&v2).as_ref(), Some(assignment.id()));
+    let v1 = encode_v1(&assignment).unwrap();
+    assert_eq!(envelope_id(&v1).as_ref(), Some(assignment.id()));
+    assert_eq!(envelope_id(br#"{"id":"gitea-task-007"}"#), None);
+    assert_eq!(envelope_id(b"not json"), None);
+}

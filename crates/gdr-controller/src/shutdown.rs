@@ -1,4 +1,6 @@
-//! The stop signal shared by the pollers and the heartbeater.
+//! The one stop signal of the controller: every component and server takes a [`Shutdown`]
+//! and stops when it is triggered. `main` owns the trigger (signals), the runtime derives
+//! the component-level ones (stop fetching first, then the rest).
 
 use tokio::sync::watch;
 
@@ -41,6 +43,13 @@ impl Shutdown {
         if rx.wait_for(|stop| *stop).await.is_err() {
             std::future::pending::<()>().await;
         }
+    }
+
+    /// A signal that never triggers (a component run without a stop, e.g. in a test).
+    pub fn never() -> Self {
+        // A trigger that is gone without firing never fires (see `wait`).
+        let (_, rx) = watch::channel(false);
+        Shutdown(rx)
     }
 
     /// Sleeps for `d` unless stopping is requested first; true if the sleep completed.
