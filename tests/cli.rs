@@ -326,3 +326,40 @@ fn the_controller_with_an_incomplete_configuration_lists_the_problems_and_fails(
         "{err}"
     );
 }
+
+/// Defect (issue 8): an unreadable CA file was reported as "cannot write …".
+#[test]
+fn register_with_an_unreadable_ca_file_says_it_cannot_read_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let reg = dir.path().join("registration-token");
+    std::fs::write(&reg, "x").expect("write");
+    let missing = dir.path().join("no-such-ca.pem");
+    let out = run(&[
+        "register",
+        "--set",
+        "gitea_instance_url=https://gitea.example",
+        "--set",
+        &format!(
+            "gitea_runner_uuid_file={}",
+            dir.path().join("uuid").display()
+        ),
+        "--set",
+        &format!(
+            "gitea_runner_token_file={}",
+            dir.path().join("token").display()
+        ),
+        "--set",
+        &format!("gitea_ca_file={}", missing.display()),
+        "--registration-token-file",
+        reg.to_str().expect("utf8"),
+    ]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("gitea_ca_file")
+            && err.contains("cannot read")
+            && !err.contains("cannot write"),
+        "{err}"
+    );
+    assert!(err.contains(&missing.display().to_string()), "{err}");
+}

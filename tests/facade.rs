@@ -230,6 +230,45 @@ impl Env {
     }
 }
 
+/// DESIGN invariant 14: the `.runner` file holds the assignment's capability; it never
+/// outlives the executor, early errors included (here: the facade never answers).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_runner_file_with_the_capability_is_removed_when_the_executor_gives_up_early() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let work = tempfile::tempdir().expect("work dir");
+    let unreachable = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind")
+        .local_addr()
+        .expect("addr");
+    let base = env.executor_config(&a, &workload);
+    let config = ExecutorConfig::from_env(|name| match name {
+        "CI_RUNNER_FACADE_URL" => Some(format!("https://{unreachable}")),
+        "CI_EXECUTOR_READY_TIMEOUT" => Some("1".into()),
+        "CI_RUNNER_WORKDIR" => Some(work.path().display().to_string()),
+        "CI_ASSIGNMENT_ID" => Some(base.assignment_id.to_string()),
+        "CI_RUNNER_CAPABILITY" => Some(base.capability.clone()),
+        "CI_RUNNER_BACKEND" => Some("pod".into()),
+        "CI_RUNNER_FACADE_SPIFFE_ID" => Some(FACADE_ID.into()),
+        "SPIFFE_ENDPOINT_SOCKET" => Some(workload.endpoint()),
+        "GITEA_RUNNER_BINARY" => Some(STANDIN.into()),
+        _ => None,
+    })
+    .expect("executor config");
+    let result = run(config, no_signals()).await;
+    assert!(result.is_err(), "the facade is unreachable: {result:?}");
+    let left: Vec<_> = std::fs::read_dir(work.path())
+        .expect("work dir")
+        .map(|e| e.expect("entry").file_name())
+        .collect();
+    assert!(
+        !left.iter().any(|n| n == ".runner"),
+        "the capability was left behind: {left:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_job_runs_through_executor_facade_and_mock_gitea_with_its_logs_and_result() {
     let env = Env::new().await;

@@ -396,3 +396,32 @@ async fn an_executor_whose_runner_never_claims_within_the_deadline_is_failed_and
     c.nothing_left().await;
     c.stop().await;
 }
+
+/// DESIGN invariants 1 and 22 (defect, issue 8): a disabled backend is neither declared nor
+/// fetched. With `components = "scheduler,vm-worker"` Gitea knows the runner by `vm` only,
+/// so it never hands out pod jobs that nothing here would run (and that would fill the
+/// backlog and stop VM jobs too).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_disabled_backend_is_neither_declared_nor_fetched() {
+    let mut c = Controller::start_with(2, 1, None, &[("components", "scheduler,vm-worker")]).await;
+    let pod = c.queue("pod_job", "[self-hosted, pod]", "standin:success");
+    let vm = c.queue("vm_job", "[self-hosted, vm]", "standin:success");
+    c.wait_status(vm, Status::Success).await;
+    let uuid = std::fs::read_to_string(c.fixture.path().join("secrets/uuid")).expect("uuid");
+    let runner = c
+        .mock
+        .handle
+        .runner(uuid.trim())
+        .expect("the controller's runner");
+    assert_eq!(
+        runner.labels,
+        ["self-hosted", "vm"],
+        "labels of the one Declare"
+    );
+    assert_eq!(
+        c.mock.handle.job(pod).map(|j| j.status),
+        Some(Status::Waiting),
+        "a pod job was handed to a controller without a pod worker"
+    );
+    c.stop().await;
+}

@@ -5,13 +5,9 @@
 // A panic is how a test (or a benchmark harness) fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-use common::{free_port, write};
-
-use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::Duration;
 
+use gdr_testkit::controller::{ControllerFixture, listener};
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;
 
@@ -22,9 +18,11 @@ const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
 struct Setup {
     _nats: NatsServer,
     mock: RunningMock,
-    dir: tempfile::TempDir,
-    config: PathBuf,
-    health: u16,
+    fixture: ControllerFixture,
+    /// Bound once by the test and handed to every controller incarnation, so executors
+    /// keep reaching the same facade address across restarts.
+    facade: std::net::TcpListener,
+    health: std::net::TcpListener,
 }
 
 impl Setup {
@@ -34,62 +32,31 @@ impl Setup {
             MockGitea::start(MockConfig::default().with_zombie_timeout(Duration::from_secs(3)))
                 .await
                 .expect("mock");
-        let dir = tempfile::Builder::new()
-            .prefix("kr")
-            .tempdir()
-            .expect("dir");
-        let (uuid, token) = mock
-            .handle
-            .create_runner("ctl", &["self-hosted", "pod"], false);
-        let facade = free_port();
-        let health = free_port();
-        let config = format!(
-            "components = \"scheduler,pod-worker\"\n\
-             gitea_instance_url = {url:?}\n\
-             gitea_runner_uuid_file = {uuid:?}\ngitea_runner_token_file = {token:?}\n\
-             runner_facade_capability_key_file = {key:?}\n\
-             trust_domain = \"example.org\"\n\
-             runner_facade_listen = \"127.0.0.1:{facade}\"\nhealth_listen = \"127.0.0.1:{health}\"\n\
-             runner_facade_url = \"https://127.0.0.1:{facade}\"\n\
-             runner_facade_spiffe_id = \"spiffe://example.org/controller\"\n\
-             local_identity = true\npod_backend = \"process\"\npod_capacity = 2\nvm_capacity = 0\n\
-             state_dir = {state:?}\nnats_url = {nats:?}\n\
-             executor_program = {bin:?}\nrunner_binary = {standin:?}\n\
-             heartbeat_interval = \"1s\"\nnats_ack_wait = \"3s\"\n",
-            url = mock.url,
-            uuid = write(dir.path(), "uuid", &uuid).display().to_string(),
-            token = write(dir.path(), "token", &token).display().to_string(),
-            key = write(dir.path(), "key", "0123456789abcdef0123456789abcdef")
-                .display()
-                .to_string(),
-            state = dir.path().join("state").display().to_string(),
-            nats = nats.url(),
-            bin = BIN,
-            standin = STANDIN,
-        );
-        let config = write(dir.path(), "controller.toml", &config);
+        let facade = listener();
+        let health = listener();
+        let fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref())
+            .facade_at(facade.local_addr().expect("addr"))
+            .set("components", "scheduler,pod-worker")
+            .set("pod_capacity", 2u32)
+            .set("vm_capacity", 0u32)
+            .set("nats_url", nats.url())
+            .set("heartbeat_interval", "1s")
+            .set("nats_ack_wait", "3s");
         Setup {
             _nats: nats,
             mock,
-            dir,
-            config,
+            fixture,
+            facade,
             health,
         }
     }
 
     fn controller(&self, failpoint: Option<&str>) -> tokio::process::Child {
-        let mut command = tokio::process::Command::new(BIN);
-        command
-            .args(["controller", "--config"])
-            .arg(&self.config)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .kill_on_drop(true);
-        if let Some(point) = failpoint {
-            command.env("GDR_FAILPOINT", point);
-        }
-        command.spawn().expect("controller starts")
+        let env: Vec<(&str, &str)> = failpoint
+            .map(|p| vec![("GDR_FAILPOINT", p)])
+            .unwrap_or_default();
+        self.fixture
+            .spawn(BIN.as_ref(), &self.facade, &self.health, &env)
     }
 
     fn queue(&self, step: &str) -> JobId {
@@ -132,7 +99,7 @@ impl Setup {
     }
 
     fn executors(&self) -> usize {
-        std::fs::read_dir(self.dir.path().join("state/pod/executors"))
+        std::fs::read_dir(self.fixture.state_dir().join("pod/executors"))
             .map(|d| d.count())
             .unwrap_or(0)
     }
@@ -156,7 +123,8 @@ impl Setup {
     }
 
     async fn pod_slots_in_use(&self) -> Option<u64> {
-        let text = reqwest::get(format!("http://127.0.0.1:{}/metrics", self.health))
+        let addr = self.health.local_addr().ok()?;
+        let text = reqwest::get(format!("http://{addr}/metrics"))
             .await
             .ok()?
             .text()

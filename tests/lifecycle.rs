@@ -179,3 +179,137 @@ async fn an_unclaimed_finished_executor_is_left_to_its_worker() {
     );
     assert_eq!(s.backend.records().len(), 1);
 }
+
+/// DESIGN invariants 10 and 12: one executor that cannot be handled now (its deletion
+/// fails) is counted and retried next pass; it never blocks the clean-up of the others.
+#[tokio::test]
+async fn one_stuck_executor_does_not_block_the_cleanup_of_the_others() {
+    let s = setup().await;
+    let stuck = running_executor(&s, true).await;
+    let other = running_executor(&s, true).await;
+    for a in [&stuck, &other] {
+        s.backend.mark_terminal(a.id()).await.expect("terminal");
+        s.backend.finish(a.id(), true);
+    }
+    s.backend.fail_deletes_of(stuck.id());
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE);
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            deleted: 1,
+            errors: 1,
+            ..Pass::default()
+        }
+    );
+    let left: Vec<_> = s
+        .backend
+        .records()
+        .iter()
+        .map(|r| r.assignment.id().clone())
+        .collect();
+    assert_eq!(left, [stuck.id().clone()]);
+    s.backend.heal_delete(stuck.id());
+    assert_eq!(lifecycle.reconcile_once().await.expect("pass").deleted, 1);
+    assert!(s.backend.records().is_empty());
+}
+
+/// DESIGN invariant 12: a claimed executor whose runner died while its environment stays up
+/// (OpenSandbox keeps a sandbox Running after its process exits) is failed in Gitea once
+/// the facade has not heard from it for the idle timeout, then cleaned up.
+#[tokio::test]
+async fn a_claimed_executor_whose_runner_falls_silent_is_failed_after_the_idle_timeout() {
+    let s = setup().await;
+    let a = running_executor(&s, true).await;
+    s.dispatch.restore(&s.backend.records());
+    let idle = Duration::from_millis(400);
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), idle);
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass::default(),
+        "heard from at restart: not silent yet"
+    );
+    let pass = gdr_testkit::eventually(
+        Duration::from_secs(20),
+        "the silent executor to be failed",
+        || async {
+            let pass = lifecycle.reconcile_once().await.expect("pass");
+            (pass.idle == 1).then_some(pass)
+        },
+    )
+    .await;
+    assert_eq!(pass.deleted, 1);
+    let task = s.mock.handle.task(a.id().task_id()).expect("task");
+    assert_eq!(
+        task.result,
+        gdr_proto::runner::v1::TaskResult::RESULT_FAILURE as i32
+    );
+    assert!(
+        task.log_rows
+            .iter()
+            .any(|r| r.contains("stopped reporting")),
+        "{:?}",
+        task.log_rows
+    );
+    assert!(s.backend.records().is_empty());
+    assert_eq!(s.dispatch.pool_usage(Backend::Pod), (0, 2));
+}
+
+/// DESIGN invariant 12: while the facade hears from a runner, it is never idle, however
+/// long its job runs.
+#[tokio::test]
+async fn a_runner_that_keeps_reporting_is_never_failed_as_idle() {
+    let s = setup().await;
+    let a = running_executor(&s, true).await;
+    s.dispatch.restore(&s.backend.records());
+    let idle = Duration::from_millis(400);
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), idle);
+    for _ in 0..8 {
+        s.dispatch.heard_from(a.id());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(
+            lifecycle.reconcile_once().await.expect("pass"),
+            Pass::default()
+        );
+    }
+    assert_eq!(s.backend.records().len(), 1);
+}
+
+/// DESIGN invariant 12: report first. While Gitea refuses the failure report, the executor
+/// is kept (and counted as an error); the next pass reports and cleans up.
+#[tokio::test]
+async fn a_failure_report_gitea_refuses_keeps_the_executor_for_the_next_pass() {
+    use gdr_testkit::mock_gitea::{MockFault, RpcMethod};
+    let s = setup().await;
+    let a = running_executor(&s, true).await;
+    s.backend.finish(a.id(), false);
+    for _ in 0..2 {
+        s.mock.handle.fail_next(
+            RpcMethod::UpdateTask,
+            MockFault::Connect {
+                code: connectrpc::ErrorCode::Unavailable,
+                message: "Gitea restarting".into(),
+            },
+        );
+    }
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE);
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            errors: 1,
+            ..Pass::default()
+        }
+    );
+    assert_eq!(
+        s.backend.records().len(),
+        1,
+        "kept until Gitea has the failure"
+    );
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            deleted: 1,
+            failed: 1,
+            ..Pass::default()
+        }
+    );
+}

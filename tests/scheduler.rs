@@ -247,6 +247,25 @@ impl Running {
     }
 }
 
+/// DESIGN invariant 1: one registration and one Declare for the whole controller, whatever
+/// the number of pollers (Gitea keeps one runner row; a Declare per poller would also race
+/// the label update).
+#[tokio::test]
+async fn one_declare_serves_every_poller() {
+    use gdr_testkit::mock_gitea::RpcMethod;
+    let env = Env::start(MockConfig::default()).await;
+    env.queue_jobs(6);
+    let running = Running::start(env.scheduler(4, 100));
+    eventually("all six assignments are in the stream", || async {
+        env.unclaimed().await == 6
+    })
+    .await;
+    running.stop().await;
+    assert_eq!(env.gitea_mock().calls(RpcMethod::Declare), 1);
+    assert!(env.gitea_mock().calls(RpcMethod::FetchTask) >= 6);
+}
+
+/// DESIGN invariant 1.
 #[tokio::test]
 async fn a_burst_of_ten_waiting_jobs_is_fetched_completely_without_a_new_version_bump() {
     let env = Env::start(MockConfig::default()).await;

@@ -97,7 +97,7 @@ impl Harness {
         }
     }
 
-    async fn consumer(&self, backend: Backend, capacity: i64) -> PullConsumer {
+    async fn consumer(&self, backend: Backend, capacity: i64, ack_wait: Duration) -> PullConsumer {
         let stream = queue::open_stream(&self.js, &stream_settings())
             .await
             .expect("stream");
@@ -107,7 +107,7 @@ impl Harness {
             backend,
             &ConsumerSettings {
                 max_ack_pending: capacity,
-                ack_wait: Duration::from_secs(5),
+                ack_wait,
                 max_deliver: -1,
             },
         )
@@ -116,8 +116,19 @@ impl Harness {
     }
 
     async fn start_worker(&mut self, backend: Backend, capacity: i64) {
-        let consumer = self.consumer(backend, capacity).await;
-        let settings = WorkerSettings {
+        self.start_worker_with(backend, capacity, Duration::from_secs(5), |_| {})
+            .await;
+    }
+
+    async fn start_worker_with(
+        &mut self,
+        backend: Backend,
+        capacity: i64,
+        ack_wait: Duration,
+        tweak: impl FnOnce(&mut WorkerSettings),
+    ) {
+        let consumer = self.consumer(backend, capacity, ack_wait).await;
+        let mut settings = WorkerSettings {
             backend,
             full_delay: Duration::from_millis(200),
             not_ready_delay: Duration::from_millis(100),
@@ -129,6 +140,7 @@ impl Harness {
             runner_label: backend.as_str().into(),
             codec: gdr_core::metadata::MetadataCodec::default(),
         };
+        tweak(&mut settings);
         let worker = Worker::new(
             self.dispatch.clone(),
             self.gitea.clone(),
@@ -218,9 +230,13 @@ impl Harness {
 
     /// Waits for `id` to reach `outcome`, returning every outcome seen meanwhile.
     async fn wait_outcome(&mut self, id: &str, outcome: Outcome) -> Vec<(String, Outcome)> {
+        let deadline = tokio::time::Instant::now() + WAIT;
         let mut seen = Vec::new();
         loop {
-            let next = self.next_outcome().await;
+            let next = tokio::time::timeout_at(deadline, self.outcomes.recv())
+                .await
+                .unwrap_or_else(|_| panic!("{id} never reached {outcome:?}; seen {seen:?}"))
+                .expect("channel open");
             seen.push(next.clone());
             if next.0 == id && next.1 == outcome {
                 return seen;
@@ -376,7 +392,7 @@ async fn poison_and_tampered_messages_are_terminated_not_retried() {
     for _ in 0..3 {
         assert_eq!(h.next_outcome().await.1, Outcome::Poison);
     }
-    let mut consumer = h.consumer(Backend::Pod, 1).await;
+    let mut consumer = h.consumer(Backend::Pod, 1, Duration::from_secs(5)).await;
     let info = consumer.info().await.expect("info").clone();
     assert_eq!(info.num_ack_pending, 0);
     assert_eq!(info.num_pending, 0);
@@ -508,4 +524,202 @@ async fn an_assignment_sealed_with_a_key_this_controller_lacks_is_kept_not_termi
         "the job stays in the stream"
     );
     assert_eq!(h.pod.created(), 0);
+}
+
+/// A spec of `assignment`'s executor as the worker builds it.
+fn spec_of(h: &Harness, assignment: &Assignment) -> gdr_core::executor::ExecutorSpec {
+    gdr_core::executor::ExecutorSpec::new(
+        assignment,
+        h.dispatch.capability_key().issue(assignment.id()),
+        &gdr_core::metadata::MetadataCodec::default(),
+        "https://facade.test:8443",
+        "spiffe://example.org/controller",
+        "pod",
+    )
+}
+
+/// DESIGN invariants 6 and 8: OpenSandbox's create blocks up to a minute, as long as an ack
+/// wait. The worker keeps the delivery's deadline alive meanwhile, so JetStream never
+/// redelivers it and one executor is created.
+#[tokio::test]
+async fn a_create_that_outlasts_the_ack_wait_keeps_its_delivery_alive_and_creates_once() {
+    let mut h = Harness::new(1, 1).await;
+    h.pod.set_create_delay(Duration::from_secs(5));
+    h.start_worker_with(Backend::Pod, 1, Duration::from_secs(2), |s| {
+        s.progress_interval = Duration::from_millis(500);
+    })
+    .await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    h.wait_offered(a.id()).await;
+    assert!(h.claim(&a).await);
+    let seen = h.wait_outcome(a.id().as_str(), Outcome::Claimed).await;
+    assert!(
+        !seen.iter().any(|(_, o)| *o == Outcome::InFlight),
+        "the message was redelivered during the create: {seen:?}"
+    );
+    assert_eq!(h.pod.create_calls(), 1);
+}
+
+/// DESIGN invariants 6 and 8: should a redelivery arrive while the first create still runs
+/// (the deadline could not be extended in time), it is put back instead of starting a
+/// second create: one job never gets two environments.
+#[tokio::test]
+async fn a_redelivery_while_the_create_still_runs_is_put_back_not_created_twice() {
+    let mut h = Harness::new(1, 1).await;
+    h.pod.set_create_delay(Duration::from_secs(6));
+    // Progress every 10s cannot keep a 2s ack wait: JetStream redelivers during the create.
+    h.start_worker_with(Backend::Pod, 2, Duration::from_secs(2), |s| {
+        s.progress_interval = Duration::from_secs(10);
+    })
+    .await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    h.wait_outcome(a.id().as_str(), Outcome::InFlight).await;
+    h.wait_offered(a.id()).await;
+    assert!(h.claim(&a).await);
+    h.wait_outcome(a.id().as_str(), Outcome::Claimed).await;
+    assert_eq!(
+        h.pod.create_calls(),
+        1,
+        "a second create ran for the same job"
+    );
+}
+
+/// DESIGN invariant 12: the start deadline counts from the executor's creation, so a
+/// controller that restarts again and again (each restart a new delivery) still fails an
+/// executor whose runner never claims.
+#[tokio::test]
+async fn the_start_deadline_counts_from_the_executors_creation_not_from_each_delivery() {
+    let mut h = Harness::new(1, 1).await;
+    let a = h.fetched("stuck", "[self-hosted, pod]").await;
+    // A previous controller created the executor long ago.
+    h.pod.insert(
+        &spec_of(&h, &a),
+        std::time::SystemTime::now() - Duration::from_secs(120),
+    );
+    h.start_worker(Backend::Pod, 1).await;
+    let payload = encode_v1(&a).expect("encode");
+    queue::publish(
+        &h.js,
+        &stream_settings(),
+        Backend::Pod,
+        a.id().as_str(),
+        payload.into(),
+    )
+    .await
+    .expect("publish");
+    h.wait_outcome(a.id().as_str(), Outcome::ExecutorFailed)
+        .await;
+    let task = h.mock.handle.task(a.id().task_id()).expect("task");
+    assert!(
+        task.log_rows
+            .iter()
+            .any(|r| r.contains("did not start the job within 1m")),
+        "{:?}",
+        task.log_rows
+    );
+    assert!(h.pod.records().is_empty(), "the failed executor is removed");
+}
+
+/// DESIGN invariant 12: a failure is reported first; while Gitea does not take the report,
+/// the executor and the message are kept, and a later delivery reports it.
+#[tokio::test]
+async fn a_failure_gitea_does_not_take_keeps_the_executor_until_a_later_delivery_reports_it() {
+    use gdr_testkit::mock_gitea::{MockFault, RpcMethod};
+    let mut h = Harness::new(1, 1).await;
+    h.start_worker(Backend::Pod, 1).await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    h.wait_offered(a.id()).await;
+    for _ in 0..4 {
+        h.mock.handle.fail_next(
+            RpcMethod::UpdateTask,
+            MockFault::Connect {
+                code: connectrpc::ErrorCode::Unavailable,
+                message: "Gitea restarting".into(),
+            },
+        );
+    }
+    h.pod.finish(a.id(), false);
+    h.wait_outcome(a.id().as_str(), Outcome::ReportPending)
+        .await;
+    assert_eq!(h.pod.records().len(), 1, "kept until Gitea has the failure");
+    assert_eq!(
+        h.dispatch.pool_usage(Backend::Pod),
+        (1, 1),
+        "its slot is kept too"
+    );
+    h.wait_outcome(a.id().as_str(), Outcome::ExecutorFailed)
+        .await;
+    assert_eq!(
+        h.mock.handle.task(a.id().task_id()).expect("task").result,
+        gdr_proto::runner::v1::TaskResult::RESULT_FAILURE as i32
+    );
+    assert!(h.pod.records().is_empty());
+    assert_eq!(h.dispatch.pool_usage(Backend::Pod), (0, 1));
+}
+
+/// Contract v2: a backend that refuses an executor for good (invalid spec) fails the task
+/// with the backend's reason instead of retrying it forever.
+#[tokio::test]
+async fn a_permanent_create_error_fails_the_task_with_the_backends_reason() {
+    let mut h = Harness::new(1, 1).await;
+    h.pod.set_failing_create(Some(Failure::Permanent));
+    h.start_worker(Backend::Pod, 1).await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    h.wait_outcome(a.id().as_str(), Outcome::ExecutorFailed)
+        .await;
+    let task = h.mock.handle.task(a.id().task_id()).expect("task");
+    assert!(
+        task.log_rows
+            .iter()
+            .any(|r| r.contains("injected: backend refused")),
+        "{:?}",
+        task.log_rows
+    );
+    assert_eq!(h.dispatch.pool_usage(Backend::Pod), (0, 1));
+}
+
+/// DESIGN invariant 6 with contract v2: a full backend (OpenSandbox 429) leaves the job
+/// queued; it runs once the backend has room.
+#[tokio::test]
+async fn a_backend_that_is_full_leaves_the_job_queued_until_it_has_room() {
+    let mut h = Harness::new(1, 1).await;
+    h.pod
+        .set_failing_create(Some(Failure::Full(Some(Duration::from_millis(300)))));
+    h.start_worker(Backend::Pod, 1).await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    h.wait_outcome(a.id().as_str(), Outcome::Full).await;
+    assert_eq!(h.pod.created(), 0);
+    assert_eq!(h.dispatch.pool_usage(Backend::Pod), (0, 1), "no slot held");
+    h.pod.set_failing_create(None);
+    h.wait_offered(a.id()).await;
+    assert!(h.claim(&a).await);
+    h.wait_outcome(a.id().as_str(), Outcome::Claimed).await;
+}
+
+/// A JetStream consumer that keeps failing (deleted under the worker) is re-subscribed
+/// with backoff: a handful of attempts, not a spin that floods the log.
+#[tokio::test]
+async fn a_consumer_that_keeps_failing_is_retried_with_backoff_not_in_a_spin() {
+    let captured = gdr_testkit::log_capture::Capture::default();
+    let _guard = tracing::subscriber::set_default(gdr_controller::logging::subscriber(
+        tracing_subscriber::EnvFilter::new("warn"),
+        captured.clone(),
+    ));
+    let mut h = Harness::new(1, 1).await;
+    h.start_worker(Backend::Pod, 1).await;
+    let stream = queue::open_stream(&h.js, &stream_settings())
+        .await
+        .expect("stream");
+    stream
+        .delete_consumer("pod")
+        .await
+        .expect("delete consumer");
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let retries = captured
+        .text()
+        .lines()
+        .filter(|l| l.contains("re-subscribing") || l.contains("cannot pull assignments"))
+        .count();
+    assert!(retries >= 1, "the broken consumer went unnoticed");
+    assert!(retries <= 10, "{retries} retries in 4s: the worker spins");
 }

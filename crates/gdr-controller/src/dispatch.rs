@@ -369,3 +369,161 @@ impl Dispatch {
         lock(&self.heard).get(id).map(Instant::elapsed)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use gdr_core::executor::ExecutorSpec;
+    use gdr_core::metadata::MetadataCodec;
+    use gdr_testkit::memory_backend::{Failure, MemoryBackend};
+    use gdr_testkit::tasks::assignment;
+
+    use super::*;
+
+    const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
+
+    fn dispatch(backend: &Arc<MemoryBackend>, capacity: usize) -> Dispatch {
+        Dispatch::new(
+            [(backend.clone() as Arc<dyn ExecutorBackend>, capacity)],
+            CapabilityKey::new(KEY).unwrap(),
+        )
+    }
+
+    fn credentials(d: &Dispatch, a: &Assignment) -> (String, String, String) {
+        (
+            a.id().to_string(),
+            d.capability_key().issue(a.id()).expose().to_owned(),
+            a.identity().spiffe_id().to_owned(),
+        )
+    }
+
+    async fn executor(backend: &MemoryBackend, d: &Dispatch, a: &Assignment) {
+        let spec = ExecutorSpec::new(
+            a,
+            d.capability_key().issue(a.id()),
+            &MetadataCodec::default(),
+            "https://facade",
+            "spiffe://example.org/controller",
+            "pod",
+        );
+        backend.create(&spec).await.unwrap();
+    }
+
+    /// DESIGN invariant 15: the task is handed out once, and only after the claim is
+    /// durable on the backend; a failed claim record puts it back for the runner's retry.
+    #[tokio::test]
+    async fn the_task_is_handed_out_once_and_only_after_the_claim_is_durable() {
+        let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+        let d = dispatch(&backend, 1);
+        let a = assignment(7, "[self-hosted, pod]");
+        executor(&backend, &d, &a).await;
+        d.offer(&a);
+        let (id, cap, peer) = credentials(&d, &a);
+        let auth = d.authorize(&id, &cap, &peer).unwrap();
+        backend.set_failing(Some(Failure::Unavailable));
+        assert!(matches!(
+            d.take_task(&auth).await,
+            Err(ClaimError::Backend(_))
+        ));
+        assert_eq!(d.claim_state(a.id()), Some(ClaimState::Pending));
+        backend.set_failing(None);
+        assert!(d.take_task(&auth).await.unwrap().is_some());
+        assert!(backend.records()[0].claimed);
+        assert!(
+            d.take_task(&auth).await.unwrap().is_none(),
+            "handed out twice"
+        );
+        assert_eq!(d.claim_state(a.id()), Some(ClaimState::Claimed));
+    }
+
+    /// DESIGN invariant 15: every credential must belong to one assignment.
+    #[tokio::test]
+    async fn a_wrong_capability_or_peer_identity_is_refused() {
+        let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+        let d = dispatch(&backend, 1);
+        let a = assignment(7, "[self-hosted, pod]");
+        let b = Assignment::from_task(
+            gdr_testkit::tasks::task(8, "other/repo", "deploy", "[self-hosted, pod]"),
+            &gdr_testkit::tasks::policy(),
+        )
+        .unwrap();
+        d.offer(&a);
+        let (id, cap, peer) = credentials(&d, &a);
+        let (_, other_cap, other_peer) = credentials(&d, &b);
+        assert_eq!(
+            d.authorize(&id, &other_cap, &peer),
+            Err(AuthError::BadCapability)
+        );
+        assert_eq!(
+            d.authorize(&id, &cap, &other_peer),
+            Err(AuthError::WrongIdentity)
+        );
+        assert!(d.authorize(&id, &cap, &peer).is_ok());
+    }
+
+    /// Defect (issue 8): a backend error while checking a runner after a restart was
+    /// answered "unregistered runner", so a healthy runner exited and its job failed. It is
+    /// answered "unavailable" now, so the runner retries.
+    #[tokio::test]
+    async fn a_backend_that_cannot_be_read_makes_the_runner_retry_instead_of_giving_up() {
+        let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+        let d = dispatch(&backend, 1);
+        let a = assignment(7, "[self-hosted, pod]");
+        executor(&backend, &d, &a).await;
+        let (id, cap, peer) = credentials(&d, &a);
+        backend.set_failing(Some(Failure::Unavailable));
+        assert!(matches!(
+            d.authorize_from_backend(&id, &cap, &peer).await,
+            Err(AuthError::Unavailable(_))
+        ));
+        backend.set_failing(None);
+        assert!(d.authorize_from_backend(&id, &cap, &peer).await.is_ok());
+        let stranger = assignment(9, "[self-hosted, pod]");
+        let (id, cap, peer) = credentials(&d, &stranger);
+        assert_eq!(
+            d.authorize_from_backend(&id, &cap, &peer).await,
+            Err(AuthError::UnknownAssignment)
+        );
+    }
+
+    /// DESIGN invariant 7: pools are restored from backend metadata; claimed executors are
+    /// re-authorised as claimed, unclaimed ones wait for their redelivery.
+    #[tokio::test]
+    async fn a_restart_restores_slots_from_live_executors_and_claims_only_from_claimed_ones() {
+        let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+        let before = dispatch(&backend, 2);
+        let claimed = assignment(7, "[self-hosted, pod]");
+        let waiting = assignment(8, "[self-hosted, pod]");
+        let done = assignment(9, "[self-hosted, pod]");
+        for a in [&claimed, &waiting, &done] {
+            executor(&backend, &before, a).await;
+        }
+        backend.record_claimed(claimed.id()).await.unwrap();
+        backend.mark_terminal(done.id()).await.unwrap();
+
+        let after = dispatch(&backend, 2);
+        assert_eq!(after.restore(&backend.records()), (2, 1));
+        assert_eq!(after.pool_usage(Backend::Pod), (2, 2));
+        assert_eq!(after.claim_state(claimed.id()), Some(ClaimState::Claimed));
+        assert_eq!(after.claim_state(waiting.id()), None);
+        assert!(
+            after.silence(claimed.id()).is_some(),
+            "silence counts from the restart"
+        );
+    }
+
+    /// DESIGN invariant 12: silence is measured from the last call the facade heard.
+    #[tokio::test(start_paused = true)]
+    async fn silence_grows_until_the_runner_is_heard_from_again() {
+        let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+        let d = dispatch(&backend, 1);
+        let a = assignment(7, "[self-hosted, pod]");
+        assert_eq!(d.silence(a.id()), None);
+        d.heard_from(a.id());
+        tokio::time::advance(std::time::Duration::from_secs(90)).await;
+        assert!(d.silence(a.id()).unwrap() >= std::time::Duration::from_secs(90));
+        d.heard_from(a.id());
+        assert!(d.silence(a.id()).unwrap() < std::time::Duration::from_secs(1));
+        d.forget(Backend::Pod, a.id());
+        assert_eq!(d.silence(a.id()), None);
+    }
+}

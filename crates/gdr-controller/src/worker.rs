@@ -134,6 +134,8 @@ pub struct Worker {
     outcomes: Option<tokio::sync::mpsc::UnboundedSender<(String, Outcome)>>,
     /// Assignments a delivery is being handled for right now.
     in_flight: Mutex<HashSet<AssignmentId>>,
+    /// `Retry-After` hints of full backends, per assignment, for the NAK that follows.
+    retry_hints: Mutex<std::collections::HashMap<String, Duration>>,
 }
 
 /// Why a worker could not start.
@@ -180,6 +182,7 @@ impl Worker {
             settings,
             outcomes: None,
             in_flight: Mutex::new(HashSet::new()),
+            retry_hints: Mutex::new(std::collections::HashMap::new()),
         })
     }
 
@@ -243,7 +246,12 @@ impl Worker {
     async fn handle(&self, message: jetstream::Message, shutdown: Shutdown) {
         let (label, outcome) = self.process(&message, shutdown).await;
         let backend = self.settings.backend;
-        let settle = match self.settlement(outcome) {
+        let hint = self
+            .retry_hints
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&label);
+        let settle = match self.settlement(outcome, hint) {
             Settle::Ack => message.double_ack().await,
             Settle::Term => message.double_ack_with(AckKind::Term).await,
             Settle::Nak(delay) => message.ack_with(AckKind::Nak(delay)).await,
@@ -258,12 +266,13 @@ impl Worker {
         }
     }
 
-    fn settlement(&self, outcome: Outcome) -> Settle {
+    fn settlement(&self, outcome: Outcome, retry_hint: Option<Duration>) -> Settle {
         let s = &self.settings;
         match outcome {
             Outcome::Claimed | Outcome::AlreadyClaimed | Outcome::ExecutorFailed => Settle::Ack,
             Outcome::Poison => Settle::Term,
-            Outcome::Full => Settle::Nak(Some(s.full_delay)),
+            // The backend knows best when it has room again (OpenSandbox's Retry-After).
+            Outcome::Full => Settle::Nak(Some(retry_hint.unwrap_or(s.full_delay))),
             Outcome::NotReady => Settle::Nak(Some(s.not_ready_delay)),
             Outcome::InFlight => Settle::Nak(Some(s.progress_interval)),
             Outcome::BackendError | Outcome::MissingKey | Outcome::ReportPending => {
@@ -392,6 +401,12 @@ impl Worker {
                                 reason,
                             } => {
                                 tracing::info!(%backend, assignment_id = %id, %reason, ?retry_after, "the backend is full; the job stays queued");
+                                if let Some(after) = retry_after {
+                                    self.retry_hints
+                                        .lock()
+                                        .unwrap_or_else(|p| p.into_inner())
+                                        .insert(id.to_string(), after);
+                                }
                                 Outcome::Full
                             }
                             ExecutorError::Unavailable(cause) => {

@@ -20,6 +20,7 @@ pub mod mock_gitea;
 pub mod nats_server;
 pub mod spiffe;
 pub mod standin_runner;
+pub mod tasks;
 mod wait;
 
 pub use wait::{eventually, until};

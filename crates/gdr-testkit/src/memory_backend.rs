@@ -57,6 +57,12 @@ struct State {
     failing: Option<Failure>,
     /// Failures for `create` only (the other calls keep working).
     failing_create: Option<Failure>,
+    /// How long `create` takes (a VM that boots).
+    create_delay: Duration,
+    /// Calls of `create`, including ones for an executor that exists already.
+    create_calls: usize,
+    /// Assignments whose `delete` fails.
+    failing_deletes: std::collections::BTreeSet<AssignmentId>,
     not_ready_binds: usize,
 }
 
@@ -92,6 +98,46 @@ impl MemoryBackend {
         self.state().failing = failure;
     }
 
+    /// `create` takes `delay` before it answers (OpenSandbox blocks until the VM runs).
+    pub fn set_create_delay(&self, delay: Duration) {
+        self.state().create_delay = delay;
+    }
+
+    /// `delete` of `id` fails (Unavailable) until [`MemoryBackend::heal_delete`].
+    pub fn fail_deletes_of(&self, id: &AssignmentId) {
+        self.state().failing_deletes.insert(id.clone());
+    }
+
+    /// `delete` of `id` works again.
+    pub fn heal_delete(&self, id: &AssignmentId) {
+        self.state().failing_deletes.remove(id);
+    }
+
+    /// Puts an executor on record as if created at `created_at` (a previous controller
+    /// created it before a restart).
+    pub fn insert(&self, spec: &ExecutorSpec, created_at: SystemTime) {
+        let mut state = self.state();
+        let id = spec.assignment.id().clone();
+        let record = self.record(spec, created_at);
+        state.created += 1;
+        state.specs.insert(id.clone(), spec.clone());
+        state.executors.insert(id, record);
+    }
+
+    fn record(&self, spec: &ExecutorSpec, created_at: SystemTime) -> ExecutorRecord {
+        let id = spec.assignment.id();
+        ExecutorRecord {
+            name: format!("{}-{}", self.backend, id),
+            assignment: spec.assignment.clone(),
+            phase: Phase::Starting { reason: None },
+            claimed: false,
+            terminal: false,
+            identity_bound: false,
+            identity_target: Some(IdentityTarget::PodUid(format!("uid-{id}"))),
+            created_at,
+        }
+    }
+
     /// `create` fails with `failure` until cleared with `None`.
     pub fn set_failing_create(&self, failure: Option<Failure>) {
         self.state().failing_create = failure;
@@ -115,6 +161,12 @@ impl MemoryBackend {
     /// Executors created so far (each assignment counts once).
     pub fn created(&self) -> usize {
         self.state().created
+    }
+
+    /// Calls of `create` so far. A real backend whose create blocks (OpenSandbox) would
+    /// start a second environment for each overlapping call, so tests count calls.
+    pub fn create_calls(&self) -> usize {
+        self.state().create_calls
     }
 
     /// Executors deleted so far.
@@ -160,6 +212,14 @@ impl ExecutorBackend for MemoryBackend {
 
     async fn create(&self, spec: &ExecutorSpec) -> Result<ExecutorRecord, ExecutorError> {
         self.check()?;
+        let delay = {
+            let mut state = self.state();
+            state.create_calls += 1;
+            state.create_delay
+        };
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
         let mut state = self.state();
         if let Some(f) = &state.failing_create {
             return Err(f.error());
@@ -168,16 +228,7 @@ impl ExecutorBackend for MemoryBackend {
         if let Some(existing) = state.executors.get(&id) {
             return Ok(existing.clone());
         }
-        let record = ExecutorRecord {
-            name: format!("{}-{}", self.backend, id),
-            assignment: spec.assignment.clone(),
-            phase: Phase::Starting { reason: None },
-            claimed: false,
-            terminal: false,
-            identity_bound: false,
-            identity_target: Some(IdentityTarget::PodUid(format!("uid-{id}"))),
-            created_at: SystemTime::now(),
-        };
+        let record = self.record(spec, SystemTime::now());
         state.created += 1;
         state.specs.insert(id.clone(), spec.clone());
         state.executors.insert(id, record.clone());
@@ -232,6 +283,11 @@ impl ExecutorBackend for MemoryBackend {
     async fn delete(&self, id: &AssignmentId) -> Result<(), ExecutorError> {
         self.check()?;
         let mut state = self.state();
+        if state.failing_deletes.contains(id) {
+            return Err(ExecutorError::unavailable(Injected(format!(
+                "injected: deleting {id} fails"
+            ))));
+        }
         if state.executors.remove(id).is_some() {
             state.deleted += 1;
         }

@@ -167,4 +167,38 @@ mod tests {
         gate.refreshed(0, epoch);
         assert_eq!(gate.in_stream(), Some(0));
     }
+
+    /// DESIGN invariant 5b: a poller held at the limit is let through the moment a
+    /// stored assignment leaves the stream (a refresh shows room), and a shutdown ends
+    /// the wait without a slot.
+    #[tokio::test(start_paused = true)]
+    async fn a_poller_held_at_the_limit_waits_for_room_and_a_shutdown_ends_the_wait() {
+        use std::sync::Arc;
+        let gate = Arc::new(BacklogGate::new(1));
+        gate.refreshed(1, gate.epoch());
+        let waiting = Arc::new(AtomicU64::new(0));
+        let (_trigger, shutdown) = crate::shutdown::shutdown_channel();
+        let held = tokio::spawn({
+            let (gate, waiting, shutdown) = (gate.clone(), waiting.clone(), shutdown.clone());
+            async move { gate.admit(&shutdown, &waiting).await.is_some() }
+        });
+        tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+        assert!(!held.is_finished(), "admitted beyond the limit");
+        assert_eq!(waiting.load(Ordering::Acquire), 1);
+        gate.refreshed(0, gate.epoch());
+        assert!(held.await.unwrap(), "room did not let the poller through");
+        assert_eq!(waiting.load(Ordering::Acquire), 0);
+
+        let (trigger, shutdown) = crate::shutdown::shutdown_channel();
+        let stopped = tokio::spawn({
+            let (gate, waiting) = (gate.clone(), waiting.clone());
+            async move { gate.admit(&shutdown, &waiting).await.is_none() }
+        });
+        tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+        trigger.trigger();
+        assert!(
+            stopped.await.unwrap(),
+            "a shutdown must end the wait without a slot"
+        );
+    }
 }

@@ -65,4 +65,35 @@ mod tests {
             "A's skipped pick must not hide waiting jobs"
         );
     }
+
+    /// DESIGN invariant 1: pollers share one version; whatever order concurrent answers
+    /// land in, the version never exceeds what Gitea answered and is 0 right after a task.
+    #[tokio::test(start_paused = true)]
+    async fn concurrent_pollers_never_send_a_version_beyond_what_gitea_answered() {
+        use std::sync::Arc;
+        let v = Arc::new(TasksVersion::new());
+        let mut pollers = tokio::task::JoinSet::new();
+        for i in 0..8i64 {
+            let v = v.clone();
+            pollers.spawn(async move {
+                for round in 0..20i64 {
+                    let sent = v.current();
+                    tokio::time::sleep(std::time::Duration::from_millis(
+                        (i * 7 + round) as u64 % 5,
+                    ))
+                    .await;
+                    if round % 5 == 4 {
+                        v.task_received();
+                        assert_eq!(v.current(), 0);
+                    } else {
+                        v.empty_answer(sent, 100 + round);
+                        assert!(v.current() <= 100 + 19);
+                    }
+                }
+            });
+        }
+        while let Some(r) = pollers.join_next().await {
+            r.unwrap();
+        }
+    }
 }

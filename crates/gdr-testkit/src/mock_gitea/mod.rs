@@ -437,6 +437,11 @@ impl MockGitea {
         });
     }
 
+    /// How many calls of `method` arrived (including faulted ones).
+    pub fn calls(&self, method: RpcMethod) -> u64 {
+        self.read(|s| s.calls.get(&method).copied().unwrap_or(0))
+    }
+
     /// Paths (with query) of every request outside `/api/actions`, in arrival order.
     pub fn seen_requests(&self) -> Vec<String> {
         self.read(|s| s.seen_requests.clone())

@@ -47,8 +47,10 @@ pub(super) fn router(mock: MockGitea) -> axum::Router {
 }
 
 impl MockGitea {
+    /// Counts the call and takes the next fault queued for its method.
     fn take_fault(&self, method: RpcMethod) -> Option<MockFault> {
         let mut s = self.lock();
+        *s.calls.entry(method).or_default() += 1;
         s.faults.get_mut(&method).and_then(|q| q.pop_front())
     }
 }

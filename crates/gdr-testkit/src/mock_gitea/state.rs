@@ -211,6 +211,8 @@ pub(crate) struct State {
     secrets: HashMap<String, BTreeMap<String, String>>,
     vars: HashMap<String, BTreeMap<String, String>>,
     pub faults: HashMap<RpcMethod, VecDeque<MockFault>>,
+    /// Calls received per method (faulted ones included).
+    pub calls: HashMap<RpcMethod, u64>,
     pub seen_requests: Vec<String>,
     /// Gitea's AppURL, with the trailing slash Gitea keeps.
     pub server_url: String,
@@ -270,6 +272,7 @@ impl State {
             secrets: HashMap::new(),
             vars: HashMap::new(),
             faults: HashMap::new(),
+            calls: HashMap::new(),
             seen_requests: Vec::new(),
             server_url,
             default_actions_url,

@@ -1,0 +1,35 @@
+//! Gitea tasks and assignments built in memory, for unit tests that need no mock Gitea.
+
+use buffa_types::google::protobuf::{Struct, Value};
+use gdr_core::assignment::{Assignment, DerivationPolicy};
+use gdr_core::backend::BackendLabels;
+use gdr_core::identity::TrustDomain;
+use gdr_proto::runner::v1::Task;
+
+/// The policy these helpers derive with: trust domain `example.org`, VM label `vm`.
+pub fn policy() -> DerivationPolicy {
+    DerivationPolicy {
+        trust_domain: TrustDomain::new("example.org")
+            .unwrap_or_else(|e| panic!("test trust domain: {e}")),
+        labels: BackendLabels::default(),
+    }
+}
+
+/// A task as Gitea hands it out: one job `job_key` of `repository` with `runs_on`.
+pub fn task(id: i64, repository: &str, job_key: &str, runs_on: &str) -> Task {
+    Task {
+        id,
+        context: Struct::from_fields([("repository", Value::from(repository))]).into(),
+        workflow_payload: Some(
+            format!("on: push\njobs:\n  {job_key}:\n    runs-on: {runs_on}\n    steps: []\n")
+                .into_bytes(),
+        ),
+        ..Default::default()
+    }
+}
+
+/// The assignment of [`task`] under [`policy`].
+pub fn assignment(id: i64, runs_on: &str) -> Assignment {
+    Assignment::from_task(task(id, "owner/repo", "build", runs_on), &policy())
+        .unwrap_or_else(|e| panic!("test assignment: {e}"))
+}
