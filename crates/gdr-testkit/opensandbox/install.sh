@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the real OpenSandbox server (pinned, from PyPI) into a virtualenv for the
 # OpenSandbox integration tests. Idempotent: a venv that already holds the pinned
-# version is left alone.
+# version is left alone. constraints.txt pins every dependency to the tested versions.
 #
 #   install.sh [VENV_DIR]    default: $HOME/.cache/gdr-opensandbox-venv
 #
@@ -9,6 +9,7 @@
 set -euo pipefail
 
 OPENSANDBOX_SERVER_VERSION=1.1.1
+HERE="$(cd "$(dirname "$0")" && pwd)"
 VENV="${1:-${HOME}/.cache/gdr-opensandbox-venv}"
 PYTHON="${PYTHON:-python3}"
 
@@ -20,5 +21,5 @@ fi
 
 "${PYTHON}" -m venv "${VENV}"
 "${VENV}/bin/python" -m pip install --quiet --disable-pip-version-check \
-  "opensandbox-server==${OPENSANDBOX_SERVER_VERSION}"
+  --constraint "${HERE}/constraints.txt" "opensandbox-server==${OPENSANDBOX_SERVER_VERSION}"
 echo "opensandbox-server ${OPENSANDBOX_SERVER_VERSION}: ${VENV}/bin/python"
