@@ -574,3 +574,108 @@ impl ExecutorBackend for OpenSandboxBackend {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::opensandbox::client::{ApiError, SandboxStatus};
+
+    fn api() -> ApiError {
+        ApiError {
+            code: Some("X".into()),
+            message: "the server's words".into(),
+        }
+    }
+
+    #[test]
+    fn status_classes_map_to_what_the_worker_must_do() {
+        let full = api_error(ClientError::PoolFull {
+            retry_after: Some(Duration::from_secs(7)),
+            api: api(),
+        });
+        assert!(
+            matches!(full, ExecutorError::Full { retry_after: Some(d), .. } if d == Duration::from_secs(7))
+        );
+        let invalid = api_error(ClientError::Invalid {
+            op: "create",
+            status: 422,
+            api: api(),
+        });
+        assert!(matches!(invalid, ExecutorError::Permanent(_)));
+        assert!(
+            invalid.to_string().contains("the server's words"),
+            "{invalid}"
+        );
+        for retried in [
+            ClientError::CreateTimedOut { api: api() },
+            ClientError::Unauthorized {
+                op: "list",
+                status: 403,
+                api: api(),
+            },
+            ClientError::PoolNotFound {
+                pool: "p".into(),
+                api: api(),
+            },
+            ClientError::Status {
+                op: "get",
+                status: 503,
+                api: api(),
+            },
+        ] {
+            let text = retried.to_string();
+            let mapped = api_error(retried);
+            assert!(matches!(mapped, ExecutorError::Unavailable(_)), "{text}");
+            assert!(mapped.to_string().contains(&text), "{mapped}");
+        }
+    }
+
+    fn sandbox(state: &str) -> Sandbox {
+        Sandbox {
+            id: "s".into(),
+            status: SandboxStatus {
+                state: state.into(),
+                reason: Some("R".into()),
+                message: Some("m".into()),
+            },
+            created_at: SystemTime::UNIX_EPOCH,
+            expires_at: None,
+            metadata: None,
+        }
+    }
+
+    #[test]
+    fn sandbox_states_map_to_phases() {
+        assert_eq!(phase(&sandbox("Running")), Phase::Running);
+        assert!(matches!(phase(&sandbox("Pending")), Phase::Starting { .. }));
+        for ended in ["Failed", "Terminated", "Stopping"] {
+            assert!(
+                matches!(phase(&sandbox(ended)), Phase::Finished { success: false, reason: Some(r) } if r.contains(ended) && r.contains("R: m")),
+                "{ended}"
+            );
+        }
+    }
+
+    #[test]
+    fn settings_the_server_would_refuse_are_refused_early() {
+        let base = OpenSandboxSettings::new(
+            ClientSettings::new("http://127.0.0.1:1/v1".parse().unwrap()),
+            "ci-vm",
+            MetadataCodec::default(),
+            TrustDomain::new("example.org").unwrap(),
+        );
+        assert!(base.validate().is_ok());
+        let mut s = base.clone();
+        s.timeout = Duration::from_secs(59);
+        assert!(s.validate().is_err());
+        let mut s = base.clone();
+        s.renew_before = s.timeout;
+        assert!(s.validate().is_err());
+        let mut s = base.clone();
+        s.pool.clear();
+        assert!(s.validate().is_err());
+        let mut s = base;
+        s.page_size = 201;
+        assert!(s.validate().is_err());
+    }
+}
