@@ -12,7 +12,7 @@ mod opensandbox_common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use gdr_backends::opensandbox::client::CreateSandbox;
 use gdr_backends::opensandbox::{OpenSandboxBackend, OpenSandboxSettings};
@@ -281,6 +281,14 @@ async fn listing_extends_running_sandboxes_close_to_expiry_but_not_terminal_ones
         (expiry(running.name.clone()).await > first_running).then_some(())
     })
     .await;
+    // The terminal sandbox becomes due a moment after the running one; one more pass once
+    // it is due shows that it is left alone.
+    let renew_before = setup.settings.renew_before;
+    eventually(DEADLINE, "the terminal sandbox is due", || async {
+        (SystemTime::now() + renew_before > first_terminal).then_some(())
+    })
+    .await;
+    backend.list().await.unwrap();
     assert_eq!(
         expiry(terminal.name.clone()).await,
         first_terminal,
