@@ -3,8 +3,10 @@
 //! OpenSandbox backend against the real server.
 //!
 //! [`run`] gets a factory of backend *instances* over one shared store (a directory, a
-//! server, a cluster): each call is a controller (re)start, so whatever an instance
-//! records must be seen by the next one. The suite needs nothing else from the backend;
+//! server, a cluster): each call is a controller restart, so whatever an instance
+//! records must be seen by the next one. The previous instance is dropped first, as a
+//! restarted controller's predecessor is gone (two live process-backend instances over
+//! one state directory are not a supported setup). The suite needs nothing else from the backend;
 //! it only waits (with a deadline) where a backend is eventually consistent, e.g. a deleted
 //! sandbox that reads `Stopping` before it is gone.
 
@@ -215,6 +217,7 @@ pub async fn run(make_backend: impl Fn() -> Arc<dyn ExecutorBackend>, contract: 
         again.name, created.name,
         "a second create returns the existing executor"
     );
+    drop(first);
     let restarted = make_backend();
     let again = ok(restarted.create(&spec).await, "create after restart");
     assert_eq!(
@@ -260,8 +263,9 @@ pub async fn run(make_backend: impl Fn() -> Arc<dyn ExecutorBackend>, contract: 
     );
 
     // Markers are durable: each instance sees what an earlier one recorded (9, 10).
-    ok(first.record_claimed(id).await, "record_claimed");
-    ok(first.record_claimed(id).await, "record_claimed again");
+    ok(restarted.record_claimed(id).await, "record_claimed");
+    ok(restarted.record_claimed(id).await, "record_claimed again");
+    drop(restarted);
     let second = make_backend();
     let found = find(&*second, id)
         .await
@@ -272,6 +276,7 @@ pub async fn run(make_backend: impl Fn() -> Arc<dyn ExecutorBackend>, contract: 
     );
     ok(second.mark_terminal(id).await, "mark_terminal");
     ok(second.mark_terminal(id).await, "mark_terminal again");
+    drop(second);
     let third = make_backend();
     let found = find(&*third, id)
         .await
@@ -315,8 +320,10 @@ pub async fn run(make_backend: impl Fn() -> Arc<dyn ExecutorBackend>, contract: 
         listed(&*third, id).await.is_empty(),
         "the deleted executor is not listed"
     );
+    drop(third);
+    let third = make_backend();
     ok(
-        make_backend().delete(id).await,
+        third.delete(id).await,
         "delete of a gone executor after restart",
     );
     assert!(
