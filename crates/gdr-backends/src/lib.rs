@@ -2,5 +2,9 @@
 //!
 //! - [`process`]: local child processes in per-assignment state directories (single host,
 //!   and the full-chain tests).
+//! - [`opensandbox`] (feature `opensandbox`): sandboxes from an OpenSandbox pool (Kata
+//!   microVMs) through the Lifecycle API.
 
+#[cfg(feature = "opensandbox")]
+pub mod opensandbox;
 pub mod process;

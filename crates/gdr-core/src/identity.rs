@@ -260,6 +260,57 @@ pub fn sanitize(segment: &str) -> String {
     format!("{slug}-{hex}")
 }
 
+/// A SPIFFE ID that is not the ID of a job in the trust domain.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{id:?} is not a job SPIFFE ID of trust domain {trust_domain}: {why}")]
+pub struct InvalidJobSpiffeId {
+    /// The ID checked.
+    pub id: String,
+    /// The trust domain it had to belong to.
+    pub trust_domain: String,
+    /// What is wrong.
+    pub why: &'static str,
+}
+
+/// Checks that `spiffe_id` has the shape every job identity has,
+/// `spiffe://<trust domain>/ci/<owner>/<repo>/<job key>`: owner and repo are path segments
+/// [`sanitize`] can produce (`[A-Za-z0-9._-]+`, not `.` or `..`) and the job key matches
+/// `[A-Za-z_][A-Za-z0-9_-]*`. For an ID that arrives without the repository and job key
+/// it was derived from (a sandbox's `CI_SPIFFE_ID`); [`Identity::from_metadata`] checks more
+/// where those are known.
+pub fn check_job_spiffe_id(
+    spiffe_id: &str,
+    trust_domain: &TrustDomain,
+) -> Result<(), InvalidJobSpiffeId> {
+    let fail = |why| {
+        Err(InvalidJobSpiffeId {
+            id: spiffe_id.to_owned(),
+            trust_domain: trust_domain.as_str().to_owned(),
+            why,
+        })
+    };
+    let prefix = format!("spiffe://{trust_domain}/ci/");
+    let Some(path) = spiffe_id.strip_prefix(&prefix) else {
+        return fail("it is outside the trust domain's /ci/ namespace");
+    };
+    let segments: Vec<&str> = path.split('/').collect();
+    let [owner, repo, job_key] = segments.as_slice() else {
+        return fail("the path is not /ci/<owner>/<repo>/<job key>");
+    };
+    for segment in [owner, repo] {
+        if segment.is_empty()
+            || matches!(*segment, "." | "..")
+            || !segment.bytes().all(is_safe_segment_byte)
+        {
+            return fail("owner and repo must be [A-Za-z0-9._-]+ segments");
+        }
+    }
+    if !is_job_key(job_key) {
+        return fail("the job key must match [A-Za-z_][A-Za-z0-9_-]*");
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use buffa_types::google::protobuf::{Struct, Value};
@@ -459,6 +510,30 @@ mod tests {
                 prop_assert!(!segment.bytes().all(is_safe_segment_byte) || segment.is_empty());
                 prop_assert_eq!(out.as_bytes()[out.len() - 13], b'-');
             }
+        }
+    }
+
+    #[test]
+    fn job_spiffe_ids_are_checked_by_shape_and_trust_domain() {
+        let td = TrustDomain::new("example.org").unwrap();
+        for good in [
+            "spiffe://example.org/ci/octo-org/hello-world/build",
+            "spiffe://example.org/ci/o/Run-on-Ubuntu-8b7cd4c244fb/_job-1",
+        ] {
+            assert_eq!(check_job_spiffe_id(good, &td), Ok(()), "{good}");
+        }
+        for bad in [
+            "spiffe://evil.org/ci/o/r/build",
+            "spiffe://example.org/ops/o/r/build",
+            "spiffe://example.org/ci/o/r",
+            "spiffe://example.org/ci/o/r/build/extra",
+            "spiffe://example.org/ci/o/../build",
+            "spiffe://example.org/ci/o/r r/build",
+            "spiffe://example.org/ci//r/build",
+            "spiffe://example.org/ci/o/r/1build",
+            "spiffe://example.org.evil/ci/o/r/build",
+        ] {
+            assert!(check_job_spiffe_id(bad, &td).is_err(), "{bad}");
         }
     }
 }

@@ -5,19 +5,23 @@
 //! - [`standin_runner`]: the official runner's side of the protocol, for executors to run.
 //! - [`fake_kube`]: an in-process Kubernetes API server for the real `kube` client.
 //! - [`nats_server`]: a real `nats-server` child process with a temporary store.
+//! - [`opensandbox`]: the real OpenSandbox server on an in-memory cluster.
 //! - [`spiffe`]: a fake SPIFFE Workload API with a test CA.
+//! - [`backend_contract`]: the executor-backend contract as a suite any backend runs.
 //! - [`memory_backend`]: an in-memory executor backend.
 //! - [`log_capture`]: JSON log capture, for the tests that look for leaked secrets.
 //! - [`controller`]: one builder of controller configurations, and controller processes
 //!   started with listeners the test bound.
 //! - [`eventually`] / [`until`]: waiting on observable state with a deadline.
 
+pub mod backend_contract;
 pub mod controller;
 pub mod fake_kube;
 pub mod log_capture;
 pub mod memory_backend;
 pub mod mock_gitea;
 pub mod nats_server;
+pub mod opensandbox;
 pub mod spiffe;
 pub mod standin_runner;
 pub mod tasks;

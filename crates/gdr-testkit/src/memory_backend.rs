@@ -225,6 +225,13 @@ impl ExecutorBackend for MemoryBackend {
             return Err(f.error());
         }
         let id = spec.assignment.id().clone();
+        if spec.assignment.backend() != self.backend {
+            return Err(ExecutorError::permanent(Injected(format!(
+                "assignment {id} is for backend {}, this is {}",
+                spec.assignment.backend(),
+                self.backend
+            ))));
+        }
         if let Some(existing) = state.executors.get(&id) {
             return Ok(existing.clone());
         }

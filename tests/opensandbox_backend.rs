@@ -1,0 +1,419 @@
+//! The OpenSandbox VM backend against the real `opensandbox-server` 1.1.1 on the testkit's
+//! in-memory cluster: the backend contract suite, pool capacity, phases, recovery of
+//! untrustworthy metadata, expiry renewal, and the real executor binary started as the
+//! sandbox's entrypoint. Each test uses its own pool and metadata prefix, so they share
+//! one server. Server timeouts: `gdr_testkit::opensandbox::{CREATE_TIMEOUT,
+//! POOL_ACQUISITION_TIMEOUT}` (10 s and 2 s here; 60 s and 30 s in production).
+
+// A panic is how a test fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod opensandbox_common;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use gdr_backends::opensandbox::client::CreateSandbox;
+use gdr_backends::opensandbox::{OpenSandboxBackend, OpenSandboxSettings};
+use gdr_core::backend::Backend;
+use gdr_core::executor::{ExecutorBackend, ExecutorError, ExecutorSpec, Phase, env};
+use gdr_core::metadata::{MetadataCodec, keys};
+use gdr_testkit::backend_contract::{self, Contract, eventually};
+use gdr_testkit::opensandbox::{OpenSandboxServer, POOL_ACQUISITION_TIMEOUT, PoolSpec};
+use gdr_testkit::spiffe::{FakeWorkloadApi, TestCa};
+use opensandbox_common::{DEADLINE, client, pool, server, settings, unique};
+
+/// A test's own metadata prefix, pool and settings on the shared server.
+struct Setup {
+    server: &'static OpenSandboxServer,
+    settings: OpenSandboxSettings,
+}
+
+impl Setup {
+    async fn new(pool_spec: PoolSpec) -> Self {
+        let server = server().await;
+        let pool = pool(server, pool_spec).await;
+        let codec = MetadataCodec::new(format!("{}.gdr.test/", unique("t"))).unwrap();
+        let mut settings = OpenSandboxSettings::new(
+            settings(server),
+            pool,
+            codec,
+            backend_contract::trust_domain(),
+        );
+        settings.entrypoint = vec!["/bin/sh".into(), "-c".into(), "exec sleep 120".into()];
+        settings.timeout = Duration::from_secs(3600);
+        Setup { server, settings }
+    }
+
+    /// A backend instance (a controller start).
+    fn backend(&self) -> OpenSandboxBackend {
+        OpenSandboxBackend::new(self.settings.clone(), client(self.server)).unwrap()
+    }
+
+    fn spec(&self, task_id: i64) -> ExecutorSpec {
+        let assignment = backend_contract::assignment(
+            task_id,
+            "octo-org/hello-world",
+            "build",
+            Backend::Vm,
+            &self.settings.trust_domain,
+        );
+        backend_contract::spec(&assignment, &self.settings.codec)
+    }
+}
+
+/// DESIGN invariants 8–10, 12: the OpenSandbox backend keeps the executor-backend
+/// contract; each instance is a new client, as a restarted controller would have.
+#[tokio::test]
+async fn the_opensandbox_backend_keeps_the_executor_backend_contract() {
+    let setup = Setup::new(PoolSpec::new(4)).await;
+    let mut contract = Contract::new(Backend::Vm, 1000);
+    contract.codec = setup.settings.codec.clone();
+    backend_contract::run(
+        || Arc::new(setup.backend()) as Arc<dyn ExecutorBackend>,
+        &contract,
+    )
+    .await;
+}
+
+/// DESIGN invariant 6: a full pool is `Full` with the server's Retry-After, so the
+/// assignment stays queued; when room frees, the same create succeeds, and nothing was
+/// left behind by the refusal.
+#[tokio::test]
+async fn a_full_pool_is_full_with_retry_after_and_room_lets_the_create_through() {
+    let setup = Setup::new(PoolSpec::new(1)).await;
+    let backend = setup.backend();
+    let first = backend.create(&setup.spec(1)).await.unwrap();
+    let waiting = setup.spec(2);
+    match backend.create(&waiting).await {
+        Err(ExecutorError::Full {
+            retry_after,
+            reason,
+        }) => {
+            assert_eq!(retry_after, Some(POOL_ACQUISITION_TIMEOUT));
+            assert!(reason.contains("POOL_CAPACITY_EXHAUSTED"), "{reason}");
+        }
+        other => panic!("expected Full, got {other:?}"),
+    }
+    assert!(
+        backend
+            .find(waiting.assignment.id())
+            .await
+            .unwrap()
+            .is_none(),
+        "the refusal left no sandbox"
+    );
+    backend.delete(first.assignment.id()).await.unwrap();
+    eventually(DEADLINE, "the first sandbox is gone", || async {
+        backend
+            .find(first.assignment.id())
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    let created = backend.create(&waiting).await.unwrap();
+    assert_eq!(created.phase, Phase::Running);
+    backend.delete(waiting.assignment.id()).await.unwrap();
+}
+
+/// The configuration contract: a missing pool and a wrong key are retried (the job stays
+/// queued while the operator fixes it) with a message naming what to fix.
+#[tokio::test]
+async fn configuration_errors_name_the_setting_and_keep_the_job_queued() {
+    let mut setup = Setup::new(PoolSpec::new(1)).await;
+    setup.settings.pool = unique("missing");
+    let error = setup.backend().create(&setup.spec(1)).await.unwrap_err();
+    assert!(matches!(error, ExecutorError::Unavailable(_)), "{error}");
+    assert!(
+        error
+            .to_string()
+            .contains(&format!("pool `{}` not found", setup.settings.pool)),
+        "{error}"
+    );
+    let wrong_key = OpenSandboxBackend::new(
+        setup.settings.clone(),
+        opensandbox_common::client_with(setup.server, settings(setup.server), "wrong"),
+    )
+    .unwrap();
+    let error = wrong_key.list().await.unwrap_err();
+    assert!(matches!(error, ExecutorError::Unavailable(_)), "{error}");
+    assert!(
+        error.to_string().contains("opensandbox_api_key_file"),
+        "{error}"
+    );
+}
+
+/// The phase contract: an executor that exited leaves its sandbox `Running` (completion
+/// comes from the terminal marker or the idle timeout, never from the state), while a
+/// failed task reads `Finished` with the server's reason.
+#[tokio::test]
+async fn an_exited_executor_stays_running_and_a_failed_task_is_finished_with_its_reason() {
+    let mut spawning = PoolSpec::new(2);
+    spawning.spawn = true;
+    let mut setup = Setup::new(spawning).await;
+    setup.settings.entrypoint = vec!["/bin/sh".into(), "-c".into(), "exit 3".into()];
+    let backend = setup.backend();
+    let exited = backend.create(&setup.spec(1)).await.unwrap();
+    let pod = eventually(DEADLINE, "the entrypoint exits", || async {
+        let info = setup.server.control.sandbox(&exited.name).await.unwrap()?;
+        info.pod.filter(|p| p.exit_code.is_some())
+    })
+    .await;
+    assert_eq!(pod.exit_code, Some(3));
+    let found = backend.find(exited.assignment.id()).await.unwrap().unwrap();
+    assert_eq!(
+        found.phase,
+        Phase::Running,
+        "OpenSandbox keeps a sandbox whose process exited Running"
+    );
+
+    let failing = backend.create(&setup.spec(2)).await.unwrap();
+    assert!(
+        setup
+            .server
+            .control
+            .fail_sandbox(&failing.name)
+            .await
+            .unwrap()
+    );
+    match backend
+        .find(failing.assignment.id())
+        .await
+        .unwrap()
+        .unwrap()
+        .phase
+    {
+        Phase::Finished {
+            success: false,
+            reason: Some(reason),
+        } => {
+            assert!(reason.contains("TASK_FAILED"), "{reason}");
+        }
+        other => panic!("expected Finished, got {other:?}"),
+    }
+    backend.delete(exited.assignment.id()).await.unwrap();
+    backend.delete(failing.assignment.id()).await.unwrap();
+}
+
+/// DESIGN invariant 8 (metadata is never trusted as it is): a sandbox carrying the runner
+/// and assignment labels but broken annotation chunks is skipped by recovery, refused by
+/// find (so no second executor is created beside it), and still deleted.
+#[tokio::test]
+async fn a_sandbox_with_tampered_metadata_is_skipped_refused_and_deletable() {
+    let setup = Setup::new(PoolSpec::new(2)).await;
+    let backend = setup.backend();
+    let spec = setup.spec(7);
+    let codec = &setup.settings.codec;
+    let mut metadata = codec.flatten(&spec.metadata).unwrap();
+    metadata.insert(
+        codec.key(&format!("{}000", keys::ANNOTATION_CHUNK)),
+        "AAAA".into(),
+    );
+    let tampered = client(setup.server)
+        .create(&CreateSandbox {
+            pool: setup.settings.pool.clone(),
+            entrypoint: setup.settings.entrypoint.clone(),
+            env: BTreeMap::new(),
+            metadata,
+            timeout: Some(Duration::from_secs(600)),
+        })
+        .await
+        .unwrap();
+    let good = backend.create(&setup.spec(8)).await.unwrap();
+    let listed = backend.list().await.unwrap();
+    assert_eq!(
+        listed.iter().map(|r| r.name.as_str()).collect::<Vec<_>>(),
+        vec![good.name.as_str()],
+        "recovery skips the tampered sandbox"
+    );
+    assert!(matches!(
+        backend.find(spec.assignment.id()).await,
+        Err(ExecutorError::Permanent(_))
+    ));
+    assert!(
+        matches!(
+            backend.create(&spec).await,
+            Err(ExecutorError::Permanent(_))
+        ),
+        "no second sandbox beside it"
+    );
+    backend.delete(spec.assignment.id()).await.unwrap();
+    eventually(DEADLINE, "the tampered sandbox is deleted", || async {
+        client(setup.server)
+            .get(&tampered.id)
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    backend.delete(good.assignment.id()).await.unwrap();
+}
+
+/// A job may run longer than the sandbox timeout: every lifecycle pass (`list`) extends
+/// the expiry of running sandboxes close to it, and leaves terminal-marked ones to expire.
+#[tokio::test]
+async fn listing_extends_running_sandboxes_close_to_expiry_but_not_terminal_ones() {
+    let mut setup = Setup::new(PoolSpec::new(2)).await;
+    setup.settings.timeout = Duration::from_secs(120);
+    setup.settings.renew_before = Duration::from_secs(119);
+    let backend = setup.backend();
+    let running = backend.create(&setup.spec(1)).await.unwrap();
+    let terminal = backend.create(&setup.spec(2)).await.unwrap();
+    backend
+        .mark_terminal(terminal.assignment.id())
+        .await
+        .unwrap();
+    let client = client(setup.server);
+    let expiry = |id: String| {
+        let client = client.clone();
+        async move { client.get(&id).await.unwrap().unwrap().expires_at.unwrap() }
+    };
+    let (first_running, first_terminal) = (
+        expiry(running.name.clone()).await,
+        expiry(terminal.name.clone()).await,
+    );
+    eventually(DEADLINE, "a pass extends the running sandbox", || async {
+        backend.list().await.unwrap();
+        (expiry(running.name.clone()).await > first_running).then_some(())
+    })
+    .await;
+    // The terminal sandbox becomes due a moment after the running one; one more pass once
+    // it is due shows that it is left alone.
+    let renew_before = setup.settings.renew_before;
+    eventually(DEADLINE, "the terminal sandbox is due", || async {
+        (SystemTime::now() + renew_before > first_terminal).then_some(())
+    })
+    .await;
+    backend.list().await.unwrap();
+    assert_eq!(
+        expiry(terminal.name.clone()).await,
+        first_terminal,
+        "a terminal sandbox is not extended"
+    );
+    backend.delete(running.assignment.id()).await.unwrap();
+    backend.delete(terminal.assignment.id()).await.unwrap();
+}
+
+/// DESIGN invariants 14 and 16, as far as they reach without a controller: the sandbox's
+/// entrypoint is the real executor, started (as a kubelet would) with the assignment's
+/// environment from the sandbox spec; it fetches the job's SVID from the Workload API it
+/// was pointed at and writes the one-shot `.runner` with the assignment ID and capability.
+/// With no facade it gives up after its ready timeout, and the sandbox stays `Running`;
+/// deleting the sandbox stops its process.
+#[tokio::test]
+async fn the_sandbox_entrypoint_runs_the_real_executor_with_the_assignment_environment() {
+    let mut spawning = PoolSpec::new(1);
+    spawning.spawn = true;
+    let mut setup = Setup::new(spawning).await;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = setup.spec(42);
+    let ca = TestCa::new("example.org").unwrap();
+    let workload = FakeWorkloadApi::start(dir.path(), ca, spec.assignment.identity().spiffe_id())
+        .await
+        .unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir(&work).unwrap();
+    setup.settings.entrypoint = vec![
+        env!("CARGO_BIN_EXE_gitea-dynamic-runner").into(),
+        "executor".into(),
+    ];
+    setup.settings.extra_env = BTreeMap::from([
+        (env::SPIFFE_ENDPOINT_SOCKET.into(), workload.endpoint()),
+        ("CI_RUNNER_WORKDIR".into(), work.display().to_string()),
+        ("CI_EXECUTOR_READY_TIMEOUT".into(), "1".into()),
+    ]);
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let spec = ExecutorSpec {
+        facade_url: format!("https://127.0.0.1:{closed}"),
+        ..spec
+    };
+    let backend = setup.backend();
+    let record = backend.create(&spec).await.unwrap();
+
+    let info = setup
+        .server
+        .control
+        .sandbox(&record.name)
+        .await
+        .unwrap()
+        .unwrap();
+    let pod = info.pod.expect("the sandbox has a pod");
+    assert_eq!(pod.command, setup.settings.entrypoint);
+    assert_eq!(pod.env[env::ASSIGNMENT_ID], spec.assignment.id().as_str());
+    assert_eq!(pod.env[env::CAPABILITY], spec.capability.expose());
+    assert_eq!(
+        pod.env[env::SPIFFE_ID],
+        spec.assignment.identity().spiffe_id()
+    );
+    assert_eq!(pod.env[env::BACKEND], "vm");
+
+    let runner: serde_json::Value = eventually(DEADLINE, "the executor writes .runner", || async {
+        let text = std::fs::read_to_string(work.join(".runner")).ok()?;
+        serde_json::from_str(&text).ok()
+    })
+    .await;
+    assert_eq!(runner["uuid"], spec.assignment.id().as_str());
+    assert_eq!(runner["token"], spec.capability.expose());
+    assert!(workload.fetch_count() > 0, "the executor fetched its SVID");
+    let exited = eventually(
+        DEADLINE,
+        "the executor gives up on the missing facade",
+        || async {
+            let info = setup.server.control.sandbox(&record.name).await.unwrap()?;
+            info.pod.filter(|p| p.exit_code.is_some())
+        },
+    )
+    .await;
+    assert_ne!(exited.exit_code, Some(0));
+    let log = std::fs::read_to_string(&exited.log).unwrap();
+    assert!(
+        !log.contains(spec.capability.expose()),
+        "the executor never logs its capability"
+    );
+    assert_eq!(
+        backend
+            .find(spec.assignment.id())
+            .await
+            .unwrap()
+            .unwrap()
+            .phase,
+        Phase::Running
+    );
+    backend.delete(spec.assignment.id()).await.unwrap();
+}
+
+/// A sandbox started by the executor is stopped with its sandbox: deleting the sandbox
+/// ends the local process (no VM outlives its executor record).
+#[tokio::test]
+async fn deleting_a_sandbox_stops_its_process() {
+    let mut spawning = PoolSpec::new(1);
+    spawning.spawn = true;
+    let setup = Setup::new(spawning).await;
+    let backend = setup.backend();
+    let record = backend.create(&setup.spec(5)).await.unwrap();
+    let pid = eventually(DEADLINE, "the sandbox process runs", || async {
+        setup
+            .server
+            .control
+            .sandbox(&record.name)
+            .await
+            .unwrap()?
+            .pod?
+            .pid
+    })
+    .await;
+    assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+    backend.delete(record.assignment.id()).await.unwrap();
+    eventually(DEADLINE, "the process is gone", || async {
+        (!std::path::Path::new(&format!("/proc/{pid}")).exists()).then_some(())
+    })
+    .await;
+}

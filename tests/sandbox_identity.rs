@@ -1,0 +1,531 @@
+//! `sandbox-identity` against the fake Kubernetes API serving BatchSandbox, Pod and
+//! ClusterStaticEntry objects, through the real `kube` client.
+
+// A panic is how a test fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gdr_core::backend::Backend;
+use gdr_core::metadata::MetadataCodec;
+use gdr_sandbox_identity::{Metrics, Reconciler, Settings, batchsandbox_resource, entry_resource};
+use gdr_testkit::backend_contract::{self, eventually};
+use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use http::{Method, StatusCode};
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
+use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::{Api, Client};
+use serde_json::{Value, json};
+
+const NS: &str = "opensandbox";
+const DEADLINE: Duration = Duration::from_secs(20);
+const JOB_A: &str = "spiffe://example.org/ci/octo-org/hello-world/build";
+const JOB_B: &str = "spiffe://example.org/ci/octo-org/other-repo/deploy";
+
+struct Cluster {
+    fake: RunningFakeKube,
+    client: Client,
+}
+
+impl Cluster {
+    async fn start() -> Self {
+        let fake = fake_kube::start().await.unwrap();
+        fake.handle.register(ResourceType {
+            group: "sandbox.opensandbox.io".into(),
+            version: "v1alpha1".into(),
+            plural: "batchsandboxes".into(),
+            kind: "BatchSandbox".into(),
+            namespaced: true,
+            allow_create_on_update: false,
+        });
+        fake.handle.register(ResourceType {
+            group: "spire.spiffe.io".into(),
+            version: "v1alpha1".into(),
+            plural: "clusterstaticentries".into(),
+            kind: "ClusterStaticEntry".into(),
+            namespaced: false,
+            allow_create_on_update: false,
+        });
+        let client = Client::try_from(kube::Config::new(fake.url.parse().unwrap())).unwrap();
+        Cluster { fake, client }
+    }
+
+    fn settings() -> Settings {
+        Settings::new(backend_contract::trust_domain())
+    }
+
+    fn reconciler(&self) -> Reconciler {
+        self.reconciler_with(Self::settings(), Metrics::default())
+    }
+
+    fn reconciler_with(&self, settings: Settings, metrics: Metrics) -> Reconciler {
+        Reconciler::new(self.client.clone(), settings, metrics)
+    }
+
+    fn sandboxes(&self) -> Api<DynamicObject> {
+        Api::namespaced_with(self.client.clone(), NS, &batchsandbox_resource())
+    }
+
+    fn entries_api(&self) -> Api<DynamicObject> {
+        Api::all_with(self.client.clone(), &entry_resource())
+    }
+
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.client.clone(), NS)
+    }
+
+    /// Creates Pod `name`; its UID.
+    async fn pod(&self, name: &str) -> String {
+        let pod = Pod {
+            metadata: kube::api::ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                containers: vec![Container {
+                    name: "sandbox".into(),
+                    image: Some("runner".into()),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let created = self
+            .pods()
+            .create(&PostParams::default(), &pod)
+            .await
+            .unwrap();
+        created.metadata.uid.unwrap()
+    }
+
+    /// Creates a runner BatchSandbox holding `pods`, whose task asks for `spiffe_id`.
+    async fn sandbox(&self, name: &str, pods: &[&str], spiffe_id: Option<&str>) {
+        self.sandbox_with(name, pods, spiffe_id, BTreeMap::new())
+            .await;
+    }
+
+    async fn sandbox_with(
+        &self,
+        name: &str,
+        pods: &[&str],
+        spiffe_id: Option<&str>,
+        mut labels: BTreeMap<String, String>,
+    ) {
+        labels
+            .entry("ci.ddupan.top/runner".into())
+            .or_insert_with(|| "true".into());
+        let env: Vec<Value> = spiffe_id
+            .map(|id| json!({"name": "CI_SPIFFE_ID", "value": id}))
+            .into_iter()
+            .chain([json!({"name": "CI_ASSIGNMENT_ID", "value": "gitea-task-1"})])
+            .collect();
+        let mut object = DynamicObject::new(name, &batchsandbox_resource()).data(json!({
+            "spec": {
+                "replicas": 1,
+                "poolRef": "ci-vm",
+                "taskTemplate": {"spec": {"process": {"command": ["/bin/sh"], "env": env}}},
+            }
+        }));
+        object.metadata.labels = Some(labels);
+        object.metadata.annotations = Some(BTreeMap::from([(
+            "sandbox.opensandbox.io/alloc-status".into(),
+            json!({"pods": pods, "poolRef": "ci-vm"}).to_string(),
+        )]));
+        self.sandboxes()
+            .create(&PostParams::default(), &object)
+            .await
+            .unwrap();
+    }
+
+    async fn annotate(&self, sandbox: &str, key: &str, value: Value) {
+        let patch = json!({"metadata": {"annotations": {key: value.to_string()}}});
+        self.sandboxes()
+            .patch(sandbox, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    }
+
+    /// Every ClusterStaticEntry by name.
+    async fn entries(&self) -> BTreeMap<String, DynamicObject> {
+        self.entries_api()
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .map(|e| (e.metadata.name.clone().unwrap(), e))
+            .collect()
+    }
+
+    /// (parentID, spiffeID) of every entry.
+    async fn bindings(&self) -> Vec<(String, String)> {
+        let mut all: Vec<(String, String)> = self
+            .entries()
+            .await
+            .values()
+            .map(|e| {
+                (
+                    e.data["spec"]["parentID"].as_str().unwrap().to_owned(),
+                    e.data["spec"]["spiffeID"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect();
+        all.sort();
+        all
+    }
+}
+
+fn parent(uid: &str) -> String {
+    format!("spiffe://example.org/spire/agent/k8s_psat/sandbox-kata/pod/{uid}")
+}
+
+/// DESIGN (components, sandbox-identity) and invariant 13: each Pod a runner sandbox holds
+/// gets exactly one entry: parent the Pod's own in-VM agent, selector the runner UID, the
+/// job's SPIFFE ID, the controller manager's class, labels naming sandbox and Pod.
+/// Sandboxes without the runner label are not touched.
+#[tokio::test]
+async fn each_allocated_pod_gets_one_entry_bound_to_its_agent_and_the_runner_uid() {
+    let cluster = Cluster::start().await;
+    let uid1 = cluster.pod("ci-vm-1").await;
+    let uid2 = cluster.pod("ci-vm-2").await;
+    cluster.pod("other-1").await;
+    cluster
+        .sandbox("sb-a", &["ci-vm-1", "ci-vm-2"], Some(JOB_A))
+        .await;
+    cluster
+        .sandbox_with(
+            "not-ours",
+            &["other-1"],
+            Some(JOB_B),
+            BTreeMap::from([("ci.ddupan.top/runner".into(), "false".into())]),
+        )
+        .await;
+    let pass = cluster.reconciler().reconcile_once().await.unwrap();
+    assert_eq!((pass.sandboxes, pass.created), (1, 2));
+    assert_eq!(cluster.bindings().await, {
+        let mut want = vec![
+            (parent(&uid1), JOB_A.to_owned()),
+            (parent(&uid2), JOB_A.to_owned()),
+        ];
+        want.sort();
+        want
+    });
+    for entry in cluster.entries().await.values() {
+        assert_eq!(entry.data["spec"]["selectors"], json!(["unix:uid:2000"]));
+        assert_eq!(entry.data["spec"]["className"], "spire-mgmt-spire");
+        let labels = entry.metadata.labels.as_ref().unwrap();
+        assert_eq!(labels["ci.ddupan.top/sandbox-id"], "sb-a");
+        assert_eq!(
+            labels["app.kubernetes.io/component"],
+            "opensandbox-identity"
+        );
+    }
+}
+
+/// DESIGN invariant 13: without `CI_SPIFFE_ID` in its task, a sandbox's identity comes
+/// from its metadata (the codec's chunks), re-derived from repository and job key.
+#[tokio::test]
+async fn the_identity_comes_from_the_sandbox_metadata_when_the_task_has_none() {
+    let cluster = Cluster::start().await;
+    let uid = cluster.pod("ci-vm-1").await;
+    let codec = MetadataCodec::default();
+    let assignment = backend_contract::assignment(
+        9,
+        "octo-org/hello-world",
+        "build",
+        Backend::Vm,
+        &backend_contract::trust_domain(),
+    );
+    let labels = codec
+        .flatten(&backend_contract::spec(&assignment, &codec).metadata)
+        .unwrap();
+    cluster
+        .sandbox_with("sb-meta", &["ci-vm-1"], None, labels)
+        .await;
+    cluster.reconciler().reconcile_once().await.unwrap();
+    assert_eq!(
+        cluster.bindings().await,
+        vec![(parent(&uid), JOB_A.to_owned())]
+    );
+}
+
+/// A Pod the sandbox releases loses its identity at once; the sandbox's other Pods keep
+/// theirs. A deleted sandbox loses every entry.
+#[tokio::test]
+async fn released_pods_and_deleted_sandboxes_lose_their_entries() {
+    let cluster = Cluster::start().await;
+    let uid1 = cluster.pod("ci-vm-1").await;
+    let uid2 = cluster.pod("ci-vm-2").await;
+    cluster
+        .sandbox("sb-a", &["ci-vm-1", "ci-vm-2"], Some(JOB_A))
+        .await;
+    let reconciler = cluster.reconciler();
+    reconciler.reconcile_once().await.unwrap();
+    cluster
+        .annotate(
+            "sb-a",
+            "sandbox.opensandbox.io/alloc-release",
+            json!({"pods": ["ci-vm-1"]}),
+        )
+        .await;
+    let pass = reconciler.reconcile_once().await.unwrap();
+    assert_eq!(pass.deleted, 1);
+    assert_eq!(
+        cluster.bindings().await,
+        vec![(parent(&uid2), JOB_A.to_owned())]
+    );
+    assert!(
+        !cluster
+            .bindings()
+            .await
+            .iter()
+            .any(|(p, _)| *p == parent(&uid1))
+    );
+    cluster
+        .sandboxes()
+        .delete("sb-a", &DeleteParams::default())
+        .await
+        .unwrap();
+    reconciler.reconcile_once().await.unwrap();
+    assert!(
+        cluster.entries().await.is_empty(),
+        "a gone sandbox keeps no entry"
+    );
+}
+
+/// The invariant this reconciler exists for: a Pod handed to the next job (the same Pod
+/// with its UID under `recycleStrategy: Noop`, or a new Pod of the same name) never keeps
+/// the previous job's identity, and gets the new job's.
+#[tokio::test]
+async fn a_recycled_pod_never_keeps_the_previous_jobs_identity() {
+    let cluster = Cluster::start().await;
+    let uid = cluster.pod("ci-vm-1").await;
+    cluster.sandbox("sb-a", &["ci-vm-1"], Some(JOB_A)).await;
+    let reconciler = cluster.reconciler();
+    reconciler.reconcile_once().await.unwrap();
+    assert_eq!(
+        cluster.bindings().await,
+        vec![(parent(&uid), JOB_A.to_owned())]
+    );
+
+    // Same Pod, same UID, released by A and allocated to B.
+    cluster
+        .annotate(
+            "sb-a",
+            "sandbox.opensandbox.io/alloc-released",
+            json!({"pods": ["ci-vm-1"]}),
+        )
+        .await;
+    cluster.sandbox("sb-b", &["ci-vm-1"], Some(JOB_B)).await;
+    reconciler.reconcile_once().await.unwrap();
+    assert_eq!(
+        cluster.bindings().await,
+        vec![(parent(&uid), JOB_B.to_owned())]
+    );
+
+    // The Pod is replaced (new UID, same name) and B still holds the name.
+    cluster
+        .pods()
+        .delete("ci-vm-1", &DeleteParams::default())
+        .await
+        .unwrap();
+    let new_uid = cluster.pod("ci-vm-1").await;
+    assert_ne!(new_uid, uid);
+    reconciler.reconcile_once().await.unwrap();
+    assert_eq!(
+        cluster.bindings().await,
+        vec![(parent(&new_uid), JOB_B.to_owned())]
+    );
+}
+
+/// DESIGN invariant 13: an identity that does not validate (another trust domain, a
+/// metadata identity the task contradicts, none at all) is refused: no entry, logged and
+/// counted once per sandbox however many passes see it.
+#[tokio::test]
+async fn invalid_identities_are_refused_and_counted_once() {
+    let cluster = Cluster::start().await;
+    let ok_uid = cluster.pod("ci-vm-0").await;
+    for pod in ["ci-vm-1", "ci-vm-2", "ci-vm-3"] {
+        cluster.pod(pod).await;
+    }
+    cluster.sandbox("good", &["ci-vm-0"], Some(JOB_A)).await;
+    cluster
+        .sandbox(
+            "foreign",
+            &["ci-vm-1"],
+            Some("spiffe://evil.org/ci/octo-org/hello-world/build"),
+        )
+        .await;
+    cluster.sandbox("anonymous", &["ci-vm-2"], None).await;
+    let codec = MetadataCodec::default();
+    let assignment = backend_contract::assignment(
+        9,
+        "octo-org/hello-world",
+        "build",
+        Backend::Vm,
+        &backend_contract::trust_domain(),
+    );
+    let labels = codec
+        .flatten(&backend_contract::spec(&assignment, &codec).metadata)
+        .unwrap();
+    cluster
+        .sandbox_with("contradicted", &["ci-vm-3"], Some(JOB_B), labels)
+        .await;
+    let metrics = Metrics::default();
+    let reconciler = cluster.reconciler_with(Cluster::settings(), metrics.clone());
+    let first = reconciler.reconcile_once().await.unwrap();
+    let second = reconciler.reconcile_once().await.unwrap();
+    assert_eq!((first.refused, second.refused), (3, 3));
+    assert_eq!(
+        metrics.refused.get(),
+        3,
+        "each refused sandbox is counted once"
+    );
+    assert_eq!(
+        cluster.bindings().await,
+        vec![(parent(&ok_uid), JOB_A.to_owned())]
+    );
+}
+
+/// Reconciling is idempotent: a restarted reconciler finds everything right and writes
+/// nothing; a changed entry is repaired; an entry it does not own is left alone; an entry
+/// the Python version left (one per sandbox, same component label) is replaced.
+#[tokio::test]
+async fn a_restart_writes_nothing_and_drift_is_repaired() {
+    let cluster = Cluster::start().await;
+    let uid = cluster.pod("ci-vm-1").await;
+    cluster.sandbox("sb-a", &["ci-vm-1"], Some(JOB_A)).await;
+    let mut foreign = DynamicObject::new("someone-elses", &entry_resource())
+        .data(json!({"spec": {"spiffeID": JOB_B, "parentID": "spiffe://example.org/x", "selectors": ["unix:uid:0"]}}));
+    foreign.metadata.labels = Some(BTreeMap::from([("team".into(), "infra".into())]));
+    cluster
+        .entries_api()
+        .create(&PostParams::default(), &foreign)
+        .await
+        .unwrap();
+    let mut python = DynamicObject::new("gitea-ci-0123456789ab", &entry_resource())
+        .data(json!({"spec": {"spiffeID": JOB_A, "parentID": parent("old-uid"), "selectors": ["unix:uid:2000"]}}));
+    python.metadata.labels = Some(BTreeMap::from([
+        (
+            "app.kubernetes.io/component".into(),
+            "opensandbox-identity".into(),
+        ),
+        ("ci.ddupan.top/sandbox-id".into(), "sb-a".into()),
+    ]));
+    cluster
+        .entries_api()
+        .create(&PostParams::default(), &python)
+        .await
+        .unwrap();
+
+    let pass = cluster.reconciler().reconcile_once().await.unwrap();
+    assert_eq!(
+        (pass.created, pass.deleted),
+        (1, 1),
+        "the Python entry is replaced"
+    );
+    let versions = |entries: &BTreeMap<String, DynamicObject>| -> Vec<Option<String>> {
+        entries
+            .values()
+            .map(|e| e.metadata.resource_version.clone())
+            .collect()
+    };
+    let before = cluster.entries().await;
+    let pass = cluster.reconciler().reconcile_once().await.unwrap();
+    assert_eq!((pass.created, pass.updated, pass.deleted), (0, 0, 0));
+    assert_eq!(
+        versions(&cluster.entries().await),
+        versions(&before),
+        "a restart writes nothing"
+    );
+
+    let owned = before
+        .keys()
+        .find(|n| n.as_str() != "someone-elses")
+        .unwrap()
+        .clone();
+    cluster
+        .entries_api()
+        .patch(
+            &owned,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"spiffeID": JOB_B}})),
+        )
+        .await
+        .unwrap();
+    let pass = cluster.reconciler().reconcile_once().await.unwrap();
+    assert_eq!(pass.updated, 1);
+    let entries = cluster.entries().await;
+    assert_eq!(
+        entries[&owned].data["spec"]["spiffeID"], JOB_A,
+        "the changed entry is repaired"
+    );
+    assert_eq!(entries[&owned].data["spec"]["parentID"], parent(&uid));
+    assert!(
+        entries.contains_key("someone-elses"),
+        "an entry without the component label is not ours"
+    );
+}
+
+/// A pass that cannot see the whole cluster changes nothing: a failing Pod read (or list)
+/// must not revoke the identity of running jobs.
+#[tokio::test]
+async fn a_pass_that_cannot_read_the_cluster_changes_nothing() {
+    let cluster = Cluster::start().await;
+    cluster.pod("ci-vm-1").await;
+    cluster.sandbox("sb-a", &["ci-vm-1"], Some(JOB_A)).await;
+    let reconciler = cluster.reconciler();
+    reconciler.reconcile_once().await.unwrap();
+    let before = cluster.bindings().await;
+    cluster.fake.handle.fail_always(
+        Method::GET,
+        &format!("/api/v1/namespaces/{NS}/pods"),
+        StatusCode::INTERNAL_SERVER_ERROR,
+    );
+    let error = reconciler.reconcile_once().await.unwrap_err();
+    assert!(error.to_string().contains("reading Pod ci-vm-1"), "{error}");
+    assert_eq!(cluster.bindings().await, before);
+    cluster.fake.handle.clear_faults();
+    cluster.fake.handle.fail_always(
+        Method::GET,
+        &format!("/apis/sandbox.opensandbox.io/v1alpha1/namespaces/{NS}/batchsandboxes"),
+        StatusCode::FORBIDDEN,
+    );
+    assert!(reconciler.reconcile_once().await.is_err());
+    assert_eq!(cluster.bindings().await, before);
+}
+
+/// The run loop converges on its own (watch events when the API serves watches, the
+/// resync interval otherwise) and stops on shutdown.
+#[tokio::test]
+async fn the_run_loop_converges_without_being_asked_and_stops_on_shutdown() {
+    let cluster = Cluster::start().await;
+    let uid = cluster.pod("ci-vm-1").await;
+    let mut settings = Cluster::settings();
+    settings.resync = Duration::from_millis(100);
+    let reconciler = Arc::new(cluster.reconciler_with(settings, Metrics::default()));
+    let (stop, shutdown) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(Arc::clone(&reconciler).run(shutdown));
+    cluster.sandbox("sb-a", &["ci-vm-1"], Some(JOB_A)).await;
+    eventually(DEADLINE, "the entry appears", || async {
+        (cluster.bindings().await == vec![(parent(&uid), JOB_A.to_owned())]).then_some(())
+    })
+    .await;
+    cluster
+        .sandboxes()
+        .delete("sb-a", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(DEADLINE, "the entry goes", || async {
+        cluster.entries().await.is_empty().then_some(())
+    })
+    .await;
+    stop.send(true).unwrap();
+    tokio::time::timeout(DEADLINE, task)
+        .await
+        .expect("the loop stops")
+        .unwrap();
+}
