@@ -602,7 +602,10 @@ async fn fake_api_errors_are_status_objects_shaped_like_the_real_servers() {
     // 409 AlreadyExists on a second create.
     let resp = http
         .post(format!("{}/api/v1/namespaces/{NS}/pods", fake.url))
-        .json(&json!({ "apiVersion": "v1", "kind": "Pod", "metadata": { "name": "job-1" } }))
+        .json(&json!({
+            "apiVersion": "v1", "kind": "Pod", "metadata": { "name": "job-1" },
+            "spec": { "containers": [{ "name": "job", "image": "runner:latest" }] }
+        }))
         .send()
         .await
         .expect("POST");
@@ -757,7 +760,11 @@ async fn a_registered_cluster_scoped_custom_resource_is_served() {
     ));
     let entries: Api<DynamicObject> = Api::all_with(client(&fake.url), &ar);
     let mut entry = DynamicObject::new("task-42", &ar).data(json!({
-        "spec": { "spiffeID": "spiffe://example.org/task/42" }
+        "spec": {
+            "spiffeID": "spiffe://example.org/task/42",
+            "parentID": "spiffe://example.org/spire/agent/k8s_psat/c/node-uid",
+            "selectors": ["k8s:pod-uid:42"]
+        }
     }));
     entry.metadata.labels = Some(BTreeMap::from([("task".to_owned(), "42".to_owned())]));
     let created = entries
