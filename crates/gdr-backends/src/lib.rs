@@ -2,5 +2,10 @@
 //!
 //! - [`process`]: local child processes in per-assignment state directories (single host,
 //!   and the full-chain tests).
+//! - [`kubernetes`] (feature `kubernetes`): one Kubernetes Pod per job, bound to its SPIFFE
+//!   identity through a SPIRE ClusterStaticEntry.
 
 pub mod process;
+
+#[cfg(feature = "kubernetes")]
+pub mod kubernetes;
