@@ -70,7 +70,7 @@ async fn found(backend: &dyn ExecutorBackend, id: &AssignmentId, when: &str) -> 
 }
 
 /// Runs the suite. `make_backend` must return a new instance over the same store each
-/// call; `kind` is the backend it serves; `a` and `b` are two specs of that backend whose
+/// call (the previous instance is dropped first, as in a restart); `kind` is the backend it serves; `a` and `b` are two specs of that backend whose
 /// executors do not exist yet (see [`spec`]).
 pub async fn run(
     make_backend: impl Fn() -> Arc<dyn ExecutorBackend>,
@@ -111,7 +111,8 @@ pub async fn run(
         "one executor per assignment"
     );
 
-    // A restart: a new instance over the same store.
+    // A restart: the old instance is gone, a new one opens the same store.
+    drop(first);
     let second = make_backend();
     let record = found(second.as_ref(), &id_a, "after a restart").await;
     assert_eq!(record.name, created.name);
@@ -130,6 +131,7 @@ pub async fn run(
         .record_claimed(&id_a)
         .await
         .expect("claim is idempotent");
+    drop(second);
     let third = make_backend();
     let record = found(third.as_ref(), &id_a, "after claiming").await;
     assert!(
@@ -141,6 +143,7 @@ pub async fn run(
         .mark_terminal(&id_a)
         .await
         .expect("terminal is idempotent");
+    drop(third);
     let fourth = make_backend();
     let record = found(fourth.as_ref(), &id_a, "after the terminal marker").await;
     assert!(
@@ -167,6 +170,7 @@ pub async fn run(
 
     fourth.delete(&id_a).await.expect("delete");
     fourth.delete(&id_a).await.expect("delete is idempotent");
+    drop(fourth);
     let fifth = make_backend();
     assert!(
         fifth.find(&id_a).await.expect("find").is_none(),

@@ -112,7 +112,26 @@ fn kill_group(pid: u32) {
 struct Waiting(&'static str, String);
 
 impl FakeKubelet {
-    /// Registers the Node and starts following Pods.
+    /// Registers `name` as a Node (with `labels`) and returns its UID, so that a SPIRE agent
+    /// ID can be derived before the kubelet starts on it.
+    pub async fn register_node(
+        client: kube::Client,
+        name: &str,
+        labels: &BTreeMap<String, String>,
+    ) -> Result<String, kube::Error> {
+        let nodes: Api<Node> = Api::all(client);
+        let node: Node = serde_json::from_value(
+            json!({ "metadata": { "name": name, "labels": labels }, "spec": {} }),
+        )
+        .map_err(kube::Error::SerdeError)?;
+        Ok(nodes
+            .create(&PostParams::default(), &node)
+            .await?
+            .uid()
+            .unwrap_or_default())
+    }
+
+    /// Registers the Node (or reuses it) and starts following Pods.
     pub async fn start(client: kube::Client, config: KubeletConfig) -> Result<Self, kube::Error> {
         let nodes: Api<Node> = Api::all(client.clone());
         let node: Node = serde_json::from_value(json!({
@@ -120,7 +139,12 @@ impl FakeKubelet {
             "spec": {},
         }))
         .map_err(kube::Error::SerdeError)?;
-        let node = nodes.create(&PostParams::default(), &node).await?;
+        // A Node registered before (e.g. to learn its UID for the agent ID) is reused.
+        let node = match nodes.create(&PostParams::default(), &node).await {
+            Ok(n) => n,
+            Err(kube::Error::Api(s)) if s.code == 409 => nodes.get(&config.node_name).await?,
+            Err(e) => return Err(e),
+        };
         let node_uid = node.uid().unwrap_or_default();
         let shared = Arc::new(Shared {
             pods: Api::all(client.clone()),
