@@ -72,7 +72,7 @@ pub enum KubernetesError {
         name: String,
         /// The client's error.
         #[source]
-        source: kube::Error,
+        source: Box<kube::Error>,
     },
     /// RBAC refused a request: a configuration error naming what to grant.
     #[error(
@@ -87,7 +87,7 @@ pub enum KubernetesError {
         namespace: String,
         /// The server's answer.
         #[source]
-        source: kube::Error,
+        source: Box<kube::Error>,
     },
     /// The API server refused the object as invalid (422).
     #[error("Kubernetes refused {call} {name} as invalid: {source}")]
@@ -98,7 +98,7 @@ pub enum KubernetesError {
         name: String,
         /// The server's answer, with its message.
         #[source]
-        source: kube::Error,
+        source: Box<kube::Error>,
     },
     /// The Pod's labels and annotations do not describe a valid assignment.
     #[error("Pod {pod} has untrustworthy metadata: {source}")]
@@ -179,7 +179,7 @@ impl KubernetesError {
     /// The contract's view: retry or give up.
     pub fn into_executor_error(self) -> ExecutorError {
         match &self {
-            KubernetesError::Api { source, .. } => match source {
+            KubernetesError::Api { source, .. } => match source.as_ref() {
                 kube::Error::Api(status) if matches!(status.code, 400 | 404 | 405 | 415) => {
                     ExecutorError::permanent(self)
                 }
@@ -209,17 +209,17 @@ pub(super) fn api(
         kube::Error::Api(s) if s.code == 403 => KubernetesError::Forbidden {
             call,
             namespace: namespace.to_owned(),
-            source,
+            source: Box::new(source),
         },
         kube::Error::Api(s) if s.code == 422 => KubernetesError::Invalid {
             call,
             name: name.to_owned(),
-            source,
+            source: Box::new(source),
         },
         _ => KubernetesError::Api {
             call,
             name: name.to_owned(),
-            source,
+            source: Box::new(source),
         },
     }
 }
