@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, Secret};
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::watcher;
@@ -22,27 +22,7 @@ const NS: &str = "ci";
 const DEADLINE: Duration = Duration::from_secs(20);
 
 fn pod(name: &str, labels: &[(&str, &str)]) -> Pod {
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            labels: Some(
-                labels
-                    .iter()
-                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                    .collect::<BTreeMap<_, _>>(),
-            ),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            containers: vec![Container {
-                name: "job".into(),
-                image: Some("runner:latest".into()),
-                ..Container::default()
-            }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
-    }
+    fake_kube::minimal_pod(name, labels)
 }
 
 async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {

@@ -14,7 +14,7 @@ use gdr_controller::lease::{LeaderElector, Leadership, LeaseError, LeaseSettings
 use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
 use http::{Method, StatusCode};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -436,27 +436,7 @@ async fn timings_under_which_two_replicas_could_both_lead_are_rejected() {
 // ----- the fake API server: pods ------------------------------------------------------------
 
 fn pod(name: &str, labels: &[(&str, &str)]) -> Pod {
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            labels: Some(
-                labels
-                    .iter()
-                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                    .collect::<BTreeMap<_, _>>(),
-            ),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            containers: vec![Container {
-                name: "job".into(),
-                image: Some("runner:latest".into()),
-                ..Container::default()
-            }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
-    }
+    fake_kube::minimal_pod(name, labels)
 }
 
 fn names(pods: &kube::core::ObjectList<Pod>) -> Vec<String> {

@@ -391,4 +391,21 @@ mod tests {
         assert!(s.validate().unwrap_err().problem.contains("host-root"));
         assert!(settings().validate().is_ok());
     }
+
+    #[test]
+    fn a_profile_deserialises_from_configuration_and_unknown_keys_are_refused() {
+        let p: PodProfile = serde_json::from_value(serde_json::json!({
+            "limits": { "memory": "4Gi" },
+            "node_selector": { "gpu": "true" },
+            "tolerations": [{ "key": "gpu", "operator": "Exists", "effect": "NoSchedule" }],
+            "runtime_class_name": "nvidia",
+            "volumes": [{ "name": "cache", "mount_path": "/cache" }],
+        }))
+        .unwrap();
+        assert_eq!(p.resources.limits["memory"], "4Gi");
+        assert_eq!(p.node_selector["gpu"], "true");
+        assert!(p.volumes[0].read_only, "read-only unless said otherwise");
+        let typo = serde_json::json!({ "limit": { "memory": "4Gi" } });
+        assert!(serde_json::from_value::<PodProfile>(typo).is_err());
+    }
 }

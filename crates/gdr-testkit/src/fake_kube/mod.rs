@@ -359,6 +359,33 @@ impl FakeKube {
     }
 }
 
+/// A minimal valid Pod named `name` with `labels` (one container `job`, image
+/// `runner:latest`), for tests of the API server itself.
+pub fn minimal_pod(name: &str, labels: &[(&str, &str)]) -> k8s_openapi::api::core::v1::Pod {
+    use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
+    Pod {
+        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: Some(name.into()),
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+            ),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            containers: vec![Container {
+                name: "job".into(),
+                image: Some("runner:latest".into()),
+                ..Container::default()
+            }],
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    }
+}
+
 /// Shorthand for [`FakeKube::start`].
 pub async fn start() -> std::io::Result<RunningFakeKube> {
     FakeKube::start().await
