@@ -15,7 +15,7 @@ use gdr_controller::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
 use http::{Method, StatusCode};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::Api;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -425,27 +425,7 @@ async fn timings_under_which_two_replicas_could_both_lead_are_rejected() {
 // ----- the fake API server: pods ------------------------------------------------------------
 
 fn pod(name: &str, labels: &[(&str, &str)]) -> Pod {
-    Pod {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            labels: Some(
-                labels
-                    .iter()
-                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                    .collect::<BTreeMap<_, _>>(),
-            ),
-            ..ObjectMeta::default()
-        },
-        spec: Some(PodSpec {
-            containers: vec![Container {
-                name: "job".into(),
-                image: Some("runner:latest".into()),
-                ..Container::default()
-            }],
-            ..PodSpec::default()
-        }),
-        ..Pod::default()
-    }
+    fake_kube::minimal_pod(name, labels)
 }
 
 fn names(pods: &kube::core::ObjectList<Pod>) -> Vec<String> {
@@ -591,7 +571,10 @@ async fn fake_api_errors_are_status_objects_shaped_like_the_real_servers() {
     // 409 AlreadyExists on a second create.
     let resp = http
         .post(format!("{}/api/v1/namespaces/{NS}/pods", fake.url))
-        .json(&json!({ "apiVersion": "v1", "kind": "Pod", "metadata": { "name": "job-1" } }))
+        .json(&json!({
+            "apiVersion": "v1", "kind": "Pod", "metadata": { "name": "job-1" },
+            "spec": { "containers": [{ "name": "job", "image": "runner:latest" }] }
+        }))
         .send()
         .await
         .expect("POST");
@@ -746,7 +729,11 @@ async fn a_registered_cluster_scoped_custom_resource_is_served() {
     ));
     let entries: Api<DynamicObject> = Api::all_with(client(&fake.url), &ar);
     let mut entry = DynamicObject::new("task-42", &ar).data(json!({
-        "spec": { "spiffeID": "spiffe://example.org/task/42" }
+        "spec": {
+            "spiffeID": "spiffe://example.org/task/42",
+            "parentID": "spiffe://example.org/spire/agent/k8s_psat/c/node-uid",
+            "selectors": ["k8s:pod-uid:42"]
+        }
     }));
     entry.metadata.labels = Some(BTreeMap::from([("task".to_owned(), "42".to_owned())]));
     let created = entries

@@ -4,7 +4,12 @@
 //!   and the full-chain tests).
 //! - [`opensandbox`] (feature `opensandbox`): sandboxes from an OpenSandbox pool (Kata
 //!   microVMs) through the Lifecycle API.
+//! - [`kubernetes`] (feature `kubernetes`): one Kubernetes Pod per job, bound to its SPIFFE
+//!   identity through a SPIRE ClusterStaticEntry.
 
 #[cfg(feature = "opensandbox")]
 pub mod opensandbox;
 pub mod process;
+
+#[cfg(feature = "kubernetes")]
+pub mod kubernetes;

@@ -65,9 +65,14 @@ impl Contract {
     }
 }
 
-/// `example.org`.
+/// Trust domain of the suite's specs.
+pub const TRUST_DOMAIN: &str = "example.org";
+/// Facade SPIFFE ID the suite's specs name.
+pub const FACADE_ID: &str = "spiffe://example.org/controller";
+
+/// [`TRUST_DOMAIN`].
 pub fn trust_domain() -> TrustDomain {
-    match TrustDomain::new("example.org") {
+    match TrustDomain::new(TRUST_DOMAIN) {
         Ok(td) => td,
         Err(e) => panic!("example.org is a trust domain: {e}"),
     }
@@ -109,7 +114,38 @@ pub fn spec(assignment: &Assignment, codec: &MetadataCodec) -> ExecutorSpec {
         key.issue(assignment.id()),
         codec,
         "https://facade.invalid",
-        "spiffe://example.org/controller",
+        FACADE_ID,
+        assignment.backend().as_str(),
+    )
+}
+
+/// The spec of task `task_id` of `owner/repo`, job `build` with `runs_on` (a YAML flow
+/// list), whose executor dials the facade at `facade_url`.
+pub fn task_spec(task_id: i64, runs_on: &str, facade_url: &str) -> ExecutorSpec {
+    let mut context = Struct::new();
+    context.insert("repository", "owner/repo");
+    let task = pb::Task {
+        id: task_id,
+        context: buffa::MessageField::some(context),
+        workflow_payload: Some(
+            format!("jobs:\n  build:\n    runs-on: {runs_on}\n    steps: []\n").into_bytes(),
+        ),
+        ..Default::default()
+    };
+    let policy = DerivationPolicy {
+        trust_domain: trust_domain(),
+        labels: BackendLabels::default(),
+    };
+    let assignment =
+        Assignment::from_task(task, &policy).unwrap_or_else(|e| panic!("test task {task_id}: {e}"));
+    let key = CapabilityKey::new(b"contract-suite-capability-key-32b")
+        .unwrap_or_else(|e| panic!("test capability key: {e}"));
+    ExecutorSpec::new(
+        &assignment,
+        key.issue(assignment.id()),
+        &MetadataCodec::default(),
+        facade_url,
+        FACADE_ID,
         assignment.backend().as_str(),
     )
 }

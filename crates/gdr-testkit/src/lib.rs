@@ -4,6 +4,9 @@
 //! - [`mock_gitea`]: Gitea's RunnerService with Gitea's semantics, over real Connect.
 //! - [`standin_runner`]: the official runner's side of the protocol, for executors to run.
 //! - [`fake_kube`]: an in-process Kubernetes API server for the real `kube` client.
+//! - [`fake_kubelet`]: runs the Pods of one fake Node as local processes.
+//! - [`fake_spire`]: a SPIRE agent issuing SVIDs only to Pods a ClusterStaticEntry selects.
+//! - [`backend_contract`]: the executor-backend contract suite every backend passes.
 //! - [`nats_server`]: a real `nats-server` child process with a temporary store.
 //! - [`opensandbox`]: the real OpenSandbox server on an in-memory cluster.
 //! - [`spiffe`]: a fake SPIFFE Workload API with a test CA.
@@ -17,6 +20,8 @@
 pub mod backend_contract;
 pub mod controller;
 pub mod fake_kube;
+pub mod fake_kubelet;
+pub mod fake_spire;
 pub mod log_capture;
 pub mod memory_backend;
 pub mod mock_gitea;

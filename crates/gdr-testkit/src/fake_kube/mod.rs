@@ -1,24 +1,47 @@
 //! An in-process fake Kubernetes API server for tests, driven by the real `kube` client.
 //!
-//! It follows the real API server for the parts the controller uses, and nothing more:
+//! It follows the real API server for the parts the controller, the Pod backend, the fake
+//! kubelet and the fake SPIRE agent use, and nothing more:
 //! - one generic object store keyed by (resource type, namespace, name), so a new kind is
-//!   one [`ResourceType`] registration ([`FakeKube::register`]);
-//! - GET, LIST (with equality-based `labelSelector`), POST, PUT, DELETE and
-//!   PATCH (`application/merge-patch+json`) over that store;
-//! - optimistic concurrency: monotonically increasing `resourceVersion` strings, a PUT (or a
-//!   merge patch, or a delete precondition) carrying a stale one is refused with 409
-//!   `Conflict`; POST of an existing name is 409 `AlreadyExists`; errors are `Status` objects
-//!   shaped like the real server's, so `kube::Error::Api` carries the same reason and code;
-//! - server-set metadata: `uid`, `creationTimestamp`, `resourceVersion`, `generateName`.
+//!   one [`ResourceType`] registration ([`FakeKube::register`]); registered: `leases`,
+//!   `pods`, `nodes`, `secrets` and `clusterstaticentries` (`spire.spiffe.io/v1alpha1`,
+//!   cluster-scoped);
+//! - GET, LIST (label selectors with equality, existence and set-based `in`/`notin`; field
+//!   selectors on dotted paths), POST, PUT, DELETE and PATCH
+//!   (`application/merge-patch+json`, RFC 7386);
+//! - the `status` subresource of Pods, Nodes and ClusterStaticEntries (writes to the main
+//!   resource keep the stored status, writes to `/status` change only the status), the Pod
+//!   `binding` subresource (how a scheduler sets `spec.nodeName`), and Pod spec
+//!   immutability;
+//! - optimistic concurrency: one monotonically increasing `resourceVersion` counter; a PUT
+//!   (or a merge patch, or a delete precondition) carrying a stale one is refused with 409
+//!   `Conflict`; POST of an existing name is 409 `AlreadyExists`; errors are `Status`
+//!   objects shaped like the real server's, so `kube::Error::Api` carries the same reason
+//!   and code;
+//! - **watch** (`?watch=true`): from a `resourceVersion` (replaying what happened after it)
+//!   or from now (synthetic `ADDED` for what exists), newline-delimited events filtered by
+//!   namespace and selectors (an object that stops matching is `DELETED`, one that starts
+//!   is `ADDED`, as the watch cache does), `BOOKMARK`s when `allowWatchBookmarks=true`
+//!   ([`FakeKube::send_bookmarks`]), `timeoutSeconds`, and `410 Expired` as an `ERROR`
+//!   event in a `200` stream, as the real server answers a compacted resourceVersion
+//!   ([`FakeKube::expire_watches`]);
+//! - server-set metadata: `uid`, `creationTimestamp`, `resourceVersion`, `generation`,
+//!   `generateName`; Secrets' `stringData` folded into base64 `data`;
+//! - garbage collection: deleting an object deletes (or, with
+//!   `propagationPolicy=Orphan`, orphans) the objects whose `ownerReferences` name its uid;
+//! - server-side validation ([`validate`]) answered with `422 Invalid` and field causes.
 //!
-//! Registered now: `leases` (coordination.k8s.io/v1, namespaced) and `pods` (core v1,
-//! namespaced). Not implemented: watch, field selectors, set-based label selectors,
-//! subresources (`/status`), strategic merge, JSON patch and server-side apply (these get
-//! a 415 or 400 Status, never a silent wrong answer).
+//! Pods are deleted immediately (no grace period): the fake kubelet sees the `DELETED`
+//! event and kills the process. Not implemented: strategic merge, JSON patch and
+//! server-side apply (415), pagination (`limit` returns everything), namespaces as objects.
 //!
 //! Faults: [`FakeKube::fail_next`] / [`FakeKube::fail_always`] answer matching requests with
 //! an error Status; [`RunningFakeKube::stop`] makes the server unreachable (listener closed,
 //! open connections reset) and [`RunningFakeKube::restart`] brings it back on the same port.
+
+mod selector;
+pub mod validate;
+mod watch;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -29,10 +52,13 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use base64::Engine;
 use http::{HeaderMap, Method, StatusCode, Uri};
 use serde_json::{Map, Value, json};
 use tokio::task::{JoinHandle, JoinSet};
 use tower::ServiceExt;
+
+pub use selector::{FieldSelector, LabelSelector};
 
 /// A kind of object the fake serves: where it lives in the URL space and how it behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -68,9 +94,41 @@ impl ResourceType {
         }
     }
 
-    /// `coordination.k8s.io/v1, Resource=leases`: the store key prefix.
+    /// `Kind.group` as the real server names kinds in `Invalid` messages.
+    fn qualified_kind(&self) -> String {
+        if self.group.is_empty() {
+            self.kind.clone()
+        } else {
+            format!("{}.{}", self.kind, self.group)
+        }
+    }
+
+    /// `coordination.k8s.io/v1/leases`: the store key prefix.
     fn key(&self) -> String {
         format!("{}/{}/{}", self.group, self.version, self.plural)
+    }
+
+    /// Whether the kind has a `status` subresource (Pods, Nodes, ClusterStaticEntries).
+    fn has_status(&self) -> bool {
+        matches!(
+            (self.group.as_str(), self.plural.as_str()),
+            ("", "pods") | ("", "nodes") | ("spire.spiffe.io", "clusterstaticentries")
+        )
+    }
+
+    fn is(&self, group: &str, plural: &str) -> bool {
+        self.group == group && self.plural == plural
+    }
+
+    fn core(plural: &str, kind: &str, namespaced: bool) -> Self {
+        ResourceType {
+            group: String::new(),
+            version: "v1".into(),
+            plural: plural.into(),
+            kind: kind.into(),
+            namespaced,
+            allow_create_on_update: false,
+        }
     }
 
     /// `coordination.k8s.io/v1` Lease.
@@ -87,12 +145,27 @@ impl ResourceType {
 
     /// Core `v1` Pod.
     pub fn pods() -> Self {
+        Self::core("pods", "Pod", true)
+    }
+
+    /// Core `v1` Node (cluster-scoped).
+    pub fn nodes() -> Self {
+        Self::core("nodes", "Node", false)
+    }
+
+    /// Core `v1` Secret.
+    pub fn secrets() -> Self {
+        Self::core("secrets", "Secret", true)
+    }
+
+    /// `spire.spiffe.io/v1alpha1` ClusterStaticEntry (cluster-scoped).
+    pub fn cluster_static_entries() -> Self {
         ResourceType {
-            group: String::new(),
-            version: "v1".into(),
-            plural: "pods".into(),
-            kind: "Pod".into(),
-            namespaced: true,
+            group: "spire.spiffe.io".into(),
+            version: "v1alpha1".into(),
+            plural: "clusterstaticentries".into(),
+            kind: "ClusterStaticEntry".into(),
+            namespaced: false,
             allow_create_on_update: false,
         }
     }
@@ -110,6 +183,17 @@ struct Fault {
     remaining: Option<usize>,
 }
 
+/// One committed change, kept so that watches can resume from a resourceVersion.
+#[derive(Clone, Debug)]
+struct Change {
+    rv: u64,
+    type_key: String,
+    namespace: String,
+    old: Option<Value>,
+    /// `None` for a deletion.
+    new: Option<Value>,
+}
+
 #[derive(Default)]
 struct Store {
     types: Vec<ResourceType>,
@@ -119,26 +203,58 @@ struct Store {
     faults: Vec<Fault>,
     /// `METHOD path?query` of every request, for tests that assert on traffic.
     requests: Vec<String>,
+    /// History after `oldest`; a watch from an older resourceVersion gets 410.
+    changes: Vec<Change>,
+    oldest: u64,
+    /// Bumped by [`FakeKube::expire_watches`]: open watches end with 410.
+    expiry: u64,
+    /// Bumped by [`FakeKube::send_bookmarks`].
+    bookmarks: u64,
+    /// Watches currently streaming.
+    open_watches: usize,
 }
 
 /// Handle to the fake's state; cheap to clone.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct FakeKube {
     inner: Arc<Mutex<Store>>,
+    /// Carries the revision after every change, waking open watches.
+    changed: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl Default for FakeKube {
+    fn default() -> Self {
+        FakeKube {
+            inner: Arc::default(),
+            changed: Arc::new(tokio::sync::watch::Sender::new(0)),
+        }
+    }
 }
 
 impl FakeKube {
-    /// An empty store with `leases` and `pods` registered.
+    /// An empty store with Leases, Pods, Nodes, Secrets and ClusterStaticEntries registered.
     pub fn new() -> Self {
         let kube = FakeKube::default();
-        kube.register(ResourceType::leases());
-        kube.register(ResourceType::pods());
+        for rt in [
+            ResourceType::leases(),
+            ResourceType::pods(),
+            ResourceType::nodes(),
+            ResourceType::secrets(),
+            ResourceType::cluster_static_entries(),
+        ] {
+            kube.register(rt);
+        }
         kube
     }
 
     fn lock(&self) -> MutexGuard<'_, Store> {
         // A panic while holding the lock only happens in a failing test; keep serving.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn notify(&self) {
+        let revision = self.lock().revision;
+        self.changed.send_replace(revision);
     }
 
     /// Serves a new kind (replaces a registration with the same group/version/plural).
@@ -184,6 +300,45 @@ impl FakeKube {
         self.lock().objects.get(&key).cloned()
     }
 
+    /// Every stored object of a kind (in `namespace`, or everywhere when `None`).
+    pub fn objects(&self, rt: &ResourceType, namespace: Option<&str>) -> Vec<Value> {
+        let type_key = rt.key();
+        self.lock()
+            .objects
+            .iter()
+            .filter(|((k, ns, _), _)| *k == type_key && namespace.is_none_or(|want| want == ns))
+            .map(|(_, v)| v.clone())
+            .collect()
+    }
+
+    /// The current resourceVersion (the revision of the last change).
+    pub fn revision(&self) -> u64 {
+        self.lock().revision
+    }
+
+    /// Number of watch streams currently open.
+    pub fn open_watches(&self) -> usize {
+        self.lock().open_watches
+    }
+
+    /// Compacts the history and ends every open watch with a `410 Expired` `ERROR` event,
+    /// as etcd compaction does: a client must re-list.
+    pub fn expire_watches(&self) {
+        {
+            let mut s = self.lock();
+            s.expiry += 1;
+            s.oldest = s.revision;
+            s.changes.clear();
+        }
+        self.notify();
+    }
+
+    /// Sends a `BOOKMARK` (the current resourceVersion) on every open watch that allowed them.
+    pub fn send_bookmarks(&self) {
+        self.lock().bookmarks += 1;
+        self.notify();
+    }
+
     /// The router serving the API; [`FakeKube::start`] serves it on a loopback port.
     pub fn router(&self) -> Router {
         Router::new().fallback(handle).with_state(self.clone())
@@ -204,6 +359,33 @@ impl FakeKube {
     }
 }
 
+/// A minimal valid Pod named `name` with `labels` (one container `job`, image
+/// `runner:latest`), for tests of the API server itself.
+pub fn minimal_pod(name: &str, labels: &[(&str, &str)]) -> k8s_openapi::api::core::v1::Pod {
+    use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
+    Pod {
+        metadata: k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+            name: Some(name.into()),
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                    .collect(),
+            ),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            containers: vec![Container {
+                name: "job".into(),
+                image: Some("runner:latest".into()),
+                ..Container::default()
+            }],
+            ..PodSpec::default()
+        }),
+        ..Pod::default()
+    }
+}
+
 /// Shorthand for [`FakeKube::start`].
 pub async fn start() -> std::io::Result<RunningFakeKube> {
     FakeKube::start().await
@@ -219,6 +401,15 @@ pub struct RunningFakeKube {
 }
 
 impl RunningFakeKube {
+    /// A real `kube` client for this server.
+    pub fn client(&self) -> Result<kube::Client, kube::Error> {
+        let url = self
+            .url
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| kube::Error::Service(Box::new(e)))?;
+        kube::Client::try_from(kube::Config::new(url))
+    }
+
     /// Makes the server unreachable: the listener closes (new connections are refused) and
     /// every open connection is reset, as when a client loses the network to the API server.
     pub async fn stop(&mut self) {
@@ -280,10 +471,24 @@ struct Target {
     /// `None` for a cluster-wide list of a namespaced kind (`/api/v1/pods`).
     namespace: Option<String>,
     name: Option<String>,
+    /// `status` or `binding`.
+    subresource: Option<String>,
 }
 
 async fn handle(
     State(kube): State<FakeKube>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let response = handle_locked(&kube, method, uri, headers, body);
+    kube.notify();
+    response
+}
+
+fn handle_locked(
+    kube: &FakeKube,
     method: Method,
     uri: Uri,
     headers: HeaderMap,
@@ -307,13 +512,25 @@ async fn handle(
     let params: BTreeMap<String, String> = url::form_urlencoded::parse(query.as_bytes())
         .into_owned()
         .collect();
-    match (method.clone(), target.name.clone()) {
-        (Method::GET, Some(name)) => get(&s, &target, &name),
-        (Method::GET, None) => list(&s, &target, &params),
-        (Method::POST, None) => create(&mut s, &target, &body),
-        (Method::PUT, Some(name)) => replace(&mut s, &target, &name, &body),
-        (Method::PATCH, Some(name)) => patch(&mut s, &target, &name, &headers, &body),
-        (Method::DELETE, Some(name)) => delete(&mut s, &target, &name, &body),
+    let sub = target.subresource.as_deref();
+    match (method.clone(), target.name.clone(), sub) {
+        (Method::GET, Some(name), None | Some("status")) => get(&s, &target, &name),
+        (Method::GET, None, None) => {
+            if params.get("watch").is_some_and(|w| w == "true" || w == "1") {
+                watch::start(kube, &mut s, &target, &params)
+            } else {
+                list(&s, &target, &params)
+            }
+        }
+        (Method::POST, None, None) => create(&mut s, &target, &body),
+        (Method::POST, Some(name), Some("binding")) if target.rt.is("", "pods") => {
+            bind(&mut s, &target, &name, &body)
+        }
+        (Method::PUT, Some(name), None | Some("status")) => replace(&mut s, &target, &name, &body),
+        (Method::PATCH, Some(name), None | Some("status")) => {
+            patch(&mut s, &target, &name, &headers, &body)
+        }
+        (Method::DELETE, Some(name), None) => delete(&mut s, &target, &name, &body),
         _ => status(
             StatusCode::METHOD_NOT_ALLOWED,
             "MethodNotAllowed",
@@ -366,11 +583,13 @@ fn parse_path(types: &[ResourceType], path: &str) -> Result<Target, Box<Response
         ["apis", group, version, rest @ ..] => (*group, *version, rest),
         _ => return Err(Box::new(not_found_path(path))),
     };
-    let (namespace, plural, name) = match rest {
-        ["namespaces", ns, plural] => (Some(*ns), *plural, None),
-        ["namespaces", ns, plural, name] => (Some(*ns), *plural, Some(*name)),
-        [plural] => (None, *plural, None),
-        [plural, name] => (None, *plural, Some(*name)),
+    let (namespace, plural, name, sub) = match rest {
+        ["namespaces", ns, plural] => (Some(*ns), *plural, None, None),
+        ["namespaces", ns, plural, name] => (Some(*ns), *plural, Some(*name), None),
+        ["namespaces", ns, plural, name, sub] => (Some(*ns), *plural, Some(*name), Some(*sub)),
+        [plural] => (None, *plural, None, None),
+        [plural, name] => (None, *plural, Some(*name), None),
+        [plural, name, sub] => (None, *plural, Some(*name), Some(*sub)),
         _ => return Err(Box::new(not_found_path(path))),
     };
     let rt = types
@@ -380,8 +599,15 @@ fn parse_path(types: &[ResourceType], path: &str) -> Result<Target, Box<Response
         .ok_or_else(|| Box::new(not_found_path(path)))?;
     // A namespaced kind addressed without a namespace is only valid as a cluster-wide list;
     // a cluster-scoped kind never has one.
+    let sub_ok = match sub {
+        None => true,
+        Some("status") => rt.has_status(),
+        Some("binding") => rt.is("", "pods"),
+        Some(_) => false,
+    };
     if (rt.namespaced && namespace.is_none() && name.is_some())
         || (!rt.namespaced && namespace.is_some())
+        || !sub_ok
     {
         return Err(Box::new(not_found_path(path)));
     }
@@ -389,6 +615,7 @@ fn parse_path(types: &[ResourceType], path: &str) -> Result<Target, Box<Response
         rt,
         namespace: namespace.map(str::to_owned),
         name: name.map(str::to_owned),
+        subresource: sub.map(str::to_owned),
     })
 }
 
@@ -408,6 +635,23 @@ fn key(t: &Target, name: &str) -> ObjectKey {
     )
 }
 
+/// Records a change in the store and its history (for watches).
+fn commit(s: &mut Store, key: ObjectKey, old: Option<Value>, new: Option<Value>) {
+    let (type_key, namespace, _) = key.clone();
+    match &new {
+        Some(v) => s.objects.insert(key, v.clone()),
+        None => s.objects.remove(&key),
+    };
+    let rv = s.revision;
+    s.changes.push(Change {
+        rv,
+        type_key,
+        namespace,
+        old,
+        new,
+    });
+}
+
 fn get(s: &Store, t: &Target, name: &str) -> Response {
     match s.objects.get(&key(t, name)) {
         Some(obj) => (StatusCode::OK, axum::Json(obj.clone())).into_response(),
@@ -415,14 +659,27 @@ fn get(s: &Store, t: &Target, name: &str) -> Response {
     }
 }
 
+/// The label and field selectors of a request, or the real server's 400.
+fn selectors(
+    params: &BTreeMap<String, String>,
+) -> Result<(Option<LabelSelector>, Option<FieldSelector>), Box<Response>> {
+    let labels = params
+        .get("labelSelector")
+        .map(|s| LabelSelector::parse(s))
+        .transpose()
+        .map_err(|e| Box::new(bad_request(&e)))?;
+    let fields = params
+        .get("fieldSelector")
+        .map(|s| FieldSelector::parse(s))
+        .transpose()
+        .map_err(|e| Box::new(bad_request(&e)))?;
+    Ok((labels, fields))
+}
+
 fn list(s: &Store, t: &Target, params: &BTreeMap<String, String>) -> Response {
-    if params.get("watch").is_some_and(|w| w == "true" || w == "1") {
-        return bad_request("watch is not implemented by the fake API server");
-    }
-    let selector = match params.get("labelSelector").map(|s| LabelSelector::parse(s)) {
-        Some(Ok(sel)) => Some(sel),
-        Some(Err(e)) => return bad_request(&e),
-        None => None,
+    let (labels, fields) = match selectors(params) {
+        Ok(sel) => sel,
+        Err(r) => return *r,
     };
     let type_key = t.rt.key();
     let items: Vec<Value> = s
@@ -431,7 +688,8 @@ fn list(s: &Store, t: &Target, params: &BTreeMap<String, String>) -> Response {
         .filter(|((k, ns, _), _)| {
             k == &type_key && t.namespace.as_ref().is_none_or(|want| want == ns)
         })
-        .filter(|(_, obj)| selector.as_ref().is_none_or(|sel| sel.matches(obj)))
+        .filter(|(_, obj)| labels.as_ref().is_none_or(|sel| sel.matches(obj)))
+        .filter(|(_, obj)| fields.as_ref().is_none_or(|sel| sel.matches(obj)))
         .map(|(_, obj)| {
             // The real server leaves kind/apiVersion off list items in JSON.
             let mut item = obj.clone();
@@ -488,6 +746,28 @@ fn check_namespace(t: &Target, obj: &Map<String, Value>) -> Result<(), Box<Respo
     }
 }
 
+/// What the API server does to every written object of a kind before storing it.
+fn normalise(rt: &ResourceType, obj: &mut Map<String, Value>) {
+    if rt.is("", "secrets")
+        && let Some(Value::Object(string_data)) = obj.remove("stringData")
+    {
+        let data = obj
+            .entry("data")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if let Value::Object(data) = data {
+            for (k, v) in string_data {
+                let text = v.as_str().unwrap_or_default();
+                data.insert(
+                    k,
+                    base64::engine::general_purpose::STANDARD
+                        .encode(text)
+                        .into(),
+                );
+            }
+        }
+    }
+}
+
 fn create(s: &mut Store, t: &Target, body: &[u8]) -> Response {
     let Some(namespace) = t
         .namespace
@@ -510,10 +790,21 @@ fn create(s: &mut Store, t: &Target, body: &[u8]) -> Response {
             return invalid(
                 &t.rt,
                 "",
-                "metadata.name: Required value: name or generateName is required",
+                &[validate::Cause {
+                    reason: "FieldValueRequired",
+                    message: "Required value: name or generateName is required".into(),
+                    field: "metadata.name".into(),
+                }],
             );
         }
     };
+    if let Some(Value::Object(meta)) = obj.get_mut("metadata") {
+        meta.insert("name".into(), name.clone().into());
+    }
+    let causes = validate::validate(&t.rt.group, &t.rt.plural, &obj);
+    if !causes.is_empty() {
+        return invalid(&t.rt, &name, &causes);
+    }
     let k = (t.rt.key(), namespace.clone(), name.clone());
     if s.objects.contains_key(&k) {
         return status(
@@ -523,10 +814,22 @@ fn create(s: &mut Store, t: &Target, body: &[u8]) -> Response {
             Some(details(&t.rt, &name)),
         );
     }
+    normalise(&t.rt, &mut obj);
     s.revision += 1;
     obj.insert("kind".into(), t.rt.kind.clone().into());
     obj.insert("apiVersion".into(), t.rt.api_version().into());
+    if t.rt.has_status() {
+        // The status of a kind with a status subresource is not the creator's to set.
+        obj.remove("status");
+    }
+    if t.rt.is("", "pods") {
+        obj.insert(
+            "status".into(),
+            json!({ "phase": "Pending", "qosClass": "BestEffort" }),
+        );
+    }
     let mut meta = take_metadata(&mut obj);
+    meta.remove("generateName");
     meta.insert("name".into(), name.clone().into());
     if t.rt.namespaced {
         meta.insert("namespace".into(), namespace.into());
@@ -537,7 +840,7 @@ fn create(s: &mut Store, t: &Target, body: &[u8]) -> Response {
     meta.insert("generation".into(), 1.into());
     obj.insert("metadata".into(), Value::Object(meta));
     let obj = Value::Object(obj);
-    s.objects.insert(k, obj.clone());
+    commit(s, k, None, Some(obj.clone()));
     (StatusCode::CREATED, axum::Json(obj)).into_response()
 }
 
@@ -553,8 +856,69 @@ fn conflict(rt: &ResourceType, name: &str) -> Response {
     )
 }
 
-/// Copies server-owned metadata from the stored object and bumps the resourceVersion.
-fn finish_update(s: &mut Store, t: &Target, old: &Value, mut obj: Map<String, Value>) -> Value {
+/// The Pod spec fields an update may change (the real server's list, abridged).
+fn mutable_pod_spec(spec: &Value) -> Value {
+    let mut spec = spec.clone();
+    if let Some(m) = spec.as_object_mut() {
+        m.remove("activeDeadlineSeconds");
+        m.remove("tolerations");
+        m.remove("schedulingGates");
+        for list in ["containers", "initContainers"] {
+            if let Some(Value::Array(cs)) = m.get_mut(list) {
+                for c in cs {
+                    if let Some(c) = c.as_object_mut() {
+                        c.remove("image");
+                    }
+                }
+            }
+        }
+    }
+    spec
+}
+
+/// Turns a proposed new state of `old` into what the server stores: subresource rules,
+/// immutability and validation, server-owned metadata and the resourceVersion bump.
+fn apply_update(
+    s: &mut Store,
+    t: &Target,
+    name: &str,
+    old: &Value,
+    mut obj: Map<String, Value>,
+) -> Result<Value, Box<Response>> {
+    let status_write = t.subresource.as_deref() == Some("status");
+    if status_write {
+        // A status write changes the status and nothing else.
+        let status = obj.remove("status");
+        let Value::Object(mut kept) = old.clone() else {
+            return Err(Box::new(bad_request("stored object is not an object")));
+        };
+        match status {
+            Some(st) => kept.insert("status".into(), st),
+            None => kept.remove("status"),
+        };
+        obj = kept;
+    } else if t.rt.has_status() {
+        match old.get("status") {
+            Some(st) => obj.insert("status".into(), st.clone()),
+            None => obj.remove("status"),
+        };
+    }
+    normalise(&t.rt, &mut obj);
+    if !status_write {
+        let mut causes = validate::validate(&t.rt.group, &t.rt.plural, &obj);
+        if t.rt.is("", "pods")
+            && mutable_pod_spec(obj.get("spec").unwrap_or(&Value::Null))
+                != mutable_pod_spec(old.get("spec").unwrap_or(&Value::Null))
+        {
+            causes.push(validate::Cause::forbidden(
+                "spec",
+                "pod updates may not change fields other than `spec.containers[*].image`,`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` (only additions to existing tolerations),`spec.terminationGracePeriodSeconds` (allow it to be set to 1 if it was previously negative)",
+            ));
+        }
+        if !causes.is_empty() {
+            return Err(Box::new(invalid(&t.rt, name, &causes)));
+        }
+    }
     s.revision += 1;
     obj.insert("kind".into(), t.rt.kind.clone().into());
     obj.insert("apiVersion".into(), t.rt.api_version().into());
@@ -582,7 +946,7 @@ fn finish_update(s: &mut Store, t: &Target, old: &Value, mut obj: Map<String, Va
     );
     meta.insert("resourceVersion".into(), s.revision.to_string().into());
     obj.insert("metadata".into(), Value::Object(meta));
-    Value::Object(obj)
+    Ok(Value::Object(obj))
 }
 
 fn replace(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
@@ -598,7 +962,7 @@ fn replace(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
     }
     let k = key(t, name);
     let Some(old) = s.objects.get(&k).cloned() else {
-        if t.rt.allow_create_on_update {
+        if t.rt.allow_create_on_update && t.subresource.is_none() {
             return create(s, t, body);
         }
         return not_found(&t.rt, name);
@@ -610,9 +974,13 @@ fn replace(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
     {
         return conflict(&t.rt, name);
     }
-    let updated = finish_update(s, t, &old, obj);
-    s.objects.insert(k, updated.clone());
-    (StatusCode::OK, axum::Json(updated)).into_response()
+    match apply_update(s, t, name, &old, obj) {
+        Ok(updated) => {
+            commit(s, k, Some(old), Some(updated.clone()));
+            (StatusCode::OK, axum::Json(updated)).into_response()
+        }
+        Err(r) => *r,
+    }
 }
 
 fn patch(s: &mut Store, t: &Target, name: &str, headers: &HeaderMap, body: &[u8]) -> Response {
@@ -647,8 +1015,15 @@ fn patch(s: &mut Store, t: &Target, name: &str, headers: &HeaderMap, body: &[u8]
     }
     let mut merged = old.clone();
     merge_patch(&mut merged, &patch);
-    // A patch that changes nothing does not bump the resourceVersion.
-    let mut unchanged = merged.clone();
+    let Value::Object(merged) = merged else {
+        return bad_request("a merge patch must leave an object");
+    };
+    let updated = match apply_update(s, t, name, &old, merged) {
+        Ok(u) => u,
+        Err(r) => return *r,
+    };
+    // A patch that changes nothing does not bump the resourceVersion (nor the history).
+    let mut unchanged = updated.clone();
     if let Some(m) = unchanged.get_mut("metadata").and_then(Value::as_object_mut) {
         m.insert(
             "resourceVersion".into(),
@@ -656,13 +1031,10 @@ fn patch(s: &mut Store, t: &Target, name: &str, headers: &HeaderMap, body: &[u8]
         );
     }
     if unchanged == old {
+        s.revision -= 1;
         return (StatusCode::OK, axum::Json(old)).into_response();
     }
-    let Value::Object(merged) = merged else {
-        return bad_request("a merge patch must leave an object");
-    };
-    let updated = finish_update(s, t, &old, merged);
-    s.objects.insert(k, updated.clone());
+    commit(s, k, Some(old), Some(updated.clone()));
     (StatusCode::OK, axum::Json(updated)).into_response()
 }
 
@@ -686,76 +1058,115 @@ pub fn merge_patch(target: &mut Value, patch: &Value) {
     }
 }
 
+/// `POST pods/<name>/binding`: how a scheduler assigns a Pod to a Node.
+fn bind(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
+    let binding = match parse_object(body) {
+        Ok(b) => b,
+        Err(r) => return *r,
+    };
+    let Some(node) = binding
+        .get("target")
+        .and_then(|t| t.get("name"))
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+    else {
+        return bad_request("a binding needs target.name");
+    };
+    let k = key(t, name);
+    let Some(old) = s.objects.get(&k).cloned() else {
+        return not_found(&t.rt, name);
+    };
+    if let Some(current) = old["spec"]["nodeName"].as_str() {
+        return status(
+            StatusCode::CONFLICT,
+            "Conflict",
+            &format!(
+                "Operation cannot be fulfilled on pods/binding \"{name}\": pod {name} is already assigned to node \"{current}\""
+            ),
+            Some(details(&t.rt, name)),
+        );
+    }
+    let mut new = old.clone();
+    new["spec"]["nodeName"] = node.into();
+    let mut conditions: Vec<Value> = new["status"]["conditions"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    conditions.retain(|c| c["type"] != "PodScheduled");
+    conditions.push(
+        json!({ "type": "PodScheduled", "status": "True", "lastTransitionTime": now_rfc3339() }),
+    );
+    new["status"]["conditions"] = Value::Array(conditions);
+    s.revision += 1;
+    new["metadata"]["resourceVersion"] = s.revision.to_string().into();
+    commit(s, k, Some(old), Some(new));
+    (
+        StatusCode::CREATED,
+        axum::Json(json!({ "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201 })),
+    )
+        .into_response()
+}
+
 fn delete(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
     let k = key(t, name);
     let Some(old) = s.objects.get(&k).cloned() else {
         return not_found(&t.rt, name);
     };
+    let options = if body.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice::<Value>(body).unwrap_or(Value::Null)
+    };
     // DeleteOptions preconditions (uid / resourceVersion), when a body is sent.
-    if !body.is_empty()
-        && let Ok(options) = serde_json::from_slice::<Value>(body)
-    {
-        for field in ["uid", "resourceVersion"] {
-            if let Some(want) = options["preconditions"][field].as_str()
-                && Some(want) != old["metadata"][field].as_str()
-            {
-                return conflict(&t.rt, name);
-            }
+    for field in ["uid", "resourceVersion"] {
+        if let Some(want) = options["preconditions"][field].as_str()
+            && Some(want) != old["metadata"][field].as_str()
+        {
+            return conflict(&t.rt, name);
         }
     }
-    s.objects.remove(&k);
-    // Pods are deleted immediately here (no kubelet, no grace period): the real server's
-    // answer for an immediate delete is the object itself.
-    (StatusCode::OK, axum::Json(old)).into_response()
-}
-
-// ----- label selectors ----------------------------------------------------------------------
-
-/// Equality-based label selector: `a=b`, `a==b`, `a!=b`, `a` (exists), `!a` (absent),
-/// comma-separated and all required. Set-based forms (`in`, `notin`) are refused.
-pub struct LabelSelector(Vec<Requirement>);
-
-enum Requirement {
-    Eq(String, String),
-    Ne(String, String),
-    Exists(String),
-    Absent(String),
-}
-
-impl LabelSelector {
-    pub fn parse(s: &str) -> Result<Self, String> {
-        let mut reqs = Vec::new();
-        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            if part.contains('(') || part.contains(' ') {
-                return Err(format!(
-                    "unable to parse requirement {part:?}: set-based selectors are not implemented by the fake API server"
-                ));
-            }
-            let req = if let Some((k, v)) = part.split_once("!=") {
-                Requirement::Ne(k.into(), v.into())
-            } else if let Some((k, v)) = part.split_once("==") {
-                Requirement::Eq(k.into(), v.into())
-            } else if let Some((k, v)) = part.split_once('=') {
-                Requirement::Eq(k.into(), v.into())
-            } else if let Some(k) = part.strip_prefix('!') {
-                Requirement::Absent(k.into())
-            } else {
-                Requirement::Exists(part.into())
-            };
-            reqs.push(req);
-        }
-        Ok(LabelSelector(reqs))
+    let orphan = options["propagationPolicy"] == "Orphan";
+    s.revision += 1;
+    let mut gone = old.clone();
+    gone["metadata"]["resourceVersion"] = s.revision.to_string().into();
+    commit(s, k, Some(old.clone()), None);
+    if let Some(uid) = old["metadata"]["uid"].as_str() {
+        collect_garbage(s, uid, orphan);
     }
+    // Pods are deleted immediately here (the fake kubelet stops the process on the DELETED
+    // event): the real server's answer for an immediate delete is the object itself.
+    (StatusCode::OK, axum::Json(gone)).into_response()
+}
 
-    pub fn matches(&self, obj: &Value) -> bool {
-        let labels = &obj["metadata"]["labels"];
-        let label = |k: &str| labels.get(k).and_then(Value::as_str);
-        self.0.iter().all(|r| match r {
-            Requirement::Eq(k, v) => label(k) == Some(v.as_str()),
-            Requirement::Ne(k, v) => label(k) != Some(v.as_str()),
-            Requirement::Exists(k) => label(k).is_some(),
-            Requirement::Absent(k) => label(k).is_none(),
-        })
+/// Deletes (or orphans) every object owned by `uid`, then their dependents, as the garbage
+/// collector does in the background after the owner is gone.
+fn collect_garbage(s: &mut Store, uid: &str, orphan: bool) {
+    let owned = |v: &Value| {
+        v["metadata"]["ownerReferences"]
+            .as_array()
+            .is_some_and(|refs| refs.iter().any(|r| r["uid"] == uid))
+    };
+    let dependents: Vec<(ObjectKey, Value)> = s
+        .objects
+        .iter()
+        .filter(|(_, v)| owned(v))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    for (k, old) in dependents {
+        s.revision += 1;
+        if orphan {
+            let mut new = old.clone();
+            if let Some(refs) = new["metadata"]["ownerReferences"].as_array_mut() {
+                refs.retain(|r| r["uid"] != uid);
+            }
+            new["metadata"]["resourceVersion"] = s.revision.to_string().into();
+            commit(s, k, Some(old), Some(new));
+        } else {
+            commit(s, k, Some(old.clone()), None);
+            if let Some(child) = old["metadata"]["uid"].as_str() {
+                collect_garbage(s, child, false);
+            }
+        }
     }
 }
 
@@ -772,7 +1183,7 @@ fn details(rt: &ResourceType, name: &str) -> Value {
 }
 
 /// A `Status` object as the real API server sends it with an error code.
-fn status(code: StatusCode, reason: &str, message: &str, details: Option<Value>) -> Response {
+fn status_body(code: StatusCode, reason: &str, message: &str, details: Option<Value>) -> Value {
     let mut body = json!({
         "kind": "Status",
         "apiVersion": "v1",
@@ -785,7 +1196,15 @@ fn status(code: StatusCode, reason: &str, message: &str, details: Option<Value>)
     if let (Some(d), Value::Object(m)) = (details, &mut body) {
         m.insert("details".into(), d);
     }
-    (code, axum::Json(body)).into_response()
+    body
+}
+
+fn status(code: StatusCode, reason: &str, message: &str, details: Option<Value>) -> Response {
+    (
+        code,
+        axum::Json(status_body(code, reason, message, details)),
+    )
+        .into_response()
 }
 
 fn not_found(rt: &ResourceType, name: &str) -> Response {
@@ -810,12 +1229,27 @@ fn bad_request(message: &str) -> Response {
     status(StatusCode::BAD_REQUEST, "BadRequest", message, None)
 }
 
-fn invalid(rt: &ResourceType, name: &str, message: &str) -> Response {
+/// `422 Invalid`: `<Kind> "<name>" is invalid: <cause>` (or `[<cause>, <cause>]`), with the
+/// causes in `details`, where `kind` is the Kind (not the plural) as the real server sends it.
+fn invalid(rt: &ResourceType, name: &str, causes: &[validate::Cause]) -> Response {
+    let lines: Vec<String> = causes.iter().map(validate::Cause::line).collect();
+    let joined = match lines.as_slice() {
+        [one] => one.clone(),
+        many => format!("[{}]", many.join(", ")),
+    };
+    let mut d = json!({
+        "name": name,
+        "kind": rt.kind,
+        "causes": causes.iter().map(|c| json!({ "reason": c.reason, "message": c.message, "field": c.field })).collect::<Vec<_>>(),
+    });
+    if !rt.group.is_empty() {
+        d["group"] = rt.group.clone().into();
+    }
     status(
         StatusCode::UNPROCESSABLE_ENTITY,
         "Invalid",
-        &format!("{} \"{name}\" is invalid: {message}", rt.kind),
-        Some(details(rt, name)),
+        &format!("{} \"{name}\" is invalid: {joined}", rt.qualified_kind()),
+        Some(d),
     )
 }
 
@@ -843,7 +1277,7 @@ fn random_suffix() -> String {
 }
 
 /// `creationTimestamp` format: RFC 3339, whole seconds, UTC.
-fn now_rfc3339() -> String {
+pub fn now_rfc3339() -> String {
     let secs = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs() as i64)

@@ -1,0 +1,204 @@
+//! The Kubernetes manifests under `deploy/kubernetes`: they render with `kubectl kustomize`,
+//! grant every API call the Pod backend makes (and nothing else of Pods, Secrets, Nodes
+//! or ClusterStaticEntries), and run the controller as DESIGN invariant 18 requires.
+//! Schema validation is `deploy/validate.sh` (kubernetes-validate, pinned).
+
+// A panic is how a test fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use gdr_backends::kubernetes::{API_CALLS, ApiCall};
+use serde_json::Value;
+
+/// Renders a kustomization into its objects.
+fn render(dir: &str) -> Vec<Value> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir);
+    let out = std::process::Command::new("kubectl")
+        .arg("kustomize")
+        .arg(&path)
+        .output()
+        .expect("kubectl (kustomize) is installed");
+    assert!(
+        out.status.success(),
+        "kubectl kustomize {dir}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).unwrap();
+    serde_saphyr::from_multiple::<Value>(&text).expect("rendered YAML")
+}
+
+fn find<'a>(objects: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    objects
+        .iter()
+        .find(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+fn strings(v: &Value) -> Vec<&str> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect()
+}
+
+/// (group, resource, verb) triples a role grants.
+fn grants(role: &Value) -> BTreeSet<(String, String, String)> {
+    let mut out = BTreeSet::new();
+    for rule in role["rules"].as_array().unwrap() {
+        for g in strings(&rule["apiGroups"]) {
+            for r in strings(&rule["resources"]) {
+                for v in strings(&rule["verbs"]) {
+                    out.insert((g.to_owned(), r.to_owned(), v.to_owned()));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn triple(c: &ApiCall) -> (String, String, String) {
+    (c.group.to_owned(), c.resource.to_owned(), c.verb.to_owned())
+}
+
+/// Both the base and the pod-only overlay render.
+#[test]
+fn the_base_and_the_pod_only_overlay_render_with_kustomize() {
+    for dir in [
+        "deploy/kubernetes/base",
+        "deploy/kubernetes/overlays/pod-only",
+    ] {
+        let objects = render(dir);
+        let kinds: BTreeSet<&str> = objects.iter().filter_map(|o| o["kind"].as_str()).collect();
+        for kind in [
+            "Namespace",
+            "ServiceAccount",
+            "Role",
+            "RoleBinding",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Deployment",
+            "Service",
+            "PodDisruptionBudget",
+            "NetworkPolicy",
+            "ConfigMap",
+        ] {
+            assert!(kinds.contains(kind), "{dir} lacks a {kind}");
+        }
+    }
+    let overlay = render("deploy/kubernetes/overlays/pod-only");
+    let env = &find(&overlay, "Deployment", "gitea-dynamic-runner")["spec"]["template"]["spec"]["containers"]
+        [0]["env"];
+    assert!(
+        env.as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "COMPONENTS" && e["value"] == "scheduler,pod-worker")
+    );
+}
+
+/// Every call in the backend's API table is granted where it is made (namespaced calls in
+/// the executor namespace's Role, cluster-scoped ones in the ClusterRole), and nothing of
+/// those resources is granted beyond the table (least privilege).
+#[test]
+fn the_rbac_rules_grant_exactly_the_pod_backends_api_calls() {
+    let objects = render("deploy/kubernetes/base");
+    let role = find(&objects, "Role", "gitea-dynamic-runner");
+    let cluster_role = find(&objects, "ClusterRole", "gitea-dynamic-runner");
+    assert_eq!(
+        role["metadata"]["namespace"], "gitea-actions",
+        "the Role lives in the executor namespace (pod_namespace default)"
+    );
+    let (ns_grants, cluster_grants) = (grants(role), grants(cluster_role));
+    for call in API_CALLS {
+        let granted = if call.namespaced {
+            &ns_grants
+        } else {
+            &cluster_grants
+        };
+        assert!(
+            granted.contains(&triple(call)),
+            "RBAC does not grant {call} ({})",
+            if call.namespaced {
+                "Role"
+            } else {
+                "ClusterRole"
+            }
+        );
+    }
+    let table: BTreeSet<_> = API_CALLS.iter().map(triple).collect();
+    // The leader Lease is the controller's, not the backend's.
+    let lease = |(g, _, _): &&(String, String, String)| g == "coordination.k8s.io";
+    let extra: Vec<_> = ns_grants
+        .iter()
+        .chain(cluster_grants.iter())
+        .filter(|t| !lease(t) && !table.contains(*t))
+        .collect();
+    assert!(
+        extra.is_empty(),
+        "granted beyond what the backend calls: {extra:?}"
+    );
+    for binding in ["RoleBinding", "ClusterRoleBinding"] {
+        let b = find(&objects, binding, "gitea-dynamic-runner");
+        assert_eq!(b["subjects"][0]["name"], "gitea-dynamic-runner");
+        assert_eq!(b["subjects"][0]["namespace"], "gitea-actions");
+    }
+    // The executors' account is granted nothing.
+    let bound: Vec<&Value> = objects
+        .iter()
+        .filter(|o| o["kind"].as_str().is_some_and(|k| k.ends_with("Binding")))
+        .flat_map(|b| b["subjects"].as_array().unwrap())
+        .collect();
+    assert!(bound.iter().all(|s| s["name"] != "gitea-task-executor"));
+}
+
+/// DESIGN invariant 18: two replicas with leader election, ready only as leader (so the
+/// facade Service routes to it), non-root with a read-only root filesystem, secrets as files.
+#[test]
+fn the_controller_runs_two_leader_elected_non_root_replicas_ready_only_as_leader() {
+    let objects = render("deploy/kubernetes/base");
+    let d = find(&objects, "Deployment", "gitea-dynamic-runner");
+    assert_eq!(d["spec"]["replicas"], 2);
+    let pod = &d["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    assert!(
+        c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "LEADER_ELECTION" && e["value"] == "true")
+    );
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
+    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    assert!(c["resources"]["requests"].is_object());
+    let config = find(&objects, "ConfigMap", "gitea-dynamic-runner")["data"]["config.toml"]
+        .as_str()
+        .unwrap();
+    for line in config
+        .lines()
+        .filter(|l| l.contains("password") || l.contains("token") || l.contains("key"))
+    {
+        assert!(
+            line.contains("_file = \"/run/secrets/"),
+            "a secret not given as a file: {line}"
+        );
+    }
+    let svc = find(&objects, "Service", "gitea-dynamic-runner-facade");
+    assert_eq!(
+        svc["spec"]["selector"],
+        d["spec"]["selector"]["matchLabels"]
+    );
+    let np = find(&objects, "NetworkPolicy", "executors-reach-only-the-facade");
+    assert_eq!(
+        np["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"],
+        "executor"
+    );
+    assert!(
+        np["spec"]["ingress"].is_null(),
+        "nothing may reach an executor"
+    );
+}
