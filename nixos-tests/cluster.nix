@@ -39,8 +39,8 @@
 }:
 let
   trustDomain = "test.local";
-  adminPassword = "correct-horse-battery-staple";
   nodeIp = "192.168.1.2";
+  gitea = import ./gitea.nix { host = nodeIp; };
   facadeIp = "10.43.0.100";
   natsPasswords = {
     producer = "test-producer-password";
@@ -210,16 +210,7 @@ in
 
       services.gitea = {
         enable = true;
-        settings = {
-          server = {
-            HTTP_ADDR = "0.0.0.0";
-            HTTP_PORT = 3000;
-            DOMAIN = nodeIp;
-            ROOT_URL = "http://${nodeIp}:3000/";
-          };
-          service.DISABLE_REGISTRATION = true;
-          actions.ENABLED = true;
-        };
+        inherit (gitea) settings;
       };
 
       # Test credentials in the store are acceptable in a hermetic VM test only.
@@ -277,11 +268,7 @@ in
       systemd.services.spire-agent.wantedBy = lib.mkForce [ ];
     };
 
-  testScript = ''
-    import json
-    import shlex
-
-    GITEA = "http://${nodeIp}:3000"
+  testScript = gitea.testHelpers + ''
     K = "k3s kubectl"
 
     start_all()
@@ -311,35 +298,12 @@ in
         machine.succeed(f"{K} apply -f ${clusterStaticEntryCrd}")
 
     with subtest("Gitea: admin, repository, registration of the controller's runner"):
-        machine.wait_for_unit("gitea.service")
-        machine.wait_for_open_port(3000)
+        token, api = gitea_setup(machine)
+        # `register` with the packaged binary, writing into what becomes the Secret the
+        # Deployment mounts.
+        machine.succeed("install -d -m 0700 /tmp/secrets")
+        runner_registration_token(machine, "/tmp/secrets/registration-token")
         machine.succeed(
-            "su -l gitea -c 'GITEA_WORK_DIR=/var/lib/gitea gitea admin user create "
-            "--admin --username admin --password ${adminPassword} --email admin@localhost "
-            "--must-change-password=false'"
-        )
-        token = json.loads(machine.succeed(
-            "curl -sSf -X POST -u admin:${adminPassword} -H 'Content-Type: application/json' "
-            + GITEA + "/api/v1/users/admin/tokens -d "
-            + shlex.quote(json.dumps({"name": "test", "scopes": ["write:repository", "write:user", "write:admin"]}))
-        ))["sha1"]
-
-        def api(path, method="GET", data=None):
-            cmd = (f"curl -sSf -X {method} -H 'Authorization: token {token}' "
-                   f"-H 'Content-Type: application/json' {GITEA}/api/v1{path}")
-            if data is not None:
-                cmd += " -d " + shlex.quote(json.dumps(data))
-            return machine.succeed(cmd)
-
-        api("/user/repos", "POST", {"name": "ci", "auto_init": False, "private": False})
-        api("/repos/admin/ci", "PATCH", {"has_actions": True})
-
-        # `register` with the same image the cluster runs, writing into a directory that
-        # becomes the Secret the Deployment mounts.
-        machine.succeed(
-            "install -d -m 0700 /tmp/secrets && "
-            "su -l gitea -c 'GITEA_WORK_DIR=/var/lib/gitea gitea actions generate-runner-token' "
-            "| tail -n1 | tr -d '[:space:]' > /tmp/secrets/registration-token && "
             "head -c 48 /dev/urandom | base64 -w0 > /tmp/secrets/capability-key && "
             "printf %s ${natsPasswords.producer} > /tmp/secrets/nats-producer-password && "
             "printf %s ${natsPasswords.worker} > /tmp/secrets/nats-worker-password"
@@ -373,23 +337,11 @@ in
         )
 
     with subtest("a pod job runs in a fresh Pod and succeeds with its output"):
-        machine.succeed(
-            "rm -rf /tmp/pod && git init -q -b pod /tmp/pod && mkdir -p /tmp/pod/.gitea/workflows && "
-            "cp ${workflow} /tmp/pod/.gitea/workflows/pod.yml && git -C /tmp/pod add . && "
-            "git -C /tmp/pod -c user.name=test -c user.email=test@localhost commit -q -m pod && "
-            "git -C /tmp/pod push -q http://admin:${adminPassword}@${nodeIp}:3000/admin/ci.git pod"
-        )
-        machine.wait_until_succeeds(
-            f"curl -sSf -H 'Authorization: token {token}' {GITEA}/api/v1/repos/admin/ci/actions/jobs "
-            "| jq -e '.jobs[] | select(.name == \"pod-job\" and .status == \"completed\")'",
+        push(machine, "pod", "${workflow}")
+        assert_job_succeeded_with(
+            machine, token, api, "pod-job", "pod job ran as uid 2000", "pod job holds its SVID",
             timeout=900,
         )
-        jobs = json.loads(api("/repos/admin/ci/actions/jobs"))["jobs"]
-        j = [j for j in jobs if j["name"] == "pod-job"][0]
-        assert j["conclusion"] == "success", f"pod-job: {j['conclusion']!r}"
-        log = api(f"/repos/admin/ci/actions/jobs/{j['id']}/logs")
-        assert "pod job ran as uid 2000" in log, log
-        assert "pod job holds its SVID" in log, log
 
     with subtest("the executor Pod is gone once the result is reported"):
         machine.wait_until_succeeds(

@@ -12,11 +12,7 @@
 # Peers' limits this test stays inside: Gitea fails a task whose runner is silent for 10 min
 # (the controller's heartbeats cover queued tasks); the official runner gives up a final
 # report after 10 s (the executor buffers it across the restart). Every wait below is a poll
-# of observable state with a deadline.
-#
-# Gitea API used (go-gitea/gitea routers/api/v1/api.go): POST /user/repos,
-# PATCH /repos/{owner}/{repo}, GET /repos/{owner}/{repo}/actions/jobs and
-# GET /repos/{owner}/{repo}/actions/jobs/{job_id}/logs (the latter two: Gitea >= 1.25).
+# of observable state with a deadline (Gitea helpers: ./gitea.nix).
 {
   lib,
   pkgs,
@@ -24,7 +20,7 @@
   ...
 }:
 let
-  adminPassword = "correct-horse-battery-staple";
+  gitea = import ./gitea.nix { host = "localhost"; };
   stateDir = "/var/lib/gitea-dynamic-runner";
   # Where the host sees the DynamicUser state directory.
   hostStateDir = "/var/lib/private/gitea-dynamic-runner";
@@ -93,15 +89,7 @@ in
 
       services.gitea = {
         enable = true;
-        settings = {
-          server = {
-            HTTP_PORT = 3000;
-            DOMAIN = "localhost";
-            ROOT_URL = "http://localhost:3000/";
-          };
-          service.DISABLE_REGISTRATION = true;
-          actions.ENABLED = true;
-        };
+        inherit (gitea) settings;
       };
 
       # Test secrets, generated at boot outside the store (a real host would use agenix,
@@ -151,89 +139,31 @@ in
       systemd.services.gitea-dynamic-runner.wantedBy = lib.mkForce [ ];
     };
 
-  testScript = ''
-    import json
-    import shlex
-
-    GITEA = "http://localhost:3000"
+  testScript = gitea.testHelpers + ''
     STATE = "${hostStateDir}"
     EXECUTOR = "pgrep -f 'bin/gitea-dynamic-runner executor'"
 
     start_all()
-    machine.wait_for_unit("gitea.service")
-    machine.wait_for_open_port(3000)
     machine.wait_for_unit("nats.service")
 
     with subtest("Gitea: an admin, a token and a repository with Actions"):
-        machine.succeed(
-            "su -l gitea -c 'GITEA_WORK_DIR=/var/lib/gitea gitea admin user create "
-            "--admin --username admin --password ${adminPassword} --email admin@localhost "
-            "--must-change-password=false'"
-        )
-        token = json.loads(machine.succeed(
-            "curl -sSf -X POST -u admin:${adminPassword} -H 'Content-Type: application/json' "
-            + GITEA + "/api/v1/users/admin/tokens -d "
-            + shlex.quote(json.dumps({"name": "test", "scopes": ["write:repository", "write:user", "write:admin"]}))
-        ))["sha1"]
-
-        def api(path, method="GET", data=None):
-            cmd = (f"curl -sSf -X {method} -H 'Authorization: token {token}' "
-                   f"-H 'Content-Type: application/json' {GITEA}/api/v1{path}")
-            if data is not None:
-                cmd += " -d " + shlex.quote(json.dumps(data))
-            return machine.succeed(cmd)
-
-        api("/user/repos", "POST", {"name": "ci", "auto_init": False, "private": False})
-        api("/repos/admin/ci", "PATCH", {"has_actions": True})
+        token, api = gitea_setup(machine)
 
     with subtest("the controller registers through `register` and becomes ready"):
-        machine.succeed(
-            "su -l gitea -c 'GITEA_WORK_DIR=/var/lib/gitea gitea actions generate-runner-token' "
-            "| tail -n1 | tr -d '[:space:]' > /run/gdr-secrets/registration-token"
-        )
-        machine.succeed("test -s /run/gdr-secrets/registration-token")
+        runner_registration_token(machine, "/run/gdr-secrets/registration-token")
         machine.succeed("systemctl start gitea-dynamic-runner.service")
         machine.wait_for_unit("gitea-dynamic-runner.service")
         machine.succeed(f"test -s {STATE}/runner-uuid && test -s {STATE}/runner-token")
         machine.succeed(f"test \"$(stat -c %a {STATE}/runner-token)\" = 600")
         machine.wait_until_succeeds("curl -sSf http://127.0.0.1:9090/readyz", timeout=120)
 
-    def push(branch, workflow):
-        machine.succeed(
-            f"rm -rf /tmp/{branch} && git init -q -b {branch} /tmp/{branch} && "
-            f"mkdir -p /tmp/{branch}/.gitea/workflows && "
-            f"cp {workflow} /tmp/{branch}/.gitea/workflows/{branch}.yml && "
-            f"git -C /tmp/{branch} add . && "
-            f"git -C /tmp/{branch} -c user.name=test -c user.email=test@localhost commit -q -m {branch} && "
-            f"git -C /tmp/{branch} push -q http://admin:${adminPassword}@localhost:3000/admin/ci.git {branch}"
-        )
-
-    def job(name):
-        jobs = json.loads(api("/repos/admin/ci/actions/jobs?limit=50"))["jobs"]
-        matching = [j for j in jobs if j["name"] == name]
-        return matching[0] if matching else None
-
-    def wait_completed(name, timeout=600):
-        machine.wait_until_succeeds(
-            f"curl -sSf -H 'Authorization: token {token}' {GITEA}/api/v1/repos/admin/ci/actions/jobs?limit=50 "
-            f"| jq -e --arg n {name} '.jobs[] | select(.name == $n and .status == \"completed\")'",
-            timeout=timeout,
-        )
-        return job(name)
-
-    def assert_succeeded_with(name, line):
-        j = wait_completed(name)
-        assert j["conclusion"] == "success", f"{name}: conclusion {j['conclusion']!r}"
-        log = api(f"/repos/admin/ci/actions/jobs/{j['id']}/logs")
-        assert line in log, f"{name}: {line!r} not in its log:\n{log}"
-
     with subtest("a pod job and a vm job both succeed with their output"):
-        push("backends", "${workflowFiles.backends}")
-        assert_succeeded_with("pod-job", "pod backend ran job pod-job")
-        assert_succeeded_with("vm-job", "vm backend ran job vm-job")
+        push(machine, "backends", "${workflowFiles.backends}")
+        assert_job_succeeded_with(machine, token, api, "pod-job", "pod backend ran job pod-job")
+        assert_job_succeeded_with(machine, token, api, "vm-job", "vm backend ran job vm-job")
 
     with subtest("a restart mid-job keeps the executor and the job still succeeds"):
-        push("restart", "${workflowFiles.restart}")
+        push(machine, "restart", "${workflowFiles.restart}")
         machine.wait_until_succeeds(f"test -e {STATE}/restart-job-started", timeout=600)
         before = machine.succeed(EXECUTOR).split()
         assert before, "no executor process while the restart job runs"
@@ -243,10 +173,12 @@ in
             machine.succeed(f"kill -0 {pid}")
         machine.wait_until_succeeds("curl -sSf http://127.0.0.1:9090/readyz", timeout=120)
         machine.succeed(f"touch {STATE}/restart-job-release")
-        assert_succeeded_with("restart-job", "restart job finished after the controller restart")
+        assert_job_succeeded_with(
+            machine, token, api, "restart-job", "restart job finished after the controller restart"
+        )
 
     with subtest("a stop ends executors and jobs with the service"):
-        push("stop", "${workflowFiles.stop}")
+        push(machine, "stop", "${workflowFiles.stop}")
         machine.wait_until_succeeds(f"test -e {STATE}/stop-job-started", timeout=600)
         machine.succeed(EXECUTOR)
         machine.succeed("systemctl stop gitea-dynamic-runner.service")
