@@ -4,7 +4,6 @@
 // A panic is how a test (or a benchmark harness) fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use gdr_testkit::log_capture::Capture;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,6 +25,7 @@ use gdr_proto::runner::v1::{
     DeclareRequest, FetchTaskRequest, LogRow, RegisterRequest, RunnerServiceClient,
     UpdateLogRequest,
 };
+use gdr_testkit::log_capture::Capture;
 use gdr_testkit::memory_backend::MemoryBackend;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::spiffe::{

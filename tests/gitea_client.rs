@@ -3,13 +3,13 @@
 // A panic is how a test (or a benchmark harness) fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use gdr_testkit::log_capture::Capture;
 use std::time::Duration;
 
 use gdr_controller::gitea::{ClientOptions, Credentials, ErrorKind, GiteaClient};
 use gdr_proto::runner::v1::{
     LogRow, RegisterRequest, TaskResult, TaskState, UpdateLogRequest, UpdateTaskRequest,
 };
+use gdr_testkit::log_capture::Capture;
 use gdr_testkit::mock_gitea::{
     GrpcCode, MockConfig, MockFault, MockGitea, RpcMethod, RunningMock, Status,
 };

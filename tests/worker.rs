@@ -7,7 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::PullConsumer};
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::{self};
 use gdr_controller::dispatch::{ClaimState, Dispatch};
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::queue::{self, ConsumerSettings, StreamSettings};

@@ -41,11 +41,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use serde::{Deserialize, Serialize};
-use tokio::sync::Mutex as AsyncMutex;
-use tokio::task::JoinHandle;
-use tokio::time::Instant;
-
 use gdr_core::assignment::{AssignmentId, RecoveredAssignment};
 use gdr_core::backend::Backend;
 use gdr_core::executor::{
@@ -56,6 +51,10 @@ use gdr_core::identity::TrustDomain;
 use gdr_core::metadata::{ExecutorMetadata, MetadataCodec, MetadataError};
 use gdr_identity::workload_api::LocalIdentity;
 use rustix::process::{Pid, Signal};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Mutex as AsyncMutex;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 /// Environment variable naming the executor's working directory.
 pub const WORKDIR_ENV: &str = "CI_RUNNER_WORKDIR";

@@ -13,15 +13,14 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tokio::sync::watch;
-use tokio::time::Instant;
-
 use gdr_core::assignment::{Assignment, AssignmentId};
 use gdr_core::backend::Backend;
 use gdr_core::capability::CapabilityKey;
 use gdr_core::capacity::{Admission, Pool};
 use gdr_core::executor::{ExecutorBackend, ExecutorError, ExecutorRecord};
 use gdr_proto::runner::v1::Task;
+use tokio::sync::watch;
+use tokio::time::Instant;
 
 /// Where an offered assignment stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -13,11 +13,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use gdr_core::executor::{ExecutorBackend, ExecutorError, ExecutorRecord};
+
 use crate::backoff::Backoff;
 use crate::dispatch::Dispatch;
 use crate::gitea::{GiteaClient, Reported};
 use crate::shutdown::Shutdown;
-use gdr_core::executor::{ExecutorBackend, ExecutorError, ExecutorRecord};
 
 /// One report per executor per pass; the next pass is the retry.
 const REPORT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(1));

@@ -7,7 +7,6 @@
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer, stream};
-
 use gdr_core::backend::Backend;
 
 /// Stream layout.

@@ -3,9 +3,10 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use gdr_proto::runner::v1::RegisterRequest;
+
 use crate::gitea::{ClientOptions, GiteaClient, GiteaError};
 use crate::settings::{RegisterSettings, read_secret_file};
-use gdr_proto::runner::v1::RegisterRequest;
 
 /// What to register and where to write the result.
 #[derive(Debug, Clone)]

@@ -17,13 +17,9 @@ use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use async_nats::jetstream::{self, AckKind, consumer::PullConsumer};
+use async_nats::jetstream::consumer::PullConsumer;
+use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
-
-use crate::backoff::Backoff;
-use crate::dispatch::{ClaimState, Dispatch};
-use crate::gitea::{GiteaClient, Reported};
-use crate::shutdown::Shutdown;
 use gdr_core::assignment::{
     Assignment, AssignmentId, DerivationPolicy, EnvelopeError, TaskKeyring, decode, envelope_id,
 };
@@ -33,6 +29,11 @@ use gdr_core::executor::{
     Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec, Phase,
 };
 use gdr_core::metadata::MetadataCodec;
+
+use crate::backoff::Backoff;
+use crate::dispatch::{ClaimState, Dispatch};
+use crate::gitea::{GiteaClient, Reported};
+use crate::shutdown::Shutdown;
 
 /// Re-subscribing after a stream error: quick at first, never a spin.
 const RESUBSCRIBE: Backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));

@@ -13,26 +13,23 @@
 //!   secrets do not sit readable in the stream. The redundant fields and the key ID are
 //!   bound as additional data, so ciphertext cannot be moved between envelopes.
 
-use std::{fmt, str::FromStr};
+use std::fmt;
+use std::str::FromStr;
 
-use aws_lc_rs::{
-    aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey},
-    digest,
-    rand::{SecureRandom, SystemRandom},
-};
-use base64::{
-    Engine,
-    engine::general_purpose::{STANDARD, STANDARD_NO_PAD_INDIFFERENT, URL_SAFE_NO_PAD_INDIFFERENT},
+use aws_lc_rs::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
+use aws_lc_rs::digest;
+use aws_lc_rs::rand::{SecureRandom, SystemRandom};
+use base64::Engine;
+use base64::engine::general_purpose::{
+    STANDARD, STANDARD_NO_PAD_INDIFFERENT, URL_SAFE_NO_PAD_INDIFFERENT,
 };
 use buffa::Message;
+use gdr_proto::runner::v1::Task;
 use serde::{Deserialize, Serialize};
 
-use super::{
-    backend::{Backend, BackendError, BackendLabels, select_backend},
-    identity::{Identity, IdentityError, TrustDomain},
-    workflow::{WorkflowError, parse_single_job},
-};
-use gdr_proto::runner::v1::Task;
+use super::backend::{Backend, BackendError, BackendLabels, select_backend};
+use super::identity::{Identity, IdentityError, TrustDomain};
+use super::workflow::{WorkflowError, parse_single_job};
 
 const ID_PREFIX: &str = "gitea-task-";
 

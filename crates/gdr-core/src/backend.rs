@@ -3,7 +3,8 @@
 //! Workflows keep writing `runs-on: [self-hosted, pod]` or `[self-hosted, vm]`; the backend is
 //! decided by these labels alone, never by anything the scheduler or a queue message claims.
 
-use std::{fmt, str::FromStr};
+use std::fmt;
+use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 

@@ -8,7 +8,8 @@
 use std::fmt;
 
 use aws_lc_rs::{constant_time, hmac};
-use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 
 use super::assignment::AssignmentId;
 

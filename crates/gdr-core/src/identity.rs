@@ -6,12 +6,13 @@
 //! part of the compatibility contract with the Go seed deployment: recovered backend
 //! metadata and running SPIRE entries carry IDs computed the same way.
 
-use std::{fmt, str::FromStr};
+use std::fmt;
+use std::str::FromStr;
 
 use aws_lc_rs::digest;
+use gdr_proto::runner::v1::Task;
 
 use super::workflow::{SingleJob, WorkflowError, parse_single_job};
-use gdr_proto::runner::v1::Task;
 
 /// Longest slug kept from an unsafe path segment before the digest suffix is added.
 const MAX_SLUG_BYTES: usize = 48;

@@ -25,7 +25,8 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 
 use crate::assignment::{AssignmentId, RecoveredAssignment};
 use crate::backend::Backend;

@@ -4,12 +4,11 @@
 //! a payload has exactly one entry under `jobs:`. Only the job key, its display name and its
 //! `runs-on` labels matter here; everything else (`on:`, steps, ...) is left to the runner.
 
-use std::{collections::BTreeMap, fmt};
+use std::collections::BTreeMap;
+use std::fmt;
 
-use serde::{
-    Deserialize, Deserializer,
-    de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor},
-};
+use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer};
 
 /// Largest payload we parse. Gitea's single-job payloads are a few KiB; the cap keeps a
 /// hostile or corrupt task from costing more than a bounded amount of parsing.
@@ -265,8 +264,9 @@ pub fn parse_single_job(payload: &[u8]) -> Result<SingleJob, WorkflowError> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use proptest::prelude::*;
+
+    use super::*;
 
     fn runs_on(yaml: &str) -> Result<Vec<String>, WorkflowError> {
         parse_single_job(yaml.as_bytes()).map(|job| job.runs_on)

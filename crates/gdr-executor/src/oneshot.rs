@@ -12,12 +12,11 @@ use std::process::ExitStatus;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rustix::process::{Pid, Signal};
-use serde::Serialize;
-
 use gdr_core::assignment::AssignmentId;
 use gdr_core::backend::Backend;
 use gdr_core::executor::env;
+use rustix::process::{Pid, Signal};
+use serde::Serialize;
 
 /// Everything the executor reads from its environment.
 #[derive(Clone)]

@@ -40,10 +40,9 @@ use kube::{Api, Client};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+pub use sandbox::{DesiredEntry, EntryTemplate, Refusal};
 use serde_json::json;
 use tokio::sync::{Notify, watch};
-
-pub use sandbox::{DesiredEntry, EntryTemplate, Refusal};
 
 /// Configuration of the reconciler; every field is one documented setting.
 #[derive(Debug, Clone)]

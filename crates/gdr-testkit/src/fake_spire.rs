@@ -15,13 +15,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use futures::StreamExt;
+use gdr_identity::workload_api::{LocalCa, RunningWorkloadApi, WorkloadApi, WorkloadApiError};
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
 use serde_json::Value;
 use tokio::task::JoinHandle;
-
-use gdr_identity::workload_api::{LocalCa, RunningWorkloadApi, WorkloadApi, WorkloadApiError};
 
 /// File name of the socket in each Pod's directory (the CSI driver's convention).
 pub const SOCKET_NAME: &str = "spire-agent.sock";

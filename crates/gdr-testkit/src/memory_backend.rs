@@ -8,7 +8,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-
 use gdr_core::assignment::AssignmentId;
 use gdr_core::backend::Backend;
 use gdr_core::executor::{

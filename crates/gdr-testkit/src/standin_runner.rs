@@ -39,10 +39,9 @@ use buffa_types::google::protobuf::Timestamp;
 use bytes::Bytes;
 use connectrpc::client::{CallOptions, ClientConfig, HttpClient};
 use connectrpc::{ConnectError, ErrorCode};
+use gdr_proto::runner::v1 as pb;
 use http_body_util::{BodyExt, Empty};
 use serde::Deserialize;
-
-use gdr_proto::runner::v1 as pb;
 
 /// Exit status of a `standin:crash` run (non-zero, no final report).
 pub const CRASH_EXIT_CODE: i32 = 3;

@@ -3,6 +3,9 @@
 
 use std::collections::BTreeMap;
 
+use gdr_core::assignment::AssignmentId;
+use gdr_core::executor::{ExecutorSpec, env};
+use gdr_core::metadata::keys;
 use k8s_openapi::api::core::v1::{
     CSIVolumeSource, Capabilities, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource, Pod,
     PodSpec, ResourceRequirements, SeccompProfile, Secret, SecretKeySelector, SecurityContext,
@@ -11,10 +14,6 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use serde_json::{Value, json};
-
-use gdr_core::assignment::AssignmentId;
-use gdr_core::executor::{ExecutorSpec, env};
-use gdr_core::metadata::keys;
 
 use super::settings::{KubernetesSettings, PodProfile, Resources};
 

@@ -38,7 +38,15 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
+use error::*;
+pub use error::{API_CALLS, ApiCall, KubernetesError};
 use futures::StreamExt;
+use gdr_core::assignment::{AssignmentId, RecoveredAssignment};
+use gdr_core::backend::Backend;
+use gdr_core::executor::{
+    Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec, IdentityTarget, Phase,
+};
+use gdr_core::metadata::{ExecutorMetadata, Marker, keys};
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
@@ -46,25 +54,14 @@ use kube::api::{
 };
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
-use serde_json::{Value, json};
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
-
-use gdr_core::assignment::{AssignmentId, RecoveredAssignment};
-use gdr_core::backend::Backend;
-use gdr_core::executor::{
-    Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec, IdentityTarget, Phase,
-};
-use gdr_core::metadata::{ExecutorMetadata, Marker, keys};
-
-pub use error::{API_CALLS, ApiCall, KubernetesError};
 pub use manifest::{APP_NAME, CAPABILITY_KEY, CONTAINER, secret_name};
 pub use phase::phase;
+use serde_json::{Value, json};
 pub use settings::{
     KubernetesSettings, PodProfile, ProfileVolume, Resources, SettingsError, parse_quantity,
 };
-
-use error::*;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
 
 /// What one sweep removed.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]

@@ -1,8 +1,7 @@
 //! What a Pod's status says about its executor ([`Phase`]), with the real reasons.
 
-use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
-
 use gdr_core::executor::Phase;
+use k8s_openapi::api::core::v1::{ContainerStatus, Pod};
 
 use super::manifest::CONTAINER;
 
@@ -95,8 +94,9 @@ pub fn phase(pod: &Pod) -> Phase {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
-    use super::*;
     use serde_json::json;
+
+    use super::*;
 
     fn pod(status: serde_json::Value) -> Pod {
         serde_json::from_value(json!({ "metadata": { "name": "p" }, "status": status })).unwrap()

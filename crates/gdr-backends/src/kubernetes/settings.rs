@@ -3,11 +3,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Toleration, Volume};
-use serde::Deserialize;
-
 use gdr_core::identity::TrustDomain;
 use gdr_core::metadata::MetadataCodec;
+use k8s_openapi::api::core::v1::{Toleration, Volume};
+use serde::Deserialize;
 
 /// Everything the Pod backend needs; every field has a documented default except the
 /// image, the trust domain and the SPIRE cluster and class, which are deployment facts.

@@ -35,7 +35,6 @@ use std::sync::Mutex;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-
 use gdr_core::assignment::AssignmentId;
 use gdr_core::backend::Backend;
 use gdr_core::executor::{

@@ -19,20 +19,19 @@ pub mod tls;
 use std::sync::Arc;
 
 use connectrpc::{ConnectError, RequestContext, Response, ServiceRequest, ServiceResult};
-
-use crate::dispatch::{AuthError, Authorized, ClaimError, Dispatch};
-use crate::gitea::{
-    CAPABILITIES_HEADER, ErrorKind, GiteaClient, GiteaError, TOKEN_HEADER, UUID_HEADER,
-};
-use crate::shutdown::Shutdown;
 use gdr_core::backend::BackendLabels;
+pub use gdr_identity::tls::PeerSpiffeId;
 use gdr_proto::runner::v1::{
     DeclareRequest, DeclareResponse, FetchTaskRequest, FetchTaskResponse, RegisterRequest,
     RegisterResponse, Runner, RunnerService, TaskResult, UpdateLogRequest, UpdateLogResponse,
     UpdateTaskRequest, UpdateTaskResponse,
 };
 
-pub use gdr_identity::tls::PeerSpiffeId;
+use crate::dispatch::{AuthError, Authorized, ClaimError, Dispatch};
+use crate::gitea::{
+    CAPABILITIES_HEADER, ErrorKind, GiteaClient, GiteaError, TOKEN_HEADER, UUID_HEADER,
+};
+use crate::shutdown::Shutdown;
 
 /// The facade service.
 pub struct Facade {

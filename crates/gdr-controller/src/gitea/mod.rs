@@ -12,16 +12,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use connectrpc::client::{CallOptions, ClientConfig, HttpClient};
-use http::HeaderValue;
-
 pub use error::{ErrorKind, GiteaError};
-
 use gdr_proto::ping::v1::{PingRequest, PingServiceClient};
 use gdr_proto::runner::v1::{
     DeclareRequest, FetchTaskRequest, FetchTaskResponse, RegisterRequest, Runner,
     RunnerServiceClient, UpdateLogRequest, UpdateLogResponse, UpdateTaskRequest,
     UpdateTaskResponse,
 };
+use http::HeaderValue;
 
 /// Header carrying the runner UUID on every call but Register/Ping.
 pub const UUID_HEADER: &str = "x-runner-uuid";

@@ -15,6 +15,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
+pub use embedded_nats::EmbeddedNats;
+use gdr_backends::process::{ProcessBackend, ProcessBackendSettings};
+use gdr_core::assignment::{DerivationPolicy, TaskKey, TaskKeyring};
+use gdr_core::backend::Backend;
+use gdr_core::capability::CapabilityKey;
+use gdr_core::executor::ExecutorBackend;
+use gdr_core::metadata::MetadataCodec;
+use gdr_identity::workload_api::{LocalCa, LocalIdentity};
 use tokio::task::JoinSet;
 
 use crate::dispatch::Dispatch;
@@ -32,15 +40,6 @@ use crate::settings::{
 };
 use crate::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use crate::worker::{Worker, WorkerSettings};
-use gdr_backends::process::{ProcessBackend, ProcessBackendSettings};
-use gdr_core::assignment::{DerivationPolicy, TaskKey, TaskKeyring};
-use gdr_core::backend::Backend;
-use gdr_core::capability::CapabilityKey;
-use gdr_core::executor::ExecutorBackend;
-use gdr_core::metadata::MetadataCodec;
-use gdr_identity::workload_api::{LocalCa, LocalIdentity};
-
-pub use embedded_nats::EmbeddedNats;
 
 /// JetStream drops a repeated message ID within this window (a retried publish). Two
 /// minutes is JetStream's default and far longer than any publish retry loop.

@@ -14,13 +14,13 @@ use std::time::Duration;
 use async_nats::jetstream;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use buffa::MessageField;
+use gdr_core::assignment::envelope_id;
+use gdr_proto::runner::v1 as pb;
 
 use super::stats::SchedulerStats;
 use crate::gitea::GiteaClient;
 use crate::queue::{self, QueueError, StreamSettings};
 use crate::shutdown::Shutdown;
-use gdr_core::assignment::envelope_id;
-use gdr_proto::runner::v1 as pb;
 
 /// Sends heartbeats for the assignments waiting in the stream.
 pub struct Heartbeater {

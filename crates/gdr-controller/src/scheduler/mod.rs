@@ -22,20 +22,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use tokio::task::JoinSet;
-use tokio::time::Instant;
-
-pub use crate::backoff::Backoff;
-use crate::shutdown::{Shutdown, shutdown_channel};
-pub use heartbeat::{HeartbeatRound, Heartbeater};
-pub use stats::{ERROR_KINDS, SchedulerStats};
-pub use version::TasksVersion;
-
-use crate::gitea::{ErrorKind, GiteaClient, GiteaError};
-use crate::queue::{self, QueueError, StreamSettings};
 use gate::{BacklogGate, Slot};
 use gdr_core::assignment::{Assignment, DerivationPolicy, TaskKeyring, encode_v1, encode_v2};
 use gdr_proto::runner::v1 as pb;
+pub use heartbeat::{HeartbeatRound, Heartbeater};
+pub use stats::{ERROR_KINDS, SchedulerStats};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+pub use version::TasksVersion;
+
+pub use crate::backoff::Backoff;
+use crate::gitea::{ErrorKind, GiteaClient, GiteaError};
+use crate::queue::{self, QueueError, StreamSettings};
+use crate::shutdown::{Shutdown, shutdown_channel};
 
 /// How the reason of a task that cannot run begins.
 const INVALID_TASK_REASON: &str = "cannot run this job: ";

@@ -25,7 +25,6 @@ use gdr_core::assignment::DerivationPolicy;
 use gdr_core::backend::{Backend, BackendLabels};
 use gdr_core::identity::TrustDomain;
 use gdr_core::metadata::MetadataCodec;
-
 pub(crate) use keys::Raw;
 pub use keys::{KEYS, Key, Kind};
 pub use reference::{Format, default_of, render as reference};

@@ -1,7 +1,7 @@
+use std::collections::BTreeMap;
+
 use buffa_types::google::protobuf::{Struct, Value};
 use proptest::prelude::*;
-
-use std::collections::BTreeMap;
 
 use super::*;
 use crate::metadata::{DEFAULT_PREFIX, ExecutorMetadata, MetadataCodec, MetadataError};

@@ -54,11 +54,10 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use http::{HeaderMap, Method, StatusCode, Uri};
+pub use selector::{FieldSelector, LabelSelector};
 use serde_json::{Map, Value, json};
 use tokio::task::{JoinHandle, JoinSet};
 use tower::ServiceExt;
-
-pub use selector::{FieldSelector, LabelSelector};
 
 /// A kind of object the fake serves: where it lives in the URL space and how it behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]

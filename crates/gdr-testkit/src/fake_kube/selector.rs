@@ -149,8 +149,9 @@ impl FieldSelector {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
-    use super::*;
     use serde_json::json;
+
+    use super::*;
 
     fn obj(labels: Value) -> Value {
         json!({ "metadata": { "labels": labels }, "spec": { "nodeName": "n1" } })

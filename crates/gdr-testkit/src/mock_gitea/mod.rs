@@ -14,13 +14,12 @@ use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
-use serde::Serialize;
-use tokio::sync::{oneshot, watch};
-use tokio::task::JoinHandle;
-
 use gdr_proto::runner::v1 as pb;
+use serde::Serialize;
 use state::State;
 pub use state::{GiteaError, GrpcCode};
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
 
 /// Identifier of a queued job (Gitea's `ActionRunJob.ID`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]

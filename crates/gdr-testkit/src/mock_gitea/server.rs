@@ -14,12 +14,12 @@ use connectrpc::{
     CompressionPolicy, ConnectError, ConnectRpcService, ErrorCode, RequestContext, Response,
     ServiceRequest, ServiceResult,
 };
+use gdr_proto::ping::v1 as ping;
+use gdr_proto::runner::v1 as pb;
 use serde::Deserialize;
 
 use super::state::GiteaError;
 use super::{JobId, MockError, MockFault, MockGitea, RpcMethod};
-use gdr_proto::ping::v1 as ping;
-use gdr_proto::runner::v1 as pb;
 
 /// Gitea builds its handler with `connect.WithCompressMinBytes(1024)`.
 const COMPRESS_MIN_BYTES: usize = 1024;

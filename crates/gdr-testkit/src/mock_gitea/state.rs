@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant, SystemTime};
 
 use buffa_types::google::protobuf::{Struct, Timestamp};
+use gdr_proto::runner::v1 as pb;
 use rand::Rng;
 
 use super::workflow::ParsedWorkflow;
@@ -13,7 +14,6 @@ use super::{
     JobId, JobSnapshot, MockError, MockFault, RpcMethod, RunnerSnapshot, Status, StepSnapshot,
     TaskSnapshot,
 };
-use gdr_proto::runner::v1 as pb;
 
 /// Largest output key Gitea stores (bytes).
 const MAX_OUTPUT_KEY: usize = 255;
