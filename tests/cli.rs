@@ -58,6 +58,24 @@ fn subcommand_help_carries_the_configuration_reference() {
     );
 }
 
+/// DESIGN invariant 23: the configuration reference users read
+/// in the repository is the binary's own, so it cannot drift from what the binary accepts.
+#[test]
+fn docs_configuration_md_is_exactly_the_reference_the_binary_generates() {
+    let out = run(&["check-config", "--reference", "--format", "markdown"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let committed = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/configuration.md"),
+    )
+    .unwrap();
+    assert!(
+        committed == text(&out.stdout),
+        "docs/configuration.md differs from `check-config --reference --format markdown`; \
+         regenerate it:\n  cargo run -- check-config --reference --format markdown > \
+         docs/configuration.md"
+    );
+}
+
 #[test]
 fn a_subcommand_that_has_not_landed_says_so_and_fails() {
     let out = run(&["sandbox-identity"]);
