@@ -50,7 +50,6 @@
           # The cluster test deploys the manifests under deploy/kubernetes/, which are written
           # separately; until they are in the tree the test is left out (with a warning) instead
           # of breaking the evaluation of every other check.
-          haveDeployManifests = builtins.pathExists ./deploy/kubernetes;
         in
         {
           packages = {
@@ -64,17 +63,10 @@
             // {
               package = rust.package;
               vm-single-host = pkgs.testers.runNixOSTest (import ./nixos-tests/single-host.nix testArgs);
-            }
-            // lib.optionalAttrs
-              (lib.warnIf (!haveDeployManifests)
-                "gitea-dynamic-runner: deploy/kubernetes/ is missing, so checks.${system}.vm-cluster is not defined"
-                haveDeployManifests
-              )
-              {
-                vm-cluster = pkgs.testers.runNixOSTest (
-                  import ./nixos-tests/cluster.nix (testArgs // { deployDir = ./deploy/kubernetes; })
-                );
-              };
+              vm-cluster = pkgs.testers.runNixOSTest (
+                import ./nixos-tests/cluster.nix (testArgs // { deployDir = ./deploy/kubernetes; })
+              );
+            };
 
           devShells.default = pkgs.mkShell {
             inputsFrom = [ rust.package ];
