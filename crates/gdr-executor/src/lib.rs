@@ -6,5 +6,6 @@
 //! - [`proxy`]: the loopback HTTP proxy the runner's `.runner` `address` points at; it
 //!   forwards everything to the facade over mTLS with the executor's SVID.
 
+pub mod docker;
 pub mod oneshot;
 pub mod proxy;

@@ -1,0 +1,335 @@
+//! A Docker daemon for the job, started by the executor when `CI_RUNNER_START_DOCKER` is
+//! set (the executor image's Pods and VMs run Docker inside the environment so jobs can
+//! build images). The job's runner starts only once the daemon answers `/_ping` on its
+//! socket, so the first `docker` step never races the daemon's start-up; the daemon is
+//! stopped after the runner, with the environment.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitStatus;
+use std::time::Duration;
+
+use rustix::process::{Pid, Signal};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// `CI_RUNNER_START_DOCKER`: `true`/`false` (also `1`/`0`, `yes`/`no`).
+pub const START_DOCKER: &str = "CI_RUNNER_START_DOCKER";
+/// `CI_DOCKERD`: the daemon program (default `dockerd`, found on `PATH`).
+pub const DOCKERD: &str = "CI_DOCKERD";
+/// `CI_DOCKER_SOCKET`: the daemon's Unix socket (default `/var/run/docker.sock`).
+pub const DOCKER_SOCKET: &str = "CI_DOCKER_SOCKET";
+/// `CI_DOCKER_READY_TIMEOUT`: seconds to wait for the daemon (default 60).
+pub const DOCKER_READY_TIMEOUT: &str = "CI_DOCKER_READY_TIMEOUT";
+
+/// dockerd's own shutdown stops containers with a 10 s grace; a little more than that.
+const STOP_GRACE: Duration = Duration::from_secs(15);
+const POLL: Duration = Duration::from_millis(100);
+
+/// How to start the daemon.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DockerSettings {
+    /// The daemon program.
+    pub program: PathBuf,
+    /// Its socket.
+    pub socket: PathBuf,
+    /// How long it may take to answer.
+    pub ready_timeout: Duration,
+}
+
+/// Why the daemon could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum DockerError {
+    /// A variable is invalid.
+    #[error("{name}: {problem}")]
+    Env {
+        /// The variable.
+        name: &'static str,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The program could not be started.
+    #[error("starting the Docker daemon {program}: {source}")]
+    Spawn {
+        /// The program.
+        program: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The daemon exited before it answered.
+    #[error("the Docker daemon exited before it answered on {socket}: {status}")]
+    Exited {
+        /// Its socket.
+        socket: PathBuf,
+        /// Its exit status.
+        status: ExitStatus,
+    },
+    /// The daemon did not answer in time.
+    #[error("the Docker daemon did not answer on {socket} within {timeout:?}")]
+    NotReady {
+        /// Its socket.
+        socket: PathBuf,
+        /// The deadline.
+        timeout: Duration,
+    },
+    /// Waiting for the daemon failed.
+    #[error("waiting for the Docker daemon: {0}")]
+    Wait(#[source] std::io::Error),
+}
+
+impl DockerSettings {
+    /// Reads the variables through `get`; `None` when no daemon is wanted.
+    pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, DockerError> {
+        let wanted = match get(START_DOCKER).as_deref().map(str::trim) {
+            None | Some("") => false,
+            Some(v) => parse_bool(v).ok_or_else(|| DockerError::Env {
+                name: START_DOCKER,
+                problem: format!("{v:?} is neither true nor false"),
+            })?,
+        };
+        if !wanted {
+            return Ok(None);
+        }
+        let non_empty = |name| get(name).filter(|v| !v.trim().is_empty());
+        let ready_timeout = match non_empty(DOCKER_READY_TIMEOUT) {
+            None => Duration::from_secs(60),
+            Some(v) => Duration::from_secs(v.trim().parse().map_err(|_| DockerError::Env {
+                name: DOCKER_READY_TIMEOUT,
+                problem: format!("{v:?} is not a number of seconds"),
+            })?),
+        };
+        Ok(Some(DockerSettings {
+            program: non_empty(DOCKERD).map_or_else(|| PathBuf::from("dockerd"), PathBuf::from),
+            socket: non_empty(DOCKER_SOCKET)
+                .map_or_else(|| PathBuf::from("/var/run/docker.sock"), PathBuf::from),
+            ready_timeout,
+        }))
+    }
+}
+
+fn parse_bool(v: &str) -> Option<bool> {
+    match v.to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" => Some(true),
+        "false" | "0" | "no" => Some(false),
+        _ => None,
+    }
+}
+
+/// A running daemon; killed if dropped without [`Dockerd::stop`].
+#[derive(Debug)]
+pub struct Dockerd {
+    child: tokio::process::Child,
+    socket: PathBuf,
+}
+
+impl Dockerd {
+    /// Starts the daemon and waits until it answers `/_ping`.
+    pub async fn start(settings: &DockerSettings) -> Result<Self, DockerError> {
+        let mut child = tokio::process::Command::new(&settings.program)
+            .arg("--host")
+            .arg(format!("unix://{}", settings.socket.display()))
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| DockerError::Spawn {
+                program: settings.program.clone(),
+                source,
+            })?;
+        let deadline = tokio::time::Instant::now() + settings.ready_timeout;
+        loop {
+            if let Some(status) = child.try_wait().map_err(DockerError::Wait)? {
+                return Err(DockerError::Exited {
+                    socket: settings.socket.clone(),
+                    status,
+                });
+            }
+            if pings(&settings.socket).await {
+                tracing::info!(socket = %settings.socket.display(), "the Docker daemon answers");
+                return Ok(Dockerd {
+                    child,
+                    socket: settings.socket.clone(),
+                });
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(DockerError::NotReady {
+                    socket: settings.socket.clone(),
+                    timeout: settings.ready_timeout,
+                });
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// `DOCKER_HOST` for the job.
+    pub fn docker_host(&self) -> String {
+        format!("unix://{}", self.socket.display())
+    }
+
+    /// Stops the daemon: SIGTERM (it stops its containers), SIGKILL after a grace.
+    pub async fn stop(mut self) {
+        if let Some(pid) = self
+            .child
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .and_then(Pid::from_raw)
+        {
+            let _ = rustix::process::kill_process(pid, Signal::TERM);
+        }
+        match tokio::time::timeout(STOP_GRACE, self.child.wait()).await {
+            Ok(_) => {}
+            Err(_) => {
+                tracing::warn!(socket = %self.socket.display(), "the Docker daemon ignored SIGTERM; killing it");
+                let _ = self.child.kill().await;
+            }
+        }
+    }
+}
+
+/// True when the daemon on `socket` answers `GET /_ping` with 200.
+async fn pings(socket: &Path) -> bool {
+    let Ok(Ok(mut stream)) = tokio::time::timeout(
+        Duration::from_secs(2),
+        tokio::net::UnixStream::connect(socket),
+    )
+    .await
+    else {
+        return false;
+    };
+    let request = b"GET /_ping HTTP/1.0\r\nHost: docker\r\n\r\n";
+    if stream.write_all(request).await.is_err() {
+        return false;
+    }
+    let mut head = [0u8; 32];
+    let mut filled = 0;
+    while filled < 12 {
+        match tokio::time::timeout(Duration::from_secs(2), stream.read(&mut head[filled..])).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => break,
+            Ok(Ok(n)) => filled += n,
+        }
+    }
+    let head = &head[..filled];
+    head.starts_with(b"HTTP/1.") && head.get(8..12) == Some(b" 200".as_slice())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(env: &[(&str, &str)]) -> Result<Option<DockerSettings>, DockerError> {
+        DockerSettings::from_env(|name| {
+            env.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    /// A stand-in daemon: answers `/_ping` on the `--host` socket after `delay` seconds
+    /// (or exits with status 3 when `delay` is negative), and records SIGTERM.
+    fn fake_dockerd(dir: &Path, delay: f64) -> PathBuf {
+        let script = dir.join("dockerd");
+        let body = format!(
+            r#"#!/usr/bin/env python3
+import os, signal, socket, sys, time
+path = sys.argv[sys.argv.index("--host") + 1].removeprefix("unix://")
+def term(*_):
+    open(path + ".terminated", "w").close()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+if {delay} < 0:
+    sys.exit(3)
+time.sleep({delay})
+s = socket.socket(socket.AF_UNIX)
+s.bind(path)
+s.listen(8)
+while True:
+    c, _ = s.accept()
+    c.recv(1024)
+    c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nOK")
+    c.close()
+"#
+        );
+        std::fs::write(&script, body).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        script
+    }
+
+    #[test]
+    fn no_daemon_is_started_unless_asked_for() {
+        assert_eq!(settings(&[]).unwrap(), None);
+        assert_eq!(settings(&[(START_DOCKER, "false")]).unwrap(), None);
+        let s = settings(&[(START_DOCKER, "true")]).unwrap().unwrap();
+        assert_eq!(s.program, PathBuf::from("dockerd"));
+        assert_eq!(s.socket, PathBuf::from("/var/run/docker.sock"));
+    }
+
+    #[test]
+    fn a_malformed_switch_names_the_variable() {
+        let e = settings(&[(START_DOCKER, "maybe")]).unwrap_err();
+        assert!(e.to_string().starts_with("CI_RUNNER_START_DOCKER:"), "{e}");
+        let e = settings(&[(START_DOCKER, "1"), (DOCKER_READY_TIMEOUT, "soon")]).unwrap_err();
+        assert!(e.to_string().starts_with("CI_DOCKER_READY_TIMEOUT:"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn the_runner_waits_until_the_daemon_answers_and_the_daemon_is_stopped_after() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("docker.sock");
+        let settings = DockerSettings {
+            program: fake_dockerd(dir.path(), 0.5),
+            socket: socket.clone(),
+            ready_timeout: Duration::from_secs(30),
+        };
+        let daemon = Dockerd::start(&settings).await.unwrap();
+        assert!(
+            std::os::unix::net::UnixStream::connect(&socket).is_ok(),
+            "start returns only once the daemon listens"
+        );
+        assert_eq!(daemon.docker_host(), format!("unix://{}", socket.display()));
+        daemon.stop().await;
+        assert!(
+            dir.path().join("docker.sock.terminated").exists(),
+            "the daemon got SIGTERM"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_daemon_that_exits_early_is_reported_with_its_status() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = DockerSettings {
+            program: fake_dockerd(dir.path(), -1.0),
+            socket: dir.path().join("docker.sock"),
+            ready_timeout: Duration::from_secs(30),
+        };
+        match Dockerd::start(&settings).await {
+            Err(DockerError::Exited { status, .. }) => assert_eq!(status.code(), Some(3)),
+            other => panic!("expected Exited, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_daemon_that_never_answers_fails_at_the_deadline() {
+        let dir = tempfile::tempdir().unwrap();
+        let settings = DockerSettings {
+            program: fake_dockerd(dir.path(), 3600.0),
+            socket: dir.path().join("docker.sock"),
+            ready_timeout: Duration::from_millis(500),
+        };
+        match Dockerd::start(&settings).await {
+            Err(DockerError::NotReady { timeout, .. }) => {
+                assert_eq!(timeout, Duration::from_millis(500))
+            }
+            other => panic!("expected NotReady, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_missing_program_is_named() {
+        let settings = DockerSettings {
+            program: PathBuf::from("/nonexistent/dockerd"),
+            socket: PathBuf::from("/nonexistent.sock"),
+            ready_timeout: Duration::from_secs(1),
+        };
+        let e = Dockerd::start(&settings).await.unwrap_err();
+        assert!(e.to_string().contains("/nonexistent/dockerd"), "{e}");
+    }
+}
