@@ -71,11 +71,6 @@ impl SchedulerStats {
         self.fetch_errors[kind_index(kind)].load(Ordering::Relaxed)
     }
 
-    /// Failed FetchTask calls of any kind.
-    pub fn fetch_errors_total(&self) -> u64 {
-        ERROR_KINDS.iter().map(|k| self.fetch_errors(*k)).sum()
-    }
-
     pub(crate) fn inc(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
     }
