@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use gdr_testkit::until_sync;
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -23,14 +24,6 @@ const DEADLINE: Duration = Duration::from_secs(20);
 
 fn pod(name: &str, labels: &[(&str, &str)]) -> Pod {
     fake_kube::minimal_pod(name, labels)
-}
-
-async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + DEADLINE;
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn count(fake: &RunningFakeKube, prefix: &str) -> usize {
@@ -101,7 +94,10 @@ async fn a_selective_watch_reports_added_modified_and_deleted_including_objects_
     );
     next_event(&mut events, "InitApply(before)").await;
     next_event(&mut events, "InitDone").await;
-    wait_until("the watch is open", || fake.handle.open_watches() == 1).await;
+    until_sync(DEADLINE, "the watch is open", || {
+        fake.handle.open_watches() == 1
+    })
+    .await;
 
     pods.create(&PostParams::default(), &pod("other", &[("role", "db")]))
         .await
@@ -130,7 +126,10 @@ async fn an_expired_watch_sends_410_in_the_stream_and_the_watcher_re_lists() {
     let pods: Api<Pod> = Api::namespaced(fake.client().unwrap(), NS);
     let (mut events, task) = spawn_watcher(pods.clone(), watcher::Config::default());
     next_event(&mut events, "InitDone").await;
-    wait_until("the watch is open", || fake.handle.open_watches() == 1).await;
+    until_sync(DEADLINE, "the watch is open", || {
+        fake.handle.open_watches() == 1
+    })
+    .await;
     for name in ["early-1", "early-2"] {
         pods.create(&PostParams::default(), &pod(name, &[]))
             .await
@@ -190,7 +189,10 @@ async fn bookmarks_reach_only_watches_that_allow_them_and_the_watcher_resumes_fr
         .send()
         .await
         .unwrap();
-    wait_until("both watches are open", || fake.handle.open_watches() == 2).await;
+    until_sync(DEADLINE, "both watches are open", || {
+        fake.handle.open_watches() == 2
+    })
+    .await;
     fake.handle.send_bookmarks();
     assert_eq!(
         plain.text().await.unwrap(),
@@ -198,7 +200,7 @@ async fn bookmarks_reach_only_watches_that_allow_them_and_the_watcher_resumes_fr
         "no bookmark without allowWatchBookmarks"
     );
     let resumed = format!("resourceVersion={bookmark_rv}");
-    wait_until("the watcher resumes from the bookmark", || {
+    until_sync(DEADLINE, "the watcher resumes from the bookmark", || {
         fake.handle.requests().iter().any(|r| {
             r.contains("watch=true")
                 && r.contains("allowWatchBookmarks=true")

@@ -13,6 +13,7 @@ use futures::FutureExt;
 use gdr_controller::lease::{LeaderElector, Leadership, LeaseError, LeaseSettings};
 use gdr_controller::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use gdr_testkit::until_sync;
 use http::{Method, StatusCode};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
@@ -63,18 +64,6 @@ fn campaign(fake: &RunningFakeKube, settings: LeaseSettings) -> Candidate {
     }
 }
 
-/// Polls `cond` until it holds; panics with `what` after [`DEADLINE`].
-async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 fn stored_lease(fake: &RunningFakeKube) -> Option<Value> {
     fake.handle.object(&ResourceType::leases(), NS, LEASE)
 }
@@ -99,7 +88,7 @@ fn micros(v: &Value) -> i64 {
 
 /// Waits until exactly one candidate reports leadership and the Lease names it; its identity.
 async fn leader_of(fake: &RunningFakeKube, candidates: &[&Candidate]) -> String {
-    wait_until("one candidate leads", || {
+    until_sync(DEADLINE, "one candidate leads", || {
         candidates.iter().any(|c| c.leadership.is_leader())
     })
     .await;
@@ -140,7 +129,7 @@ async fn exactly_one_of_two_candidates_leads() {
     let leader = leader_of(&fake, &[&a, &b]).await;
     // Let the leader renew several times while the standby keeps campaigning.
     let rv = resource_version(&fake);
-    wait_until("the leader renewed five times", || {
+    until_sync(DEADLINE, "the leader renewed five times", || {
         resource_version(&fake) >= rv + 5
     })
     .await;
@@ -261,7 +250,10 @@ async fn killing_the_leader_hands_over_after_the_lease_expires() {
             .expect("duration")
             * 1_000_000;
 
-    wait_until("the standby leads", || standby.leadership.is_leader()).await;
+    until_sync(DEADLINE, "the standby leads", || {
+        standby.leadership.is_leader()
+    })
+    .await;
     let taken = stored_lease(&fake).expect("lease");
     assert_eq!(taken["spec"]["holderIdentity"], standby.identity.as_str());
     assert_eq!(taken["spec"]["leaseTransitions"], 1);
@@ -279,7 +271,10 @@ async fn a_leader_that_cannot_renew_steps_down_and_reports_lost() {
 
     // The leader loses the API server entirely.
     fake.stop().await;
-    wait_until("the leader stepped down", || !a.leadership.is_leader()).await;
+    until_sync(DEADLINE, "the leader stepped down", || {
+        !a.leadership.is_leader()
+    })
+    .await;
     let result = a.task.await.expect("elector task");
     assert!(matches!(result, Err(LeaseError::Lost)), "{result:?}");
 }
@@ -357,7 +352,10 @@ async fn shutdown_releases_the_lease_so_the_standby_takes_over_at_once() {
     assert!(result.is_ok(), "{result:?}");
     assert!(!leader.leadership.is_leader());
 
-    wait_until("the standby leads", || standby.leadership.is_leader()).await;
+    until_sync(DEADLINE, "the standby leads", || {
+        standby.leadership.is_leader()
+    })
+    .await;
     let lease = stored_lease(&fake).expect("lease");
     assert_eq!(lease["spec"]["holderIdentity"], standby.identity.as_str());
     assert_eq!(lease["spec"]["leaseTransitions"], 1);
@@ -369,7 +367,7 @@ async fn shutdown_while_campaigning_returns_ok_without_leading() {
     let a = campaign(&fake, settings("replica-a"));
     assert_eq!(leader_of(&fake, &[&a]).await, "replica-a");
     let b = campaign(&fake, settings("replica-b"));
-    wait_until("the standby has campaigned", || {
+    until_sync(DEADLINE, "the standby has campaigned", || {
         fake.handle
             .requests()
             .iter()

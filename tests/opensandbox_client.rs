@@ -15,7 +15,7 @@ use std::time::{Duration, SystemTime};
 use gdr_backends::opensandbox::client::{CreateSandbox, ListQuery};
 use gdr_backends::opensandbox::{ClientError, LifecycleClient};
 use gdr_core::metadata::{ExecutorMetadata, MetadataCodec, is_label_value};
-use gdr_testkit::backend_contract::eventually;
+use gdr_testkit::eventually;
 use gdr_testkit::opensandbox::{POOL_ACQUISITION_TIMEOUT, PoolSpec};
 use opensandbox_common::{DEADLINE, client, client_with, pool, server, settings, unique};
 

@@ -4,7 +4,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -23,9 +22,9 @@ use gdr_core::executor::{
 };
 use gdr_core::identity::TrustDomain;
 use gdr_core::metadata::MetadataCodec;
+use gdr_testkit::eventually;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock};
 use tempfile::TempDir;
-use tokio::time::Instant;
 
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -167,22 +166,6 @@ impl Setup {
     }
 }
 
-/// Polls `check` until it yields a value or the deadline passes.
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 async fn phase_of(backend: &ProcessBackend, id: &AssignmentId) -> Phase {
     backend
         .find(id)
@@ -193,7 +176,7 @@ async fn phase_of(backend: &ProcessBackend, id: &AssignmentId) -> Phase {
 }
 
 async fn wait_finished(backend: &ProcessBackend, id: &AssignmentId) -> bool {
-    eventually("the executor to finish", || async {
+    eventually(DEADLINE, "the executor to finish", || async {
         match phase_of(backend, id).await {
             Phase::Finished { success, .. } => Some(success),
             _ => None,
@@ -277,10 +260,14 @@ async fn creating_twice_starts_one_process_with_the_executor_environment() {
     assert_eq!(third.created_at, first.created_at);
     assert_eq!(phase_of(&backend, &id).await, Phase::Running);
 
-    let log = eventually("the executor to print its environment", || async {
-        let log = s.log(&id);
-        log.contains("started").then_some(log)
-    })
+    let log = eventually(
+        DEADLINE,
+        "the executor to print its environment",
+        || async {
+            let log = s.log(&id);
+            log.contains("started").then_some(log)
+        },
+    )
     .await;
     let capability = spec.capability.expose();
     let dir = s.dir(&id);
@@ -333,10 +320,14 @@ async fn a_new_backend_instance_re_adopts_live_executors_and_sees_dead_ones() {
 
     let identity = Arc::new(RecordingIdentity::default());
     let backend = s.backend("exec sleep 30", &identity);
-    let records = eventually("the killed executor to be seen as finished", || async {
-        let records = backend.list().await.expect("list");
-        matches!(by_name(&records, &dead_id).phase, Phase::Finished { .. }).then_some(records)
-    })
+    let records = eventually(
+        DEADLINE,
+        "the killed executor to be seen as finished",
+        || async {
+            let records = backend.list().await.expect("list");
+            matches!(by_name(&records, &dead_id).phase, Phase::Finished { .. }).then_some(records)
+        },
+    )
     .await;
     assert_eq!(records.len(), 2);
     let (l, d) = (by_name(&records, &live_id), by_name(&records, &dead_id));
@@ -353,7 +344,7 @@ async fn a_new_backend_instance_re_adopts_live_executors_and_sees_dead_ones() {
     for id in [&live_id, &dead_id] {
         backend.delete(id).await.expect("delete");
     }
-    eventually("the re-adopted executor to stop", || async {
+    eventually(DEADLINE, "the re-adopted executor to stop", || async {
         process_gone(live_pid).then_some(())
     })
     .await;
@@ -411,7 +402,7 @@ async fn an_exited_executor_reports_its_exit_status() {
     let failing_id = spec.assignment.id().clone();
     failing.create(&spec).await.expect("create");
     assert!(!wait_finished(&failing, &failing_id).await);
-    eventually("the exit code to be recorded", || async {
+    eventually(DEADLINE, "the exit code to be recorded", || async {
         (s.metadata(&failing_id)["exit_code"] == 3).then_some(())
     })
     .await;
@@ -421,7 +412,7 @@ async fn an_exited_executor_reports_its_exit_status() {
     let ok_id = spec.assignment.id().clone();
     succeeding.create(&spec).await.expect("create");
     assert!(wait_finished(&succeeding, &ok_id).await);
-    eventually("the exit code to be recorded", || async {
+    eventually(DEADLINE, "the exit code to be recorded", || async {
         (s.metadata(&ok_id)["exit_code"] == 0).then_some(())
     })
     .await;
@@ -462,7 +453,7 @@ async fn delete_stops_the_process_group_and_removes_the_directory_and_is_idempot
     let id = spec.assignment.id().clone();
     backend.create(&spec).await.expect("create");
     let leader = s.pid(&id);
-    let grandchild: i32 = eventually("the grandchild pid in the log", || async {
+    let grandchild: i32 = eventually(DEADLINE, "the grandchild pid in the log", || async {
         s.log(&id)
             .split_whitespace()
             .skip_while(|w| *w != "grandchild")
@@ -498,7 +489,7 @@ async fn delete_kills_an_executor_that_ignores_sigterm_after_the_grace_period() 
     let id = spec.assignment.id().clone();
     backend.create(&spec).await.expect("create");
     let leader = s.pid(&id);
-    eventually("the trap to be installed", || async {
+    eventually(DEADLINE, "the trap to be installed", || async {
         s.log(&id).contains("ready").then_some(())
     })
     .await;
@@ -612,9 +603,11 @@ async fn the_identity_is_provisioned_before_the_spawn_and_again_after_a_restart_
         identity.provisioned(),
         vec![(s.dir(&id), spiffe_id.clone())]
     );
-    eventually("the executor to see its socket at start", || async {
-        s.log(&id).contains("socket-present").then_some(())
-    })
+    eventually(
+        DEADLINE,
+        "the executor to see its socket at start",
+        || async { s.log(&id).contains("socket-present").then_some(()) },
+    )
     .await;
     assert!(!record.identity_bound);
     assert_eq!(

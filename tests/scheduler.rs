@@ -5,7 +5,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeSet;
-use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -25,6 +24,7 @@ use gdr_core::identity::TrustDomain;
 use gdr_proto::runner::v1 as pb;
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;
+use gdr_testkit::until;
 use tokio::task::JoinHandle;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -203,22 +203,6 @@ impl Env {
     }
 }
 
-/// Polls `check` until it holds or the deadline passes (then panics with `what`).
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not reached within {WAIT:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 fn count(c: &AtomicU64) -> u64 {
     c.load(Ordering::Relaxed)
 }
@@ -256,7 +240,7 @@ async fn one_declare_serves_every_poller() {
     let env = Env::start(MockConfig::default()).await;
     env.queue_jobs(6);
     let running = Running::start(env.scheduler(4, 100));
-    eventually("all six assignments are in the stream", || async {
+    until(WAIT, "all six assignments are in the stream", || async {
         env.unclaimed().await == 6
     })
     .await;
@@ -273,7 +257,7 @@ async fn a_burst_of_ten_waiting_jobs_is_fetched_completely_without_a_new_version
     let version_after_queueing = env.gitea_mock().tasks_version();
 
     let running = Running::start(env.scheduler(3, 100));
-    eventually("all ten assignments are in the stream", || async {
+    until(WAIT, "all ten assignments are in the stream", || async {
         env.unclaimed().await == 10
     })
     .await;
@@ -344,20 +328,23 @@ async fn publishing_retries_until_jetstream_accepts_and_loses_nothing_across_a_n
         Env::start(MockConfig::default().with_fetch_delay(Duration::from_millis(300))).await;
     env.queue_jobs(12);
     let running = Running::start(env.scheduler(3, 100));
-    eventually("some assignments are stored", || async {
+    until(WAIT, "some assignments are stored", || async {
         env.unclaimed().await >= 3
     })
     .await;
 
     env.nats.kill().await.expect("kill nats-server");
     let stats = running.stats.clone();
-    eventually("a fetched task's publish is being retried", || async {
-        count(&stats.publish_retries) >= 1
-    })
+    until(
+        WAIT,
+        "a fetched task's publish is being retried",
+        || async { count(&stats.publish_retries) >= 1 },
+    )
     .await;
     env.nats.restart().await.expect("restart nats-server");
 
-    eventually(
+    until(
+        WAIT,
         "every job is fetched and every assignment stored",
         || async { env.jobs_with(Status::Waiting) == 0 && env.try_unclaimed().await == Some(12) },
     )
@@ -387,7 +374,8 @@ async fn the_scheduler_stops_fetching_while_the_backlog_is_full() {
         count(&stats.pollers_waiting_for_backlog) == pollers as u64 && env.unclaimed().await == 2
     };
 
-    eventually(
+    until(
+        WAIT,
         "the backlog is full and every poller is held back",
         all_held_back,
     )
@@ -401,16 +389,16 @@ async fn the_scheduler_stops_fetching_while_the_backlog_is_full() {
 
     // Claims remove the messages (work-queue retention); room for two more.
     env.drain_stream().await;
-    eventually("two more are fetched", || async {
+    until(WAIT, "two more are fetched", || async {
         env.jobs_with(Status::Running) == 4
     })
     .await;
-    eventually("the backlog is full again", all_held_back).await;
+    until(WAIT, "the backlog is full again", all_held_back).await;
     assert_eq!(env.jobs_with(Status::Running), 4);
     assert_eq!(env.jobs_with(Status::Waiting), 1);
 
     env.drain_stream().await;
-    eventually("the last job is fetched", || async {
+    until(WAIT, "the last job is fetched", || async {
         env.jobs_with(Status::Running) == 5 && env.unclaimed().await == 1
     })
     .await;
@@ -433,7 +421,7 @@ async fn a_queued_assignment_outlives_a_three_second_zombie_timeout() {
     let (hb_trigger, hb_shutdown) = shutdown_channel();
     let hb = tokio::spawn(async move { heartbeater.run(hb_shutdown).await });
 
-    eventually("the assignment is queued", || async {
+    until(WAIT, "the assignment is queued", || async {
         env.unclaimed().await == 1
     })
     .await;
@@ -477,7 +465,7 @@ async fn a_heartbeat_reports_a_queued_task_that_was_cancelled_in_gitea() {
     let env = Env::start(MockConfig::default()).await;
     let job = env.queue_jobs(1)[0];
     let running = Running::start(env.scheduler(1, 10));
-    eventually("the assignment is queued", || async {
+    until(WAIT, "the assignment is queued", || async {
         env.unclaimed().await == 1
     })
     .await;
@@ -546,7 +534,7 @@ async fn shutdown_lets_an_in_flight_fetch_publish_its_task() {
     let job = env.queue_jobs(1)[0];
     let running = Running::start(env.scheduler(1, 10));
     let stats = running.stats.clone();
-    eventually("the first FetchTask is sent", || async {
+    until(WAIT, "the first FetchTask is sent", || async {
         count(&stats.fetch_calls) >= 1
     })
     .await;
@@ -578,7 +566,7 @@ async fn a_task_that_cannot_be_stored_within_the_shutdown_bound_is_reported_lost
     settings.shutdown_publish_timeout = Duration::from_millis(300);
     let running = Running::start(env.scheduler_with(settings));
     let stats = running.stats.clone();
-    eventually("the first FetchTask is sent", || async {
+    until(WAIT, "the first FetchTask is sent", || async {
         count(&stats.fetch_calls) >= 1
     })
     .await;

@@ -24,6 +24,7 @@ use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status}
 use gdr_testkit::spiffe::{
     FakeWorkloadApi, RunningWorkloadApi, TestCa, any_server_client_config, raw_tls_get,
 };
+use gdr_testkit::until;
 use http_body_util::{BodyExt, Empty, Full, StreamBody};
 use hyper::body::Frame;
 use hyper_util::client::legacy::Client;
@@ -156,25 +157,6 @@ async fn leaf_of_new_connection(
         .and_then(|c| c.first())
         .map(|c| c.to_vec());
     leaf.ok_or_else(|| std::io::Error::other("no peer certificate"))
-}
-
-async fn wait_until<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if check().await {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
-        );
-        // A short poll interval, not a fixed wait for an effect.
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -326,7 +308,7 @@ async fn an_svid_rotation_during_a_long_streaming_response_does_not_interrupt_it
     assert_ne!(old_facade_leaf, new_facade.cert_chain_der[0]);
 
     // New connections: the server presents its new SVID ...
-    wait_until("the facade presents its rotated SVID", || {
+    until(WAIT, "the facade presents its rotated SVID", || {
         let config = config.clone();
         let expected = new_facade.cert_chain_der[0].clone();
         // A handshake racing the swap of both sides' SVIDs may fail once (seen in CI as
@@ -335,7 +317,7 @@ async fn an_svid_rotation_during_a_long_streaming_response_does_not_interrupt_it
     })
     .await;
     // ... and the executor presents its new one (a fresh client forces a new connection).
-    wait_until("the executor presents its rotated SVID", || {
+    until(WAIT, "the executor presents its rotated SVID", || {
         let config = config.clone();
         let expected = new_executor.cert_chain_der[0].clone();
         async move {
