@@ -242,6 +242,12 @@ fn capture_logs() -> (Captured, tracing::subscriber::DefaultGuard) {
 
 const PRINT_ENV_AND_WAIT: &str = "echo \"started id=$CI_ASSIGNMENT_ID cap=$CI_RUNNER_CAPABILITY spiffe=$CI_SPIFFE_ID backend=$CI_RUNNER_BACKEND facade=$CI_RUNNER_FACADE_URL socket=$SPIFFE_ENDPOINT_SOCKET workdir=$CI_RUNNER_WORKDIR pwd=$(pwd) label=$CI_RUNNER_LABEL\"; exec sleep 30";
 
+/// DESIGN invariants 8, 14, 17: creating twice, even concurrently, starts one process with one
+/// identity; the executor gets its assignment-scoped capability in its environment, and the
+/// capability is neither logged nor persisted.
+/// Compatibility contract: the executor's environment names (`CI_ASSIGNMENT_ID`,
+/// `CI_RUNNER_CAPABILITY`, `CI_SPIFFE_ID`, `CI_RUNNER_BACKEND`, `CI_RUNNER_FACADE_URL`,
+/// `SPIFFE_ENDPOINT_SOCKET`) are the Go version's.
 #[tokio::test]
 async fn creating_twice_starts_one_process_with_the_executor_environment() {
     let (logs, _guard) = capture_logs();
@@ -300,6 +306,9 @@ async fn creating_twice_starts_one_process_with_the_executor_environment() {
     backend.delete(&id).await.expect("delete");
 }
 
+/// DESIGN invariants 7, 8, 19: a new backend instance (a controller restart) rebuilds its view
+/// from the state directory: a live executor is re-adopted, not restarted, with its markers;
+/// one that died meanwhile reads as finished, with the reason.
 #[tokio::test]
 async fn a_new_backend_instance_re_adopts_live_executors_and_sees_dead_ones() {
     let s = setup().await;
@@ -350,6 +359,9 @@ async fn a_new_backend_instance_re_adopts_live_executors_and_sees_dead_ones() {
     .await;
 }
 
+/// DESIGN invariants 9, 10: the claimed and terminal markers are written idempotently and
+/// durably (a new instance reads them); claiming an absent executor fails, marking one terminal
+/// is a no-op.
 #[tokio::test]
 async fn claimed_and_terminal_markers_are_durable() {
     let s = setup().await;
@@ -393,6 +405,8 @@ async fn claimed_and_terminal_markers_are_durable() {
     backend.delete(&id).await.expect("delete");
 }
 
+/// DESIGN invariant 12: an executor that ends reads as finished with its exit status as the
+/// reason, durably across instances; no identity is served for finished executors.
 #[tokio::test]
 async fn an_exited_executor_reports_its_exit_status() {
     let s = setup().await;
@@ -444,6 +458,8 @@ async fn an_exited_executor_reports_its_exit_status() {
     );
 }
 
+/// DESIGN invariant 8: delete is idempotent: it stops the executor's whole process group,
+/// revokes its identity and removes its directory, and deleting again is a no-op.
 #[tokio::test]
 async fn delete_stops_the_process_group_and_removes_the_directory_and_is_idempotent() {
     let s = setup().await;
@@ -476,6 +492,8 @@ async fn delete_stops_the_process_group_and_removes_the_directory_and_is_idempot
         .expect("deleting again is a no-op");
 }
 
+/// No DESIGN invariant (clean-up leaves nothing running): delete kills an executor that ignores
+/// SIGTERM once the grace period is over.
 #[tokio::test]
 async fn delete_kills_an_executor_that_ignores_sigterm_after_the_grace_period() {
     let s = setup().await;
@@ -498,6 +516,9 @@ async fn delete_kills_an_executor_that_ignores_sigterm_after_the_grace_period() 
     assert!(!s.dir(&id).exists());
 }
 
+/// DESIGN invariants 7, 20: an executor whose metadata does not decode is skipped by list
+/// (logged with its directory) and refused by find and create, so no second executor starts
+/// next to untrusted metadata; an operator can still delete it.
 #[tokio::test]
 async fn corrupt_metadata_is_skipped_not_fatal() {
     let (logs, _guard) = capture_logs();
@@ -546,6 +567,8 @@ async fn corrupt_metadata_is_skipped_not_fatal() {
     backend.delete(&fine_id).await.expect("delete");
 }
 
+/// DESIGN invariant 13: metadata naming another SPIFFE ID than the task's is refused, and no
+/// identity is served for it.
 #[tokio::test]
 async fn metadata_naming_another_spiffe_id_is_refused() {
     let s = setup().await;
@@ -587,6 +610,9 @@ async fn metadata_naming_another_spiffe_id_is_refused() {
     kill(pid);
 }
 
+/// DESIGN invariants 8, 19: the identity is provisioned before the executor starts (its socket
+/// exists at start), binding is idempotent, and after a restart a live executor's identity is
+/// provisioned again, once.
 #[tokio::test]
 async fn the_identity_is_provisioned_before_the_spawn_and_again_after_a_restart_for_live_executors()
 {

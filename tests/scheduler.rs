@@ -231,9 +231,9 @@ impl Running {
     }
 }
 
-/// DESIGN invariant 1: one registration and one Declare for the whole controller, whatever
-/// the number of pollers (Gitea keeps one runner row; a Declare per poller would also race
-/// the label update).
+/// DESIGN invariant 1: one registration and one Declare for the whole controller, whatever the
+/// number of pollers (Gitea keeps one runner row; a Declare per poller would also race the
+/// label update).
 #[tokio::test]
 async fn one_declare_serves_every_poller() {
     use gdr_testkit::mock_gitea::RpcMethod;
@@ -249,7 +249,8 @@ async fn one_declare_serves_every_poller() {
     assert!(env.gitea_mock().calls(RpcMethod::FetchTask) >= 6);
 }
 
-/// DESIGN invariant 1.
+/// DESIGN invariant 1: a burst of ten waiting jobs is fetched completely by pollers sharing one
+/// tasks version reset to 0 after every task; nothing depends on Gitea bumping its version.
 #[tokio::test]
 async fn a_burst_of_ten_waiting_jobs_is_fetched_completely_without_a_new_version_bump() {
     let env = Env::start(MockConfig::default()).await;
@@ -274,6 +275,9 @@ async fn a_burst_of_ten_waiting_jobs_is_fetched_completely_without_a_new_version
     );
 }
 
+/// DESIGN invariant 1: the shared tasks version is reset to 0 after every task (sending the
+/// version Gitea answered would hide the next waiting job), and a poller's stale empty answer
+/// cannot undo the reset.
 #[tokio::test]
 async fn the_shared_version_is_reset_after_a_task() {
     let env = Env::start(MockConfig::default()).await;
@@ -321,6 +325,9 @@ async fn the_shared_version_is_reset_after_a_task() {
     assert_eq!(version.current(), empty.tasks_version);
 }
 
+/// DESIGN invariants 2, 3: a poller holding a fetched task retries publishing it until
+/// JetStream stores it, across a nats-server restart; every assignment is stored exactly once,
+/// under its assignment ID, and none is lost.
 #[tokio::test]
 async fn publishing_retries_until_jetstream_accepts_and_loses_nothing_across_a_nats_restart() {
     // Each fetch takes a while, so fetches are in flight when NATS goes away.
@@ -362,6 +369,8 @@ async fn publishing_retries_until_jetstream_accepts_and_loses_nothing_across_a_n
     assert_eq!(unique, env.assignment_ids_of_claimed_jobs());
 }
 
+/// DESIGN invariant 5b: while the backlog of unclaimed assignments is full the pollers fetch
+/// nothing (exactly the bound is fetched), and fetching resumes as claims make room.
 #[tokio::test]
 async fn the_scheduler_stops_fetching_while_the_backlog_is_full() {
     let env = Env::start(MockConfig::default()).await;
@@ -406,6 +415,9 @@ async fn the_scheduler_stops_fetching_while_the_backlog_is_full() {
     assert_eq!(report.tasks_fetched, 5);
 }
 
+/// DESIGN invariant 5a: a queued assignment's task gets task-ID-only heartbeats from what the
+/// stream holds (the scheduler may stop), so Gitea's zombie sweep (10 minutes in Gitea, 3 s
+/// here) never fails it.
 #[tokio::test]
 async fn a_queued_assignment_outlives_a_three_second_zombie_timeout() {
     let env = Env::start(MockConfig::default().with_zombie_timeout(Duration::from_secs(3))).await;
@@ -460,6 +472,8 @@ async fn a_queued_assignment_outlives_a_three_second_zombie_timeout() {
     hb.await.expect("heartbeater");
 }
 
+/// DESIGN invariant 5a: a heartbeat round reads Gitea's answer for each queued task, so a task
+/// cancelled in Gitea while queued is reported as ended.
 #[tokio::test]
 async fn a_heartbeat_reports_a_queued_task_that_was_cancelled_in_gitea() {
     let env = Env::start(MockConfig::default()).await;
@@ -496,6 +510,8 @@ async fn a_heartbeat_reports_a_queued_task_that_was_cancelled_in_gitea() {
     assert_eq!(count(&heartbeater.stats().queued_tasks_ended), 1);
 }
 
+/// DESIGN invariant 5: the backend is derived from the task alone; a task whose `runs-on`
+/// selects none never reaches the stream and is failed in Gitea with the reason in its log.
 #[tokio::test]
 async fn a_task_whose_runs_on_selects_no_backend_is_failed_in_gitea_with_a_reason() {
     let env = Env::start(MockConfig::default()).await;
@@ -528,6 +544,7 @@ async fn a_task_whose_runs_on_selects_no_backend_is_failed_in_gitea_with_a_reaso
     assert_eq!(env.unclaimed().await, 0, "nothing reached the stream");
 }
 
+/// DESIGN invariant 4: stopping stops new fetches but lets a fetch in flight publish its task.
 #[tokio::test]
 async fn shutdown_lets_an_in_flight_fetch_publish_its_task() {
     let env = Env::start(MockConfig::default().with_fetch_delay(Duration::from_millis(500))).await;
@@ -557,6 +574,8 @@ async fn shutdown_lets_an_in_flight_fetch_publish_its_task() {
     );
 }
 
+/// DESIGN invariant 4: the wait for an in-flight publish at shutdown is bounded; a task that
+/// cannot be stored within it is reported and counted as lost, never dropped silently.
 #[tokio::test]
 async fn a_task_that_cannot_be_stored_within_the_shutdown_bound_is_reported_lost() {
     let mut env =
