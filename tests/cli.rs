@@ -30,6 +30,7 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
+/// No DESIGN invariant (operator interface): `--help` names every subcommand of the binary.
 #[test]
 fn help_lists_every_subcommand() {
     let out = run(&["--help"]);
@@ -47,6 +48,8 @@ fn help_lists_every_subcommand() {
     }
 }
 
+/// DESIGN invariant 23: a subcommand's `--help` carries the configuration reference generated
+/// from the key table, each key with its environment name.
 #[test]
 fn subcommand_help_carries_the_configuration_reference() {
     let out = run(&["check-config", "--help"]);
@@ -58,8 +61,8 @@ fn subcommand_help_carries_the_configuration_reference() {
     );
 }
 
-/// DESIGN invariant 23: the configuration reference users read
-/// in the repository is the binary's own, so it cannot drift from what the binary accepts.
+/// DESIGN invariant 23: docs/configuration.md is byte for byte the reference the binary
+/// generates from its key table, so it cannot drift from what the binary accepts.
 #[test]
 fn docs_configuration_md_is_exactly_the_reference_the_binary_generates() {
     let out = run(&["check-config", "--reference", "--format", "markdown"]);
@@ -76,6 +79,8 @@ fn docs_configuration_md_is_exactly_the_reference_the_binary_generates() {
     );
 }
 
+/// No DESIGN invariant (operator interface): a subcommand that is not implemented yet says so
+/// and exits 2 instead of pretending to work.
 #[test]
 fn a_subcommand_that_has_not_landed_says_so_and_fails() {
     let out = run(&["sandbox-identity"]);
@@ -86,6 +91,7 @@ fn a_subcommand_that_has_not_landed_says_so_and_fails() {
     );
 }
 
+/// No DESIGN invariant (operator interface): `version` prints the crate version.
 #[test]
 fn version_prints_the_crate_version() {
     let out = run(&["version"]);
@@ -96,6 +102,8 @@ fn version_prints_the_crate_version() {
     );
 }
 
+/// DESIGN invariant 23: a value that does not have its key's declared type is refused, naming
+/// the key, its environment name and the value.
 #[test]
 fn check_config_with_a_broken_file_names_the_key_and_fails() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -110,6 +118,8 @@ fn check_config_with_a_broken_file_names_the_key_and_fails() {
     );
 }
 
+/// No DESIGN invariant (operator interface): a configuration file that is not TOML is refused
+/// with the position of the error.
 #[test]
 fn check_config_with_unparsable_toml_fails_with_the_file_position() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -124,6 +134,8 @@ fn check_config_with_unparsable_toml_fails_with_the_file_position() {
     );
 }
 
+/// DESIGN invariants 17, 23: `check-config` lists every problem at once — a required key by
+/// name, a secret file it cannot read by key and path — and still shows what it parsed.
 #[test]
 fn check_config_lists_every_problem_and_unreadable_secret_files() {
     let out = run(&[
@@ -146,6 +158,8 @@ fn check_config_lists_every_problem_and_unreadable_secret_files() {
     assert!(text(&out.stdout).contains("gitea_instance_url = \"http://gitea.local\""));
 }
 
+/// DESIGN invariant 17: a complete configuration is accepted, and `check-config` shows secret
+/// files by path, never their content.
 #[test]
 fn check_config_accepts_a_complete_configuration() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -186,6 +200,9 @@ fn mode(path: &Path) -> u32 {
         & 0o777
 }
 
+/// DESIGN invariants 1, 17: `register` creates the controller's one Gitea registration
+/// (`self-hosted`, `pod` and the VM label; not ephemeral) and keeps its credential only in
+/// owner-only (0600) files: never printed or logged, never overwritten without `--force`.
 #[tokio::test(flavor = "multi_thread")]
 async fn register_writes_private_credential_files_and_refuses_to_overwrite_them() {
     let mock = MockGitea::start(MockConfig::default().with_registration_token("reg-1"))
@@ -266,6 +283,8 @@ async fn register_writes_private_credential_files_and_refuses_to_overwrite_them(
     );
 }
 
+/// No DESIGN invariant (operator interface): a registration Gitea refuses fails naming the
+/// Register call and writes no credential file.
 #[tokio::test(flavor = "multi_thread")]
 async fn register_with_a_wrong_token_fails_clearly_and_writes_nothing() {
     let mock = MockGitea::start(MockConfig::default().with_registration_token("right"))
@@ -299,6 +318,8 @@ async fn register_with_a_wrong_token_fails_clearly_and_writes_nothing() {
     assert!(!uuid_file.exists());
 }
 
+/// No DESIGN invariant (operator interface): `register` without the Gitea settings names the
+/// missing key and its environment name.
 #[test]
 fn register_without_the_gitea_settings_names_what_is_missing() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -317,6 +338,8 @@ fn register_without_the_gitea_settings_names_what_is_missing() {
     );
 }
 
+/// Compatibility contract: the executor reads its assignment from the Go version's environment
+/// names and names a missing one (`CI_ASSIGNMENT_ID`).
 #[test]
 fn the_executor_without_its_environment_names_the_missing_variable() {
     let out = run(&["executor"]);
@@ -328,6 +351,9 @@ fn the_executor_without_its_environment_names_the_missing_variable() {
     );
 }
 
+/// No DESIGN invariant (operator interface): the controller refuses to start on an incomplete
+/// configuration and lists every missing key (`local_identity` for the process backend,
+/// `trust_domain`).
 #[test]
 fn the_controller_with_an_incomplete_configuration_lists_the_problems_and_fails() {
     let out = run(&[
@@ -345,7 +371,8 @@ fn the_controller_with_an_incomplete_configuration_lists_the_problems_and_fails(
     );
 }
 
-/// Defect (issue 8): an unreadable CA file was reported as "cannot write …".
+/// No DESIGN invariant (operator interface; a defect of issue 8): an unreadable `gitea_ca_file`
+/// is reported as unreadable, naming the key and the path; it was reported as "cannot write …".
 #[test]
 fn register_with_an_unreadable_ca_file_says_it_cannot_read_it() {
     let dir = tempfile::tempdir().expect("tempdir");

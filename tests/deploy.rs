@@ -63,7 +63,8 @@ fn triple(c: &ApiCall) -> (String, String, String) {
     (c.group.to_owned(), c.resource.to_owned(), c.verb.to_owned())
 }
 
-/// Both the base and the pod-only overlay render.
+/// No DESIGN invariant (deployment): the base and the pod-only overlay render with every object
+/// a deployment needs, and the overlay enables only the Pod worker.
 #[test]
 fn the_base_and_the_pod_only_overlay_render_with_kustomize() {
     for dir in [
@@ -99,9 +100,10 @@ fn the_base_and_the_pod_only_overlay_render_with_kustomize() {
     );
 }
 
-/// Every call in the backend's API table is granted where it is made (namespaced calls in
-/// the executor namespace's Role, cluster-scoped ones in the ClusterRole), and nothing of
-/// those resources is granted beyond the table (least privilege).
+/// No DESIGN invariant (deployment, least privilege): RBAC grants every call of the Pod
+/// backend's API table where it is made (the Role for namespaced calls, the ClusterRole for
+/// cluster-scoped ones), nothing of those resources beyond it, and nothing to the executors'
+/// account.
 #[test]
 fn the_rbac_rules_grant_exactly_the_pod_backends_api_calls() {
     let objects = render("deploy/kubernetes/base");
@@ -154,8 +156,9 @@ fn the_rbac_rules_grant_exactly_the_pod_backends_api_calls() {
     assert!(bound.iter().all(|s| s["name"] != "gitea-task-executor"));
 }
 
-/// DESIGN invariant 18: two replicas with leader election, ready only as leader (so the
-/// facade Service routes to it), non-root with a read-only root filesystem, secrets as files.
+/// DESIGN invariants 17, 18: two replicas with leader election, ready only as leader (so the
+/// facade Service routes executors to it), non-root with a read-only root filesystem, every
+/// secret given as a file; executors may reach only the facade, and nothing reaches them.
 #[test]
 fn the_controller_runs_two_leader_elected_non_root_replicas_ready_only_as_leader() {
     let objects = render("deploy/kubernetes/base");

@@ -1,6 +1,11 @@
 //! The fake Kubernetes API server's watch, subresources, garbage collection and validation,
 //! driven by the real `kube` client (and `kube::runtime::watcher`), so that the backend
 //! tests built on it exercise what a real API server would answer.
+//!
+//! These tests protect no product invariant: they keep the test peer faithful to a real
+//! kube-apiserver (watches with selectors, `410 Expired` and bookmarks; `422` validation with
+//! field causes; the status and binding subresources; owner-reference garbage collection).
+//! Each states the behaviour it pins in a `Peer fidelity` line.
 
 // A panic is how a test fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -10,6 +15,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use gdr_testkit::until_sync;
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -23,14 +29,6 @@ const DEADLINE: Duration = Duration::from_secs(20);
 
 fn pod(name: &str, labels: &[(&str, &str)]) -> Pod {
     fake_kube::minimal_pod(name, labels)
-}
-
-async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + DEADLINE;
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting until {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn count(fake: &RunningFakeKube, prefix: &str) -> usize {
@@ -82,8 +80,8 @@ async fn next_event(rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>, want:
     }
 }
 
-/// A watcher with a label selector sees creations, changes and deletions of what it
-/// selects, and an object that stops matching as deleted, as the real watch cache reports.
+/// Peer fidelity: a watch with a label selector reports creations, changes and deletions of
+/// what it selects, and an object that stops matching as deleted, as the real watch cache does.
 #[tokio::test]
 async fn a_selective_watch_reports_added_modified_and_deleted_including_objects_leaving_the_selector()
  {
@@ -101,7 +99,10 @@ async fn a_selective_watch_reports_added_modified_and_deleted_including_objects_
     );
     next_event(&mut events, "InitApply(before)").await;
     next_event(&mut events, "InitDone").await;
-    wait_until("the watch is open", || fake.handle.open_watches() == 1).await;
+    until_sync(DEADLINE, "the watch is open", || {
+        fake.handle.open_watches() == 1
+    })
+    .await;
 
     pods.create(&PostParams::default(), &pod("other", &[("role", "db")]))
         .await
@@ -122,15 +123,19 @@ async fn a_selective_watch_reports_added_modified_and_deleted_including_objects_
     task.abort();
 }
 
-/// A `410 Expired` makes the watcher re-list (nothing is missed across it), and is sent as
-/// an `ERROR` event inside a `200` stream, as the real server does.
+/// Peer fidelity: an expired watch gets `410 Expired` as an `ERROR` event inside a `200`
+/// stream, as the real server sends it, and the watcher re-lists without missing a creation
+/// made meanwhile.
 #[tokio::test]
 async fn an_expired_watch_sends_410_in_the_stream_and_the_watcher_re_lists() {
     let fake = fake_kube::start().await.unwrap();
     let pods: Api<Pod> = Api::namespaced(fake.client().unwrap(), NS);
     let (mut events, task) = spawn_watcher(pods.clone(), watcher::Config::default());
     next_event(&mut events, "InitDone").await;
-    wait_until("the watch is open", || fake.handle.open_watches() == 1).await;
+    until_sync(DEADLINE, "the watch is open", || {
+        fake.handle.open_watches() == 1
+    })
+    .await;
     for name in ["early-1", "early-2"] {
         pods.create(&PostParams::default(), &pod(name, &[]))
             .await
@@ -165,8 +170,8 @@ async fn an_expired_watch_sends_410_in_the_stream_and_the_watcher_re_lists() {
     task.abort();
 }
 
-/// Bookmarks go only to watches that allow them, and the watcher resumes from the bookmark's
-/// resourceVersion when its watch times out (not from the last object it saw).
+/// Peer fidelity: bookmarks go only to watches that allow them, and the watcher resumes from
+/// the bookmark's `resourceVersion` when its watch times out (not from the last object it saw).
 #[tokio::test]
 async fn bookmarks_reach_only_watches_that_allow_them_and_the_watcher_resumes_from_one() {
     let fake = fake_kube::start().await.unwrap();
@@ -190,7 +195,10 @@ async fn bookmarks_reach_only_watches_that_allow_them_and_the_watcher_resumes_fr
         .send()
         .await
         .unwrap();
-    wait_until("both watches are open", || fake.handle.open_watches() == 2).await;
+    until_sync(DEADLINE, "both watches are open", || {
+        fake.handle.open_watches() == 2
+    })
+    .await;
     fake.handle.send_bookmarks();
     assert_eq!(
         plain.text().await.unwrap(),
@@ -198,7 +206,7 @@ async fn bookmarks_reach_only_watches_that_allow_them_and_the_watcher_resumes_fr
         "no bookmark without allowWatchBookmarks"
     );
     let resumed = format!("resourceVersion={bookmark_rv}");
-    wait_until("the watcher resumes from the bookmark", || {
+    until_sync(DEADLINE, "the watcher resumes from the bookmark", || {
         fake.handle.requests().iter().any(|r| {
             r.contains("watch=true")
                 && r.contains("allowWatchBookmarks=true")
@@ -209,8 +217,9 @@ async fn bookmarks_reach_only_watches_that_allow_them_and_the_watcher_resumes_fr
     task.abort();
 }
 
-/// Invalid objects are refused with `422 Invalid` and field causes, like the real server
-/// (messages as `kubectl` prints them).
+/// Peer fidelity: invalid names, labels and Pod specs are refused with `422 Invalid` and field
+/// causes, in the words `kubectl` prints, and nothing is stored; a Pod's spec is immutable
+/// apart from a few fields.
 #[tokio::test]
 async fn invalid_names_labels_and_pod_specs_are_refused_with_422_and_field_causes() {
     let fake = fake_kube::start().await.unwrap();
@@ -322,8 +331,8 @@ async fn invalid_names_labels_and_pod_specs_are_refused_with_422_and_field_cause
     }
 }
 
-/// Writes to a Pod keep its status; `/status` writes change only the status; a binding sets
-/// the node once (a second is a 409).
+/// Peer fidelity: writes to a Pod keep its status, `/status` writes change only the status, and
+/// a binding sets the node once (a second is a `409`) and marks the Pod scheduled.
 #[tokio::test]
 async fn the_status_and_binding_subresources_behave_as_on_a_real_server() {
     let fake = fake_kube::start().await.unwrap();
@@ -374,8 +383,8 @@ async fn the_status_and_binding_subresources_behave_as_on_a_real_server() {
     );
 }
 
-/// Deleting a Pod deletes the Secrets it owns (and only those); `Orphan` keeps them.
-/// `stringData` is stored as base64 `data`.
+/// Peer fidelity: deleting a Pod garbage-collects the Secrets it owns, and only those; `Orphan`
+/// keeps them without the owner reference; `stringData` is stored as base64 `data`.
 #[tokio::test]
 async fn deleting_an_owner_garbage_collects_its_secrets_unless_orphaned() {
     let fake = fake_kube::start().await.unwrap();

@@ -33,6 +33,10 @@ fn runner(mock: &RunningMock, labels: &[&str]) -> (Credentials, GiteaClient) {
     (creds, c)
 }
 
+/// DESIGN invariants 1, 10: the client speaks the runner protocol the controller is built on:
+/// one Register, Declare with labels and capabilities, FetchTask with a tasks version,
+/// UpdateLog up to its ack index, heartbeats, and a final UpdateTask whose result and outputs
+/// Gitea accepts.
 #[tokio::test]
 async fn register_declare_fetch_update_and_log_work_end_to_end() {
     let mock = mock().await;
@@ -138,6 +142,7 @@ async fn register_declare_fetch_update_and_log_work_end_to_end() {
     );
 }
 
+/// No DESIGN invariant (Gitea protocol): the client's Ping reaches Gitea's PingService.
 #[tokio::test]
 async fn ping_answers_hello() {
     let mock = mock().await;
@@ -147,6 +152,8 @@ async fn ping_answers_hello() {
     );
 }
 
+/// DESIGN invariants 12, 19: a refused controller credential is a typed, final
+/// `Unauthenticated` carrying Gitea's own text, never retried like an outage.
 #[tokio::test]
 async fn an_unregistered_runner_gets_an_unauthenticated_error_with_giteas_text() {
     let mock = mock().await;
@@ -162,6 +169,8 @@ async fn an_unregistered_runner_gets_an_unauthenticated_error_with_giteas_text()
     );
 }
 
+/// No DESIGN invariant (operator interface): a registration with an invalidated token fails
+/// with Gitea's message.
 #[tokio::test]
 async fn an_invalidated_registration_token_is_refused_with_giteas_message() {
     let mock = mock().await;
@@ -177,6 +186,9 @@ async fn an_invalidated_registration_token_is_refused_with_giteas_message() {
     assert!(err.message().contains("invalidated"), "{err}");
 }
 
+/// DESIGN invariants 12, 19: Gitea's errors map to typed kinds keeping Gitea's message, so
+/// callers tell an outage (`Unavailable`: failure reports and forwarded runner calls are
+/// retried) from a refusal.
 #[tokio::test]
 async fn gitea_style_errors_map_to_typed_kinds() {
     let mock = mock().await;
@@ -201,6 +213,8 @@ async fn gitea_style_errors_map_to_typed_kinds() {
     }
 }
 
+/// DESIGN invariants 12, 19: errors of a proxy between the controller and Gitea (Connect
+/// errors, an HTTP 502 page) map to typed kinds; a proxy's outage is a retryable `Unavailable`.
 #[tokio::test]
 async fn real_connect_and_http_errors_from_a_proxy_map_to_typed_kinds() {
     let mock = mock().await;
@@ -241,6 +255,8 @@ async fn real_connect_and_http_errors_from_a_proxy_map_to_typed_kinds() {
     );
 }
 
+/// DESIGN invariant 4: a fetch slower than the fetch timeout fails as `Unavailable`, so an
+/// in-flight fetch is bounded and a hung Gitea holds neither a poller nor the shutdown.
 #[tokio::test]
 async fn a_fetch_slower_than_the_fetch_timeout_fails_as_unavailable() {
     let mock = mock().await;
@@ -256,6 +272,7 @@ async fn a_fetch_slower_than_the_fetch_timeout_fails_as_unavailable() {
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
 }
 
+/// DESIGN invariants 12, 19: an unreachable Gitea is `Unavailable`, retried like any outage.
 #[tokio::test]
 async fn an_unreachable_gitea_is_unavailable() {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -269,6 +286,7 @@ async fn an_unreachable_gitea_is_unavailable() {
     );
 }
 
+/// No DESIGN invariant (Gitea protocol): large gzip-compressed answers from Gitea are decoded.
 #[tokio::test]
 async fn large_gzipped_answers_are_decoded() {
     let mock = mock().await;
@@ -289,6 +307,8 @@ async fn large_gzipped_answers_are_decoded() {
     assert!(payload.contains(&"x".repeat(8 * 1024)));
 }
 
+/// No DESIGN invariant (operator interface): a CA file without a certificate is refused naming
+/// `gitea_ca_file`.
 #[test]
 fn a_ca_file_without_certificates_is_refused_with_a_clear_message() {
     let mut options = ClientOptions::new("https://gitea.example.org");
@@ -297,12 +317,16 @@ fn a_ca_file_without_certificates_is_refused_with_a_clear_message() {
     assert!(err.to_string().contains("gitea_ca_file"), "{err}");
 }
 
+/// No DESIGN invariant (operator interface): a Gitea URL that is not http or https is refused.
 #[test]
 fn a_non_http_gitea_url_is_refused() {
     let err = GiteaClient::new(ClientOptions::new("ftp://gitea"), None).expect_err("refused");
     assert!(err.to_string().contains("expected http or https"), "{err}");
 }
 
+/// DESIGN invariant 17: even at trace level no log line holds the registration token, the
+/// runner token, a task's token or a job secret (the capture sees the test's own event, so the
+/// check is live).
 #[test]
 fn no_log_line_contains_a_token_or_task_secret_even_at_trace_level() {
     let capture = Capture::default();

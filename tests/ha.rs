@@ -67,6 +67,9 @@ async fn service(
     }
 }
 
+/// DESIGN invariants 18, 19, 20: of two controller processes exactly one is ready and works,
+/// with the configured `lease_duration`; killing it (SIGKILL) mid-job hands over to the
+/// standby, and every job fetched before succeeds, each run exactly once.
 #[tokio::test(flavor = "multi_thread")]
 async fn exactly_one_replica_leads_and_killing_it_hands_over_without_losing_or_repeating_a_job() {
     let nats = NatsServer::start().await.expect("nats");

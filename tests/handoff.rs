@@ -63,6 +63,10 @@ async fn fetched_assignment(keyring: &TaskKeyring) -> (Assignment, Vec<u8>) {
     (assignment, envelope)
 }
 
+/// DESIGN invariants 3, 5, 13: a retried publish is recognised by its message ID (the
+/// assignment ID) and stores one message; the envelope holds the whole task with its secrets
+/// unreadable in the stream, and decodes back to the same assignment, whose backend and SPIFFE
+/// ID come from the task alone.
 #[tokio::test]
 async fn publishing_the_same_assignment_twice_stores_one_message_and_it_decodes_back() {
     let keyring = TaskKeyring::new(TaskKey::from_bytes([7; 32]), vec![]);
@@ -133,6 +137,8 @@ async fn publishing_the_same_assignment_twice_stores_one_message_and_it_decodes_
     );
 }
 
+/// DESIGN invariants 5, 21: an envelope sealed under another task key is refused as poison (an
+/// unknown key), never misread.
 #[tokio::test]
 async fn an_envelope_without_the_right_key_is_refused_not_misread() {
     let keyring = TaskKeyring::new(TaskKey::from_bytes([7; 32]), vec![]);

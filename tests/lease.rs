@@ -1,5 +1,11 @@
 //! Lease leader election and the fake Kubernetes API server, both driven by the real `kube`
 //! client over HTTP. Tests wait on observable state with a deadline, never on fixed sleeps.
+//!
+//! The election tests protect DESIGN invariant 18. The fake API server tests (the second
+//! half) protect no product invariant: they keep the test peer faithful to a real API server
+//! in what the election and the Pod backend rely on (optimistic concurrency on
+//! `resourceVersion`, `Status` errors, label selectors, merge patches, custom resources), each
+//! stated in a `Peer fidelity` line; `Peer harness` lines pin the fake's own test controls.
 
 // A panic is how a test (or a benchmark harness) fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -13,6 +19,7 @@ use futures::FutureExt;
 use gdr_controller::lease::{LeaderElector, Leadership, LeaseError, LeaseSettings};
 use gdr_controller::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use gdr_testkit::until_sync;
 use http::{Method, StatusCode};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
@@ -63,18 +70,6 @@ fn campaign(fake: &RunningFakeKube, settings: LeaseSettings) -> Candidate {
     }
 }
 
-/// Polls `cond` until it holds; panics with `what` after [`DEADLINE`].
-async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = tokio::time::Instant::now() + DEADLINE;
-    while !cond() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 fn stored_lease(fake: &RunningFakeKube) -> Option<Value> {
     fake.handle.object(&ResourceType::leases(), NS, LEASE)
 }
@@ -99,7 +94,7 @@ fn micros(v: &Value) -> i64 {
 
 /// Waits until exactly one candidate reports leadership and the Lease names it; its identity.
 async fn leader_of(fake: &RunningFakeKube, candidates: &[&Candidate]) -> String {
-    wait_until("one candidate leads", || {
+    until_sync(DEADLINE, "one candidate leads", || {
         candidates.iter().any(|c| c.leadership.is_leader())
     })
     .await;
@@ -113,6 +108,8 @@ async fn leader_of(fake: &RunningFakeKube, candidates: &[&Candidate]) -> String 
     leader.identity.clone()
 }
 
+/// DESIGN invariant 18: of two campaigning replicas exactly one leads, never both at once, and
+/// it keeps the Lease by renewing while the standby goes on campaigning.
 #[tokio::test]
 async fn exactly_one_of_two_candidates_leads() {
     let fake = fake_kube::start().await.expect("fake API");
@@ -140,7 +137,7 @@ async fn exactly_one_of_two_candidates_leads() {
     let leader = leader_of(&fake, &[&a, &b]).await;
     // Let the leader renew several times while the standby keeps campaigning.
     let rv = resource_version(&fake);
-    wait_until("the leader renewed five times", || {
+    until_sync(DEADLINE, "the leader renewed five times", || {
         resource_version(&fake) >= rv + 5
     })
     .await;
@@ -160,6 +157,9 @@ async fn exactly_one_of_two_candidates_leads() {
     monitor.abort();
 }
 
+/// Peer fidelity: the fake's optimistic concurrency is the real server's, on which a single
+/// leader rests: a write with a stale `resourceVersion` is a `409 Conflict` that changes
+/// nothing, a second create `409 AlreadyExists`, a missing object `404`.
 #[tokio::test]
 async fn a_stale_resource_version_update_is_refused_with_409() {
     let fake = fake_kube::start().await.expect("fake API");
@@ -239,6 +239,9 @@ async fn a_stale_resource_version_update_is_refused_with_409() {
     }
 }
 
+/// DESIGN invariant 18: when the leader dies without releasing (a crash), the standby takes
+/// over only after the Lease expired (`renewTime + leaseDurationSeconds`), counting one
+/// transition.
 #[tokio::test]
 async fn killing_the_leader_hands_over_after_the_lease_expires() {
     let fake = fake_kube::start().await.expect("fake API");
@@ -261,7 +264,10 @@ async fn killing_the_leader_hands_over_after_the_lease_expires() {
             .expect("duration")
             * 1_000_000;
 
-    wait_until("the standby leads", || standby.leadership.is_leader()).await;
+    until_sync(DEADLINE, "the standby leads", || {
+        standby.leadership.is_leader()
+    })
+    .await;
     let taken = stored_lease(&fake).expect("lease");
     assert_eq!(taken["spec"]["holderIdentity"], standby.identity.as_str());
     assert_eq!(taken["spec"]["leaseTransitions"], 1);
@@ -271,6 +277,8 @@ async fn killing_the_leader_hands_over_after_the_lease_expires() {
     );
 }
 
+/// DESIGN invariant 18: a leader that loses the API server stops leading and its elector ends
+/// with `Lost`, so the process stops work and exits.
 #[tokio::test]
 async fn a_leader_that_cannot_renew_steps_down_and_reports_lost() {
     let mut fake = fake_kube::start().await.expect("fake API");
@@ -279,11 +287,16 @@ async fn a_leader_that_cannot_renew_steps_down_and_reports_lost() {
 
     // The leader loses the API server entirely.
     fake.stop().await;
-    wait_until("the leader stepped down", || !a.leadership.is_leader()).await;
+    until_sync(DEADLINE, "the leader stepped down", || {
+        !a.leadership.is_leader()
+    })
+    .await;
     let result = a.task.await.expect("elector task");
     assert!(matches!(result, Err(LeaseError::Lost)), "{result:?}");
 }
 
+/// DESIGN invariant 18: a leader whose renewals fail steps down after the renew deadline,
+/// before its Lease can expire and a standby take over, and reports `Lost`.
 #[tokio::test]
 async fn a_leader_whose_renewals_fail_steps_down_after_the_renew_deadline() {
     let fake = fake_kube::start().await.expect("fake API");
@@ -306,6 +319,8 @@ async fn a_leader_whose_renewals_fail_steps_down_after_the_renew_deadline() {
     );
 }
 
+/// DESIGN invariant 18: a leader that finds another holder in its Lease (its renewal refused
+/// with a 409) steps down at once, long before its renew deadline.
 #[tokio::test]
 async fn a_leader_whose_lease_was_taken_over_steps_down_at_once() {
     let fake = fake_kube::start().await.expect("fake API");
@@ -334,6 +349,8 @@ async fn a_leader_whose_lease_was_taken_over_steps_down_at_once() {
     assert_eq!(holder(&fake).as_deref(), Some("intruder"));
 }
 
+/// DESIGN invariant 18: an orderly shutdown releases the Lease, so the standby leads at once
+/// instead of after the lease duration.
 #[tokio::test]
 async fn shutdown_releases_the_lease_so_the_standby_takes_over_at_once() {
     let fake = fake_kube::start().await.expect("fake API");
@@ -357,19 +374,24 @@ async fn shutdown_releases_the_lease_so_the_standby_takes_over_at_once() {
     assert!(result.is_ok(), "{result:?}");
     assert!(!leader.leadership.is_leader());
 
-    wait_until("the standby leads", || standby.leadership.is_leader()).await;
+    until_sync(DEADLINE, "the standby leads", || {
+        standby.leadership.is_leader()
+    })
+    .await;
     let lease = stored_lease(&fake).expect("lease");
     assert_eq!(lease["spec"]["holderIdentity"], standby.identity.as_str());
     assert_eq!(lease["spec"]["leaseTransitions"], 1);
 }
 
+/// DESIGN invariant 18: a standby stopped while campaigning ends cleanly without ever leading
+/// and leaves the leader's Lease alone.
 #[tokio::test]
 async fn shutdown_while_campaigning_returns_ok_without_leading() {
     let fake = fake_kube::start().await.expect("fake API");
     let a = campaign(&fake, settings("replica-a"));
     assert_eq!(leader_of(&fake, &[&a]).await, "replica-a");
     let b = campaign(&fake, settings("replica-b"));
-    wait_until("the standby has campaigned", || {
+    until_sync(DEADLINE, "the standby has campaigned", || {
         fake.handle
             .requests()
             .iter()
@@ -384,6 +406,8 @@ async fn shutdown_while_campaigning_returns_ok_without_leading() {
     assert_eq!(holder(&fake).as_deref(), Some("replica-a"));
 }
 
+/// DESIGN invariant 18: without leader election (one replica) the process leads from the start
+/// and never loses leadership.
 #[tokio::test]
 async fn a_disabled_election_always_leads() {
     let mut leadership = Leadership::always();
@@ -402,6 +426,8 @@ async fn a_disabled_election_always_leads() {
     );
 }
 
+/// DESIGN invariant 18: lease timings under which two replicas could both believe they lead are
+/// refused before campaigning; the defaults are valid.
 #[tokio::test]
 async fn timings_under_which_two_replicas_could_both_lead_are_rejected() {
     let fake = fake_kube::start().await.expect("fake API");
@@ -438,6 +464,10 @@ fn names(pods: &kube::core::ObjectList<Pod>) -> Vec<String> {
     n
 }
 
+/// Peer fidelity: the fake stores Pods per namespace and answers label-selector lists (`=`,
+/// `!=`, several terms, across namespaces), JSON merge patches (`null` removes a key, the spec
+/// is left alone, `resourceVersion` moves) and deletes (a second one is `404`) as a real server
+/// does.
 #[tokio::test]
 async fn pods_are_created_listed_by_label_selector_patched_and_deleted() {
     let fake = fake_kube::start().await.expect("fake API");
@@ -540,6 +570,10 @@ async fn pods_are_created_listed_by_label_selector_patched_and_deleted() {
     assert_eq!(names(&rest), ["job-2"]);
 }
 
+/// Peer fidelity: the fake's errors are `Status` objects shaped like the real server's: `404
+/// NotFound`, `409 AlreadyExists`, `409 Conflict` for a stale `resourceVersion` by replace or
+/// merge-patch precondition, `404` for updating a missing Pod, `415` for an unimplemented patch
+/// type.
 #[tokio::test]
 async fn fake_api_errors_are_status_objects_shaped_like_the_real_servers() {
     let fake = fake_kube::start().await.expect("fake API");
@@ -647,6 +681,8 @@ async fn fake_api_errors_are_status_objects_shaped_like_the_real_servers() {
     }
 }
 
+/// Peer harness: injected faults answer only matching requests, once (`fail_next`) or until
+/// cleared (`fail_always`), as `Status` errors the `kube` client reads.
 #[tokio::test]
 async fn injected_faults_answer_matching_requests_until_used_up() {
     let fake = fake_kube::start().await.expect("fake API");
@@ -679,6 +715,8 @@ async fn injected_faults_answer_matching_requests_until_used_up() {
     assert!(pods.get("job-1").await.is_ok());
 }
 
+/// Peer harness: a stopped fake is a transport error (not an API answer), as a dead server is,
+/// and a restart keeps its store.
 #[tokio::test]
 async fn a_stopped_fake_is_unreachable_until_restarted() {
     let mut fake = fake_kube::start().await.expect("fake API");
@@ -710,6 +748,9 @@ async fn a_stopped_fake_is_unreachable_until_restarted() {
     assert_eq!(back.metadata.name.as_deref(), Some(LEASE));
 }
 
+/// Peer fidelity: a registered cluster-scoped custom resource (SPIRE's `ClusterStaticEntry`) is
+/// served as a real server serves a CRD: create, label list, merge patch and delete through the
+/// dynamic API, and no namespaced URL for it.
 #[tokio::test]
 async fn a_registered_cluster_scoped_custom_resource_is_served() {
     use kube::api::{ApiResource, DynamicObject, GroupVersionKind};

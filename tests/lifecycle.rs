@@ -92,6 +92,8 @@ async fn running_executor(s: &Setup, claimed: bool) -> Assignment {
     assignment
 }
 
+/// DESIGN invariant 12: a claimed executor that ends without a result is failed in Gitea with
+/// the reason, then its slot is released and it is deleted; a running one is left alone.
 #[tokio::test]
 async fn a_claimed_executor_that_ends_without_a_result_is_failed_in_gitea_released_and_deleted() {
     let s = setup().await;
@@ -134,6 +136,8 @@ async fn a_claimed_executor_that_ends_without_a_result_is_failed_in_gitea_releas
     assert!(s.backend.records().is_empty());
 }
 
+/// DESIGN invariant 10: a terminal-marked executor is deleted only once it has finished (it may
+/// still be flushing), and nothing is reported for a task whose result Gitea has.
 #[tokio::test]
 async fn a_terminal_executor_is_deleted_only_once_it_has_finished() {
     let s = setup().await;
@@ -167,6 +171,9 @@ async fn a_terminal_executor_is_deleted_only_once_it_has_finished() {
     );
 }
 
+/// DESIGN invariants 9, 12: an executor that ended before its runner claimed the task is left
+/// to its worker, which still holds the unacknowledged assignment and fails it; the reconciler
+/// neither reports nor deletes it, so it is reported once.
 #[tokio::test]
 async fn an_unclaimed_finished_executor_is_left_to_its_worker() {
     let s = setup().await;
@@ -180,8 +187,8 @@ async fn an_unclaimed_finished_executor_is_left_to_its_worker() {
     assert_eq!(s.backend.records().len(), 1);
 }
 
-/// DESIGN invariants 10 and 12: one executor that cannot be handled now (its deletion
-/// fails) is counted and retried next pass; it never blocks the clean-up of the others.
+/// DESIGN invariants 10, 12: one executor that cannot be handled now (its deletion fails) is
+/// counted and retried next pass; it never blocks the clean-up of the others.
 #[tokio::test]
 async fn one_stuck_executor_does_not_block_the_cleanup_of_the_others() {
     let s = setup().await;
@@ -214,8 +221,8 @@ async fn one_stuck_executor_does_not_block_the_cleanup_of_the_others() {
 }
 
 /// DESIGN invariant 12: a claimed executor whose runner died while its environment stays up
-/// (OpenSandbox keeps a sandbox Running after its process exits) is failed in Gitea once
-/// the facade has not heard from it for the idle timeout, then cleaned up.
+/// (OpenSandbox keeps a sandbox Running after its process exits) is failed in Gitea once the
+/// facade has not heard from it for the idle timeout, then cleaned up.
 #[tokio::test]
 async fn a_claimed_executor_whose_runner_falls_silent_is_failed_after_the_idle_timeout() {
     let s = setup().await;
@@ -254,8 +261,8 @@ async fn a_claimed_executor_whose_runner_falls_silent_is_failed_after_the_idle_t
     assert_eq!(s.dispatch.pool_usage(Backend::Pod), (0, 2));
 }
 
-/// DESIGN invariant 12: while the facade hears from a runner, it is never idle, however
-/// long its job runs.
+/// DESIGN invariant 12: while the facade hears from a runner, it is never idle, however long
+/// its job runs.
 #[tokio::test]
 async fn a_runner_that_keeps_reporting_is_never_failed_as_idle() {
     let s = setup().await;
@@ -274,8 +281,8 @@ async fn a_runner_that_keeps_reporting_is_never_failed_as_idle() {
     assert_eq!(s.backend.records().len(), 1);
 }
 
-/// DESIGN invariant 12: report first. While Gitea refuses the failure report, the executor
-/// is kept (and counted as an error); the next pass reports and cleans up.
+/// DESIGN invariant 12: report first. While Gitea refuses the failure report, the executor is
+/// kept (and counted as an error); the next pass reports and cleans up.
 #[tokio::test]
 async fn a_failure_report_gitea_refuses_keeps_the_executor_for_the_next_pass() {
     use gdr_testkit::mock_gitea::{MockFault, RpcMethod};

@@ -1,5 +1,13 @@
 //! The mock Gitea, exercised over real HTTP with the generated Connect client: one test per
 //! rule of `reference/gitea-protocol.md` §3 that the mock reproduces.
+//!
+//! These tests protect no product invariant: they keep the test peer faithful to the real
+//! Gitea, so that every controller test run against it means what it says. `Peer fidelity`
+//! lines state the Gitea behaviour pinned: the tasks version and the job pick, label
+//! matching, the task's payload and context, who may update a task, results and
+//! cancellation, log ack indexes and archiving, outputs, the zombie sweep, ephemeral runners,
+//! registration, errors as they appear on the wire, compression. `Peer harness` lines pin the
+//! mock's own test controls (fault injection, admin API, blob endpoint, waiting, shutdown).
 
 // A panic is how a test (or a benchmark harness) fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -149,6 +157,8 @@ fn job_with_script(key: &str, labels: &str, script: &str) -> String {
     format!("on: push\njobs:\n  {key}:\n    runs-on: {labels}\n    steps:\n      - run: {script}\n")
 }
 
+/// Peer fidelity: as in Gitea, a FetchTask sending the latest tasks version skips the job pick
+/// (no task), and version 0 makes Gitea pick.
 #[tokio::test]
 async fn fetching_with_the_latest_version_skips_the_job_pick() {
     let mock = start().await;
@@ -164,6 +174,7 @@ async fn fetching_with_the_latest_version_skips_the_job_pick() {
     assert!(resp.task.is_set(), "version 0 makes Gitea pick");
 }
 
+/// Peer fidelity: Gitea's tasks version starts at 1, so a runner's 0 always differs from it.
 #[tokio::test]
 async fn the_tasks_version_starts_at_one() {
     let mock = start().await;
@@ -173,6 +184,8 @@ async fn the_tasks_version_starts_at_one() {
     assert!(resp.task.is_unset());
 }
 
+/// Peer fidelity: claiming a job does not bump Gitea's tasks version (the reason the scheduler
+/// resets its shared version to 0 after every task).
 #[tokio::test]
 async fn claiming_a_job_does_not_bump_the_tasks_version() {
     let mock = start().await;
@@ -185,6 +198,8 @@ async fn claiming_a_job_does_not_bump_the_tasks_version() {
     assert_eq!(mock.handle.tasks_version(), before);
 }
 
+/// Peer fidelity: queueing a job bumps Gitea's tasks version, so a runner with the old version
+/// picks the new job.
 #[tokio::test]
 async fn queueing_a_job_bumps_the_tasks_version() {
     let mock = start().await;
@@ -199,6 +214,8 @@ async fn queueing_a_job_bumps_the_tasks_version() {
     assert_eq!(resp.tasks_version, after);
 }
 
+/// Peer fidelity: concurrent fetches of one runner claim distinct jobs, each once, as Gitea's
+/// transactional pick does.
 #[tokio::test]
 async fn concurrent_fetches_claim_distinct_jobs() {
     let mock = start().await;
@@ -232,6 +249,7 @@ async fn concurrent_fetches_claim_distinct_jobs() {
     assert_eq!(claimed, jobs.into_iter().collect());
 }
 
+/// Peer fidelity: Gitea offers the oldest waiting job first.
 #[tokio::test]
 async fn the_oldest_waiting_job_is_offered_first() {
     let mock = start().await;
@@ -247,6 +265,8 @@ async fn the_oldest_waiting_job_is_offered_first() {
     assert_eq!(mock.handle.task(task.id).unwrap().job_id, first);
 }
 
+/// Peer fidelity: Gitea offers a job only to runners whose labels cover its `runs-on`; `{group,
+/// labels}` needs the labels and the group.
 #[tokio::test]
 async fn a_job_is_only_offered_to_runners_whose_labels_cover_its_runs_on() {
     let mock = start().await;
@@ -267,6 +287,7 @@ async fn a_job_is_only_offered_to_runners_whose_labels_cover_its_runs_on() {
     assert!(fetch(&big, 0).await.unwrap().task.is_set());
 }
 
+/// Peer fidelity: a job without `runs-on` goes to any runner, as in Gitea.
 #[tokio::test]
 async fn a_job_without_runs_on_goes_to_any_runner() {
     let mock = start().await;
@@ -277,6 +298,8 @@ async fn a_job_without_runs_on_goes_to_any_runner() {
     assert!(fetch(&c, 0).await.unwrap().task.is_set());
 }
 
+/// Peer fidelity: a disabled runner gets no task, and enabling it bumps the tasks version, as
+/// in Gitea.
 #[tokio::test]
 async fn disabled_runners_get_no_task() {
     let mock = start().await;
@@ -293,6 +316,9 @@ async fn disabled_runners_get_no_task() {
     assert!(fetch(&c, 0).await.unwrap().task.is_set());
 }
 
+/// Peer fidelity: a task carries Gitea's single-job workflow payload (`needs` erased, one label
+/// as a scalar), the `github` context, the job token as `GITHUB_TOKEN` and `GITEA_TOKEN`, the
+/// repository's secrets and variables; task IDs are never reused.
 #[tokio::test]
 async fn the_task_carries_a_single_job_payload_context_secrets_and_vars() {
     let mock = start().await;
@@ -367,6 +393,8 @@ jobs:
     assert_eq!(mock.handle.job(jobs[1]).unwrap().task.unwrap().token, token);
 }
 
+/// Peer fidelity (a stated limit): the mock does not expand matrix jobs and says so, instead of
+/// serving tasks Gitea would not.
 #[tokio::test]
 async fn a_matrix_job_is_rejected_as_not_supported() {
     let mock = start().await;
@@ -380,6 +408,8 @@ async fn a_matrix_job_is_rejected_as_not_supported() {
     assert!(err.to_string().contains("not supported"), "{err}");
 }
 
+/// Peer fidelity: only the runner that fetched a task may update it or its log; another runner
+/// gets Gitea's `invalid runner for task` and changes nothing.
 #[tokio::test]
 async fn only_the_fetching_runner_may_update_a_task() {
     let mock = start().await;
@@ -401,6 +431,7 @@ async fn only_the_fetching_runner_may_update_a_task() {
     heartbeat(&owner, task.id).await;
 }
 
+/// Peer fidelity: updating an unknown task is Gitea's `NotFound` `task N does not exist`.
 #[tokio::test]
 async fn updating_an_unknown_task_is_not_found() {
     let mock = start().await;
@@ -411,8 +442,10 @@ async fn updating_an_unknown_task_is_not_found() {
     assert_gitea_error(&err, "NotFound", "task 4242 does not exist");
 }
 
+/// Peer fidelity: a heartbeat (an UpdateTask without a result) moves the task's `updated` time
+/// forward, which Gitea's zombie sweep reads, and keeps the task running.
 #[tokio::test]
-async fn a_heartbeat_refreshes_updated() {
+async fn a_heartbeat_moves_the_tasks_updated_time_forward() {
     let mock = start().await;
     let (c, _) = runner(&mock, &["self-hosted", "pod"], false);
     mock.handle.queue_workflow("o/r", ONE_JOB).unwrap();
@@ -428,6 +461,8 @@ async fn a_heartbeat_refreshes_updated() {
     assert_eq!(after.status, Status::Running);
 }
 
+/// Peer fidelity: a result finalises the task and its job (steps, stop time); later updates and
+/// heartbeats change nothing and are answered with the stored result, as in Gitea.
 #[tokio::test]
 async fn a_result_finalises_the_task_and_later_updates_change_nothing() {
     let mock = start().await;
@@ -464,6 +499,8 @@ async fn a_result_finalises_the_task_and_later_updates_change_nothing() {
     assert_eq!(later.stopped, snap.stopped);
 }
 
+/// Peer fidelity: without the `cancelling` capability, cancelling a job stops its task at once
+/// and the next update is answered `RESULT_CANCELLED`, as in Gitea.
 #[tokio::test]
 async fn a_cancelled_job_answers_cancelled_on_the_next_update() {
     let mock = start().await;
@@ -478,6 +515,9 @@ async fn a_cancelled_job_answers_cancelled_on_the_next_update() {
     assert_eq!(result_of(&resp), pb::TaskResult::RESULT_CANCELLED as i32);
 }
 
+/// Peer fidelity: with the `cancelling` capability a cancelled task stays `Cancelling` until
+/// its runner reports, every answer says cancelled, and any final result is stored as
+/// cancelled.
 #[tokio::test]
 async fn a_runner_with_the_cancelling_capability_finishes_a_cancelled_task_as_cancelled() {
     let mock = start().await;
@@ -515,6 +555,7 @@ async fn a_runner_with_the_cancelling_capability_finishes_a_cancelled_task_as_ca
     assert_eq!(mock.handle.task(task.id).unwrap().status, Status::Cancelled);
 }
 
+/// Peer fidelity: a job cancelled while waiting is never offered.
 #[tokio::test]
 async fn cancelling_a_waiting_job_means_it_is_never_offered() {
     let mock = start().await;
@@ -525,6 +566,8 @@ async fn cancelling_a_waiting_job_means_it_is_never_offered() {
     assert!(fetch(&c, 0).await.unwrap().task.is_unset());
 }
 
+/// Peer fidelity: task outputs are insert-if-absent (the first value wins), a key over 255
+/// characters is dropped, and `sent_outputs` lists every stored key, as in Gitea.
 #[tokio::test]
 async fn outputs_are_insert_if_absent_and_sent_outputs_lists_every_stored_key() {
     let mock = start().await;
@@ -551,6 +594,8 @@ async fn outputs_are_insert_if_absent_and_sent_outputs_lists_every_stored_key() 
     assert_eq!(outputs.get("b").map(String::as_str), Some("3"));
 }
 
+/// Peer fidelity: Gitea appends log rows only from its ack index on: an overlapping batch adds
+/// its new rows, an old batch nothing.
 #[tokio::test]
 async fn log_rows_are_appended_only_at_the_ack_index() {
     let mock = start().await;
@@ -569,6 +614,8 @@ async fn log_rows_are_appended_only_at_the_ack_index() {
     );
 }
 
+/// Peer fidelity: a log batch starting past the ack index (a gap) is not written and never
+/// archives the log.
 #[tokio::test]
 async fn a_log_gap_is_not_written() {
     let mock = start().await;
@@ -583,6 +630,8 @@ async fn a_log_gap_is_not_written() {
     assert!(!snap.log_archived, "a gap never archives");
 }
 
+/// Peer fidelity: `no_more` archives the log; later rows get Gitea's `AlreadyExists` `log file
+/// has been archived`, and re-sending the empty finalize is acknowledged, idempotently.
 #[tokio::test]
 async fn no_more_archives_the_log_and_later_rows_are_refused() {
     let mock = start().await;
@@ -600,6 +649,7 @@ async fn no_more_archives_the_log_and_later_rows_are_refused() {
     assert_eq!(mock.handle.task(task.id).unwrap().log_rows, vec!["a"]);
 }
 
+/// Peer fidelity: an empty batch with `no_more` archives the log.
 #[tokio::test]
 async fn an_empty_finalize_archives_the_log() {
     let mock = start().await;
@@ -610,6 +660,8 @@ async fn an_empty_finalize_archives_the_log() {
     assert!(mock.handle.task(task.id).unwrap().log_archived);
 }
 
+/// Peer fidelity: Gitea's zombie sweep fails a task idle longer than its timeout (10 minutes in
+/// Gitea, 1 s here), archives its log, and answers later heartbeats with the failure.
 #[tokio::test]
 async fn an_idle_task_is_failed_by_the_zombie_sweeper() {
     let mock = start_with(MockConfig::default().with_zombie_timeout(Duration::from_secs(1))).await;
@@ -631,6 +683,8 @@ async fn an_idle_task_is_failed_by_the_zombie_sweeper() {
     assert_eq!(result_of(&resp), pb::TaskResult::RESULT_FAILURE as i32);
 }
 
+/// Peer fidelity: the zombie sweep fails only tasks idle longer than the timeout; a fresh task
+/// is not a zombie.
 #[tokio::test]
 async fn sweeping_now_fails_only_tasks_idle_longer_than_the_timeout() {
     let mock = start_with(
@@ -666,6 +720,8 @@ async fn sweeping_now_fails_only_tasks_idle_longer_than_the_timeout() {
     assert_eq!(mock.handle.task(task.id).unwrap().status, Status::Failure);
 }
 
+/// Peer fidelity: an ephemeral runner gets one task and is removed once it finishes; its
+/// credentials are then an `unregistered runner`, as in Gitea.
 #[tokio::test]
 async fn an_ephemeral_runner_is_removed_after_its_task_finishes() {
     let mock = start().await;
@@ -689,6 +745,8 @@ async fn an_ephemeral_runner_is_removed_after_its_task_finishes() {
     assert_gitea_error(&err, "Unauthenticated", "unregistered runner");
 }
 
+/// Peer fidelity: missing or wrong runner credentials get Gitea's `unregistered runner`, on the
+/// wire as Gitea sends it: HTTP 500, Connect code `unknown`, the gRPC status as text.
 #[tokio::test]
 async fn unknown_runners_get_gitea_style_unauthenticated_errors() {
     let mock = start().await;
@@ -726,6 +784,8 @@ async fn unknown_runners_get_gitea_style_unauthenticated_errors() {
     );
 }
 
+/// Peer fidelity: answers of 1 KiB and more are gzip-compressed when the client accepts it,
+/// smaller ones are not, as Gitea's handler does.
 #[tokio::test]
 async fn responses_of_1kib_and_more_are_gzipped() {
     let mock = start().await;
@@ -772,6 +832,9 @@ async fn responses_of_1kib_and_more_are_gzipped() {
     assert!(task.workflow_payload.unwrap().len() > 4096);
 }
 
+/// Peer fidelity: Register needs an active registration token and a name, answers Gitea's
+/// messages otherwise, and records labels, version, capabilities and ephemerality; the
+/// credentials it returns work.
 #[tokio::test]
 async fn registration_needs_an_active_token() {
     let mock = start().await;
@@ -825,6 +888,8 @@ async fn registration_needs_an_active_token() {
     );
 }
 
+/// Peer fidelity: Declare replaces the runner's labels and version and answers Gitea's
+/// `x-gitea-actions-capabilities` header.
 #[tokio::test]
 async fn declare_answers_the_capabilities_header() {
     let mock = start().await;
@@ -851,6 +916,7 @@ async fn declare_answers_the_capabilities_header() {
     assert_eq!(snap.version, "v3.3.0");
 }
 
+/// Peer fidelity: Gitea's PingService answers `Hello, <data>!`.
 #[tokio::test]
 async fn ping_answers_hello() {
     let mock = start().await;
@@ -866,6 +932,9 @@ async fn ping_answers_hello() {
     assert_eq!(resp.data, "Hello, gitea!");
 }
 
+/// Peer harness: injected faults reproduce what can sit between a runner and Gitea (a proxy's
+/// Connect error, a Gitea error, an HTTP 502 page, a slow answer), each failing only the next
+/// call.
 #[tokio::test]
 async fn injected_faults_fail_only_the_next_call() {
     let mock = start().await;
@@ -917,6 +986,8 @@ async fn injected_faults_fail_only_the_next_call() {
     assert_eq!(err.code, ErrorCode::DeadlineExceeded, "{err:?}");
 }
 
+/// Peer harness: the admin API queues workflows, lists and cancels jobs and adds registration
+/// tokens over HTTP, and refuses a broken workflow with 400.
 #[tokio::test]
 async fn the_admin_api_queues_lists_and_cancels_jobs() {
     let mock = start().await;
@@ -978,6 +1049,8 @@ async fn the_admin_api_queues_lists_and_cancels_jobs() {
     assert_eq!(bad.status().as_u16(), 400);
 }
 
+/// Peer harness: the blob endpoint (standing in for checkouts and artifact downloads) streams
+/// deterministic bytes, and every non-API request is recorded.
 #[tokio::test]
 async fn the_blob_endpoint_streams_deterministic_bytes_and_requests_are_recorded() {
     let mock = start().await;
@@ -1009,6 +1082,7 @@ async fn the_blob_endpoint_streams_deterministic_bytes_and_requests_are_recorded
     );
 }
 
+/// Peer harness: waiting on the mock's state wakes on a change and times out otherwise.
 #[tokio::test]
 async fn waiting_on_state_wakes_on_change_and_times_out_otherwise() {
     let mock = start().await;
@@ -1028,6 +1102,8 @@ async fn waiting_on_state_wakes_on_change_and_times_out_otherwise() {
     assert!(err.to_string().contains("not met"), "{err}");
 }
 
+/// Peer harness: the mock serves the listener it is given and stops when its shutdown signal
+/// resolves.
 #[tokio::test]
 async fn serve_stops_when_shutdown_resolves() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -118,6 +118,8 @@ fn is_github_name(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
 }
 
+/// No DESIGN invariant (reproducible build): flake.lock is a version 7 lock file with a root
+/// node, the shape Nix writes.
 #[test]
 fn flake_lock_is_version_7_json_with_a_root_node() {
     let lock: Value = serde_json::from_str(&read("flake.lock")).expect("flake.lock is JSON");
@@ -129,6 +131,8 @@ fn flake_lock_is_version_7_json_with_a_root_node() {
     );
 }
 
+/// No DESIGN invariant (reproducible build): flake.lock locks exactly the inputs flake.nix
+/// declares, from the same GitHub owner, repository and ref.
 #[test]
 fn flake_lock_locks_exactly_the_inputs_flake_nix_declares_with_the_same_source() {
     let inputs = flake_inputs(&read("flake.nix"));
@@ -164,6 +168,8 @@ fn flake_lock_locks_exactly_the_inputs_flake_nix_declares_with_the_same_source()
     }
 }
 
+/// No DESIGN invariant (reproducible build): every locked input pins a full revision and an SRI
+/// NAR hash, and flake.nix pins no revision by hand.
 #[test]
 fn every_locked_github_node_pins_a_full_revision_and_an_sri_nar_hash() {
     let lock: Value = serde_json::from_str(&read("flake.lock")).unwrap();
@@ -201,8 +207,8 @@ fn every_locked_github_node_pins_a_full_revision_and_an_sri_nar_hash() {
     }
 }
 
-/// DESIGN invariant 23: the module's typed options are the
-/// binary's own key table, so a key added to the binary cannot be missing from NixOS.
+/// DESIGN invariant 23: the NixOS module's typed options are the binary's own key table, so a
+/// key added to the binary cannot be missing from the module.
 #[test]
 fn the_modules_settings_options_are_exactly_what_the_binary_generates() {
     let committed = read("nix/settings-options.nix");
@@ -215,8 +221,9 @@ fn the_modules_settings_options_are_exactly_what_the_binary_generates() {
     );
 }
 
-/// DESIGN invariant 17: secrets come only from files, so every file key is classified and
-/// every secret file reaches the service through LoadCredential, never the Nix store.
+/// DESIGN invariants 17, 23: secrets come only from files, so every file key of the binary's
+/// table is classified, and every secret reaches the service through LoadCredential, never the
+/// Nix store.
 #[test]
 fn every_file_key_of_the_binary_is_either_a_module_credential_or_declared_public() {
     let (secrets, public) = credential_table();
@@ -236,7 +243,8 @@ fn every_file_key_of_the_binary_is_either_a_module_credential_or_declared_public
         .collect();
     let secret_keys: BTreeSet<String> = reference
         .iter()
-        .filter_map(|(k, secret)| secret.then(|| k.clone()))
+        .filter(|(_, secret)| **secret)
+        .map(|(k, _)| k.clone())
         .collect();
     let listed_secrets: BTreeSet<String> = secrets.iter().cloned().collect();
     assert_eq!(

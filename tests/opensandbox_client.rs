@@ -3,6 +3,11 @@
 //! server produces it. The shared server gives up a blocking create after
 //! `CREATE_TIMEOUT` (10 s; 60 s in production) and a full pool after
 //! `POOL_ACQUISITION_TIMEOUT` (2 s; 30 s in production).
+//!
+//! Each test pins what the product's client makes of the real server's answers and cites
+//! the invariant the VM backend builds on it. The in-memory cluster under the server is a
+//! test peer: where a test depends on it behaving as a real cluster would (Pods held
+//! unstarted, failing to start), a `Peer fidelity` line says so.
 
 // A panic is how a test fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -15,7 +20,7 @@ use std::time::{Duration, SystemTime};
 use gdr_backends::opensandbox::client::{CreateSandbox, ListQuery};
 use gdr_backends::opensandbox::{ClientError, LifecycleClient};
 use gdr_core::metadata::{ExecutorMetadata, MetadataCodec, is_label_value};
-use gdr_testkit::backend_contract::eventually;
+use gdr_testkit::eventually;
 use gdr_testkit::opensandbox::{POOL_ACQUISITION_TIMEOUT, PoolSpec};
 use opensandbox_common::{DEADLINE, client, client_with, pool, server, settings, unique};
 
@@ -44,9 +49,9 @@ async fn gone(client: &LifecycleClient, id: &str) {
     .await;
 }
 
-/// DESIGN invariant 11: a sandbox comes only from the pool (`extensions.poolRef`), with
-/// the entrypoint, environment, metadata and timeout sent; get, list, merge-patch and
-/// delete work on it, and a second delete reads as already gone.
+/// DESIGN invariant 11: a sandbox comes only from the pool (`extensions.poolRef`), with the
+/// entrypoint, environment, metadata and timeout sent; get, list, merge-patch and delete work
+/// on it, and a second delete reads as already gone.
 #[tokio::test]
 async fn a_pool_sandbox_is_created_read_listed_patched_and_deleted() {
     let server = server().await;
@@ -136,8 +141,9 @@ async fn a_pool_sandbox_is_created_read_listed_patched_and_deleted() {
     );
 }
 
-/// DESIGN invariant 17 and the configuration contract: a wrong API key is a clear
-/// configuration error naming the setting, not a task failure.
+/// DESIGN invariant 6: a wrong API key is a configuration error naming its setting
+/// (`opensandbox_api_key_file`), which the VM backend treats as a failing backend (the job
+/// stays queued until the operator fixes it), not as a refusal of the job.
 #[tokio::test]
 async fn a_wrong_api_key_is_a_configuration_error() {
     let server = server().await;
@@ -163,8 +169,8 @@ async fn a_wrong_api_key_is_a_configuration_error() {
     ));
 }
 
-/// DESIGN invariant 11: metadata values outside the label rules are refused with the
-/// server's 400 `{code, message}`, which the client keeps.
+/// DESIGN invariant 11: metadata values outside the label rules are refused with the server's
+/// 400 `{code, message}`, which the client keeps.
 #[tokio::test]
 async fn an_invalid_metadata_value_is_refused_with_the_servers_400_message() {
     let server = server().await;
@@ -184,8 +190,9 @@ async fn an_invalid_metadata_value_is_refused_with_the_servers_400_message() {
     }
 }
 
-/// FastAPI's own 422 body (`{"detail":[…]}`), which the server does not normalise, is
-/// read into a message naming the field.
+/// DESIGN invariant 12: a spec the server refuses (FastAPI's own 422 body, which the server
+/// does not normalise) is read into a message naming the field: the reason the job is failed
+/// with in Gitea.
 #[tokio::test]
 async fn a_timeout_below_the_servers_minimum_is_refused_with_fastapis_422_body() {
     let server = server().await;
@@ -204,8 +211,9 @@ async fn a_timeout_below_the_servers_minimum_is_refused_with_fastapis_422_body()
     }
 }
 
-/// The configuration contract: a missing pool is reported by name as a configuration
-/// error, not as a missing sandbox.
+/// DESIGN invariant 6: a missing pool is a configuration error naming the pool, which the VM
+/// backend treats as a failing backend (the job stays queued), not as a missing sandbox or a
+/// refused job.
 #[tokio::test]
 async fn a_create_naming_a_missing_pool_says_which_pool() {
     let server = server().await;
@@ -225,8 +233,8 @@ async fn a_create_naming_a_missing_pool_says_which_pool() {
     );
 }
 
-/// DESIGN invariant 6: a full pool is 429 with the server's `Retry-After` (its pool
-/// acquisition timeout) and leaves no sandbox behind; once room frees, the create works.
+/// DESIGN invariant 6: a full pool is 429 with the server's `Retry-After` (its pool acquisition
+/// timeout) and leaves no sandbox behind; once room frees, the create works.
 #[tokio::test]
 async fn a_full_pool_answers_429_with_retry_after_until_room_frees() {
     let server = server().await;
@@ -263,8 +271,11 @@ async fn a_full_pool_answers_429_with_retry_after_until_room_frees() {
     client.delete(&second.id).await.unwrap();
 }
 
-/// The create call blocks until the VM boots; the client waits for it (its create
-/// timeout is above the server's), and the sandbox is visible as Pending meanwhile.
+/// DESIGN invariant 8: a create blocks until the VM runs (the client's create timeout is above
+/// the server's), and meanwhile the starting sandbox is listed as Pending, so a find by
+/// assignment sees it.
+/// Peer fidelity: the in-memory cluster holds a pool's Pods unstarted until told, as a slow VM
+/// boot does.
 #[tokio::test]
 async fn a_slow_create_blocks_until_the_sandbox_runs() {
     let server = server().await;
@@ -303,8 +314,10 @@ async fn a_slow_create_blocks_until_the_sandbox_runs() {
     client.delete(&created.id).await.unwrap();
 }
 
-/// OpenSandbox's 504: the sandbox never became ready within the server's create timeout
-/// (`CREATE_TIMEOUT` here); the server deleted it, so a retry starts afresh.
+/// DESIGN invariant 8: a sandbox that never becomes ready within the server's create timeout is
+/// the server's 504, which the client names; the server deleted the sandbox, so the backend's
+/// retry creates afresh.
+/// Peer fidelity: Pods held unstarted make the real server time out as on a real cluster.
 #[tokio::test]
 async fn a_sandbox_that_never_starts_gives_504_and_is_deleted_by_the_server() {
     let server = server().await;
@@ -325,9 +338,9 @@ async fn a_sandbox_that_never_starts_gives_504_and_is_deleted_by_the_server() {
     );
 }
 
-/// A client create timeout below the server's gives up while the server still creates:
-/// the sandbox exists afterwards, which is why the backend finds before it creates and
-/// why the create timeout must stay above the server's.
+/// DESIGN invariant 8: a client that gives up before the server leaves the sandbox starting,
+/// which is why the backend finds before it creates and why its create timeout must stay above
+/// the server's.
 #[tokio::test]
 async fn a_client_timeout_below_the_servers_leaves_the_sandbox_starting() {
     let server = server().await;
@@ -354,8 +367,9 @@ async fn a_client_timeout_below_the_servers_leaves_the_sandbox_starting() {
     client.delete(&left[0].id).await.unwrap();
 }
 
-/// A Pod that fails to start is the server's 500 (not a client error), and the server
-/// cleans it up.
+/// Peer fidelity: a pool Pod that fails to start makes the real server answer 500
+/// `KUBERNETES::POD_FAILED` and clean up, as on a real cluster, and the client keeps it a
+/// server error.
 #[tokio::test]
 async fn a_pod_that_fails_to_start_is_a_server_error() {
     let server = server().await;
@@ -375,7 +389,8 @@ async fn a_pod_that_fails_to_start_is_a_server_error() {
     assert!(client.list(&by_tag(&tag, 0)).await.unwrap().is_empty());
 }
 
-/// A task that fails later reads `Failed` with the server's reason.
+/// DESIGN invariant 12: a sandbox whose task failed reads `Failed` with the server's reason, so
+/// the backend reports the executor as ended, with its cause.
 #[tokio::test]
 async fn a_failed_task_reads_failed_with_its_reason() {
     let server = server().await;
@@ -392,8 +407,8 @@ async fn a_failed_task_reads_failed_with_its_reason() {
     client.delete(&created.id).await.unwrap();
 }
 
-/// Recovery lists every sandbox: pages are followed through `hasNextPage`, and a page
-/// size above the server's 200 is clamped instead of refused.
+/// DESIGN invariant 7: recovery sees every sandbox: a list follows every page through
+/// `hasNextPage`, and a page size above the server's 200 is clamped rather than refused.
 #[tokio::test]
 async fn a_list_follows_every_page() {
     let server = server().await;
@@ -430,8 +445,8 @@ async fn a_list_follows_every_page() {
     }
 }
 
-/// DESIGN invariant 11: annotation-like values far longer than a label value travel as
-/// codec chunks, each a valid metadata value, and come back losslessly.
+/// DESIGN invariant 11: annotation-like values far longer than a label value travel as codec
+/// chunks, each a valid metadata value, and come back losslessly.
 #[tokio::test]
 async fn long_metadata_values_round_trip_as_codec_chunks() {
     let server = server().await;
@@ -462,8 +477,8 @@ async fn long_metadata_values_round_trip_as_codec_chunks() {
     client.delete(&created.id).await.unwrap();
 }
 
-/// Renewal moves the expiry; the server refuses a past expiry (400) and a sandbox
-/// without expiry (409), which the client reports as what they are.
+/// No DESIGN invariant (sandbox expiry): renewal moves a sandbox's expiry, and the server's
+/// refusals (a past expiry is 400, a sandbox without expiry 409) are typed.
 #[tokio::test]
 async fn renewal_moves_the_expiry_and_its_refusals_are_typed() {
     let server = server().await;
@@ -500,7 +515,8 @@ async fn renewal_moves_the_expiry_and_its_refusals_are_typed() {
     client.delete(&unexpiring.id).await.unwrap();
 }
 
-/// An unreachable server is a transport error (retried by the backend), not a refusal.
+/// DESIGN invariant 6: an unreachable server is a transport error, retried by the backend (the
+/// job stays queued), not a configuration error or a refusal.
 #[tokio::test]
 async fn an_unreachable_server_is_a_transport_error() {
     let server = server().await;

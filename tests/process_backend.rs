@@ -4,7 +4,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -23,9 +22,9 @@ use gdr_core::executor::{
 };
 use gdr_core::identity::TrustDomain;
 use gdr_core::metadata::MetadataCodec;
+use gdr_testkit::eventually;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock};
 use tempfile::TempDir;
-use tokio::time::Instant;
 
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -167,22 +166,6 @@ impl Setup {
     }
 }
 
-/// Polls `check` until it yields a value or the deadline passes.
-async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + DEADLINE;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 async fn phase_of(backend: &ProcessBackend, id: &AssignmentId) -> Phase {
     backend
         .find(id)
@@ -193,7 +176,7 @@ async fn phase_of(backend: &ProcessBackend, id: &AssignmentId) -> Phase {
 }
 
 async fn wait_finished(backend: &ProcessBackend, id: &AssignmentId) -> bool {
-    eventually("the executor to finish", || async {
+    eventually(DEADLINE, "the executor to finish", || async {
         match phase_of(backend, id).await {
             Phase::Finished { success, .. } => Some(success),
             _ => None,
@@ -259,6 +242,12 @@ fn capture_logs() -> (Captured, tracing::subscriber::DefaultGuard) {
 
 const PRINT_ENV_AND_WAIT: &str = "echo \"started id=$CI_ASSIGNMENT_ID cap=$CI_RUNNER_CAPABILITY spiffe=$CI_SPIFFE_ID backend=$CI_RUNNER_BACKEND facade=$CI_RUNNER_FACADE_URL socket=$SPIFFE_ENDPOINT_SOCKET workdir=$CI_RUNNER_WORKDIR pwd=$(pwd) label=$CI_RUNNER_LABEL\"; exec sleep 30";
 
+/// DESIGN invariants 8, 14, 17: creating twice, even concurrently, starts one process with one
+/// identity; the executor gets its assignment-scoped capability in its environment, and the
+/// capability is neither logged nor persisted.
+/// Compatibility contract: the executor's environment names (`CI_ASSIGNMENT_ID`,
+/// `CI_RUNNER_CAPABILITY`, `CI_SPIFFE_ID`, `CI_RUNNER_BACKEND`, `CI_RUNNER_FACADE_URL`,
+/// `SPIFFE_ENDPOINT_SOCKET`) are the Go version's.
 #[tokio::test]
 async fn creating_twice_starts_one_process_with_the_executor_environment() {
     let (logs, _guard) = capture_logs();
@@ -277,10 +266,14 @@ async fn creating_twice_starts_one_process_with_the_executor_environment() {
     assert_eq!(third.created_at, first.created_at);
     assert_eq!(phase_of(&backend, &id).await, Phase::Running);
 
-    let log = eventually("the executor to print its environment", || async {
-        let log = s.log(&id);
-        log.contains("started").then_some(log)
-    })
+    let log = eventually(
+        DEADLINE,
+        "the executor to print its environment",
+        || async {
+            let log = s.log(&id);
+            log.contains("started").then_some(log)
+        },
+    )
     .await;
     let capability = spec.capability.expose();
     let dir = s.dir(&id);
@@ -313,6 +306,9 @@ async fn creating_twice_starts_one_process_with_the_executor_environment() {
     backend.delete(&id).await.expect("delete");
 }
 
+/// DESIGN invariants 7, 8, 19: a new backend instance (a controller restart) rebuilds its view
+/// from the state directory: a live executor is re-adopted, not restarted, with its markers;
+/// one that died meanwhile reads as finished, with the reason.
 #[tokio::test]
 async fn a_new_backend_instance_re_adopts_live_executors_and_sees_dead_ones() {
     let s = setup().await;
@@ -333,10 +329,14 @@ async fn a_new_backend_instance_re_adopts_live_executors_and_sees_dead_ones() {
 
     let identity = Arc::new(RecordingIdentity::default());
     let backend = s.backend("exec sleep 30", &identity);
-    let records = eventually("the killed executor to be seen as finished", || async {
-        let records = backend.list().await.expect("list");
-        matches!(by_name(&records, &dead_id).phase, Phase::Finished { .. }).then_some(records)
-    })
+    let records = eventually(
+        DEADLINE,
+        "the killed executor to be seen as finished",
+        || async {
+            let records = backend.list().await.expect("list");
+            matches!(by_name(&records, &dead_id).phase, Phase::Finished { .. }).then_some(records)
+        },
+    )
     .await;
     assert_eq!(records.len(), 2);
     let (l, d) = (by_name(&records, &live_id), by_name(&records, &dead_id));
@@ -353,12 +353,15 @@ async fn a_new_backend_instance_re_adopts_live_executors_and_sees_dead_ones() {
     for id in [&live_id, &dead_id] {
         backend.delete(id).await.expect("delete");
     }
-    eventually("the re-adopted executor to stop", || async {
+    eventually(DEADLINE, "the re-adopted executor to stop", || async {
         process_gone(live_pid).then_some(())
     })
     .await;
 }
 
+/// DESIGN invariants 9, 10: the claimed and terminal markers are written idempotently and
+/// durably (a new instance reads them); claiming an absent executor fails, marking one terminal
+/// is a no-op.
 #[tokio::test]
 async fn claimed_and_terminal_markers_are_durable() {
     let s = setup().await;
@@ -402,6 +405,8 @@ async fn claimed_and_terminal_markers_are_durable() {
     backend.delete(&id).await.expect("delete");
 }
 
+/// DESIGN invariant 12: an executor that ends reads as finished with its exit status as the
+/// reason, durably across instances; no identity is served for finished executors.
 #[tokio::test]
 async fn an_exited_executor_reports_its_exit_status() {
     let s = setup().await;
@@ -411,7 +416,7 @@ async fn an_exited_executor_reports_its_exit_status() {
     let failing_id = spec.assignment.id().clone();
     failing.create(&spec).await.expect("create");
     assert!(!wait_finished(&failing, &failing_id).await);
-    eventually("the exit code to be recorded", || async {
+    eventually(DEADLINE, "the exit code to be recorded", || async {
         (s.metadata(&failing_id)["exit_code"] == 3).then_some(())
     })
     .await;
@@ -421,7 +426,7 @@ async fn an_exited_executor_reports_its_exit_status() {
     let ok_id = spec.assignment.id().clone();
     succeeding.create(&spec).await.expect("create");
     assert!(wait_finished(&succeeding, &ok_id).await);
-    eventually("the exit code to be recorded", || async {
+    eventually(DEADLINE, "the exit code to be recorded", || async {
         (s.metadata(&ok_id)["exit_code"] == 0).then_some(())
     })
     .await;
@@ -453,6 +458,8 @@ async fn an_exited_executor_reports_its_exit_status() {
     );
 }
 
+/// DESIGN invariant 8: delete is idempotent: it stops the executor's whole process group,
+/// revokes its identity and removes its directory, and deleting again is a no-op.
 #[tokio::test]
 async fn delete_stops_the_process_group_and_removes_the_directory_and_is_idempotent() {
     let s = setup().await;
@@ -462,7 +469,7 @@ async fn delete_stops_the_process_group_and_removes_the_directory_and_is_idempot
     let id = spec.assignment.id().clone();
     backend.create(&spec).await.expect("create");
     let leader = s.pid(&id);
-    let grandchild: i32 = eventually("the grandchild pid in the log", || async {
+    let grandchild: i32 = eventually(DEADLINE, "the grandchild pid in the log", || async {
         s.log(&id)
             .split_whitespace()
             .skip_while(|w| *w != "grandchild")
@@ -485,6 +492,8 @@ async fn delete_stops_the_process_group_and_removes_the_directory_and_is_idempot
         .expect("deleting again is a no-op");
 }
 
+/// No DESIGN invariant (clean-up leaves nothing running): delete kills an executor that ignores
+/// SIGTERM once the grace period is over.
 #[tokio::test]
 async fn delete_kills_an_executor_that_ignores_sigterm_after_the_grace_period() {
     let s = setup().await;
@@ -498,7 +507,7 @@ async fn delete_kills_an_executor_that_ignores_sigterm_after_the_grace_period() 
     let id = spec.assignment.id().clone();
     backend.create(&spec).await.expect("create");
     let leader = s.pid(&id);
-    eventually("the trap to be installed", || async {
+    eventually(DEADLINE, "the trap to be installed", || async {
         s.log(&id).contains("ready").then_some(())
     })
     .await;
@@ -507,6 +516,9 @@ async fn delete_kills_an_executor_that_ignores_sigterm_after_the_grace_period() 
     assert!(!s.dir(&id).exists());
 }
 
+/// DESIGN invariants 7, 20: an executor whose metadata does not decode is skipped by list
+/// (logged with its directory) and refused by find and create, so no second executor starts
+/// next to untrusted metadata; an operator can still delete it.
 #[tokio::test]
 async fn corrupt_metadata_is_skipped_not_fatal() {
     let (logs, _guard) = capture_logs();
@@ -555,6 +567,8 @@ async fn corrupt_metadata_is_skipped_not_fatal() {
     backend.delete(&fine_id).await.expect("delete");
 }
 
+/// DESIGN invariant 13: metadata naming another SPIFFE ID than the task's is refused, and no
+/// identity is served for it.
 #[tokio::test]
 async fn metadata_naming_another_spiffe_id_is_refused() {
     let s = setup().await;
@@ -596,6 +610,9 @@ async fn metadata_naming_another_spiffe_id_is_refused() {
     kill(pid);
 }
 
+/// DESIGN invariants 8, 19: the identity is provisioned before the executor starts (its socket
+/// exists at start), binding is idempotent, and after a restart a live executor's identity is
+/// provisioned again, once.
 #[tokio::test]
 async fn the_identity_is_provisioned_before_the_spawn_and_again_after_a_restart_for_live_executors()
 {
@@ -612,9 +629,11 @@ async fn the_identity_is_provisioned_before_the_spawn_and_again_after_a_restart_
         identity.provisioned(),
         vec![(s.dir(&id), spiffe_id.clone())]
     );
-    eventually("the executor to see its socket at start", || async {
-        s.log(&id).contains("socket-present").then_some(())
-    })
+    eventually(
+        DEADLINE,
+        "the executor to see its socket at start",
+        || async { s.log(&id).contains("socket-present").then_some(()) },
+    )
     .await;
     assert!(!record.identity_bound);
     assert_eq!(

@@ -5,7 +5,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeSet;
-use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -25,6 +24,7 @@ use gdr_core::identity::TrustDomain;
 use gdr_proto::runner::v1 as pb;
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;
+use gdr_testkit::until;
 use tokio::task::JoinHandle;
 
 const WAIT: Duration = Duration::from_secs(30);
@@ -203,22 +203,6 @@ impl Env {
     }
 }
 
-/// Polls `check` until it holds or the deadline passes (then panics with `what`).
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !check().await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not reached within {WAIT:?}: {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 fn count(c: &AtomicU64) -> u64 {
     c.load(Ordering::Relaxed)
 }
@@ -247,16 +231,16 @@ impl Running {
     }
 }
 
-/// DESIGN invariant 1: one registration and one Declare for the whole controller, whatever
-/// the number of pollers (Gitea keeps one runner row; a Declare per poller would also race
-/// the label update).
+/// DESIGN invariant 1: one registration and one Declare for the whole controller, whatever the
+/// number of pollers (Gitea keeps one runner row; a Declare per poller would also race the
+/// label update).
 #[tokio::test]
 async fn one_declare_serves_every_poller() {
     use gdr_testkit::mock_gitea::RpcMethod;
     let env = Env::start(MockConfig::default()).await;
     env.queue_jobs(6);
     let running = Running::start(env.scheduler(4, 100));
-    eventually("all six assignments are in the stream", || async {
+    until(WAIT, "all six assignments are in the stream", || async {
         env.unclaimed().await == 6
     })
     .await;
@@ -265,7 +249,8 @@ async fn one_declare_serves_every_poller() {
     assert!(env.gitea_mock().calls(RpcMethod::FetchTask) >= 6);
 }
 
-/// DESIGN invariant 1.
+/// DESIGN invariant 1: a burst of ten waiting jobs is fetched completely by pollers sharing one
+/// tasks version reset to 0 after every task; nothing depends on Gitea bumping its version.
 #[tokio::test]
 async fn a_burst_of_ten_waiting_jobs_is_fetched_completely_without_a_new_version_bump() {
     let env = Env::start(MockConfig::default()).await;
@@ -273,7 +258,7 @@ async fn a_burst_of_ten_waiting_jobs_is_fetched_completely_without_a_new_version
     let version_after_queueing = env.gitea_mock().tasks_version();
 
     let running = Running::start(env.scheduler(3, 100));
-    eventually("all ten assignments are in the stream", || async {
+    until(WAIT, "all ten assignments are in the stream", || async {
         env.unclaimed().await == 10
     })
     .await;
@@ -290,6 +275,9 @@ async fn a_burst_of_ten_waiting_jobs_is_fetched_completely_without_a_new_version
     );
 }
 
+/// DESIGN invariant 1: the shared tasks version is reset to 0 after every task (sending the
+/// version Gitea answered would hide the next waiting job), and a poller's stale empty answer
+/// cannot undo the reset.
 #[tokio::test]
 async fn the_shared_version_is_reset_after_a_task() {
     let env = Env::start(MockConfig::default()).await;
@@ -337,6 +325,9 @@ async fn the_shared_version_is_reset_after_a_task() {
     assert_eq!(version.current(), empty.tasks_version);
 }
 
+/// DESIGN invariants 2, 3: a poller holding a fetched task retries publishing it until
+/// JetStream stores it, across a nats-server restart; every assignment is stored exactly once,
+/// under its assignment ID, and none is lost.
 #[tokio::test]
 async fn publishing_retries_until_jetstream_accepts_and_loses_nothing_across_a_nats_restart() {
     // Each fetch takes a while, so fetches are in flight when NATS goes away.
@@ -344,20 +335,23 @@ async fn publishing_retries_until_jetstream_accepts_and_loses_nothing_across_a_n
         Env::start(MockConfig::default().with_fetch_delay(Duration::from_millis(300))).await;
     env.queue_jobs(12);
     let running = Running::start(env.scheduler(3, 100));
-    eventually("some assignments are stored", || async {
+    until(WAIT, "some assignments are stored", || async {
         env.unclaimed().await >= 3
     })
     .await;
 
     env.nats.kill().await.expect("kill nats-server");
     let stats = running.stats.clone();
-    eventually("a fetched task's publish is being retried", || async {
-        count(&stats.publish_retries) >= 1
-    })
+    until(
+        WAIT,
+        "a fetched task's publish is being retried",
+        || async { count(&stats.publish_retries) >= 1 },
+    )
     .await;
     env.nats.restart().await.expect("restart nats-server");
 
-    eventually(
+    until(
+        WAIT,
         "every job is fetched and every assignment stored",
         || async { env.jobs_with(Status::Waiting) == 0 && env.try_unclaimed().await == Some(12) },
     )
@@ -375,6 +369,8 @@ async fn publishing_retries_until_jetstream_accepts_and_loses_nothing_across_a_n
     assert_eq!(unique, env.assignment_ids_of_claimed_jobs());
 }
 
+/// DESIGN invariant 5b: while the backlog of unclaimed assignments is full the pollers fetch
+/// nothing (exactly the bound is fetched), and fetching resumes as claims make room.
 #[tokio::test]
 async fn the_scheduler_stops_fetching_while_the_backlog_is_full() {
     let env = Env::start(MockConfig::default()).await;
@@ -387,7 +383,8 @@ async fn the_scheduler_stops_fetching_while_the_backlog_is_full() {
         count(&stats.pollers_waiting_for_backlog) == pollers as u64 && env.unclaimed().await == 2
     };
 
-    eventually(
+    until(
+        WAIT,
         "the backlog is full and every poller is held back",
         all_held_back,
     )
@@ -401,16 +398,16 @@ async fn the_scheduler_stops_fetching_while_the_backlog_is_full() {
 
     // Claims remove the messages (work-queue retention); room for two more.
     env.drain_stream().await;
-    eventually("two more are fetched", || async {
+    until(WAIT, "two more are fetched", || async {
         env.jobs_with(Status::Running) == 4
     })
     .await;
-    eventually("the backlog is full again", all_held_back).await;
+    until(WAIT, "the backlog is full again", all_held_back).await;
     assert_eq!(env.jobs_with(Status::Running), 4);
     assert_eq!(env.jobs_with(Status::Waiting), 1);
 
     env.drain_stream().await;
-    eventually("the last job is fetched", || async {
+    until(WAIT, "the last job is fetched", || async {
         env.jobs_with(Status::Running) == 5 && env.unclaimed().await == 1
     })
     .await;
@@ -418,6 +415,9 @@ async fn the_scheduler_stops_fetching_while_the_backlog_is_full() {
     assert_eq!(report.tasks_fetched, 5);
 }
 
+/// DESIGN invariant 5a: a queued assignment's task gets task-ID-only heartbeats from what the
+/// stream holds (the scheduler may stop), so Gitea's zombie sweep (10 minutes in Gitea, 3 s
+/// here) never fails it.
 #[tokio::test]
 async fn a_queued_assignment_outlives_a_three_second_zombie_timeout() {
     let env = Env::start(MockConfig::default().with_zombie_timeout(Duration::from_secs(3))).await;
@@ -433,7 +433,7 @@ async fn a_queued_assignment_outlives_a_three_second_zombie_timeout() {
     let (hb_trigger, hb_shutdown) = shutdown_channel();
     let hb = tokio::spawn(async move { heartbeater.run(hb_shutdown).await });
 
-    eventually("the assignment is queued", || async {
+    until(WAIT, "the assignment is queued", || async {
         env.unclaimed().await == 1
     })
     .await;
@@ -472,12 +472,14 @@ async fn a_queued_assignment_outlives_a_three_second_zombie_timeout() {
     hb.await.expect("heartbeater");
 }
 
+/// DESIGN invariant 5a: a heartbeat round reads Gitea's answer for each queued task, so a task
+/// cancelled in Gitea while queued is reported as ended.
 #[tokio::test]
 async fn a_heartbeat_reports_a_queued_task_that_was_cancelled_in_gitea() {
     let env = Env::start(MockConfig::default()).await;
     let job = env.queue_jobs(1)[0];
     let running = Running::start(env.scheduler(1, 10));
-    eventually("the assignment is queued", || async {
+    until(WAIT, "the assignment is queued", || async {
         env.unclaimed().await == 1
     })
     .await;
@@ -508,6 +510,8 @@ async fn a_heartbeat_reports_a_queued_task_that_was_cancelled_in_gitea() {
     assert_eq!(count(&heartbeater.stats().queued_tasks_ended), 1);
 }
 
+/// DESIGN invariant 5: the backend is derived from the task alone; a task whose `runs-on`
+/// selects none never reaches the stream and is failed in Gitea with the reason in its log.
 #[tokio::test]
 async fn a_task_whose_runs_on_selects_no_backend_is_failed_in_gitea_with_a_reason() {
     let env = Env::start(MockConfig::default()).await;
@@ -540,13 +544,14 @@ async fn a_task_whose_runs_on_selects_no_backend_is_failed_in_gitea_with_a_reaso
     assert_eq!(env.unclaimed().await, 0, "nothing reached the stream");
 }
 
+/// DESIGN invariant 4: stopping stops new fetches but lets a fetch in flight publish its task.
 #[tokio::test]
 async fn shutdown_lets_an_in_flight_fetch_publish_its_task() {
     let env = Env::start(MockConfig::default().with_fetch_delay(Duration::from_millis(500))).await;
     let job = env.queue_jobs(1)[0];
     let running = Running::start(env.scheduler(1, 10));
     let stats = running.stats.clone();
-    eventually("the first FetchTask is sent", || async {
+    until(WAIT, "the first FetchTask is sent", || async {
         count(&stats.fetch_calls) >= 1
     })
     .await;
@@ -569,6 +574,8 @@ async fn shutdown_lets_an_in_flight_fetch_publish_its_task() {
     );
 }
 
+/// DESIGN invariant 4: the wait for an in-flight publish at shutdown is bounded; a task that
+/// cannot be stored within it is reported and counted as lost, never dropped silently.
 #[tokio::test]
 async fn a_task_that_cannot_be_stored_within_the_shutdown_bound_is_reported_lost() {
     let mut env =
@@ -578,7 +585,7 @@ async fn a_task_that_cannot_be_stored_within_the_shutdown_bound_is_reported_lost
     settings.shutdown_publish_timeout = Duration::from_millis(300);
     let running = Running::start(env.scheduler_with(settings));
     let stats = running.stats.clone();
-    eventually("the first FetchTask is sent", || async {
+    until(WAIT, "the first FetchTask is sent", || async {
         count(&stats.fetch_calls) >= 1
     })
     .await;

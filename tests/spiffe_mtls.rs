@@ -1,6 +1,12 @@
 //! The SPIFFE/mTLS layer against a fake Workload API (real gRPC over a Unix socket, real
 //! `X509Source`, real rustls handshakes), the executor's loopback proxy, and the
 //! stand-in runner against the mock Gitea.
+//!
+//! The stand-in runner tests (the last section) protect no product invariant: they keep the
+//! stand-in faithful to the official runner (one task per `.runner`, log streaming and
+//! archiving, results and exit statuses, cancellation by Gitea and by SIGTERM, a crash
+//! without a final report, checkout through its address), so that the tests running it as an
+//! executor's runner mean what they say. Each states the behaviour in a `Peer fidelity` line.
 
 // A panic is how a test (or a benchmark harness) fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -24,6 +30,7 @@ use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status}
 use gdr_testkit::spiffe::{
     FakeWorkloadApi, RunningWorkloadApi, TestCa, any_server_client_config, raw_tls_get,
 };
+use gdr_testkit::until;
 use http_body_util::{BodyExt, Empty, Full, StreamBody};
 use hyper::body::Frame;
 use hyper_util::client::legacy::Client;
@@ -158,25 +165,9 @@ async fn leaf_of_new_connection(
     leaf.ok_or_else(|| std::io::Error::other("no peer certificate"))
 }
 
-async fn wait_until<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
-        if check().await {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "timed out waiting until {what}"
-        );
-        // A short poll interval, not a fixed wait for an effect.
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
+/// DESIGN invariant 15: an executor with an SVID of the trust domain completes the mTLS
+/// handshake, and the facade's handler sees its exact SPIFFE ID (which it then checks against
+/// the assignment).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executor_of_the_trust_domain_reaches_the_facade_and_the_handler_sees_its_spiffe_id() {
     let pki = pki().await;
@@ -189,6 +180,8 @@ async fn an_executor_of_the_trust_domain_reaches_the_facade_and_the_handler_sees
     assert_eq!(hits.load(Ordering::SeqCst), 1);
 }
 
+/// DESIGN invariant 15: a client with an SVID of another trust domain is refused in the
+/// handshake and never reaches a handler (the same client with an SVID of the domain does).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_of_another_trust_domain_is_refused_by_the_facade() {
     let pki = pki().await;
@@ -223,6 +216,8 @@ async fn a_client_of_another_trust_domain_is_refused_by_the_facade() {
     );
 }
 
+/// DESIGN invariant 15: a client without a certificate is refused in the handshake and never
+/// reaches a handler.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_without_a_certificate_is_refused_by_the_facade() {
     let pki = pki().await;
@@ -240,6 +235,8 @@ async fn a_client_without_a_certificate_is_refused_by_the_facade() {
     assert_eq!(hits.load(Ordering::SeqCst), 0);
 }
 
+/// DESIGN invariant 16: the executor verifies the facade's exact SPIFFE ID; a server of the
+/// trust domain with another ID is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_executor_expecting_another_facade_spiffe_id_refuses_the_server() {
     let pki = pki().await;
@@ -255,6 +252,8 @@ async fn an_executor_expecting_another_facade_spiffe_id_refuses_the_server() {
     assert_eq!(hits.load(Ordering::SeqCst), 0);
 }
 
+/// No DESIGN invariant (operator interface): a Workload API that cannot be reached is reported
+/// with its socket path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_workload_api_is_reported_with_its_socket_path() {
     let dir = tempfile::tempdir().unwrap();
@@ -300,6 +299,8 @@ fn streaming_app(release: watch::Receiver<bool>) -> Router {
     )
 }
 
+/// DESIGN invariant 16: SVIDs rotate without interrupting a connection open across the
+/// rotation, and new connections present the new certificates on both sides.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_svid_rotation_during_a_long_streaming_response_does_not_interrupt_it_and_new_connections_use_the_new_certificate()
  {
@@ -326,7 +327,7 @@ async fn an_svid_rotation_during_a_long_streaming_response_does_not_interrupt_it
     assert_ne!(old_facade_leaf, new_facade.cert_chain_der[0]);
 
     // New connections: the server presents its new SVID ...
-    wait_until("the facade presents its rotated SVID", || {
+    until(WAIT, "the facade presents its rotated SVID", || {
         let config = config.clone();
         let expected = new_facade.cert_chain_der[0].clone();
         // A handshake racing the swap of both sides' SVIDs may fail once (seen in CI as
@@ -335,7 +336,7 @@ async fn an_svid_rotation_during_a_long_streaming_response_does_not_interrupt_it
     })
     .await;
     // ... and the executor presents its new one (a fresh client forces a new connection).
-    wait_until("the executor presents its rotated SVID", || {
+    until(WAIT, "the executor presents its rotated SVID", || {
         let config = config.clone();
         let expected = new_executor.cert_chain_der[0].clone();
         async move {
@@ -454,6 +455,9 @@ async fn proxy_to(pki: &Pki, upstream: SocketAddr) -> (String, oneshot::Sender<(
     (format!("http://{addr}"), stop)
 }
 
+/// DESIGN invariants 15, 16: the loopback proxy forwards path, query and end-to-end headers
+/// (not hop-by-hop ones) to the facade over mTLS under the executor's identity, so non-API
+/// traffic such as a git checkout reaches the facade as the runner sent it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_loopback_proxy_forwards_path_query_and_end_to_end_headers_with_the_executor_identity()
 {
@@ -492,6 +496,8 @@ async fn the_loopback_proxy_forwards_path_query_and_end_to_end_headers_with_the_
     );
 }
 
+/// DESIGN invariant 16: the loopback proxy streams large bodies both ways through mTLS (50 MiB
+/// down, a chunked 50 MiB upload, every byte checked), as checkouts and artifacts need.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_loopback_proxy_streams_50_mib_each_way_through_mtls() {
     const N: u64 = 50 * 1024 * 1024;
@@ -535,6 +541,8 @@ async fn the_loopback_proxy_streams_50_mib_each_way_through_mtls() {
     assert_eq!(&text[..], format!("{N} true").as_bytes());
 }
 
+/// DESIGN invariant 16: the loopback proxy refuses a facade that does not present the expected
+/// SPIFFE ID and answers the runner 502.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_loopback_proxy_answers_502_when_the_facade_is_not_the_expected_identity() {
     let pki = pki().await;
@@ -622,6 +630,8 @@ fn task_result(mock: &RunningMock, job: JobId) -> i32 {
     mock.handle.job(job).unwrap().task.unwrap().result
 }
 
+/// Peer fidelity: as the official runner does, the stand-in takes one task with its `.runner`,
+/// streams its log, archives it (`no_more`) and reports success with a stop time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stand_in_runner_completes_a_success_job_against_the_mock_gitea() {
     let mock = MockGitea::start(MockConfig::default()).await.unwrap();
@@ -643,6 +653,8 @@ async fn the_stand_in_runner_completes_a_success_job_against_the_mock_gitea() {
     assert!(task.stopped.is_some());
 }
 
+/// Peer fidelity: as the official runner does, a failed job is reported as a failure while the
+/// process exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stand_in_runner_reports_failure_with_exit_status_zero() {
     let mock = MockGitea::start(MockConfig::default()).await.unwrap();
@@ -655,6 +667,8 @@ async fn the_stand_in_runner_reports_failure_with_exit_status_zero() {
     assert_eq!(mock.handle.job(job).unwrap().status, Status::Failure);
 }
 
+/// Peer fidelity: as the official runner does, the stand-in learns of a cancellation from
+/// Gitea's answer to its heartbeat, reports the task cancelled and exits 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stand_in_runner_reports_cancelled_after_gitea_cancels_a_hanging_job() {
     let mock = MockGitea::start(MockConfig::default()).await.unwrap();
@@ -684,6 +698,8 @@ async fn the_stand_in_runner_reports_cancelled_after_gitea_cancels_a_hanging_job
     );
 }
 
+/// Peer fidelity: as the official runner does, SIGTERM makes the stand-in report its task
+/// cancelled (logging the signal) and exit 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigterm_makes_the_stand_in_runner_report_cancelled() {
     let mock = MockGitea::start(MockConfig::default()).await.unwrap();
@@ -716,6 +732,8 @@ async fn a_sigterm_makes_the_stand_in_runner_report_cancelled() {
     assert!(rows.iter().any(|r| r.contains("SIGTERM")), "{rows:?}");
 }
 
+/// Peer fidelity: a crashing runner exits non-zero without a final report, leaving its task
+/// running in Gitea: the case the controller's clean-up must handle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crashing_stand_in_runner_exits_non_zero_without_a_final_report() {
     let mock = MockGitea::start(MockConfig::default()).await.unwrap();
@@ -730,6 +748,8 @@ async fn a_crashing_stand_in_runner_exits_non_zero_without_a_final_report() {
     assert!(!snapshot.task.unwrap().log_archived);
 }
 
+/// Peer fidelity: the stand-in's checkout streams a blob from its `.runner` address, as the
+/// official runner's git checkout reaches Gitea through that address.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stand_in_runner_checkout_script_streams_a_blob_from_its_address() {
     let mock = MockGitea::start(MockConfig::default()).await.unwrap();

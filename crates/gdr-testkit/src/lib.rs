@@ -15,7 +15,7 @@
 //! - [`log_capture`]: JSON log capture, for the tests that look for leaked secrets.
 //! - [`controller`]: one builder of controller configurations, and controller processes
 //!   started with listeners the test bound.
-//! - [`eventually`] / [`until`]: waiting on observable state with a deadline.
+//! - [`eventually`] / [`until`] / [`until_sync`]: waiting on observable state with a deadline.
 
 pub mod backend_contract;
 pub mod controller;
@@ -32,4 +32,4 @@ pub mod standin_runner;
 pub mod tasks;
 mod wait;
 
-pub use wait::{eventually, until};
+pub use wait::{eventually, until, until_sync};

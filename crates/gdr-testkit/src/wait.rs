@@ -40,6 +40,14 @@ where
     .await;
 }
 
+/// [`until`] for a condition read without awaiting (a watch value, a fake's store).
+pub async fn until_sync<F>(deadline: Duration, what: &str, mut condition: F)
+where
+    F: FnMut() -> bool,
+{
+    until(deadline, what, || std::future::ready(condition())).await;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -60,5 +68,22 @@ mod tests {
     #[should_panic(expected = "timed out after 1s waiting for never")]
     async fn a_probe_that_never_turns_true_fails_the_test_naming_what_it_waited_for() {
         until(Duration::from_secs(1), "never", || async { false }).await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_synchronous_condition_is_polled_until_it_holds() {
+        let mut n = 0;
+        until_sync(Duration::from_secs(5), "n to reach 3", || {
+            n += 1;
+            n >= 3
+        })
+        .await;
+        assert_eq!(n, 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    #[should_panic(expected = "timed out after 1s waiting for never")]
+    async fn a_synchronous_condition_that_never_holds_fails_the_test() {
+        until_sync(Duration::from_secs(1), "never", || false).await;
     }
 }
