@@ -19,10 +19,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     compiler.include_imports(true).include_source_info(true);
     compiler.open_files(FILES)?;
     let fds_path = out.join("descriptors.bin");
-    std::fs::write(
-        &fds_path,
-        prost::Message::encode_to_vec(&compiler.file_descriptor_set()),
-    )?;
+    let descriptors = prost::Message::encode_to_vec(&compiler.file_descriptor_set());
+    // connectrpc-build declares `rerun-if-changed` on this file: rewriting it unchanged
+    // would make every cargo invocation rerun this script and rebuild the workspace.
+    if std::fs::read(&fds_path).ok().as_deref() != Some(descriptors.as_slice()) {
+        std::fs::write(&fds_path, descriptors)?;
+    }
     connectrpc_build::Config::new()
         .descriptor_set(&fds_path)
         .files(FILES)

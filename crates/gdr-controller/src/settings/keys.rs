@@ -123,7 +123,7 @@ keys! {
     /// `<url>/api/actions`.
     gitea_instance_url: Option<String> = None;
     /// File holding the controller's runner UUID (written by `register`).
-    gitea_runner_uuid_file: Option<PathBuf> = None => secret;
+    gitea_runner_uuid_file: Option<PathBuf> = None;
     /// File holding the controller's runner token (written by `register`, mode 0600).
     gitea_runner_token_file: Option<PathBuf> = None => secret;
     /// PEM bundle of extra CAs trusted for an https Gitea (the system roots are always
