@@ -409,7 +409,7 @@ impl Worker {
             }
             Admission::Admitted => {
                 let waited = self.queue_wait(message);
-                tracing::info!(%backend, assignment_id = %id, event = "admitted", queue_wait = ?waited, "admitted into the pool");
+                tracing::info!(%backend, assignment_id = %id, event = "admitted", queue_wait = waited.map(tracing::field::debug), "admitted into the pool");
             }
             Admission::AlreadyAdmitted => {}
         }

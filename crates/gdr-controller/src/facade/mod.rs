@@ -363,7 +363,7 @@ impl RunnerService for Facade {
                         .observe(ran.as_secs_f64());
                 }
             }
-            tracing::info!(assignment_id = %auth.id, event = "terminal", backend = %auth.backend, task_id, result, run_time = ?ran, "task finished: Gitea accepted its result");
+            tracing::info!(assignment_id = %auth.id, event = "terminal", backend = %auth.backend, task_id, result, run_time = ran.map(tracing::field::debug), "task finished: Gitea accepted its result");
         }
         Response::ok(response)
     }
