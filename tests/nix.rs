@@ -236,7 +236,8 @@ fn every_file_key_of_the_binary_is_either_a_module_credential_or_declared_public
         .collect();
     let secret_keys: BTreeSet<String> = reference
         .iter()
-        .filter_map(|(k, secret)| secret.then(|| k.clone()))
+        .filter(|&(_, secret)| *secret)
+        .map(|(k, _)| k.clone())
         .collect();
     let listed_secrets: BTreeSet<String> = secrets.iter().cloned().collect();
     assert_eq!(

@@ -103,10 +103,10 @@ pub fn render(report: &StatusReport) -> String {
         }
         out.push_str("</tbody></table>");
     }
-    let _ = write!(
+    let _ = writeln!(
         out,
         "<p class=\"muted\">Reloads every {REFRESH_SECONDS} s. JSON: <a href=\"/status\">/status</a>, \
-         metrics: <a href=\"/metrics\">/metrics</a>.</p></body></html>\n"
+         metrics: <a href=\"/metrics\">/metrics</a>.</p></body></html>"
     );
     out
 }
