@@ -184,7 +184,7 @@ in
   health_listen = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "Listen address of `/healthz`, `/readyz` and `/metrics`. Default: `127.0.0.1:9090 without nats_url (single host), else 0.0.0.0:9090`.";
+    description = "Listen address of the health listener: `/healthz`, `/readyz`, `/metrics`, the `/status` JSON and the status page at `/` (read-only; shows repository and job names). Default: `127.0.0.1:9090 without nats_url (single host), else 0.0.0.0:9090`.";
   };
   state_dir = mkOption {
     type = types.nullOr (types.str);

@@ -21,6 +21,8 @@ fn main() -> ExitCode {
         }
         Command::CheckConfig(args) => cli::check_config(args),
         Command::Register(args) => cli::register(args),
+        Command::Status(args) => cli::status(&args),
+        Command::Metrics(args) => cli::metrics(&args),
         Command::Controller(args) => controller(&args),
         Command::Executor => executor(),
         Command::SandboxIdentity => {

@@ -42,6 +42,8 @@ fn help_lists_every_subcommand() {
         "sandbox-identity",
         "register",
         "check-config",
+        "status",
+        "metrics",
         "version",
     ] {
         assert!(help.contains(sub), "{sub} missing from --help:\n{help}");
@@ -76,6 +78,52 @@ fn docs_configuration_md_is_exactly_the_reference_the_binary_generates() {
         "docs/configuration.md differs from `check-config --reference --format markdown`; \
          regenerate it:\n  cargo run -- check-config --reference --format markdown > \
          docs/configuration.md"
+    );
+}
+
+/// DESIGN invariant 24: the metrics reference users read in the repository is generated
+/// from the registry the controller serves, so it cannot drift from `/metrics`.
+#[test]
+fn docs_metrics_md_is_exactly_the_reference_the_binary_generates() {
+    let out = run(&["metrics", "--format", "markdown"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let committed =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/metrics.md"))
+            .unwrap();
+    assert!(
+        committed == text(&out.stdout),
+        "docs/metrics.md differs from `metrics --format markdown`; regenerate it:\n  \
+         cargo run -- metrics --format markdown > docs/metrics.md"
+    );
+}
+
+#[test]
+fn status_against_something_that_is_not_a_controller_names_the_url_and_fails() {
+    let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = server.local_addr().unwrap();
+    let answer = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let (mut conn, _) = server.accept().unwrap();
+        let mut request = [0u8; 1024];
+        let _ = conn.read(&mut request).unwrap();
+        conn.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello")
+            .unwrap();
+    });
+    let out = run(&["status", "--url", &format!("http://{addr}")]);
+    answer.join().unwrap();
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "http://{addr}/status did not answer with a status document"
+        )),
+        "{err}"
+    );
+    let out = run(&["status", "--url", "https://gitea.example"]);
+    assert!(
+        text(&out.stderr).contains("plain http"),
+        "{}",
+        text(&out.stderr)
     );
 }
 

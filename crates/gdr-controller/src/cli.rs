@@ -45,6 +45,12 @@ pub enum Command {
     /// report every problem; exits non-zero when there is one.
     #[command(after_long_help = reference())]
     CheckConfig(CheckConfigArgs),
+    /// Show what a running controller is doing: per backend its capacity, running,
+    /// starting and queued jobs; per job its phase, age and last event (from `/status` on
+    /// the health listener).
+    Status(StatusArgs),
+    /// Print the reference of every metric the controller exports (docs/metrics.md).
+    Metrics(MetricsArgs),
     /// Print the version.
     Version,
 }
@@ -114,6 +120,56 @@ pub struct CheckConfigArgs {
     /// module's options) or json.
     #[arg(long, value_enum, default_value = "text", requires = "reference")]
     pub format: Format,
+}
+
+/// `status` flags.
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// Base URL of the controller's health listener (health_listen).
+    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:9090")]
+    pub url: String,
+    /// Print the `/status` JSON document instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `metrics` flags.
+#[derive(Debug, Args)]
+pub struct MetricsArgs {
+    /// Format: text, markdown (docs/metrics.md) or json.
+    #[arg(long, value_enum, default_value = "text")]
+    pub format: crate::metrics::ReferenceFormat,
+}
+
+/// `metrics`: prints the metrics reference, generated from the registry itself.
+pub fn metrics(args: &MetricsArgs) -> ExitCode {
+    print!("{}", crate::metrics::reference(args.format));
+    ExitCode::SUCCESS
+}
+
+/// `status`: reads `/status` from a controller and prints it.
+pub fn status(args: &StatusArgs) -> ExitCode {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => return fail(e),
+    };
+    match runtime.block_on(crate::status::client::fetch(&args.url)) {
+        Ok(report) if args.json => match serde_json::to_string_pretty(&report) {
+            Ok(json) => {
+                println!("{json}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(e),
+        },
+        Ok(report) => {
+            print!("{}", crate::status::table::render(&report));
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e),
+    }
 }
 
 /// The configuration reference appended to `--help`.

@@ -41,6 +41,8 @@ struct Entry {
     task: Option<Box<Task>>,
     /// A FetchTask is recording the claim right now.
     claiming: bool,
+    /// When this process handed the task out (unknown for claims restored after a restart).
+    claimed_at: Option<Instant>,
     state: watch::Sender<ClaimState>,
 }
 
@@ -157,6 +159,7 @@ impl Dispatch {
                         spiffe_id: record.assignment.identity().spiffe_id().to_string(),
                         task: None,
                         claiming: false,
+                        claimed_at: None,
                         state,
                     },
                 );
@@ -210,6 +213,7 @@ impl Dispatch {
                 spiffe_id: assignment.identity().spiffe_id().to_string(),
                 task: Some(Box::new(assignment.task().clone())),
                 claiming: false,
+                claimed_at: None,
                 state,
             }
         });
@@ -319,7 +323,9 @@ impl Dispatch {
         match recorded {
             Ok(()) => {
                 crate::failpoint::hit(crate::failpoint::points::AFTER_CLAIM);
-                lock(&self.heard).insert(auth.id.clone(), Instant::now());
+                let now = Instant::now();
+                lock(&self.heard).insert(auth.id.clone(), now);
+                entry.claimed_at = Some(now);
                 entry.state.send_replace(ClaimState::Claimed);
                 Ok(Some(*task))
             }
@@ -333,7 +339,11 @@ impl Dispatch {
 
     /// Marks the task terminal on the backend and releases its slot. Called by the
     /// facade after Gitea accepted a terminal result and before answering the runner.
-    pub async fn finish(&self, auth: &Authorized) -> Result<(), ClaimError> {
+    /// Returns how long the task ran since this process handed it out, when it did.
+    pub async fn finish(
+        &self,
+        auth: &Authorized,
+    ) -> Result<Option<std::time::Duration>, ClaimError> {
         let backend = self
             .backend(auth.backend)
             .ok_or(ClaimError::NoBackend(auth.backend))?;
@@ -341,11 +351,13 @@ impl Dispatch {
         crate::failpoint::hit(crate::failpoint::points::AFTER_TERMINAL_MARKER);
         self.release(auth.backend, &auth.id);
         lock(&self.heard).remove(&auth.id);
+        let mut ran = None;
         if let Some(entry) = lock(&self.entries).get_mut(&auth.id) {
             entry.task = None;
+            ran = entry.claimed_at.take().map(|at| at.elapsed());
             entry.state.send_replace(ClaimState::Terminal);
         }
-        Ok(())
+        Ok(ran)
     }
 
     /// Forgets an assignment whose executor was deleted or failed.

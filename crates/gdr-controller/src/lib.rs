@@ -6,7 +6,9 @@
 //! - Components: [`scheduler`] (FetchTask pollers, heartbeats), [`worker`] (one per
 //!   backend), [`dispatch`] (admission and claims shared by workers and facade), [`facade`],
 //!   [`lifecycle`] (clean-up and failure reports).
-//! - Wiring: [`settings`], [`cli`], [`register`], [`runtime`], [`metrics`], [`logging`].
+//! - Wiring: [`settings`], [`cli`], [`register`], [`runtime`], [`logging`].
+//! - Operating it: [`metrics`], [`health`] (the health listener), [`status`] (what the
+//!   controller is doing, for `/status`, the status page and the `status` subcommand).
 
 pub mod backoff;
 pub mod cli;
@@ -14,6 +16,7 @@ pub mod dispatch;
 pub mod facade;
 pub mod failpoint;
 pub mod gitea;
+pub mod health;
 pub mod lease;
 pub mod lifecycle;
 pub mod logging;
@@ -24,6 +27,7 @@ pub mod runtime;
 pub mod scheduler;
 pub mod settings;
 pub mod shutdown;
+pub mod status;
 pub mod worker;
 
 /// Version string reported to Gitea and by `version`.

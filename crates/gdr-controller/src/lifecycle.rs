@@ -18,7 +18,9 @@ use gdr_core::executor::{ExecutorBackend, ExecutorError, ExecutorRecord};
 use crate::backoff::Backoff;
 use crate::dispatch::Dispatch;
 use crate::gitea::{GiteaClient, Reported};
+use crate::metrics::FailureReason;
 use crate::shutdown::Shutdown;
+use crate::status::Observations;
 
 /// One report per executor per pass; the next pass is the retry.
 const REPORT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(1));
@@ -53,6 +55,7 @@ pub struct Lifecycle {
     gitea: GiteaClient,
     idle_timeout: Duration,
     metrics: Option<Arc<crate::metrics::Metrics>>,
+    observations: Option<Arc<Observations>>,
 }
 
 impl Lifecycle {
@@ -70,6 +73,7 @@ impl Lifecycle {
             gitea,
             idle_timeout,
             metrics: None,
+            observations: None,
         }
     }
 
@@ -80,15 +84,34 @@ impl Lifecycle {
         self
     }
 
+    /// Hands every pass's listing to `observations` (the status endpoint reads it).
+    #[must_use]
+    pub fn with_observations(mut self, observations: Arc<Observations>) -> Self {
+        self.observations = Some(observations);
+        self
+    }
+
     /// One pass over the backend's executors. `Err` only when the backend cannot even be
     /// listed.
     pub async fn reconcile_once(&self) -> Result<Pass, ExecutorError> {
         let mut pass = Pass::default();
-        for record in self.backend.list().await? {
+        let records = match self.backend.list().await {
+            Ok(r) => r,
+            Err(e) => {
+                if let Some(o) = &self.observations {
+                    o.list_failed(self.backend.backend(), &e);
+                }
+                return Err(e);
+            }
+        };
+        if let Some(o) = &self.observations {
+            o.listed(self.backend.backend(), &records);
+        }
+        for record in records {
             if let Err(e) = self.reconcile(&record, &mut pass).await {
                 pass.errors += 1;
                 self.count(|m| &m.lifecycle_errors);
-                tracing::warn!(backend = %self.backend.backend(), assignment_id = %record.assignment.id(), executor = %record.name, error = %e, "lifecycle step failed; retrying next pass");
+                tracing::warn!(backend = %self.backend.backend(), assignment_id = %record.assignment.id(), executor = %record.name, error = %e, "lifecycle step failed; retrying next pass (the executor and its slot are kept until it succeeds)");
             }
         }
         Ok(pass)
@@ -128,21 +151,27 @@ impl Lifecycle {
         if !record.claimed {
             return Ok(());
         }
-        let reason = if finished {
+        let (why, reason) = if finished {
             let detail = match &record.phase {
                 gdr_core::executor::Phase::Finished {
                     reason: Some(r), ..
                 } => format!(" ({r})"),
                 _ => String::new(),
             };
-            format!("the executor ended without reporting a result for this job{detail}")
+            (
+                FailureReason::EndedWithoutResult,
+                format!("the executor ended without reporting a result for this job{detail}"),
+            )
         } else {
             match self.dispatch.silence(id) {
-                Some(silent) if silent > self.idle_timeout => format!(
-                    "the job's runner stopped reporting: nothing was heard from it for {} while its environment stayed up",
-                    humantime_serde::re::humantime::format_duration(Duration::from_secs(
-                        silent.as_secs()
-                    ))
+                Some(silent) if silent > self.idle_timeout => (
+                    FailureReason::RunnerSilent,
+                    format!(
+                        "the job's runner stopped reporting: nothing was heard from it for {} while its environment stayed up",
+                        humantime_serde::re::humantime::format_duration(Duration::from_secs(
+                            silent.as_secs()
+                        ))
+                    ),
                 ),
                 // Never heard of (restored before this process saw it): start counting.
                 None => {
@@ -152,7 +181,7 @@ impl Lifecycle {
                 Some(_) => return Ok(()),
             }
         };
-        tracing::error!(backend = %kind, assignment_id = %id, executor = %record.name, %reason, "failing the task in Gitea");
+        tracing::error!(backend = %kind, assignment_id = %id, event = "failing", failure = why.as_str(), executor = %record.name, %reason, "failing the task in Gitea, then cleaning up");
         // Invariant 12: report first; if Gitea is unreachable, retry next pass rather
         // than hide the failure behind a deleted executor.
         match self
@@ -165,7 +194,15 @@ impl Lifecycle {
             )
             .await
         {
-            Ok(Reported::Accepted | Reported::TaskGone) => {}
+            Ok(Reported::Accepted) => {
+                if let Some(m) = &self.metrics {
+                    m.job_failed(kind, why);
+                }
+                tracing::info!(backend = %kind, assignment_id = %id, event = "terminal", result = "failure", failure = why.as_str(), "Gitea accepted the failure report");
+            }
+            Ok(Reported::TaskGone) => {
+                tracing::warn!(backend = %kind, assignment_id = %id, event = "terminal", "Gitea no longer has the task (cancelled or timed out there); cleaning up");
+            }
             Err(e) => return Err(StepError::Report(e)),
         }
         self.backend
@@ -187,7 +224,7 @@ impl Lifecycle {
         let id = record.assignment.id();
         self.backend.delete(id).await.map_err(StepError::Backend)?;
         self.dispatch.forget(self.backend.backend(), id);
-        tracing::info!(backend = %self.backend.backend(), assignment_id = %id, executor = %record.name, "executor deleted");
+        tracing::info!(backend = %self.backend.backend(), assignment_id = %id, event = "cleaned", executor = %record.name, "executor deleted; its slot is free");
         Ok(())
     }
 
@@ -196,7 +233,7 @@ impl Lifecycle {
         loop {
             if let Err(e) = self.reconcile_once().await {
                 self.count(|m| &m.lifecycle_errors);
-                tracing::warn!(backend = %self.backend.backend(), error = %e, "listing executors failed; retrying");
+                tracing::warn!(backend = %self.backend.backend(), error = %e, "listing executors failed; nothing is cleaned up or failed until the next pass lists them");
             }
             if !shutdown.sleep(interval).await {
                 return;

@@ -200,3 +200,40 @@ pub async fn unclaimed(stream: &mut stream::Stream) -> Result<u64, QueueError> {
             message: e.to_string(),
         })
 }
+
+/// The queue depth of each backend, from its durable consumer's info.
+pub struct ConsumerDepth {
+    stream: stream::Stream,
+}
+
+impl ConsumerDepth {
+    /// Reads the consumers of the stream `settings` names.
+    pub async fn open(
+        js: &jetstream::Context,
+        settings: &StreamSettings,
+    ) -> Result<Self, QueueError> {
+        Ok(ConsumerDepth {
+            stream: open_stream(js, settings).await?,
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::status::QueueDepth for ConsumerDepth {
+    async fn unclaimed(&self, backend: Backend) -> Result<u64, QueueError> {
+        let name = backend.as_str();
+        let info = self
+            .stream
+            .consumer_info(name)
+            .await
+            .map_err(|e| QueueError::Consumer {
+                consumer: name.to_owned(),
+                message: e.to_string(),
+            })?;
+        // Not yet delivered, plus delivered and not yet acknowledged (the worker holds it,
+        // or it waits for redelivery after a NAK): every assignment not yet claimed.
+        Ok(info
+            .num_pending
+            .saturating_add(u64::try_from(info.num_ack_pending).unwrap_or(u64::MAX)))
+    }
+}

@@ -33,6 +33,7 @@ use gdr_core::metadata::MetadataCodec;
 use crate::backoff::Backoff;
 use crate::dispatch::{ClaimState, Dispatch};
 use crate::gitea::{GiteaClient, Reported};
+use crate::metrics::{BackendLabel, FailureReason, Metrics};
 use crate::shutdown::Shutdown;
 
 /// Re-subscribing after a stream error: quick at first, never a spin.
@@ -99,6 +100,21 @@ pub enum Outcome {
 }
 
 impl Outcome {
+    /// Every outcome (the metrics reference lists them).
+    pub const ALL: [Outcome; 11] = [
+        Outcome::Claimed,
+        Outcome::AlreadyClaimed,
+        Outcome::Full,
+        Outcome::NotReady,
+        Outcome::BackendError,
+        Outcome::Poison,
+        Outcome::ExecutorFailed,
+        Outcome::ReportPending,
+        Outcome::InFlight,
+        Outcome::Interrupted,
+        Outcome::MissingKey,
+    ];
+
     /// Metric/log label.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -133,6 +149,7 @@ pub struct Worker {
     keyring: Option<TaskKeyring>,
     settings: WorkerSettings,
     outcomes: Option<tokio::sync::mpsc::UnboundedSender<(String, Outcome)>>,
+    metrics: Option<Arc<Metrics>>,
     /// Assignments a delivery is being handled for right now.
     in_flight: Mutex<HashSet<AssignmentId>>,
     /// `Retry-After` hints of full backends, per assignment, for the NAK that follows.
@@ -182,6 +199,7 @@ impl Worker {
             keyring,
             settings,
             outcomes: None,
+            metrics: None,
             in_flight: Mutex::new(HashSet::new()),
             retry_hints: Mutex::new(std::collections::HashMap::new()),
         })
@@ -193,6 +211,13 @@ impl Worker {
         tx: tokio::sync::mpsc::UnboundedSender<(String, Outcome)>,
     ) -> Self {
         self.outcomes = Some(tx);
+        self
+    }
+
+    /// Observes queue wait, start latency and the jobs it fails into `metrics`.
+    #[must_use]
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = Some(metrics);
         self
     }
 
@@ -259,7 +284,7 @@ impl Worker {
         };
         if let Err(e) = settle {
             // JetStream redelivers after the ack wait; every step is idempotent.
-            tracing::warn!(%backend, assignment_id = %label, outcome = outcome.as_str(), error = %e, "settling the delivery failed");
+            tracing::warn!(%backend, assignment_id = %label, outcome = outcome.as_str(), error = %e, "settling the delivery failed; JetStream redelivers it after the ack wait (every step is idempotent)");
         }
         tracing::info!(%backend, assignment_id = %label, outcome = outcome.as_str(), "assignment delivery settled");
         if let Some(tx) = &self.outcomes {
@@ -309,13 +334,13 @@ impl Worker {
             }
             Err(e) => {
                 let label = label();
-                tracing::error!(%backend, assignment_id = %label, error = %e, "terminating an undecodable or tampered assignment");
+                tracing::error!(%backend, assignment_id = %label, error = %e, "terminating an undecodable or tampered assignment: it is never retried, and Gitea fails its task at its zombie timeout");
                 return (label, Outcome::Poison);
             }
         };
         let label = assignment.id().as_str().to_owned();
         if assignment.backend() != backend {
-            tracing::error!(%backend, assignment_id = %label, derived = %assignment.backend(), "terminating an assignment published to the wrong backend subject");
+            tracing::error!(%backend, assignment_id = %label, derived = %assignment.backend(), "terminating an assignment published to the wrong backend subject: it is never retried, and Gitea fails its task at its zombie timeout");
             return (label, Outcome::Poison);
         }
         let Some(_guard) = self.enter(assignment.id()) else {
@@ -351,7 +376,7 @@ impl Worker {
                 done = &mut work => return done,
                 _ = tokio::time::sleep(self.settings.progress_interval) => {
                     if let Err(e) = message.ack_with(AckKind::Progress).await {
-                        tracing::warn!(backend = %self.settings.backend, assignment_id = %id, error = %e, "extending the ack deadline failed");
+                        tracing::warn!(backend = %self.settings.backend, assignment_id = %id, error = %e, "extending the ack deadline failed; a redelivery meanwhile is put back while this one works");
                     }
                 }
             }
@@ -369,7 +394,7 @@ impl Worker {
         let existing = match self.backend.find(&id).await {
             Ok(r) => r,
             Err(e) => {
-                tracing::warn!(%backend, assignment_id = %id, error = %e, "looking up the executor failed");
+                tracing::warn!(%backend, assignment_id = %id, error = %e, retry_in = ?self.settings.error_delay, "looking up the executor failed; the job stays queued and is looked at again");
                 return Outcome::BackendError;
             }
         };
@@ -377,8 +402,16 @@ impl Worker {
             return Outcome::AlreadyClaimed;
         }
         match self.dispatch.admit(backend, &id) {
-            Admission::Full => return Outcome::Full,
-            Admission::Admitted | Admission::AlreadyAdmitted => {}
+            Admission::Full => {
+                let (in_use, capacity) = self.dispatch.pool_usage(backend);
+                tracing::info!(%backend, assignment_id = %id, event = "queued", in_use, capacity, retry_in = ?self.settings.full_delay, "pool full: the job stays queued in JetStream and is offered again when a slot frees");
+                return Outcome::Full;
+            }
+            Admission::Admitted => {
+                let waited = self.queue_wait(message);
+                tracing::info!(%backend, assignment_id = %id, event = "admitted", queue_wait = waited.map(tracing::field::debug), "admitted into the pool");
+            }
+            Admission::AlreadyAdmitted => {}
         }
         let record = match existing {
             Some(r) => r,
@@ -390,7 +423,7 @@ impl Worker {
                 {
                     Ok(r) => {
                         crate::failpoint::hit(crate::failpoint::points::AFTER_CREATE);
-                        tracing::info!(%backend, assignment_id = %id, executor = %r.name, "executor created");
+                        tracing::info!(%backend, assignment_id = %id, event = "executor_created", executor = %r.name, "executor created");
                         r
                     }
                     Err(e) => {
@@ -401,7 +434,7 @@ impl Worker {
                                 retry_after,
                                 reason,
                             } => {
-                                tracing::info!(%backend, assignment_id = %id, %reason, ?retry_after, "the backend is full; the job stays queued");
+                                tracing::info!(%backend, assignment_id = %id, event = "queued", %reason, ?retry_after, "the backend is full: the job stays queued in JetStream and is offered again later");
                                 if let Some(after) = retry_after {
                                     self.retry_hints
                                         .lock()
@@ -411,14 +444,15 @@ impl Worker {
                                 Outcome::Full
                             }
                             ExecutorError::Unavailable(cause) => {
-                                tracing::warn!(%backend, assignment_id = %id, error = %cause, "creating the executor failed; retrying later");
+                                tracing::warn!(%backend, assignment_id = %id, error = %cause, retry_in = ?self.settings.error_delay, "creating the executor failed; the job stays queued and creation is retried");
                                 Outcome::BackendError
                             }
                             ExecutorError::Permanent(cause) => {
                                 let reason = format!(
                                     "the {backend} backend refused to create the job's environment: {cause}"
                                 );
-                                self.fail(&assignment, &reason).await
+                                self.fail(&assignment, FailureReason::BackendRefused, &reason)
+                                    .await
                             }
                         };
                     }
@@ -427,20 +461,26 @@ impl Worker {
         };
         if !record.identity_bound {
             match self.backend.bind_identity(&record).await {
-                Ok(Binding::Bound) => {}
+                Ok(Binding::Bound) => {
+                    tracing::info!(%backend, assignment_id = %id, event = "identity_bound", executor = %record.name, spiffe_id = %assignment.identity().spiffe_id(), "workload identity bound");
+                }
                 Ok(Binding::NotReady(why)) => {
-                    tracing::info!(%backend, assignment_id = %id, reason = %why, "identity target not ready");
+                    tracing::info!(%backend, assignment_id = %id, reason = %why, retry_in = ?self.settings.not_ready_delay, "identity target not ready; binding again later");
                     if let Some(failure) = self.start_overdue(&record, Some(&why)) {
-                        return self.fail(&assignment, &failure).await;
+                        return self
+                            .fail(&assignment, FailureReason::StartDeadline, &failure)
+                            .await;
                     }
                     return Outcome::NotReady;
                 }
                 Err(ExecutorError::Permanent(cause)) => {
                     let reason = format!("the job's identity cannot be bound: {cause}");
-                    return self.fail(&assignment, &reason).await;
+                    return self
+                        .fail(&assignment, FailureReason::IdentityRefused, &reason)
+                        .await;
                 }
                 Err(e) => {
-                    tracing::warn!(%backend, assignment_id = %id, error = %e, "binding the identity failed; retrying later");
+                    tracing::warn!(%backend, assignment_id = %id, error = %e, retry_in = ?self.settings.error_delay, "binding the identity failed; retrying with the next delivery");
                     return Outcome::BackendError;
                 }
             }
@@ -448,6 +488,7 @@ impl Worker {
         let mut claim = self.dispatch.offer(&assignment);
         loop {
             if matches!(*claim.borrow(), ClaimState::Claimed | ClaimState::Terminal) {
+                self.observe(|m| &m.start_latency, elapsed_since(record.created_at));
                 return Outcome::Claimed;
             }
             tokio::select! {
@@ -456,12 +497,12 @@ impl Worker {
                 _ = tokio::time::sleep(self.settings.progress_interval) => {
                     // Keeps JetStream from redelivering while the executor starts.
                     if let Err(e) = message.ack_with(AckKind::Progress).await {
-                        tracing::warn!(%backend, assignment_id = %id, error = %e, "extending the ack deadline failed");
+                        tracing::warn!(%backend, assignment_id = %id, error = %e, "extending the ack deadline failed; a redelivery meanwhile is put back while this one works");
                     }
                 }
             }
-            if let Some(failure) = self.executor_failure(&id, &record).await {
-                return self.fail(&assignment, &failure).await;
+            if let Some((why, failure)) = self.executor_failure(&id, &record).await {
+                return self.fail(&assignment, why, &failure).await;
             }
         }
     }
@@ -491,25 +532,39 @@ impl Worker {
 
     /// Checks, while waiting for the claim, whether the executor has died or is too late;
     /// `None` while it may still claim (or when the backend cannot tell now).
-    async fn executor_failure(&self, id: &AssignmentId, record: &ExecutorRecord) -> Option<String> {
+    async fn executor_failure(
+        &self,
+        id: &AssignmentId,
+        record: &ExecutorRecord,
+    ) -> Option<(FailureReason, String)> {
+        let overdue = |current: &ExecutorRecord, why: Option<&str>| {
+            self.start_overdue(current, why)
+                .map(|f| (FailureReason::StartDeadline, f))
+        };
         match self.backend.find(id).await {
             Ok(Some(current)) if current.claimed || current.terminal => None,
             Ok(Some(current)) => match &current.phase {
-                Phase::Finished { success, reason } => Some(format!(
-                    "the executor {} ended before its runner fetched the task ({})",
-                    current.name,
-                    reason.clone().unwrap_or_else(|| if *success {
-                        "exit 0".into()
-                    } else {
-                        "failed".into()
-                    })
+                Phase::Finished { success, reason } => Some((
+                    FailureReason::EndedBeforeClaim,
+                    format!(
+                        "the executor {} ended before its runner fetched the task ({})",
+                        current.name,
+                        reason.clone().unwrap_or_else(|| if *success {
+                            "exit 0".into()
+                        } else {
+                            "failed".into()
+                        })
+                    ),
                 )),
-                Phase::Starting { reason } => self.start_overdue(&current, reason.as_deref()),
-                Phase::Running => self.start_overdue(&current, None),
+                Phase::Starting { reason } => overdue(&current, reason.as_deref()),
+                Phase::Running => overdue(&current, None),
             },
-            Ok(None) => Some(format!(
-                "the executor {} disappeared before its runner fetched the task",
-                record.name
+            Ok(None) => Some((
+                FailureReason::Disappeared,
+                format!(
+                    "the executor {} disappeared before its runner fetched the task",
+                    record.name
+                ),
             )),
             Err(e) => {
                 tracing::warn!(backend = %self.settings.backend, assignment_id = %id, error = %e, "looking at the executor failed; looking again later");
@@ -521,18 +576,23 @@ impl Worker {
     /// Invariant 12: report the failure first; only once Gitea has it, mark terminal,
     /// release the slot and clean up. If Gitea does not take it, keep everything and put
     /// the delivery back, so the next one reports again.
-    async fn fail(&self, assignment: &Assignment, reason: &str) -> Outcome {
+    async fn fail(&self, assignment: &Assignment, why: FailureReason, reason: &str) -> Outcome {
         let backend = self.settings.backend;
         let id = assignment.id();
-        tracing::error!(%backend, assignment_id = %id, reason, "the job failed before its runner claimed it; failing it in Gitea");
+        tracing::error!(%backend, assignment_id = %id, event = "failing", failure = why.as_str(), reason, "the job failed before its runner claimed it; failing it in Gitea, then cleaning up");
         match self
             .gitea
             .report_failure(id.task_id(), reason, &REPORT_BACKOFF, REPORT_ATTEMPTS)
             .await
         {
-            Ok(Reported::Accepted) => {}
+            Ok(Reported::Accepted) => {
+                if let Some(m) = &self.metrics {
+                    m.job_failed(backend, why);
+                }
+                tracing::info!(%backend, assignment_id = %id, event = "terminal", result = "failure", failure = why.as_str(), "Gitea accepted the failure report");
+            }
             Ok(Reported::TaskGone) => {
-                tracing::warn!(%backend, assignment_id = %id, "Gitea no longer has the task; cleaning up");
+                tracing::warn!(%backend, assignment_id = %id, event = "terminal", "Gitea no longer has the task (cancelled or timed out there); cleaning up");
             }
             Err(e) => {
                 tracing::error!(%backend, assignment_id = %id, error = %e, "Gitea did not take the failure report; keeping the executor and retrying with the next delivery");
@@ -542,7 +602,10 @@ impl Worker {
         let marked = self.backend.mark_terminal(id).await;
         self.dispatch.forget(backend, id);
         match (self.backend.delete(id).await, marked) {
-            (Ok(()), _) => Outcome::ExecutorFailed,
+            (Ok(()), _) => {
+                tracing::info!(%backend, assignment_id = %id, event = "cleaned", "failed executor deleted; its slot is free");
+                Outcome::ExecutorFailed
+            }
             // Terminal and never claimed: the lifecycle reconciler deletes it.
             (Err(e), Ok(())) => {
                 tracing::warn!(%backend, assignment_id = %id, error = %e, "deleting the failed executor failed; the lifecycle reconciler retries");
@@ -557,6 +620,34 @@ impl Worker {
         }
     }
 
+    /// Fetched → admitted: from the moment JetStream stored the assignment (the fetch is
+    /// milliseconds earlier, see the handoff window), read from the message itself so a
+    /// restart does not reset it.
+    fn queue_wait(&self, message: &jetstream::Message) -> Option<Duration> {
+        let stored: SystemTime = message.info().ok()?.published.into();
+        let waited = elapsed_since(stored);
+        self.observe(|m| &m.queue_wait, waited);
+        Some(waited)
+    }
+
+    fn observe(
+        &self,
+        family: impl Fn(
+            &Metrics,
+        ) -> &prometheus_client::metrics::family::Family<
+            BackendLabel,
+            prometheus_client::metrics::histogram::Histogram,
+            fn() -> prometheus_client::metrics::histogram::Histogram,
+        >,
+        value: Duration,
+    ) {
+        if let Some(m) = &self.metrics {
+            family(m)
+                .get_or_create(&BackendLabel::of(self.settings.backend))
+                .observe(value.as_secs_f64());
+        }
+    }
+
     fn spec(&self, assignment: &Assignment) -> ExecutorSpec {
         ExecutorSpec::new(
             assignment,
@@ -567,4 +658,9 @@ impl Worker {
             &self.settings.runner_label,
         )
     }
+}
+
+/// Time since `then` (zero if the clock went backwards).
+fn elapsed_since(then: SystemTime) -> Duration {
+    SystemTime::now().duration_since(then).unwrap_or_default()
 }

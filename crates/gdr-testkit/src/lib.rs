@@ -13,11 +13,13 @@
 //! - [`backend_contract`]: the executor-backend contract as a suite any backend runs.
 //! - [`memory_backend`]: an in-memory executor backend.
 //! - [`log_capture`]: JSON log capture, for the tests that look for leaked secrets.
+//! - [`browser`]: a real headless Chromium, for the status page.
 //! - [`controller`]: one builder of controller configurations, and controller processes
 //!   started with listeners the test bound.
 //! - [`eventually`] / [`until`] / [`until_sync`]: waiting on observable state with a deadline.
 
 pub mod backend_contract;
+pub mod browser;
 pub mod controller;
 pub mod fake_kube;
 pub mod fake_kubelet;

@@ -41,6 +41,7 @@ pub struct Facade {
     server_capabilities: std::sync::RwLock<Option<String>>,
     /// Label of each backend as declared to the runner.
     labels: BackendLabels,
+    metrics: Option<Arc<crate::metrics::Metrics>>,
 }
 
 impl Facade {
@@ -57,7 +58,15 @@ impl Facade {
             gitea,
             server_capabilities: std::sync::RwLock::new(server_capabilities),
             labels,
+            metrics: None,
         }
+    }
+
+    /// Observes run times and the results runners report into `metrics`.
+    #[must_use]
+    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// Records Gitea's capabilities header from the controller's Declare.
@@ -216,8 +225,8 @@ impl Facade {
 
 /// Gitea's failure as the runner should see it. A refusal of the *controller's*
 /// credential is not the runner's fault, so it becomes `unavailable` (retry later).
-fn forward_error(method: &'static str, e: GiteaError) -> ConnectError {
-    tracing::warn!(method, error = %e, "forwarding to Gitea failed");
+fn forward_error(method: &'static str, auth: &Authorized, e: GiteaError) -> ConnectError {
+    tracing::warn!(method, assignment_id = %auth.id, error = %e, kind = e.kind().as_str(), "forwarding to Gitea failed; the runner gets Gitea's answer and retries what it can");
     let message = e.message().to_string();
     match e.kind() {
         ErrorKind::Invalid => ConnectError::invalid_argument(message),
@@ -288,7 +297,7 @@ impl RunnerService for Facade {
         }
         match self.dispatch.take_task(&auth).await {
             Ok(Some(task)) => {
-                tracing::info!(assignment_id = %auth.id, task_id = auth.task_id, "task claimed by its executor");
+                tracing::info!(assignment_id = %auth.id, event = "claimed", backend = %auth.backend, task_id = auth.task_id, "task claimed by its executor");
                 Response::ok(FetchTaskResponse {
                     task: task.into(),
                     tasks_version: version + 1,
@@ -301,7 +310,7 @@ impl RunnerService for Facade {
                 ..Default::default()
             }),
             Err(ClaimError::Backend(e)) => {
-                tracing::warn!(assignment_id = %auth.id, error = %e, "recording the claim failed");
+                tracing::warn!(assignment_id = %auth.id, error = %e, "recording the claim failed; the task stays with the controller and the runner fetches again");
                 Err(ConnectError::unavailable(
                     "recording the claim failed; retry",
                 ))
@@ -328,16 +337,33 @@ impl RunnerService for Facade {
             .gitea
             .update_task(request)
             .await
-            .map_err(|e| forward_error("UpdateTask", e))?;
+            .map_err(|e| forward_error("UpdateTask", &auth, e))?;
         if result != buffa::EnumValue::from(TaskResult::RESULT_UNSPECIFIED) {
             // Invariant 10: the terminal marker is durable before the runner hears back;
             // if it is not, the runner retries and Gitea ignores the repeated result.
             crate::failpoint::hit(crate::failpoint::points::AFTER_TERMINAL_ACCEPTED);
-            self.dispatch.finish(&auth).await.map_err(|e| {
-                tracing::warn!(assignment_id = %auth.id, error = %e, "persisting the terminal marker failed");
+            let ran = self.dispatch.finish(&auth).await.map_err(|e| {
+                tracing::warn!(assignment_id = %auth.id, error = %e, "persisting the terminal marker failed; the runner retries its final report (Gitea keeps the first result)");
                 ConnectError::unavailable("persisting the terminal state failed; retry")
             })?;
-            tracing::info!(assignment_id = %auth.id, task_id, result = ?result, "task finished");
+            let result = result
+                .as_known()
+                .map_or("unknown", crate::metrics::result_label);
+            if let Some(m) = &self.metrics {
+                let backend = auth.backend.as_str().to_owned();
+                m.jobs_completed
+                    .get_or_create(&crate::metrics::ResultLabels {
+                        backend: backend.clone(),
+                        result: result.to_owned(),
+                    })
+                    .inc();
+                if let Some(ran) = ran {
+                    m.run_time
+                        .get_or_create(&crate::metrics::BackendLabel { backend })
+                        .observe(ran.as_secs_f64());
+                }
+            }
+            tracing::info!(assignment_id = %auth.id, event = "terminal", backend = %auth.backend, task_id, result, run_time = ran.map(tracing::field::debug), "task finished: Gitea accepted its result");
         }
         Response::ok(response)
     }
@@ -354,7 +380,7 @@ impl RunnerService for Facade {
             .gitea
             .update_log(request)
             .await
-            .map_err(|e| forward_error("UpdateLog", e))?;
+            .map_err(|e| forward_error("UpdateLog", &auth, e))?;
         Response::ok(response)
     }
 }

@@ -29,9 +29,10 @@ use crate::dispatch::Dispatch;
 use crate::facade::Facade;
 use crate::facade::proxy::ReverseProxy;
 use crate::gitea::{ClientOptions, Credentials, GiteaClient};
+use crate::health::Health;
 use crate::lease::{LeaderElector, Leadership, LeaseSettings};
 use crate::lifecycle::Lifecycle;
-use crate::metrics::{BackendLabel, Metrics, OutcomeLabels, Readiness};
+use crate::metrics::{BackendLabel, Metrics, OutcomeLabels};
 use crate::queue::{self, ConsumerSettings, StreamSettings};
 use crate::scheduler::{Heartbeater, Scheduler, SchedulerStats};
 use crate::settings::{
@@ -39,6 +40,7 @@ use crate::settings::{
     NatsSettings, PodBackend, ProcessSettings, Settings, TaskKeyFiles, VmBackend, read_secret_file,
 };
 use crate::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
+use crate::status::{Observations, Observed, QueueDepth};
 use crate::worker::{Worker, WorkerSettings};
 
 /// JetStream drops a repeated message ID within this window (a retried publish). Two
@@ -71,7 +73,7 @@ const METRICS_INTERVAL: Duration = Duration::from_secs(1);
 pub struct Listeners {
     /// The facade (SPIFFE mTLS).
     pub facade: tokio::net::TcpListener,
-    /// `/healthz`, `/readyz`, `/metrics`.
+    /// `/healthz`, `/readyz`, `/metrics`, `/status` and the status page.
     pub health: tokio::net::TcpListener,
 }
 
@@ -145,17 +147,25 @@ pub async fn run(
     let capability_key = capability_key(&capability_key_file)?;
     let keyring = keyring(task_keys)?;
 
-    let metrics = Arc::new(Metrics::new());
-    let readiness = Arc::new(Readiness::default());
+    let health_state = Health::new();
+    let metrics = health_state.metrics.clone();
+    let readiness = health_state.readiness.clone();
     let (stop_health, health_shutdown) = shutdown_channel();
-    let health = tokio::spawn(crate::metrics::serve(
+    let health = tokio::spawn(crate::health::serve(
         listeners.health,
-        metrics.clone(),
-        readiness.clone(),
-        health_shutdown,
+        health_state.clone(),
+        health_shutdown.clone(),
     ));
 
     let queue = Queue::connect(&nats, &state_dir).await?;
+    tokio::spawn(watch_nats(
+        metrics.clone(),
+        vec![
+            ("producer", queue.producer.client()),
+            ("worker", queue.worker.client()),
+        ],
+        health_shutdown,
+    ));
     let (mut leadership, elector) = campaign(leader, &stop_health).await?;
     tokio::select! {
         _ = shutdown.wait() => {
@@ -188,6 +198,10 @@ pub async fn run(
     )?;
     let capacities: BTreeMap<Backend, usize> =
         backends.iter().map(|(b, c)| (b.backend(), *c)).collect();
+    for backend in capacities.keys() {
+        metrics.init_backend(*backend);
+    }
+    let observations = Arc::new(Observations::new(Some(metrics.clone())));
     let dispatch = Arc::new(Dispatch::new(backends, capability_key));
     restore(&dispatch, &capacities).await?;
 
@@ -196,15 +210,19 @@ pub async fn run(
     let (stop_work, work_shutdown) = shutdown_channel();
     let mut tasks: JoinSet<(&'static str, Result<(), Source>)> = JoinSet::new();
     let stats = Arc::new(SchedulerStats::new());
+    stats.observe_handoff_into(metrics.handoff_window.clone());
     let labels = settings::declared_labels(&policy.labels, capacities.keys().copied());
     let facade_settings = scheduler.as_ref().map(|s| s.facade.clone());
     if let Some(scheduler) = scheduler {
-        let facade = Arc::new(Facade::new(
-            dispatch.clone(),
-            gitea_client.clone(),
-            None,
-            policy.labels.clone(),
-        ));
+        let facade = Arc::new(
+            Facade::new(
+                dispatch.clone(),
+                gitea_client.clone(),
+                None,
+                policy.labels.clone(),
+            )
+            .with_metrics(metrics.clone()),
+        );
         spawn_scheduler(
             &mut tasks,
             SchedulerWiring {
@@ -270,7 +288,8 @@ pub async fn run(
             settings,
         )
         .map_err(setup("starting a worker"))?
-        .with_outcomes(count_outcomes(&metrics, *backend));
+        .with_outcomes(count_outcomes(&metrics, *backend))
+        .with_metrics(metrics.clone());
         let stop = work_shutdown.clone();
         tasks.spawn(async move {
             worker.run(consumer, stop).await;
@@ -282,20 +301,29 @@ pub async fn run(
             gitea_client.clone(),
             executors.idle_timeout,
         )
-        .with_metrics(metrics.clone());
+        .with_metrics(metrics.clone())
+        .with_observations(observations.clone());
         let stop = work_shutdown.clone();
         tasks.spawn(async move {
             lifecycle.run(LIFECYCLE_INTERVAL, stop).await;
             ("lifecycle", Ok(()))
         });
     }
+    let depth = queue_depth(&queue).await;
     tasks.spawn(export_metrics(
         metrics.clone(),
         stats.clone(),
         dispatch.clone(),
         capacities.clone(),
+        depth.clone(),
         work_shutdown.clone(),
     ));
+    health_state.status.set(Arc::new(Observed::new(
+        dispatch.clone(),
+        observations,
+        depth,
+        capacities.keys().copied().collect(),
+    )));
     readiness.set(true);
     if single_host {
         tracing::info!("single-host mode: embedded NATS, local executors");
@@ -314,6 +342,7 @@ pub async fn run(
     // scheduler's shutdown publish timeout); then stop the rest.
     readiness.set(false);
     metrics.leader.set(0);
+    health_state.status.clear();
     stop_scheduler.trigger();
     stop_work.trigger();
     let drain = async { while tasks.join_next().await.is_some() {} };
@@ -806,26 +835,73 @@ fn count_outcomes(
     tx
 }
 
-/// Copies the scheduler's counters and the pools into Prometheus every second.
+/// The JetStream consumers' depth for the status and the metrics; `None` (reported as
+/// unknown) if the stream cannot be opened now.
+async fn queue_depth(queue: &Queue) -> Option<Arc<dyn QueueDepth>> {
+    match queue::ConsumerDepth::open(&queue.worker, &queue.stream).await {
+        Ok(depth) => Some(Arc::new(depth)),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot open the stream to read queue depths; /status and queue_depth report them as unknown");
+            None
+        }
+    }
+}
+
+/// Keeps `nats_connected` in step with each connection's state, for the whole process
+/// (a standby's connections matter too).
+async fn watch_nats(
+    metrics: Arc<Metrics>,
+    connections: Vec<(&'static str, async_nats::Client)>,
+    stop: Shutdown,
+) {
+    let mut was: Vec<Option<bool>> = vec![None; connections.len()];
+    loop {
+        for ((name, client), was) in connections.iter().zip(was.iter_mut()) {
+            let up = client.connection_state() == async_nats::connection::State::Connected;
+            metrics
+                .nats_connected
+                .get_or_create(&crate::metrics::ConnectionLabel {
+                    connection: (*name).to_owned(),
+                })
+                .set(i64::from(up));
+            if *was == Some(true) && !up {
+                tracing::warn!(
+                    connection = name,
+                    "lost the NATS connection; reconnecting (fetching pauses, queued jobs stay stored)"
+                );
+            } else if *was == Some(false) && up {
+                tracing::info!(connection = name, "NATS connection back");
+            }
+            *was = Some(up);
+        }
+        if !stop.sleep(METRICS_INTERVAL).await {
+            return;
+        }
+    }
+}
+
+/// Copies the scheduler's counters, the pools and the queue depths into Prometheus every
+/// second.
 async fn export_metrics(
     metrics: Arc<Metrics>,
     stats: Arc<SchedulerStats>,
     dispatch: Arc<Dispatch>,
     capacities: BTreeMap<Backend, usize>,
+    depth: Option<Arc<dyn QueueDepth>>,
     stop: Shutdown,
 ) -> (&'static str, Result<(), Source>) {
     use std::sync::atomic::Ordering::Relaxed;
-    let mut last = (0u64, 0u64, 0u64);
+    let counters = [
+        (&stats.tasks_fetched, &metrics.tasks_fetched),
+        (&stats.publish_retries, &metrics.publish_retries),
+        (&stats.heartbeats_sent, &metrics.heartbeats),
+        (&stats.tasks_lost, &metrics.tasks_lost),
+        (&stats.invalid_tasks_failed, &metrics.invalid_tasks),
+    ];
     loop {
-        let now = (
-            stats.tasks_fetched.load(Relaxed),
-            stats.publish_retries.load(Relaxed),
-            stats.heartbeats_sent.load(Relaxed),
-        );
-        metrics.tasks_fetched.inc_by(now.0.saturating_sub(last.0));
-        metrics.publish_retries.inc_by(now.1.saturating_sub(last.1));
-        metrics.heartbeats.inc_by(now.2.saturating_sub(last.2));
-        last = now;
+        for (source, counter) in counters {
+            counter.inc_by(source.load(Relaxed).saturating_sub(counter.get()));
+        }
         metrics
             .handoff_window_max_micros
             .set(i64::try_from(stats.handoff_window_micros_max.load(Relaxed)).unwrap_or(i64::MAX));
@@ -851,6 +927,17 @@ async fn export_metrics(
                 .pool_capacity
                 .get_or_create(&label)
                 .set(i64::try_from(capacity).unwrap_or(i64::MAX));
+            if let Some(depth) = &depth {
+                // Left at its last value while JetStream does not answer.
+                if let Ok(Ok(n)) =
+                    tokio::time::timeout(METRICS_INTERVAL, depth.unclaimed(*backend)).await
+                {
+                    metrics
+                        .queue_depth
+                        .get_or_create(&label)
+                        .set(i64::try_from(n).unwrap_or(i64::MAX));
+                }
+            }
         }
         if !stop.sleep(METRICS_INTERVAL).await {
             return ("metrics", Ok(()));

@@ -95,7 +95,9 @@ impl Heartbeater {
                         "heartbeat round"
                     );
                 }
-                Err(e) => tracing::warn!(error = %e, "cannot list queued assignments"),
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_in = ?self.interval, "cannot list queued assignments; no heartbeat this round, retrying next round")
+                }
             }
             if !shutdown.sleep(self.interval).await {
                 return;
@@ -171,16 +173,24 @@ impl Heartbeater {
                     round.ended.push((task_id, result));
                     tracing::info!(
                         task_id,
+                        assignment_id = %gitea_assignment_id(task_id),
                         result = ?result,
-                        "queued task ended in Gitea (e.g. cancelled) before a runner claimed it"
+                        "queued task ended in Gitea (e.g. cancelled) before a runner claimed it; its runner, once started, learns it from Gitea's first answer and stops"
                     );
                 }
             }
             Err(e) => {
                 round.failed += 1;
                 SchedulerStats::inc(&self.stats.heartbeat_errors);
-                tracing::warn!(task_id, error = %e, "heartbeat for a queued task failed");
+                tracing::warn!(task_id, assignment_id = %gitea_assignment_id(task_id), error = %e, "heartbeat for a queued task failed; retried next round (Gitea fails the task if none arrives within its zombie timeout)");
             }
         }
     }
+}
+
+/// The assignment ID of a task, for log lines (empty for an impossible task ID).
+fn gitea_assignment_id(task_id: i64) -> String {
+    gdr_core::assignment::AssignmentId::from_task_id(task_id)
+        .map(|id| id.to_string())
+        .unwrap_or_default()
 }

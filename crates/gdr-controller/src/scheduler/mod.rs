@@ -431,18 +431,20 @@ async fn hand_off(
     };
     let id = assignment.id().as_str();
     let backend = assignment.backend();
+    tracing::info!(
+        task_id,
+        assignment_id = id,
+        event = "fetched",
+        backend = backend.as_str(),
+        repository = assignment.identity().repository(),
+        job_key = assignment.identity().job_key(),
+        "task fetched from Gitea"
+    );
     match publish_until_stored(shared, &assignment, payload, shutdown).await {
         Some(published) => {
             shared.gate.stored(slot, published.duplicate);
-            let window = u64::try_from(fetched_at.elapsed().as_micros()).unwrap_or(u64::MAX);
-            shared
-                .stats
-                .handoff_window_micros_max
-                .fetch_max(window, std::sync::atomic::Ordering::Relaxed);
-            shared
-                .stats
-                .handoff_window_micros_total
-                .fetch_add(window, std::sync::atomic::Ordering::Relaxed);
+            let window = fetched_at.elapsed();
+            shared.stats.handoff(window);
             SchedulerStats::inc(&shared.stats.tasks_published);
             if published.duplicate {
                 SchedulerStats::inc(&shared.stats.publish_duplicates);
@@ -451,9 +453,11 @@ async fn hand_off(
             tracing::info!(
                 task_id,
                 assignment_id = id,
+                event = "stored",
                 backend = backend.as_str(),
                 sequence = published.sequence,
                 duplicate = published.duplicate,
+                handoff_window = ?window,
                 "assignment queued"
             );
         }
@@ -464,6 +468,7 @@ async fn hand_off(
             tracing::error!(
                 task_id,
                 assignment_id = id,
+                event = "lost",
                 backend = backend.as_str(),
                 "task fetched from Gitea but not stored in JetStream before shutdown; \
                  it stays Running in Gitea until its zombie timeout"
@@ -532,8 +537,14 @@ async fn publish_until_stored(
 
 /// Reports a task that cannot run as failed, with one log row saying why.
 async fn fail_invalid_task(shared: &Shared, task_id: i64, reason: &str) {
+    let assignment_id = gdr_core::assignment::AssignmentId::from_task_id(task_id)
+        .map(|id| id.to_string())
+        .unwrap_or_default();
     tracing::error!(
         task_id,
+        assignment_id,
+        event = "failing",
+        failure = "invalid_task",
         reason,
         "task cannot become an assignment; failing it in Gitea"
     );
@@ -541,6 +552,7 @@ async fn fail_invalid_task(shared: &Shared, task_id: i64, reason: &str) {
     if let Err(e) = retry_gitea(shared, || shared.gitea.fail_task(task_id, &reason)).await {
         tracing::error!(
             task_id,
+            assignment_id,
             error = %e,
             "could not fail the task in Gitea; it ends at Gitea's zombie timeout"
         );

@@ -34,6 +34,8 @@ pub struct SchedulerStats {
     /// Queued assignments whose task Gitea reported as ended (e.g. cancelled).
     pub queued_tasks_ended: AtomicU64,
     fetch_errors: [AtomicU64; 5],
+    /// Where each fetch→stored window is observed, once the metrics are wired.
+    handoff_histogram: std::sync::OnceLock<prometheus_client::metrics::histogram::Histogram>,
 }
 
 fn kind_index(kind: ErrorKind) -> usize {
@@ -59,6 +61,26 @@ impl SchedulerStats {
     /// Fresh counters.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Observes every later fetch→stored window into `histogram` (set once).
+    pub fn observe_handoff_into(
+        &self,
+        histogram: prometheus_client::metrics::histogram::Histogram,
+    ) {
+        let _ = self.handoff_histogram.set(histogram);
+    }
+
+    /// Records one fetch→stored window.
+    pub fn handoff(&self, window: std::time::Duration) {
+        let micros = u64::try_from(window.as_micros()).unwrap_or(u64::MAX);
+        self.handoff_window_micros_max
+            .fetch_max(micros, Ordering::Relaxed);
+        self.handoff_window_micros_total
+            .fetch_add(micros, Ordering::Relaxed);
+        if let Some(h) = self.handoff_histogram.get() {
+            h.observe(window.as_secs_f64());
+        }
     }
 
     /// Counts a failed FetchTask.

@@ -204,7 +204,8 @@ keys! {
     /// SPIFFE Workload API socket of the controller, e.g.
     /// `unix:///run/spire/agent-sockets/spire-agent.sock` (not needed with `local_identity`).
     spiffe_endpoint_socket: Option<String> = None;
-    /// Listen address of `/healthz`, `/readyz` and `/metrics`.
+    /// Listen address of the health listener: `/healthz`, `/readyz`, `/metrics`, the
+    /// `/status` JSON and the status page at `/` (read-only; shows repository and job names).
     health_listen: Option<String> = None,
         shown "127.0.0.1:9090 without nats_url (single host), else 0.0.0.0:9090";
     /// Directory for local state: the embedded NATS store, the local CA and process
