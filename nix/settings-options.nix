@@ -19,7 +19,7 @@ in
   gitea_runner_uuid_file = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "File holding the controller's runner UUID (written by `register`). Use the matching credential option instead of setting it here.";
+    description = "File holding the controller's runner UUID (written by `register`).";
   };
   gitea_runner_token_file = mkOption {
     type = types.nullOr (types.str);
