@@ -191,21 +191,20 @@ impl Env {
         token: &str,
     ) -> RunnerServiceClient<HttpClient> {
         let source = tls::x509_source(&workload.endpoint()).await.expect("svid");
-        let config = Arc::new(tls::executor_client_config(&source, FACADE_ID).expect("client tls"));
+        let config = tls::executor_client_config(&source, FACADE_ID).expect("client tls");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let local = listener.local_addr().expect("addr");
-        let facade_url = self.facade_url();
+        let relay = gdr_executor::relay::Relay::new(
+            &self.facade_url(),
+            &config,
+            std::time::Duration::from_secs(5),
+        )
+        .expect("relay");
         tokio::spawn(async move {
             let _source = source;
-            gdr_executor::proxy::serve_loopback_proxy(
-                listener,
-                &facade_url,
-                config,
-                std::future::pending(),
-            )
-            .await
+            gdr_executor::proxy::serve_loopback_proxy(listener, relay, std::future::pending()).await
         });
         let config = ClientConfig::new(format!("http://{local}/api/actions").parse().expect("uri"))
             .with_default_header("x-runner-uuid", uuid)

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use gdr_backends::process::{
-    IdentityProvider, LOG_FILE, METADATA_FILE, ProcessBackend, ProcessBackendSettings,
+    IdentityProvider, LOG_FILE, LOGS_DIR, LogRetention, METADATA_FILE, ProcessBackend,
+    ProcessBackendSettings,
 };
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_core::assignment::{Assignment, AssignmentId, DerivationPolicy};
@@ -68,6 +69,7 @@ struct Setup {
     mock: RunningMock,
     gitea: GiteaClient,
     state: TempDir,
+    log_retention: LogRetention,
 }
 
 async fn setup() -> Setup {
@@ -84,6 +86,7 @@ async fn setup() -> Setup {
         mock,
         gitea,
         state: tempfile::tempdir().expect("tempdir"),
+        log_retention: LogRetention::NONE,
     }
 }
 
@@ -111,6 +114,7 @@ impl Setup {
             codec: MetadataCodec::default(),
             trust_domain: trust_domain(),
             stop_grace,
+            log_retention: self.log_retention,
         };
         ProcessBackend::new(settings, identity.clone() as Arc<dyn IdentityProvider>)
             .expect("backend")
@@ -451,6 +455,46 @@ async fn an_exited_executor_reports_its_exit_status() {
         provisions,
         "no identity is served for finished executors"
     );
+}
+
+/// DESIGN invariant 12 (issue 9): the cause of a failure survives the clean-up: the
+/// backend's reason quotes the executor's last error line, and the executor's log is kept
+/// after its directory is deleted (within the retention).
+#[tokio::test]
+async fn a_failed_executor_names_its_last_error_and_its_log_outlives_its_deletion() {
+    let mut s = setup().await;
+    s.log_retention = LogRetention {
+        max_age: Duration::from_secs(3600),
+        max_count: 5,
+    };
+    let identity = Arc::new(RecordingIdentity::default());
+    let backend = s.backend(
+        "echo 'runner noise'; echo 'error: the facade at 127.0.0.1:9 did not answer in time' >&2; echo 'more noise'; exit 1",
+        &identity,
+    );
+    let spec = s.spec("owner/repo").await;
+    let id = spec.assignment.id().clone();
+    backend.create(&spec).await.expect("create");
+    assert!(!wait_finished(&backend, &id).await);
+    assert_eq!(
+        phase_of(&backend, &id).await,
+        Phase::Finished {
+            success: false,
+            reason: Some(
+                "the executor exited with status 1; its last error: the facade at 127.0.0.1:9 did not answer in time"
+                    .into()
+            )
+        }
+    );
+    backend.delete(&id).await.expect("delete");
+    assert!(!s.dir(&id).exists());
+    let kept = s
+        .state
+        .path()
+        .join(LOGS_DIR)
+        .join(format!("{}.log", id.as_str()));
+    let text = std::fs::read_to_string(&kept).expect("the log is kept");
+    assert!(text.contains("did not answer in time"), "{text}");
 }
 
 #[tokio::test]

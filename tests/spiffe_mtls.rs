@@ -16,6 +16,7 @@ use axum::{Extension, Router};
 use bytes::Bytes;
 use gdr_controller::facade::tls::serve_tls;
 use gdr_executor::proxy::serve_loopback_proxy;
+use gdr_executor::relay::Relay;
 use gdr_identity::tls::{
     PeerSpiffeId, executor_client_config, facade_server_config, x509_source_with_timeout,
 };
@@ -38,6 +39,8 @@ const TD: &str = "example.test";
 const FACADE_ID: &str = "spiffe://example.test/ns/ci/sa/facade";
 const EXECUTOR_ID: &str = "spiffe://example.test/ci/owner/repo/build";
 const WAIT: Duration = Duration::from_secs(20);
+/// How long the loopback proxy waits out an unreachable facade in these tests.
+const TOLERANCE: Duration = Duration::from_secs(1);
 
 /// A trust domain with two workloads: the facade and one executor.
 struct Pki {
@@ -441,11 +444,11 @@ fn upstream_app() -> Router {
 async fn proxy_to(pki: &Pki, upstream: SocketAddr) -> (String, oneshot::Sender<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let config = Arc::new(executor_client_config(&pki.executor, FACADE_ID).unwrap());
+    let config = executor_client_config(&pki.executor, FACADE_ID).unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let facade_url = format!("https://{upstream}");
+    let relay = Relay::new(&format!("https://{upstream}"), &config, TOLERANCE).unwrap();
     tokio::spawn(async move {
-        serve_loopback_proxy(listener, &facade_url, config, async {
+        serve_loopback_proxy(listener, relay, async {
             let _ = stopped.await;
         })
         .await
@@ -545,13 +548,13 @@ async fn the_loopback_proxy_answers_502_when_the_facade_is_not_the_expected_iden
     .await;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let config = Arc::new(
-        executor_client_config(&pki.executor, "spiffe://example.test/ns/ci/sa/impostor").unwrap(),
-    );
-    let facade_url = format!("https://{}", upstream.addr);
+    let config =
+        executor_client_config(&pki.executor, "spiffe://example.test/ns/ci/sa/impostor").unwrap();
+    // A TLS failure is waited out like an outage, for as long as the tolerance allows.
+    let relay = Relay::new(&format!("https://{}", upstream.addr), &config, TOLERANCE).unwrap();
     let (_stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(async move {
-        serve_loopback_proxy(listener, &facade_url, config, async {
+        serve_loopback_proxy(listener, relay, async {
             let _ = stopped.await;
         })
         .await

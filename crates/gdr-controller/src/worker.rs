@@ -67,6 +67,8 @@ pub struct WorkerSettings {
     pub runner_label: String,
     /// The metadata codec of executor objects.
     pub codec: MetadataCodec,
+    /// How long executors hold their runner's reports while the facade is unreachable.
+    pub report_outage_tolerance: Duration,
 }
 
 /// What became of one delivery; logged and counted.
@@ -566,5 +568,6 @@ impl Worker {
             &self.settings.facade_spiffe_id,
             &self.settings.runner_label,
         )
+        .with_report_outage_tolerance(self.settings.report_outage_tolerance)
     }
 }

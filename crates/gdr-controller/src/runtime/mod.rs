@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 pub use embedded_nats::EmbeddedNats;
-use gdr_backends::process::{ProcessBackend, ProcessBackendSettings};
+use gdr_backends::process::{LogRetention, ProcessBackend, ProcessBackendSettings};
 use gdr_core::assignment::{DerivationPolicy, TaskKey, TaskKeyring};
 use gdr_core::backend::Backend;
 use gdr_core::capability::CapabilityKey;
@@ -258,6 +258,7 @@ pub async fn run(
             facade_spiffe_id: facade.map(|f| f.spiffe_id.clone()).unwrap_or_default(),
             runner_label: policy.labels.label_of(*backend).to_owned(),
             codec: codec.clone(),
+            report_outage_tolerance: executors.report_outage_tolerance,
         };
         let consumer = queue
             .consumer(*backend, *capacity, nats.ack_wait, nats.create_stream)
@@ -665,6 +666,10 @@ fn process_backend(
         codec: wiring.codec.clone(),
         trust_domain: wiring.policy.trust_domain.clone(),
         stop_grace: PROCESS_STOP_GRACE,
+        log_retention: LogRetention {
+            max_age: process.log_retention,
+            max_count: usize::try_from(process.log_retention_count).unwrap_or(usize::MAX),
+        },
     };
     ProcessBackend::new(settings, identity).map_err(setup("building the process backend"))
 }

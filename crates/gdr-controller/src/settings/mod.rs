@@ -32,6 +32,10 @@ pub use secret::{SecretFileError, read_secret_file};
 pub use sources::{ParseError, Sources};
 pub use values::{Component, Components};
 
+/// The official runner's `report_close_timeout`: an executor that holds reports for less
+/// adds nothing to what the runner does itself.
+const MIN_REPORT_OUTAGE_TOLERANCE: Duration = Duration::from_secs(10);
+
 /// Largest capacity of one backend: more executors than this on one controller is a typo,
 /// not a deployment (and the pollers, backlog and consumer settings derive from it).
 pub const MAX_CAPACITY: u32 = 10_000;
@@ -294,6 +298,10 @@ pub struct ProcessSettings {
     pub program: Option<PathBuf>,
     /// The official runner the executor runs.
     pub runner_binary: PathBuf,
+    /// How long an ended executor's log is kept (zero: not at all).
+    pub log_retention: Duration,
+    /// How many ended executors' logs are kept at most.
+    pub log_retention_count: u32,
 }
 
 /// The Kubernetes Pod backend.
@@ -335,6 +343,8 @@ pub struct ExecutorTimings {
     pub start_deadline: Duration,
     /// A claimed executor silent for this long is failed.
     pub idle_timeout: Duration,
+    /// How long an executor holds its runner's reports while the facade is unreachable.
+    pub report_outage_tolerance: Duration,
 }
 
 /// Leader election.
@@ -504,6 +514,9 @@ impl TryFrom<Raw> for Settings {
             runner_binary,
             executor_start_deadline,
             executor_idle_timeout,
+            executor_report_outage_tolerance,
+            executor_log_retention,
+            executor_log_retention_count,
             nats_server_binary,
             leader_election,
             lease_namespace,
@@ -654,6 +667,8 @@ impl TryFrom<Raw> for Settings {
         let process = ProcessSettings {
             program: executor_program,
             runner_binary,
+            log_retention: executor_log_retention.0,
+            log_retention_count: executor_log_retention_count,
         };
         let default_kind = |single: &'static str, cluster: &'static str| {
             if single_host { single } else { cluster }
@@ -839,7 +854,14 @@ impl TryFrom<Raw> for Settings {
         let executors = ExecutorTimings {
             start_deadline: executor_start_deadline.0,
             idle_timeout: executor_idle_timeout.0,
+            report_outage_tolerance: executor_report_outage_tolerance.0,
         };
+        if executors.report_outage_tolerance < MIN_REPORT_OUTAGE_TOLERANCE {
+            check.problem(
+                "executor_report_outage_tolerance",
+                "must be at least 10s: the official runner itself retries its final report for 10s (report_close_timeout), so less would hold nothing it does not",
+            );
+        }
         if executors.idle_timeout < Duration::from_secs(30) {
             check.problem(
                 "executor_idle_timeout",
