@@ -93,7 +93,7 @@
   task_encryption_key_file = lib.mkOption {
     type = lib.types.nullOr lib.types.path;
     default = null;
-    description = "File holding the AES-256 key (64 hex chars or base64 of 32 bytes) that encrypts tasks in the stream (envelope v2). Unset: tasks are stored as v1 (readable). Secret: set it through the module's credential option, never here. Environment variable: TASK_ENCRYPTION_KEY_FILE. Default: unset.";
+    description = "File holding the AES-256 key (64 hex chars or base64 of 32 bytes) that encrypts tasks in the stream (envelope v2). Unset in single-host mode: a key is generated as <state_dir>/task-encryption.key (mode 0600) on first start; unset with nats_url: tasks are stored as plaintext v1 (readable; check-config reports it). Secret: set it through the module's credential option, never here. Environment variable: TASK_ENCRYPTION_KEY_FILE. Default: generated under state_dir without nats_url, else unset.";
   };
   task_encryption_previous_key_files = lib.mkOption {
     type = lib.types.nullOr (lib.types.listOf lib.types.str);
@@ -103,7 +103,7 @@
   nats_url = lib.mkOption {
     type = lib.types.nullOr lib.types.str;
     default = null;
-    description = "NATS server URL(s), comma-separated. Unset: the embedded single-host mode (not implemented yet). Environment variable: NATS_URL. Default: unset.";
+    description = "NATS server URL(s), comma-separated. Unset: single-host mode with an embedded, supervised nats-server whose store lives under state_dir. Environment variable: NATS_URL. Default: unset.";
   };
   nats_producer_user = lib.mkOption {
     type = lib.types.nullOr lib.types.str;
@@ -219,6 +219,26 @@
     type = lib.types.nullOr lib.types.str;
     default = null;
     description = "An executor whose runner has not claimed its task by then is failed. Environment variable: EXECUTOR_START_DEADLINE. Default: 10m.";
+  };
+  executor_idle_timeout = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "A claimed executor the facade has not heard from for this long is failed in Gitea (its runner died while its environment stayed up). Environment variable: EXECUTOR_IDLE_TIMEOUT. Default: 5m.";
+  };
+  executor_report_outage_tolerance = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "How long an executor holds what its runner reported while the facade is unreachable (restart, upgrade, leader failover), answering the runner itself and delivering once the facade is back; also how long it restarts a runner that exits before its task was claimed. Environment variable: EXECUTOR_REPORT_OUTAGE_TOLERANCE. Default: 30m.";
+  };
+  executor_log_retention = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "How long the process backend keeps an ended executor's executor.log (under <state_dir>/<backend>/logs/); 0 deletes it with the executor. Environment variable: EXECUTOR_LOG_RETENTION. Default: 7d.";
+  };
+  executor_log_retention_count = lib.mkOption {
+    type = lib.types.nullOr lib.types.ints.unsigned;
+    default = null;
+    description = "How many ended executors' logs the process backend keeps at most; the oldest go first. Environment variable: EXECUTOR_LOG_RETENTION_COUNT. Default: 100.";
   };
   nats_server_binary = lib.mkOption {
     type = lib.types.nullOr lib.types.path;

@@ -233,6 +233,12 @@ fn the_module_has_one_typed_option_for_every_configuration_key_the_binary_docume
         "nix/settings-options.nix is out of step with `check-config --reference` \
          (regenerate it): missing {missing:?}, unknown {extra:?}"
     );
+    assert!(
+        options["nats_url"].contains("single-host mode")
+            && !options["nats_url"].contains("not implemented"),
+        "nats_url: unset means the implemented single-host mode:\n{}",
+        options["nats_url"]
+    );
     for (name, body) in &options {
         assert!(
             body.starts_with("type = lib.types.nullOr "),

@@ -198,6 +198,59 @@ impl Worker {
         self
     }
 
+    /// Offers their assignments to the adopted executors whose runner has not claimed yet,
+    /// read straight from `stream` (messages on `subject`); returns how many.
+    ///
+    /// After a controller restart JetStream keeps the messages the dead controller held
+    /// pending until `nats_ack_wait` passes; their runners meanwhile poll the facade for a
+    /// task it cannot give them. Reading the messages now lets those runners claim in
+    /// seconds. The redelivery later finds the executor claimed and acknowledges it (or
+    /// still unclaimed, and handles it as any delivery), so nothing is done twice.
+    pub async fn resume_adopted(&self, stream: &jetstream::stream::Stream, subject: &str) -> usize {
+        let backend = self.settings.backend;
+        let waiting: HashSet<AssignmentId> = match self.backend.list().await {
+            Ok(records) => records
+                .into_iter()
+                .filter(|r| !r.claimed && !r.terminal && !r.phase.is_finished())
+                .map(|r| r.assignment.id().clone())
+                .collect(),
+            Err(e) => {
+                tracing::warn!(%backend, error = %e, "cannot list executors to resume; their redelivery resumes them");
+                return 0;
+            }
+        };
+        if waiting.is_empty() {
+            return 0;
+        }
+        let messages = match crate::queue::queued(stream, subject).await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(%backend, error = %e, "cannot read the stream to resume adopted executors; their redelivery resumes them");
+                return 0;
+            }
+        };
+        let mut resumed = 0;
+        for message in messages {
+            let Some(id) = envelope_id(&message.payload).filter(|id| waiting.contains(id)) else {
+                continue;
+            };
+            match decode(&message.payload, &self.policy, self.keyring.as_ref()) {
+                Ok(assignment) if assignment.backend() == backend && assignment.id() == &id => {
+                    // Admitted already: the pool was restored from the same executors.
+                    if self.dispatch.admit(backend, &id) == Admission::Full {
+                        continue;
+                    }
+                    drop(self.dispatch.offer(&assignment));
+                    resumed += 1;
+                    tracing::info!(%backend, assignment_id = %id, "offered the assignment of an adopted executor without waiting for its redelivery");
+                }
+                // Its redelivery decides (and terminates a bad one).
+                Ok(_) | Err(_) => {}
+            }
+        }
+        resumed
+    }
+
     /// Consumes until `shutdown`. In-flight deliveries are NAKed on shutdown.
     pub async fn run(self, consumer: PullConsumer, shutdown: Shutdown) {
         let this = Arc::new(self);

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-pub use embedded_nats::EmbeddedNats;
+pub use embedded_nats::{EmbeddedNats, EmbeddedNatsError, Launch, exec_bound_to_parent};
 use gdr_backends::process::{LogRetention, ProcessBackend, ProcessBackendSettings};
 use gdr_core::assignment::{DerivationPolicy, TaskKey, TaskKeyring};
 use gdr_core::backend::Backend;
@@ -143,7 +143,12 @@ pub async fn run(
     let single_host = matches!(nats.server, NatsServer::Embedded { .. });
     let (gitea_client, extra_ca) = gitea_client(&gitea)?;
     let capability_key = capability_key(&capability_key_file)?;
-    let keyring = keyring(task_keys)?;
+    let keyring = keyring(
+        task_keys,
+        &state_dir,
+        matches!(nats.server, NatsServer::Embedded { .. }),
+        scheduler.is_some(),
+    )?;
 
     let metrics = Arc::new(Metrics::new());
     let readiness = Arc::new(Readiness::default());
@@ -272,6 +277,7 @@ pub async fn run(
         )
         .map_err(setup("starting a worker"))?
         .with_outcomes(count_outcomes(&metrics, *backend));
+        queue.resume_adopted(&worker, *backend).await;
         let stop = work_shutdown.clone();
         tasks.spawn(async move {
             worker.run(consumer, stop).await;
@@ -358,8 +364,33 @@ fn capability_key(path: &Path) -> Result<CapabilityKey, RuntimeError> {
     })
 }
 
-fn keyring(files: Option<TaskKeyFiles>) -> Result<Option<TaskKeyring>, RuntimeError> {
+/// The task key single-host mode generates under `state_dir` when no
+/// `task_encryption_key_file` is configured, so job secrets never sit readable in the
+/// embedded store.
+pub const GENERATED_TASK_KEY_FILE: &str = "task-encryption.key";
+
+/// The task keys: the configured ones; in single-host mode without one, a key generated
+/// under `state_dir` on first start (mode 0600; also kept for opening older envelopes once
+/// a key is configured). A scheduler that would write plaintext v1 envelopes says so.
+fn keyring(
+    files: Option<TaskKeyFiles>,
+    state_dir: &Path,
+    single_host: bool,
+    writes_envelopes: bool,
+) -> Result<Option<TaskKeyring>, RuntimeError> {
+    let generated = state_dir.join(GENERATED_TASK_KEY_FILE);
     let Some(TaskKeyFiles { current, previous }) = files else {
+        if single_host {
+            return Ok(Some(TaskKeyring::new(
+                generated_task_key(&generated)?,
+                Vec::new(),
+            )));
+        }
+        if writes_envelopes {
+            tracing::warn!(
+                "task_encryption_key_file is not set: assignments are published as plaintext v1 envelopes and job secrets are readable by anyone who can read the stream; configure a key (envelope v2)"
+            );
+        }
         return Ok(None);
     };
     let load = |path: &PathBuf| -> Result<TaskKey, RuntimeError> {
@@ -370,8 +401,43 @@ fn keyring(files: Option<TaskKeyFiles>) -> Result<Option<TaskKeyring>, RuntimeEr
             step("task_encryption_key_file")(format!("{}: {e}", path.display()).into())
         })
     };
-    let previous = previous.iter().map(load).collect::<Result<Vec<_>, _>>()?;
+    let mut previous = previous.iter().map(load).collect::<Result<Vec<_>, _>>()?;
+    if single_host && generated.exists() {
+        // Envelopes sealed before a key was configured still open.
+        previous.push(load(&generated)?);
+    }
     Ok(Some(TaskKeyring::new(load(&current)?, previous)))
+}
+
+/// Reads the generated key at `path`, or creates it (0600) on first start.
+fn generated_task_key(path: &Path) -> Result<TaskKey, RuntimeError> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let fail = |e: String| step("generating the task encryption key")(e.into());
+    match std::fs::read(path) {
+        Ok(bytes) => {
+            return TaskKey::from_file_contents(&bytes)
+                .map_err(|e| fail(format!("{}: {e}", path.display())));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(fail(format!("cannot read {}: {e}", path.display()))),
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| fail(format!("cannot create {}: {e}", dir.display())))?;
+    }
+    let (key, text) = TaskKey::generate().map_err(|e| fail(e.to_string()))?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| fail(format!("cannot create {}: {e}", path.display())))?;
+    file.write_all(text.as_bytes())
+        .and_then(|()| file.sync_all())
+        .map_err(|e| fail(format!("cannot write {}: {e}", path.display())))?;
+    tracing::info!(path = %path.display(), key_id = key.key_id(), "generated the task encryption key of single-host mode");
+    Ok(key)
 }
 
 // === NATS ===
@@ -399,8 +465,17 @@ impl Queue {
             duplicate_window: DUPLICATE_WINDOW,
         };
         let (url, embedded, producer_auth, worker_auth, ca) = match &nats.server {
-            NatsServer::Embedded { binary } => {
-                let server = EmbeddedNats::start(binary, &state_dir.join("nats"))
+            NatsServer::Embedded { binary, binder } => {
+                let binder = match binder {
+                    Some(b) => b.clone(),
+                    None => std::env::current_exe()
+                        .map_err(setup("locating this binary for the embedded nats-server"))?,
+                };
+                let launch = Launch {
+                    binary: binary.clone(),
+                    binder,
+                };
+                let server = EmbeddedNats::start(&launch, &state_dir.join("nats"))
                     .await
                     .map_err(setup("starting the embedded nats-server"))?;
                 (
@@ -442,6 +517,24 @@ impl Queue {
                 .map_err(setup("opening the JetStream stream"))?;
         }
         Ok(queue)
+    }
+
+    /// Lets `worker` offer the assignments of adopted, unclaimed executors now instead of
+    /// after their redelivery (`nats_ack_wait` after the previous controller died).
+    async fn resume_adopted(&self, worker: &Worker, backend: Backend) {
+        match queue::open_stream(&self.worker, &self.stream).await {
+            Ok(stream) => {
+                let resumed = worker
+                    .resume_adopted(&stream, &self.stream.subject(backend))
+                    .await;
+                if resumed > 0 {
+                    tracing::info!(%backend, resumed, "resumed adopted executors waiting for their task");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(%backend, error = %e, "cannot read the stream to resume adopted executors")
+            }
+        }
     }
 
     async fn consumer(

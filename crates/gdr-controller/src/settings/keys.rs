@@ -156,9 +156,12 @@ keys! {
     /// (HMAC-SHA256); whitespace around it is trimmed.
     runner_facade_capability_key_file: Option<PathBuf> = None => secret;
     /// File holding the AES-256 key (64 hex characters or base64 of 32 bytes) that
-    /// encrypts tasks in the stream (envelope v2). Unset: tasks are stored as v1, readable
-    /// by anyone who can read the stream.
-    task_encryption_key_file: Option<PathBuf> = None => secret;
+    /// encrypts tasks in the stream (envelope v2). Unset in single-host mode: a key is
+    /// generated as `<state_dir>/task-encryption.key` (mode 0600) on first start. Unset
+    /// with `nats_url`: tasks are stored as plaintext v1, readable by anyone who can read
+    /// the stream (`check-config` reports it, the controller warns at start).
+    task_encryption_key_file: Option<PathBuf> = None,
+        shown "generated under state_dir without nats_url, else unset" => secret;
     /// Older task keys still accepted for decryption during a rotation (comma-separated
     /// paths).
     task_encryption_previous_key_files: List = List::default() => secret;

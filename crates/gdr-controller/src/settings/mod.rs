@@ -201,6 +201,10 @@ pub enum NatsServer {
     Embedded {
         /// The nats-server binary.
         binary: PathBuf,
+        /// The program whose `exec-bound-to-parent` subcommand starts it (`None`: this
+        /// binary; a test that runs the controller inside its own process names the real
+        /// binary here).
+        binder: Option<PathBuf>,
     },
     /// A NATS cluster.
     External {
@@ -629,6 +633,7 @@ impl TryFrom<Raw> for Settings {
         let server = match nats_url {
             None => NatsServer::Embedded {
                 binary: nats_server_binary,
+                binder: None,
             },
             Some(url) => NatsServer::External {
                 url,
@@ -1032,6 +1037,7 @@ pub fn check(sources: &Sources) -> Result<Checked, SettingsError> {
     let raw = sources.load()?;
     let rendered = render(&raw);
     let secret_files = secret_files(&raw);
+    let plaintext = writes_plaintext_envelopes(&raw);
     let mut problems = match Settings::try_from(raw) {
         Ok(_) => Vec::new(),
         Err(SettingsError::Invalid(problems)) => problems.iter().map(ToString::to_string).collect(),
@@ -1041,6 +1047,15 @@ pub fn check(sources: &Sources) -> Result<Checked, SettingsError> {
         if let Err(e) = read_secret_file(key, &path) {
             problems.push(e.to_string());
         }
+    }
+    if plaintext {
+        problems.push(
+            Problem::new(
+                "task_encryption_key_file",
+                "is not set: the scheduler would publish plaintext v1 envelopes, and job secrets would be readable by anyone who can read the stream; configure a key file (64 hex digits or base64 of 32 bytes) for envelope v2",
+            )
+            .to_string(),
+        );
     }
     if sources.environment {
         for plain in [
@@ -1058,6 +1073,14 @@ pub fn check(sources: &Sources) -> Result<Checked, SettingsError> {
         }
     }
     Ok(Checked { rendered, problems })
+}
+
+/// Whether the scheduler would write plaintext v1 envelopes: it runs, NATS is external
+/// (single-host mode generates a key) and no task key is configured.
+fn writes_plaintext_envelopes(raw: &Raw) -> bool {
+    raw.components.contains(Component::Scheduler)
+        && raw.nats_url.is_some()
+        && raw.task_encryption_key_file.is_none()
 }
 
 /// Every configured secret file: its key and path.
