@@ -149,6 +149,32 @@ pub enum WorkerError {
     NoBackend(Backend),
 }
 
+/// Deletes a resumed assignment's message once its runner claimed it (see
+/// [`Worker::resume_adopted`]); gives up when the assignment is forgotten unclaimed.
+async fn remove_once_claimed(
+    stream: jetstream::stream::Stream,
+    sequence: u64,
+    id: AssignmentId,
+    mut claim: tokio::sync::watch::Receiver<ClaimState>,
+) {
+    let claimed = claim
+        .wait_for(|s| matches!(s, ClaimState::Claimed | ClaimState::Terminal))
+        .await
+        .is_ok();
+    if !claimed {
+        return;
+    }
+    match stream.delete_message(sequence).await {
+        Ok(_) => {
+            tracing::debug!(assignment_id = %id, sequence, "removed the claimed assignment of a resumed executor from the stream");
+        }
+        // Acknowledged by a redelivery meanwhile: gone already.
+        Err(e) => {
+            tracing::debug!(assignment_id = %id, sequence, error = %e, "the claimed assignment of a resumed executor is no longer in the stream");
+        }
+    }
+}
+
 /// Removes an assignment from the in-flight set when its handler ends, however it ends.
 struct InFlight<'a> {
     set: &'a Mutex<HashSet<AssignmentId>>,
@@ -204,8 +230,10 @@ impl Worker {
     /// After a controller restart JetStream keeps the messages the dead controller held
     /// pending until `nats_ack_wait` passes; their runners meanwhile poll the facade for a
     /// task it cannot give them. Reading the messages now lets those runners claim in
-    /// seconds. The redelivery later finds the executor claimed and acknowledges it (or
-    /// still unclaimed, and handles it as any delivery), so nothing is done twice.
+    /// seconds. Once one is claimed its message is deleted from the stream, as the ack
+    /// after a claim would have removed it (the dead controller's delivery cannot be
+    /// acknowledged from here), so a later redelivery cannot create its executor again.
+    /// A redelivery that comes before the claim is handled as any delivery.
     pub async fn resume_adopted(&self, stream: &jetstream::stream::Stream, subject: &str) -> usize {
         let backend = self.settings.backend;
         let waiting: HashSet<AssignmentId> = match self.backend.list().await {
@@ -240,7 +268,13 @@ impl Worker {
                     if self.dispatch.admit(backend, &id) == Admission::Full {
                         continue;
                     }
-                    drop(self.dispatch.offer(&assignment));
+                    let claim = self.dispatch.offer(&assignment);
+                    tokio::spawn(remove_once_claimed(
+                        stream.clone(),
+                        message.sequence,
+                        id.clone(),
+                        claim,
+                    ));
                     resumed += 1;
                     tracing::info!(%backend, assignment_id = %id, "offered the assignment of an adopted executor without waiting for its redelivery");
                 }

@@ -244,6 +244,10 @@ impl Facade {
 
     /// One buffered call: the whole request body, the whole answer (both bounded).
     pub(crate) async fn unary(&self, head: &Head, body: Bytes) -> Result<Exchange, Failure> {
+        let mut head = head.clone();
+        // The body may not be the one the head came with (a delivery); hyper frames it.
+        head.headers.remove(header::CONTENT_LENGTH);
+        let head = &head;
         let req = self
             .request(
                 head,

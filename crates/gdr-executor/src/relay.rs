@@ -393,7 +393,9 @@ impl Relay {
                         return;
                     }
                     let delay = OUTAGE_BACKOFF.delay(attempt);
-                    tracing::debug!(outcome = %describe(&outcome), retry_in = ?delay, "held reports not delivered yet");
+                    if attempt % 20 == 0 {
+                        tracing::info!(outcome = %describe(&outcome), attempt, retry_in = ?delay, delivery = %delivery_name(&next), "held reports not delivered yet");
+                    }
                     tokio::time::sleep(delay).await;
                     attempt += 1;
                 }

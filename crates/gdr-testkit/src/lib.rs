@@ -15,6 +15,7 @@
 //! - [`log_capture`]: JSON log capture, for the tests that look for leaked secrets.
 //! - [`controller`]: one builder of controller configurations, and controller processes
 //!   started with listeners the test bound.
+//! - [`service`]: a Kubernetes Service stand-in that routes to the ready replica.
 //! - [`eventually`] / [`until`]: waiting on observable state with a deadline.
 
 pub mod backend_contract;
@@ -27,6 +28,7 @@ pub mod memory_backend;
 pub mod mock_gitea;
 pub mod nats_server;
 pub mod opensandbox;
+pub mod service;
 pub mod spiffe;
 pub mod standin_runner;
 pub mod tasks;
