@@ -118,19 +118,27 @@ async fn exactly_one_replica_leads_and_killing_it_hands_over_without_losing_or_r
             mock.handle.queue_workflow("owner/repo", &yaml).expect("queue")[0]
         })
         .collect();
-    // Wait until the leader has claimed work, then kill it mid-job.
+    // Wait until the leader's executors run jobs, then kill it mid-job. (Gitea counts a
+    // job as running from the fetch; killing the leader between a fetch and its publish
+    // loses that task in the documented window, which is not what this test is about.)
     mock.handle
         .wait_for(
             |m| {
                 jobs.iter()
-                    .filter(|j| m.job(**j).is_some_and(|s| s.status == Status::Running))
+                    .filter(|j| {
+                        m.job(**j).and_then(|s| s.task).is_some_and(|t| {
+                            t.log_rows
+                                .iter()
+                                .any(|r| r.contains("stand-in runner: task"))
+                        })
+                    })
                     .count()
                     >= 2
             },
             WAIT,
         )
         .await
-        .expect("the leader fetched jobs");
+        .expect("the leader's executors run jobs");
     assert!(
         !replicas[standby].ready().await,
         "the standby stays not ready"
