@@ -111,6 +111,15 @@ impl Env {
 
     /// Queues a job, fetches it as the scheduler would and lets a worker offer it.
     async fn assignment(&self, step: &str) -> Assignment {
+        let assignment = self.executor_only(step).await;
+        self.dispatch.admit(Backend::Pod, assignment.id());
+        self.dispatch.offer(&assignment);
+        assignment
+    }
+
+    /// Like [`Self::assignment`], but nothing is offered: the executor exists on the
+    /// backend while its assignment waits for redelivery (a controller just restarted).
+    async fn executor_only(&self, step: &str) -> Assignment {
         let yaml = format!(
             "on: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: {step}\n"
         );
@@ -142,8 +151,6 @@ impl Env {
             ))
             .await
             .expect("executor");
-        self.dispatch.admit(Backend::Pod, assignment.id());
-        self.dispatch.offer(&assignment);
         assignment
     }
 
@@ -598,4 +605,54 @@ fn no_log_line_of_a_whole_job_contains_a_capability_token_or_task_secret() {
     for secret in secrets {
         assert!(!logs.contains(&secret), "a log line contains a secret");
     }
+}
+
+/// DESIGN invariant 9 (issue 9): after a restart a runner whose assignment waits for its
+/// redelivery is accepted through the backend's metadata; its Declare and polls are
+/// routine, logged at debug, never as a refused call.
+#[test]
+fn the_polls_of_a_runner_whose_assignment_waits_for_redelivery_are_not_warnings() {
+    let capture = Capture::default();
+    let subscriber = gdr_controller::logging::subscriber(
+        tracing_subscriber::EnvFilter::new("debug"),
+        capture.clone(),
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let _guard = tracing::subscriber::set_global_default(subscriber);
+    runtime.block_on(async {
+        let env = Env::new().await;
+        let a = env.executor_only("standin:success").await;
+        let capability = env
+            .dispatch
+            .capability_key()
+            .issue(a.id())
+            .expose()
+            .to_string();
+        let workload = env.workload(a.identity().spiffe_id()).await;
+        let c = env
+            .runner_client(&workload, a.id().as_str(), &capability)
+            .await;
+        c.declare(DeclareRequest::default()).await.expect("declare");
+        for _ in 0..3 {
+            let polled = c
+                .fetch_task(FetchTaskRequest::default())
+                .await
+                .expect("a poll is answered")
+                .into_owned();
+            assert!(polled.task.is_unset(), "nothing to hand out yet");
+        }
+    });
+    let logs = capture.text();
+    assert!(
+        logs.contains("authorised from backend metadata"),
+        "the fallback was used:\n{logs}"
+    );
+    let warnings: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("\"level\":\"WARN\"") && l.contains("facade"))
+        .collect();
+    assert!(warnings.is_empty(), "{warnings:#?}");
 }

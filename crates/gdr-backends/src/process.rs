@@ -446,7 +446,12 @@ impl Inner {
             // started: either way it did not end cleanly as far as we can tell.
             (Some(_), _) => Phase::Finished {
                 success: false,
-                reason: Some("the executor process ended while no controller watched it".into()),
+                reason: Some(match last_error_line(&self.dir(name)) {
+                    Some(line) => format!(
+                        "the executor process ended while no controller watched it; its last error: {line}"
+                    ),
+                    None => "the executor process ended while no controller watched it".into(),
+                }),
             },
             (None, _) => Phase::Finished {
                 success: false,
