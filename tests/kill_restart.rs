@@ -447,6 +447,14 @@ async fn the_embedded_nats_server_dies_with_its_controller_and_a_store_never_has
     let mut first = s.controller(None);
     s.ready().await;
     let first_server = one_server("the first controller's server").await;
+    // Single-host mode seals envelopes with a key of its own (DESIGN invariant 5).
+    let key = s.fixture.state_dir().join("task-encryption.key");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&key)
+            .expect("the generated task key")
+            .permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600);
     stop(&mut first, Stop::Kill).await;
     until(
         WAIT,
@@ -492,6 +500,14 @@ async fn the_embedded_nats_server_dies_with_its_controller_and_a_store_never_has
     );
     assert_eq!(servers_on(&store), vec![second_server]);
 
+    assert_eq!(
+        s.fixture
+            .log()
+            .matches("generated the task encryption key")
+            .count(),
+        1,
+        "the key is generated once and reused"
+    );
     stop(&mut second, Stop::Term).await;
     assert!(
         servers_on(&store).is_empty(),

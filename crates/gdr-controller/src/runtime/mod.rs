@@ -955,3 +955,51 @@ async fn export_metrics(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    /// DESIGN invariant 5 (issue 9): single-host mode without a configured key generates
+    /// one under `state_dir` (mode 0600) on first start and reuses it, so the scheduler seals
+    /// envelope v2; once a key is configured the generated one still opens older envelopes.
+    /// With an external NATS and no key there is no keyring: plaintext v1, warned about.
+    #[test]
+    fn single_host_mode_generates_its_task_key_once_and_keeps_it_for_older_envelopes() {
+        let state = tempfile::tempdir().unwrap();
+        let first = keyring(None, state.path(), true, true).unwrap().unwrap();
+        let file = state.path().join(GENERATED_TASK_KEY_FILE);
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let again = keyring(None, state.path(), true, true).unwrap().unwrap();
+        assert_eq!(again.current.key_id(), first.current.key_id(), "reused");
+
+        let configured = state.path().join("configured.key");
+        std::fs::write(&configured, "ab".repeat(32)).unwrap();
+        let files = || {
+            Some(TaskKeyFiles {
+                current: configured.clone(),
+                previous: Vec::new(),
+            })
+        };
+        let rotated = keyring(files(), state.path(), true, true).unwrap().unwrap();
+        assert_ne!(rotated.current.key_id(), first.current.key_id());
+        assert!(
+            rotated
+                .previous
+                .iter()
+                .any(|k| k.key_id() == first.current.key_id()),
+            "envelopes sealed with the generated key still open"
+        );
+
+        let cluster = tempfile::tempdir().unwrap();
+        assert!(
+            keyring(None, cluster.path(), false, true)
+                .unwrap()
+                .is_none()
+        );
+        assert!(!cluster.path().join(GENERATED_TASK_KEY_FILE).exists());
+    }
+}
