@@ -1111,7 +1111,7 @@ fn prune_logs(logs: &Path, retention: LogRetention, now: SystemTime) -> io::Resu
             kept.push((modified, path));
         }
     }
-    kept.sort_by(|a, b| b.0.cmp(&a.0));
+    kept.sort_by_key(|k| std::cmp::Reverse(k.0));
     for (_, path) in kept.into_iter().skip(retention.max_count) {
         std::fs::remove_file(path)?;
     }

@@ -393,7 +393,7 @@ impl Relay {
                         return;
                     }
                     let delay = OUTAGE_BACKOFF.delay(attempt);
-                    if attempt % 20 == 0 {
+                    if attempt.is_multiple_of(20) {
                         tracing::info!(outcome = %describe(&outcome), attempt, retry_in = ?delay, delivery = %delivery_name(&next), "held reports not delivered yet");
                     }
                     tokio::time::sleep(delay).await;
