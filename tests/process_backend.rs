@@ -363,6 +363,38 @@ async fn a_new_backend_instance_re_adopts_live_executors_and_sees_dead_ones() {
     .await;
 }
 
+/// DESIGN invariants 8 and 12: a controller killed between spawning an executor and
+/// recording its pid leaves a running executor behind; the next backend instance finds it
+/// by its working directory (running, so its job still runs), and `delete` stops it.
+#[tokio::test]
+async fn an_executor_whose_pid_was_never_recorded_is_found_running_and_stopped_on_delete() {
+    let s = setup().await;
+    let identity = Arc::new(RecordingIdentity::default());
+    let backend = s.backend("exec sleep 30", &identity);
+    let spec = s.spec("owner/repo").await;
+    let id = spec.assignment.id().clone();
+    backend.create(&spec).await.expect("create");
+    let pid = s.pid(&id);
+    drop(backend);
+    // The state the kill leaves: metadata written before the spawn, no pid yet.
+    let mut meta = s.metadata(&id);
+    meta["pid"] = serde_json::Value::Null;
+    meta["pid_start_time"] = serde_json::Value::Null;
+    std::fs::write(
+        s.dir(&id).join(METADATA_FILE),
+        serde_json::to_vec_pretty(&meta).expect("json"),
+    )
+    .expect("rewrite metadata");
+
+    let backend = s.backend("exec sleep 30", &identity);
+    assert_eq!(phase_of(&backend, &id).await, Phase::Running);
+    backend.delete(&id).await.expect("delete");
+    eventually("the unrecorded executor to stop", || async {
+        process_gone(pid).then_some(())
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn claimed_and_terminal_markers_are_durable() {
     let s = setup().await;

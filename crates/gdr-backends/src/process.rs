@@ -453,6 +453,10 @@ impl Inner {
                     None => "the executor process ended while no controller watched it".into(),
                 }),
             },
+            // A controller that died between spawning and recording the pid left it running.
+            (None, _) if unrecorded_executor(&self.dir(name).join(WORK_DIR)).is_some() => {
+                Phase::Running
+            }
             (None, _) => Phase::Finished {
                 success: false,
                 reason: Some("the executor process was never recorded as started".into()),
@@ -902,9 +906,11 @@ impl ExecutorBackend for ProcessBackend {
             let target = match own {
                 Some(target) => Some(target),
                 None => match self.inner.load(name).await {
-                    Ok(Load::Valid(loaded)) => {
-                        loaded.meta.pid.map(|p| (p, loaded.meta.pid_start_time))
-                    }
+                    Ok(Load::Valid(loaded)) => match loaded.meta.pid {
+                        Some(p) => Some((p, loaded.meta.pid_start_time)),
+                        None => unrecorded_executor(&dir.join(WORK_DIR))
+                            .map(|(pid, start)| (pid, Some(start))),
+                    },
                     Ok(_) => None,
                     Err(e) => {
                         tracing::warn!(assignment_id = %id, executor = name, error = %e, "deleting an executor whose metadata cannot be trusted; no process is signalled");
@@ -993,6 +999,23 @@ fn parse_stat(text: &str) -> Option<ProcStat> {
         pgrp: fields.get(2)?.parse().ok()?,
         start_time: fields.get(19)?.parse().ok()?,
     })
+}
+
+/// The executor a controller spawned but died before recording (killed between the
+/// metadata write and the pid write): the process-group leader whose working directory is
+/// the executor's `work/` (only this user's processes can be there). Its pid and start time.
+fn unrecorded_executor(work: &Path) -> Option<(u32, u64)> {
+    let work = std::fs::canonicalize(work).ok()?;
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = proc_stat(pid)?;
+            let leader = i32::try_from(pid).ok()? == stat.pgrp;
+            let here = std::fs::read_link(entry.path().join("cwd")).ok()? == work;
+            (leader && here && !exited(stat.state)).then_some((pid, stat.start_time))
+        })
 }
 
 fn exited(state: char) -> bool {
