@@ -51,7 +51,7 @@ struct Env {
     dispatch: Arc<Dispatch>,
     facade_api: RunningWorkloadApi,
     facade_addr: std::net::SocketAddr,
-    _stop: ShutdownTrigger,
+    stop: ShutdownTrigger,
 }
 
 impl Env {
@@ -105,7 +105,7 @@ impl Env {
             dispatch,
             facade_api,
             facade_addr,
-            _stop: stop,
+            stop,
         }
     }
 
@@ -655,4 +655,49 @@ fn the_polls_of_a_runner_whose_assignment_waits_for_redelivery_are_not_warnings(
         .filter(|l| l.contains("\"level\":\"WARN\"") && l.contains("facade"))
         .collect();
     assert!(warnings.is_empty(), "{warnings:#?}");
+}
+
+/// DESIGN invariant 19: the executor holds its runner's reports only as long as
+/// `executor_report_outage_tolerance`; a facade that stays away longer makes it give up,
+/// exit with an error that says what was lost, and the result never reaches Gitea.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_executor_whose_facade_stays_away_past_the_tolerance_gives_up_and_says_what_was_lost() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:sleep 1500").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let mut config = env.executor_config(&a, &workload);
+    config.report_outage_tolerance = std::time::Duration::from_secs(2);
+    let executor = tokio::spawn(run(config, no_signals()));
+    let task_id = a.id().task_id();
+    env.mock
+        .handle
+        .wait_for(
+            |m| {
+                m.task(task_id).is_some_and(|t| {
+                    t.log_rows
+                        .iter()
+                        .any(|r| r.contains("stand-in runner: task"))
+                })
+            },
+            WAIT,
+        )
+        .await
+        .expect("the runner runs the job");
+    // The facade goes away for good while the job runs.
+    env.stop.trigger();
+    let outcome = tokio::time::timeout(WAIT, executor)
+        .await
+        .expect("the executor ends")
+        .expect("join");
+    let error = outcome.expect_err("the executor gives up").to_string();
+    assert!(
+        error.contains("gave up delivering the runner's reports")
+            && error.contains("the job's result"),
+        "{error}"
+    );
+    assert_eq!(
+        env.mock.handle.task(task_id).map(|t| t.status),
+        Some(Status::Running),
+        "the result never reached Gitea"
+    );
 }
