@@ -11,7 +11,7 @@
 
 use std::error::Error;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use gdr_controller::dispatch::Dispatch;
@@ -23,6 +23,7 @@ use gdr_core::backend::Backend;
 use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::ExecutorBackend;
 use gdr_executor::proxy::serve_loopback_proxy;
+use gdr_executor::relay::Relay;
 use gdr_identity::tls::{executor_client_config, facade_server_config, x509_source};
 use gdr_testkit::memory_backend::MemoryBackend;
 use gdr_testkit::spiffe::{FakeWorkloadApi, TestCa};
@@ -97,11 +98,13 @@ async fn main() -> Result<(), Box<dyn Error>> {
 
     let proxy = TcpListener::bind("127.0.0.1:0").await?;
     let proxy_addr = proxy.local_addr()?;
-    let client_config = Arc::new(executor_client_config(&executor, FACADE_ID)?);
-    let facade_url = format!("https://{facade_addr}");
-    tokio::spawn(async move {
-        serve_loopback_proxy(proxy, &facade_url, client_config, std::future::pending()).await
-    });
+    let client_config = executor_client_config(&executor, FACADE_ID)?;
+    let relay = Relay::new(
+        &format!("https://{facade_addr}"),
+        &client_config,
+        Duration::from_secs(30),
+    )?;
+    tokio::spawn(serve_loopback_proxy(proxy, relay, std::future::pending()));
 
     let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
     // Warm-up: one small request so connection set-up is not counted as streaming.

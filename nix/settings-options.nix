@@ -84,7 +84,7 @@ in
   task_encryption_key_file = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "File holding the AES-256 key (64 hex characters or base64 of 32 bytes) that encrypts tasks in the stream (envelope v2). Unset: tasks are stored as v1, readable by anyone who can read the stream. Use the matching credential option instead of setting it here.";
+    description = "File holding the AES-256 key (64 hex characters or base64 of 32 bytes) that encrypts tasks in the stream (envelope v2). Unset in single-host mode: a key is generated as `<state_dir>/task-encryption.key` (mode 0600) on first start. Unset with `nats_url`: tasks are stored as plaintext v1, readable by anyone who can read the stream (`check-config` reports it, the controller warns at start). Default: `generated under state_dir without nats_url, else unset`. Use the matching credential option instead of setting it here.";
   };
   task_encryption_previous_key_files = mkOption {
     type = types.nullOr (types.either types.str (types.listOf types.str));
@@ -225,6 +225,21 @@ in
     type = types.nullOr (types.either types.str types.ints.unsigned);
     default = null;
     description = "A claimed executor the facade has not heard from for this long is failed in Gitea (its runner died while its environment stayed up). The official runner reports every 5s. Default: `5m`.";
+  };
+  executor_report_outage_tolerance = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "How long an executor holds what its runner reported (log rows, the result) while the facade is unreachable (a controller restart, an upgrade, a leader failover), answering the runner itself as Gitea would and delivering everything once the facade is back; also how long it starts its runner again when the runner exits before its task was claimed. After it the executor gives up, logs what was lost and exits non-zero. Restarts count silence anew, so `executor_idle_timeout` only fails an executor the running controller cannot hear from. Default: `30m`.";
+  };
+  executor_log_retention = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "How long the process backend keeps an ended executor's `executor.log` (moved to `<state_dir>/<backend>/logs/<assignment-id>.log` when the executor is deleted); `0` deletes it with the executor. Default: `7days`.";
+  };
+  executor_log_retention_count = mkOption {
+    type = types.nullOr (types.ints.unsigned);
+    default = null;
+    description = "How many ended executors' logs the process backend keeps at most; the oldest go first. Default: `100`.";
   };
   nats_server_binary = mkOption {
     type = types.nullOr (types.str);

@@ -25,6 +25,7 @@ fn main() -> ExitCode {
         Command::Metrics(args) => cli::metrics(&args),
         Command::Controller(args) => controller(&args),
         Command::Executor => executor(),
+        Command::ExecBoundToParent(args) => cli::exec_bound_to_parent(args),
         Command::SandboxIdentity => {
             eprintln!("gitea-dynamic-runner sandbox-identity: not implemented yet");
             ExitCode::from(2)

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use gdr_backends::process::{IdentityProvider, ProcessBackend, ProcessBackendSettings};
+use gdr_backends::process::{
+    IdentityProvider, LogRetention, ProcessBackend, ProcessBackendSettings,
+};
 use gdr_core::backend::Backend;
 use gdr_core::executor::{ExecutorBackend, ExecutorError};
 use gdr_testkit::backend_contract::{self, Contract};
@@ -57,6 +59,7 @@ async fn the_process_backend_keeps_the_executor_backend_contract() {
             codec: Default::default(),
             trust_domain: backend_contract::trust_domain(),
             stop_grace: Duration::from_secs(5),
+            log_retention: LogRetention::NONE,
         };
         Arc::new(ProcessBackend::new(settings, Arc::new(NoIdentity)).unwrap())
             as Arc<dyn ExecutorBackend>

@@ -456,3 +456,22 @@ fn register_with_an_unreadable_ca_file_says_it_cannot_read_it() {
     );
     assert!(err.contains(&missing.display().to_string()), "{err}");
 }
+
+/// Issue 9: the reference describes the binary as it is: leaving `nats_url` unset is the
+/// implemented single-host mode, and no format of the reference says otherwise.
+#[test]
+fn the_reference_says_single_host_mode_is_what_an_unset_nats_url_means() {
+    for format in ["text", "markdown", "nix", "json"] {
+        let out = run(&["check-config", "--reference", "--format", format]);
+        assert!(out.status.success());
+        let reference = text(&out.stdout);
+        assert!(
+            !reference.contains("not implemented"),
+            "the {format} reference claims something is not implemented"
+        );
+        assert!(
+            reference.contains("Unset: single-host mode with an embedded, supervised nats-server"),
+            "the {format} reference does not describe single-host mode"
+        );
+    }
+}

@@ -51,7 +51,7 @@ struct Env {
     dispatch: Arc<Dispatch>,
     facade_api: RunningWorkloadApi,
     facade_addr: std::net::SocketAddr,
-    _stop: ShutdownTrigger,
+    stop: ShutdownTrigger,
 }
 
 impl Env {
@@ -105,12 +105,21 @@ impl Env {
             dispatch,
             facade_api,
             facade_addr,
-            _stop: stop,
+            stop,
         }
     }
 
     /// Queues a job, fetches it as the scheduler would and lets a worker offer it.
     async fn assignment(&self, step: &str) -> Assignment {
+        let assignment = self.executor_only(step).await;
+        self.dispatch.admit(Backend::Pod, assignment.id());
+        self.dispatch.offer(&assignment);
+        assignment
+    }
+
+    /// Like [`Self::assignment`], but nothing is offered: the executor exists on the
+    /// backend while its assignment waits for redelivery (a controller just restarted).
+    async fn executor_only(&self, step: &str) -> Assignment {
         let yaml = format!(
             "on: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: {step}\n"
         );
@@ -142,8 +151,6 @@ impl Env {
             ))
             .await
             .expect("executor");
-        self.dispatch.admit(Backend::Pod, assignment.id());
-        self.dispatch.offer(&assignment);
         assignment
     }
 
@@ -191,21 +198,20 @@ impl Env {
         token: &str,
     ) -> RunnerServiceClient<HttpClient> {
         let source = tls::x509_source(&workload.endpoint()).await.expect("svid");
-        let config = Arc::new(tls::executor_client_config(&source, FACADE_ID).expect("client tls"));
+        let config = tls::executor_client_config(&source, FACADE_ID).expect("client tls");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
         let local = listener.local_addr().expect("addr");
-        let facade_url = self.facade_url();
+        let relay = gdr_executor::relay::Relay::new(
+            &self.facade_url(),
+            &config,
+            std::time::Duration::from_secs(5),
+        )
+        .expect("relay");
         tokio::spawn(async move {
             let _source = source;
-            gdr_executor::proxy::serve_loopback_proxy(
-                listener,
-                &facade_url,
-                config,
-                std::future::pending(),
-            )
-            .await
+            gdr_executor::proxy::serve_loopback_proxy(listener, relay, std::future::pending()).await
         });
         let config = ClientConfig::new(format!("http://{local}/api/actions").parse().expect("uri"))
             .with_default_header("x-runner-uuid", uuid)
@@ -599,4 +605,99 @@ fn no_log_line_of_a_whole_job_contains_a_capability_token_or_task_secret() {
     for secret in secrets {
         assert!(!logs.contains(&secret), "a log line contains a secret");
     }
+}
+
+/// DESIGN invariant 9 (issue 9): after a restart a runner whose assignment waits for its
+/// redelivery is accepted through the backend's metadata; its Declare and polls are
+/// routine, logged at debug, never as a refused call.
+#[test]
+fn the_polls_of_a_runner_whose_assignment_waits_for_redelivery_are_not_warnings() {
+    let capture = Capture::default();
+    let subscriber = gdr_controller::logging::subscriber(
+        tracing_subscriber::EnvFilter::new("debug"),
+        capture.clone(),
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let _guard = tracing::subscriber::set_global_default(subscriber);
+    runtime.block_on(async {
+        let env = Env::new().await;
+        let a = env.executor_only("standin:success").await;
+        let capability = env
+            .dispatch
+            .capability_key()
+            .issue(a.id())
+            .expose()
+            .to_string();
+        let workload = env.workload(a.identity().spiffe_id()).await;
+        let c = env
+            .runner_client(&workload, a.id().as_str(), &capability)
+            .await;
+        c.declare(DeclareRequest::default()).await.expect("declare");
+        for _ in 0..3 {
+            let polled = c
+                .fetch_task(FetchTaskRequest::default())
+                .await
+                .expect("a poll is answered")
+                .into_owned();
+            assert!(polled.task.is_unset(), "nothing to hand out yet");
+        }
+    });
+    let logs = capture.text();
+    assert!(
+        logs.contains("authorised from backend metadata"),
+        "the fallback was used:\n{logs}"
+    );
+    let warnings: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("\"level\":\"WARN\"") && l.contains("facade"))
+        .collect();
+    assert!(warnings.is_empty(), "{warnings:#?}");
+}
+
+/// DESIGN invariant 19: the executor holds its runner's reports only as long as
+/// `executor_report_outage_tolerance`; a facade that stays away longer makes it give up,
+/// exit with an error that says what was lost, and the result never reaches Gitea.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_executor_whose_facade_stays_away_past_the_tolerance_gives_up_and_says_what_was_lost() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:sleep 1500").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let mut config = env.executor_config(&a, &workload);
+    config.report_outage_tolerance = std::time::Duration::from_secs(2);
+    let executor = tokio::spawn(run(config, no_signals()));
+    let task_id = a.id().task_id();
+    env.mock
+        .handle
+        .wait_for(
+            |m| {
+                m.task(task_id).is_some_and(|t| {
+                    t.log_rows
+                        .iter()
+                        .any(|r| r.contains("stand-in runner: task"))
+                })
+            },
+            WAIT,
+        )
+        .await
+        .expect("the runner runs the job");
+    // The facade goes away for good while the job runs.
+    env.stop.trigger();
+    let outcome = tokio::time::timeout(WAIT, executor)
+        .await
+        .expect("the executor ends")
+        .expect("join");
+    let error = outcome.expect_err("the executor gives up").to_string();
+    assert!(
+        error.contains("gave up delivering the runner's reports")
+            && error.contains("the job's result"),
+        "{error}"
+    );
+    assert_eq!(
+        env.mock.handle.task(task_id).map(|t| t.status),
+        Some(Status::Running),
+        "the result never reached Gitea"
+    );
 }

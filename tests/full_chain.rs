@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gdr_controller::runtime::{self, Listeners};
-use gdr_controller::settings::{Settings, Sources};
+use gdr_controller::settings::{NatsServer as NatsServerSettings, Settings, Sources};
 use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
 use gdr_testkit::controller::ControllerFixture;
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
@@ -60,8 +60,13 @@ impl Controller {
         for (k, v) in extra {
             fixture = fixture.set(k, *v);
         }
-        let settings = Settings::load(&Sources::overrides(fixture.overrides()).expect("overrides"))
-            .expect("valid configuration");
+        let mut settings =
+            Settings::load(&Sources::overrides(fixture.overrides()).expect("overrides"))
+                .expect("valid configuration");
+        // This process is the test binary: the real one starts the embedded server.
+        if let NatsServerSettings::Embedded { binder, .. } = &mut settings.nats.server {
+            *binder = Some(BIN.into());
+        }
         let (stop, shutdown) = shutdown_channel();
         let task = tokio::spawn(runtime::run(
             settings,

@@ -5,48 +5,92 @@
 // A panic is how a test (or a benchmark harness) fails.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use gdr_testkit::controller::{ControllerFixture, listener};
+use gdr_testkit::fake_kube::FakeKube;
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
-use gdr_testkit::nats_server::NatsServer;
+use gdr_testkit::nats_server::{NatsServer, servers_on};
+use gdr_testkit::service::{ReadyService, is_ready};
+use gdr_testkit::standin_runner::GAVE_UP;
+use gdr_testkit::until;
 
 const WAIT: Duration = Duration::from_secs(60);
 const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
 const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
+/// What the executor logs when it starts holding its runner's reports.
+const HOLDING: &str = "holding them and answering the runner";
+/// What the executor logs when it sends a runner's call again instead of failing it.
+const RESENDING: &str = "sending it again";
+/// What the executor logs when it starts a runner again that exited before its claim.
+const RESTARTING_RUNNER: &str = "the runner exited before its task was claimed; starting it again";
+
+/// Which NATS the controller uses.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Nats {
+    /// A server of the test's own (the controller connects with `nats_url`).
+    External,
+    /// The controller's embedded, supervised server (single-host mode).
+    Embedded,
+}
 
 struct Setup {
-    _nats: NatsServer,
+    nats: Option<NatsServer>,
     mock: RunningMock,
     fixture: ControllerFixture,
     /// Bound once by the test and handed to every controller incarnation, so executors
-    /// keep reaching the same facade address across restarts.
-    facade: std::net::TcpListener,
+    /// keep reaching the same facade address across restarts; `None` while closed (the
+    /// port then refuses connections, as a stopped controller's does).
+    facade: Option<std::net::TcpListener>,
+    facade_addr: SocketAddr,
     health: std::net::TcpListener,
 }
 
 impl Setup {
     async fn new() -> Self {
-        let nats = NatsServer::start().await.expect("nats");
-        let mock =
-            MockGitea::start(MockConfig::default().with_zombie_timeout(Duration::from_secs(3)))
-                .await
-                .expect("mock");
+        Self::with(
+            MockConfig::default().with_zombie_timeout(Duration::from_secs(3)),
+            Nats::External,
+            |f| f,
+        )
+        .await
+    }
+
+    async fn with(
+        mock: MockConfig,
+        nats: Nats,
+        tweak: impl FnOnce(ControllerFixture) -> ControllerFixture,
+    ) -> Self {
+        let mock = MockGitea::start(mock).await.expect("mock");
         let facade = listener();
+        let facade_addr = facade.local_addr().expect("addr");
         let health = listener();
-        let fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref())
-            .facade_at(facade.local_addr().expect("addr"))
+        let mut fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref())
+            .facade_at(facade_addr)
             .set("components", "scheduler,pod-worker")
             .set("pod_capacity", 2u32)
             .set("vm_capacity", 0u32)
-            .set("nats_url", nats.url())
             .set("heartbeat_interval", "1s")
             .set("nats_ack_wait", "3s");
+        let server = match nats {
+            Nats::External => {
+                let server = NatsServer::start().await.expect("nats");
+                fixture = fixture.set("nats_url", server.url());
+                Some(server)
+            }
+            Nats::Embedded => {
+                fixture = fixture.set("nats_server_binary", NatsServer::binary().as_path());
+                None
+            }
+        };
         Setup {
-            _nats: nats,
+            nats: server,
             mock,
-            fixture,
-            facade,
+            fixture: tweak(fixture),
+            facade: Some(facade),
+            facade_addr,
             health,
         }
     }
@@ -55,8 +99,30 @@ impl Setup {
         let env: Vec<(&str, &str)> = failpoint
             .map(|p| vec![("GDR_FAILPOINT", p)])
             .unwrap_or_default();
-        self.fixture
-            .spawn(BIN.as_ref(), &self.facade, &self.health, &env)
+        let facade = self.facade.as_ref().expect("the facade port is open");
+        self.fixture.spawn(BIN.as_ref(), facade, &self.health, &env)
+    }
+
+    /// The facade port refuses connections from now on.
+    fn close_facade(&mut self) {
+        self.facade = None;
+    }
+
+    /// The facade port accepts again (the same address, for the next controller).
+    async fn reopen_facade(&mut self) {
+        let addr = self.facade_addr;
+        let reopened =
+            gdr_testkit::eventually(WAIT, "the facade port to bind again", || async move {
+                std::net::TcpListener::bind(addr).ok()
+            })
+            .await;
+        reopened.set_nonblocking(true).expect("non-blocking");
+        self.facade = Some(reopened);
+    }
+
+    async fn ready(&self) {
+        let health = self.health.local_addr().expect("addr");
+        until(WAIT, "the controller to be ready", || is_ready(health)).await;
     }
 
     fn queue(&self, step: &str) -> JobId {
@@ -83,25 +149,61 @@ impl Setup {
     }
 
     async fn status(&self, job: JobId, status: Status) {
+        self.status_within(job, status, WAIT).await;
+    }
+
+    async fn status_within(&self, job: JobId, status: Status, wait: Duration) {
         self.mock
             .handle
-            .wait_for(|m| m.job(job).is_some_and(|j| j.status == status), WAIT)
+            .wait_for(|m| m.job(job).is_some_and(|j| j.status == status), wait)
             .await
             .unwrap_or_else(|_| {
                 panic!(
-                    "job never reached {status:?}: {:?}",
+                    "job never reached {status:?}: {:?}\nexecutor logs:\n{}\ncontroller log:\n{}",
                     self.mock
                         .handle
                         .job(job)
-                        .map(|j| (j.status, j.task.map(|t| t.log_rows)))
+                        .map(|j| (j.status, j.task.map(|t| t.log_rows))),
+                    self.executor_logs(),
+                    self.fixture.log(),
                 )
             });
+    }
+
+    /// Waits until the job's runner reported its first row (Gitea counts a job as running
+    /// from the controller's fetch; this is the executor's runner at work).
+    async fn runner_started(&self, job: JobId) {
+        self.mock
+            .handle
+            .wait_for(|m| started_in_a_runner(m.job(job)), WAIT)
+            .await
+            .unwrap_or_else(|_| panic!("no runner started job {job:?}:\n{}", self.fixture.log()));
     }
 
     fn executors(&self) -> usize {
         std::fs::read_dir(self.fixture.state_dir().join("pod/executors"))
             .map(|d| d.count())
             .unwrap_or(0)
+    }
+
+    /// Every executor's log, live or kept after its deletion.
+    fn executor_logs(&self) -> String {
+        executor_logs(&self.fixture.state_dir())
+    }
+
+    /// Waits until the executors' logs hold `line` at least `times` times.
+    async fn executors_logged(&self, line: &str, times: usize) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while self.executor_logs().matches(line).count() < times {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "executors never logged {line:?} {times} times ({} executors):\n{}\ncontroller log:\n{}",
+                self.executors(),
+                self.executor_logs(),
+                self.fixture.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// No executor directory and no admission slot in use (read from `/metrics` of
@@ -135,18 +237,97 @@ impl Setup {
             .and_then(|v| v.trim().parse().ok())
     }
 
-    fn runs_of(&self, job: JobId) -> usize {
-        let rows = self
-            .mock
+    fn rows(&self, job: JobId) -> Vec<String> {
+        self.mock
             .handle
             .job(job)
             .and_then(|j| j.task)
             .map(|t| t.log_rows)
-            .unwrap_or_default();
-        rows.iter()
+            .unwrap_or_default()
+    }
+
+    fn runs_of(&self, job: JobId) -> usize {
+        self.rows(job)
+            .iter()
             .filter(|r| r.contains("stand-in runner: task"))
             .count()
     }
+
+    /// A runner that waits at `<gate>/go` before it starts (so the test can stop the
+    /// controller right before the runner's first `Declare`), then runs the stand-in
+    /// with `env`. Returns the gate directory and the script.
+    fn gated_runner(fixture: &ControllerFixture, env: &[(&str, &str)]) -> (PathBuf, PathBuf) {
+        use std::os::unix::fs::PermissionsExt;
+        let gate = fixture.path().join("gate");
+        std::fs::create_dir_all(&gate).expect("gate");
+        let exports: String = env
+            .iter()
+            .map(|(k, v)| format!("export {k}={v}\n"))
+            .collect();
+        let script = fixture.file(
+            "gate/runner.sh",
+            &format!(
+                "#!/bin/sh\ntouch '{gate}/started'\nwhile [ ! -e '{gate}/go' ]; do sleep 0.05; done\n{exports}exec '{STANDIN}' \"$@\"\n",
+                gate = gate.display()
+            ),
+        );
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        (gate, script)
+    }
+}
+
+/// Every pod executor's log under `state_dir`, live or kept after its deletion.
+fn executor_logs(state_dir: &std::path::Path) -> String {
+    let pod = state_dir.join("pod");
+    let live = std::fs::read_dir(pod.join("executors"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path().join("executor.log"));
+    let kept = std::fs::read_dir(pod.join("logs"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path());
+    live.chain(kept)
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn started_in_a_runner(job: Option<gdr_testkit::mock_gitea::JobSnapshot>) -> bool {
+    job.and_then(|j| j.task).is_some_and(|t| {
+        t.log_rows
+            .iter()
+            .any(|r| r.contains("stand-in runner: task"))
+    })
+}
+
+/// How a controller goes away.
+#[derive(Clone, Copy, Debug)]
+enum Stop {
+    Kill,
+    Term,
+}
+
+async fn stop(child: &mut tokio::process::Child, how: Stop) {
+    match how {
+        Stop::Kill => {
+            let _ = child.start_kill();
+        }
+        Stop::Term => {
+            let pid = child
+                .id()
+                .and_then(|p| i32::try_from(p).ok())
+                .and_then(rustix::process::Pid::from_raw)
+                .expect("a running controller");
+            rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
+        }
+    }
+    tokio::time::timeout(WAIT, child.wait())
+        .await
+        .expect("the controller stops")
+        .expect("wait");
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -237,5 +418,383 @@ async fn killed_after_the_terminal_marker_the_restarted_controller_deletes_the_e
     let mut second = s.controller(None);
     s.no_executor_left().await;
     assert_eq!(s.runs_of(job), 1);
+    let _ = second.start_kill();
+}
+
+// ----- issue 9: restarts, upgrades and failovers cost no job ---------------------------
+
+/// DESIGN invariant 19, row (a): the embedded nats-server dies with its controller. After
+/// a SIGKILL no server is left on the store; a server left over there anyway (by a
+/// controller whose parent-death signal was never armed) is stopped before the next
+/// controller starts its own, so the store has exactly one; a second controller on the
+/// same store is refused; a stopped controller leaves none.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_embedded_nats_server_dies_with_its_controller_and_a_store_never_has_two() {
+    let s = Setup::with(MockConfig::default(), Nats::Embedded, |f| f).await;
+    let store = s.fixture.state_dir().join("nats");
+    let one_server = |what: &'static str| {
+        let store = store.clone();
+        async move {
+            until(WAIT, what, || {
+                let n = servers_on(&store).len();
+                async move { n == 1 }
+            })
+            .await;
+            servers_on(&store)[0]
+        }
+    };
+
+    let mut first = s.controller(None);
+    s.ready().await;
+    let first_server = one_server("the first controller's server").await;
+    // Single-host mode seals envelopes with a key of its own (DESIGN invariant 5).
+    let key = s.fixture.state_dir().join("task-encryption.key");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&key)
+            .expect("the generated task key")
+            .permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600);
+    stop(&mut first, Stop::Kill).await;
+    until(
+        WAIT,
+        "the killed controller's server to die with it",
+        || {
+            let left = servers_on(&store);
+            async move { left.is_empty() }
+        },
+    )
+    .await;
+
+    let mut leftover = NatsServer::start_on(&store)
+        .await
+        .expect("a leftover server");
+    assert_eq!(servers_on(&store), vec![leftover.pid().expect("pid")]);
+    let mut second = s.controller(None);
+    s.ready().await;
+    let second_server = one_server("exactly one server on the store").await;
+    assert_ne!(second_server, first_server);
+    assert_ne!(
+        Some(second_server),
+        leftover.pid(),
+        "the leftover was replaced"
+    );
+    assert!(leftover.exited(), "the leftover server was stopped");
+    let job = s.queue("standin:success");
+    s.status(job, Status::Success).await;
+
+    // A second controller on the same store is refused and starts no server.
+    let (facade, health) = (listener(), listener());
+    let mut intruder = s.fixture.spawn(BIN.as_ref(), &facade, &health, &[]);
+    let status = tokio::time::timeout(WAIT, intruder.wait())
+        .await
+        .expect("the second controller exits")
+        .expect("wait");
+    assert!(!status.success());
+    assert!(
+        s.fixture
+            .log()
+            .contains("in use by another running controller"),
+        "{}",
+        s.fixture.log()
+    );
+    assert_eq!(servers_on(&store), vec![second_server]);
+
+    assert_eq!(
+        s.fixture
+            .log()
+            .matches("generated the task encryption key")
+            .count(),
+        1,
+        "the key is generated once and reused"
+    );
+    stop(&mut second, Stop::Term).await;
+    assert!(
+        servers_on(&store).is_empty(),
+        "a stopped controller leaves no server: {:?}",
+        servers_on(&store)
+    );
+}
+
+/// DESIGN invariant 19, row (b): the controller goes away just before the runner's first
+/// `Declare` and stays away for several seconds; the executor's proxy holds the `Declare`
+/// instead of answering 502, and the job succeeds once the controller is back.
+async fn outage_before_the_first_declare(how: Stop, runner_env: &[(&str, &str)], held: &str) {
+    let mut gate = PathBuf::new();
+    let mut s = Setup::with(MockConfig::default(), Nats::External, |f| {
+        let (dir, script) = Setup::gated_runner(&f, runner_env);
+        gate = dir;
+        f.set("runner_binary", script.as_path())
+    })
+    .await;
+    let mut first = s.controller(None);
+    let job = s.queue("standin:success");
+    let started = gate.join("started");
+    until(WAIT, "the runner to start", || {
+        let exists = started.exists();
+        async move { exists }
+    })
+    .await;
+    stop(&mut first, how).await;
+    s.close_facade();
+    std::fs::write(gate.join("go"), b"").expect("open the gate");
+    s.executors_logged(held, 1).await;
+    // The outage itself (a scenario parameter, not a wait for state): several seconds
+    // more with the runner's call held.
+    tokio::time::sleep(OUTAGE).await;
+    s.reopen_facade().await;
+    let mut second = s.controller(None);
+    s.status(job, Status::Success).await;
+    assert_eq!(s.runs_of(job), 1);
+    s.no_executor_left().await;
+    let _ = second.start_kill();
+}
+
+/// How long row (b) keeps the controller away after the runner's call is held.
+const OUTAGE: Duration = Duration::from_secs(5);
+
+/// DESIGN invariant 19, row (b), SIGKILL.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_controller_killed_just_before_the_runners_first_declare_costs_no_job() {
+    outage_before_the_first_declare(Stop::Kill, &[], RESENDING).await;
+}
+
+/// DESIGN invariant 19, row (b), SIGTERM (a graceful stop, e.g. an upgrade).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_controller_stopped_just_before_the_runners_first_declare_costs_no_job() {
+    outage_before_the_first_declare(Stop::Term, &[], RESENDING).await;
+}
+
+/// DESIGN invariant 19, row (b), outage longer than the runner's own request timeout: the
+/// runner's `Declare` fails and it exits before its task was claimed, so the executor
+/// starts it again (with backoff) until the controller is back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runner_whose_declare_times_out_during_an_outage_is_started_again_and_the_job_succeeds() {
+    outage_before_the_first_declare(
+        Stop::Kill,
+        &[("STANDIN_REQUEST_TIMEOUT_MS", "1500")],
+        RESTARTING_RUNNER,
+    )
+    .await;
+}
+
+/// How long row (c) keeps the controller down: far longer than the official runner's
+/// `report_close_timeout` (10 s), which the stand-in keeps.
+const LONG_OUTAGE: Duration = Duration::from_secs(60);
+
+/// DESIGN invariant 19, row (c): the controller is down for 60 s while jobs end. The
+/// runners' final reports are answered by their executors (the runner itself would give
+/// up after 10 s), and once the controller is back every job's real result and every log
+/// row reach Gitea, in order, each once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_controller_down_longer_than_the_runners_close_timeout_loses_no_result_and_no_row() {
+    let mut s = Setup::with(MockConfig::default(), Nats::External, |f| f).await;
+    let mut first = s.controller(None);
+    let jobs = [s.queue("standin:sleep 3000"), s.queue("standin:sleep 5000")];
+    for job in jobs {
+        s.runner_started(job).await;
+    }
+    let down = tokio::time::Instant::now();
+    stop(&mut first, Stop::Kill).await;
+    s.close_facade();
+    // Both jobs end (their runners exit) while the controller is down.
+    s.executors_logged("the one-shot runner exited", 2).await;
+    tokio::time::sleep(LONG_OUTAGE.saturating_sub(down.elapsed())).await;
+    s.reopen_facade().await;
+    let mut second = s.controller(None);
+    for (job, ms) in jobs.iter().zip([3000, 5000]) {
+        s.status(*job, Status::Success).await;
+        let task = s.mock.handle.job(*job).and_then(|j| j.task).expect("task");
+        let expected = vec![
+            format!(
+                "stand-in runner: task {} script Sleep({:?})",
+                task.id,
+                Duration::from_millis(ms)
+            ),
+            format!("slept {:?}", Duration::from_millis(ms)),
+        ];
+        assert_eq!(task.log_rows, expected, "every row, in order, once");
+        assert!(task.log_archived, "the held no_more reached Gitea");
+    }
+    assert_eq!(
+        s.executor_logs().matches(HOLDING).count(),
+        2,
+        "each executor answered its runner's final report itself"
+    );
+    assert!(
+        !s.executor_logs().contains(GAVE_UP),
+        "no runner gave its final report up"
+    );
+    s.no_executor_left().await;
+    let _ = second.start_kill();
+}
+
+/// DESIGN invariants 18 and 19, row (d): two replicas with leader election; the leader is
+/// SIGKILLed while jobs end. Nothing answers for about a lease duration (15 s, longer than
+/// the runner's 10 s close timeout); the executors hold the results, and every job keeps
+/// its real result once the standby leads.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leader_killed_while_jobs_end_loses_no_result_after_failover() {
+    let nats = NatsServer::start().await.expect("nats");
+    let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+    let kube = FakeKube::start().await.expect("fake kube");
+    let svc = ReadyService::start().await.expect("service");
+    let fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref())
+        .facade_at(svc.addr())
+        .set("components", "scheduler,pod-worker")
+        .set("pod_capacity", 2u32)
+        .set("vm_capacity", 0u32)
+        .set("nats_url", nats.url())
+        .set("heartbeat_interval", "2s")
+        .set("leader_election", true)
+        .set("lease_duration", "15s")
+        .set("nats_ack_wait", "5s");
+    let kubeconfig = fixture.file(
+        "kubeconfig",
+        &format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: gitea-actions\ncurrent-context: fake\nusers:\n- name: fake\n  user: {{}}\n",
+            kube.url
+        ),
+    );
+    let kubeconfig = kubeconfig.display().to_string();
+    let mut replicas = Vec::new();
+    for name in ["replica-a", "replica-b"] {
+        let (facade, health) = (listener(), listener());
+        let addrs = (
+            facade.local_addr().expect("addr"),
+            health.local_addr().expect("addr"),
+        );
+        let child = fixture.spawn(
+            BIN.as_ref(),
+            &facade,
+            &health,
+            &[("KUBECONFIG", &kubeconfig), ("LEADER_IDENTITY", name)],
+        );
+        svc.add(addrs.0, addrs.1).await;
+        replicas.push((child, addrs.1, Some((facade, health))));
+    }
+    let leader = gdr_testkit::eventually(WAIT, "a leader", || {
+        let healths: Vec<SocketAddr> = replicas.iter().map(|r| r.1).collect();
+        async move {
+            for (i, h) in healths.iter().enumerate() {
+                if is_ready(*h).await {
+                    return Some(i);
+                }
+            }
+            None
+        }
+    })
+    .await;
+    let standby = 1 - leader;
+    let jobs: Vec<JobId> = [2000, 4000]
+        .iter()
+        .map(|ms| {
+            let yaml = format!(
+                "on: push\njobs:\n  j{ms}:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: standin:sleep {ms}\n"
+            );
+            mock.handle.queue_workflow("owner/repo", &yaml).expect("queue")[0]
+        })
+        .collect();
+    mock.handle
+        .wait_for(
+            |m| jobs.iter().all(|j| started_in_a_runner(m.job(*j))),
+            WAIT,
+        )
+        .await
+        .expect("the leader's executors started both jobs");
+    let _ = replicas[leader].0.start_kill();
+    let _ = replicas[leader].0.wait().await;
+    replicas[leader].2 = None;
+    let standby_health = replicas[standby].1;
+    until(Duration::from_secs(120), "the standby to take over", || {
+        is_ready(standby_health)
+    })
+    .await;
+    for (job, ms) in jobs.iter().zip([2000u64, 4000]) {
+        mock.handle
+            .wait_for(
+                |m| m.job(*job).is_some_and(|s| s.status == Status::Success),
+                WAIT,
+            )
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "job lost its result: {:?}\ncontroller log:\n{}",
+                    mock.handle
+                        .job(*job)
+                        .map(|j| (j.status, j.task.map(|t| t.log_rows))),
+                    fixture.log()
+                )
+            });
+        let rows = mock
+            .handle
+            .job(*job)
+            .and_then(|j| j.task)
+            .expect("task")
+            .log_rows;
+        assert_eq!(rows.len(), 2, "every row once: {rows:?}");
+        assert_eq!(rows[1], format!("slept {:?}", Duration::from_millis(ms)));
+    }
+    assert!(
+        executor_logs(&fixture.state_dir()).contains(HOLDING),
+        "a job ended during the failover, its result held by its executor"
+    );
+    let _ = replicas[standby].0.start_kill();
+}
+
+/// DESIGN invariants 9 and 19, row (e): a restarted controller resumes an adopted,
+/// unclaimed executor at once: with `nats_ack_wait` at 10 minutes, far beyond the wait
+/// here, the job still succeeds, because the worker reads the assignment from the stream
+/// at start instead of waiting for its redelivery; the claimed message is then removed,
+/// so no redelivery can run the job again.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_controller_resumes_an_adopted_unclaimed_executor_without_waiting_for_the_ack_wait()
+ {
+    let s = Setup::with(
+        MockConfig::default().with_zombie_timeout(Duration::from_secs(3)),
+        Nats::External,
+        |f| f.set("nats_ack_wait", "10m"),
+    )
+    .await;
+    let job = s.queue("standin:success");
+    let mut first = s.controller(Some("after-create"));
+    s.killed_at_its_fail_point(&mut first).await;
+    assert_eq!(s.executors(), 1, "the executor outlives the controller");
+    let mut second = s.controller(None);
+    s.status(job, Status::Success).await;
+    assert_eq!(s.runs_of(job), 1);
+    s.no_executor_left().await;
+    assert!(
+        s.fixture
+            .log()
+            .contains("offered the assignment of an adopted executor"),
+        "{}",
+        s.fixture.log()
+    );
+    let warnings: Vec<String> = s
+        .fixture
+        .log()
+        .lines()
+        .filter(|l| l.contains("\"level\":\"WARN\"") && l.contains("facade call"))
+        .map(str::to_owned)
+        .collect();
+    assert!(
+        warnings.is_empty(),
+        "the accepted fallback polls are not warnings: {warnings:#?}"
+    );
+    let nats = async_nats::connect(s.nats.as_ref().expect("external nats").url())
+        .await
+        .expect("connect");
+    let js = async_nats::jetstream::new(nats);
+    until(WAIT, "the claimed assignment to leave the stream", || {
+        let js = js.clone();
+        async move {
+            match js.get_stream("CI_RUNNER").await {
+                Ok(mut stream) => stream.info().await.is_ok_and(|i| i.state.messages == 0),
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
     let _ = second.start_kill();
 }

@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use gdr_backends::process::{
-    IdentityProvider, LOG_FILE, METADATA_FILE, ProcessBackend, ProcessBackendSettings,
+    IdentityProvider, LOG_FILE, LOGS_DIR, LogRetention, METADATA_FILE, ProcessBackend,
+    ProcessBackendSettings,
 };
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_core::assignment::{Assignment, AssignmentId, DerivationPolicy};
@@ -67,6 +68,7 @@ struct Setup {
     mock: RunningMock,
     gitea: GiteaClient,
     state: TempDir,
+    log_retention: LogRetention,
 }
 
 async fn setup() -> Setup {
@@ -83,6 +85,7 @@ async fn setup() -> Setup {
         mock,
         gitea,
         state: tempfile::tempdir().expect("tempdir"),
+        log_retention: LogRetention::NONE,
     }
 }
 
@@ -110,6 +113,7 @@ impl Setup {
             codec: MetadataCodec::default(),
             trust_domain: trust_domain(),
             stop_grace,
+            log_retention: self.log_retention,
         };
         ProcessBackend::new(settings, identity.clone() as Arc<dyn IdentityProvider>)
             .expect("backend")
@@ -359,6 +363,38 @@ async fn a_new_backend_instance_re_adopts_live_executors_and_sees_dead_ones() {
     .await;
 }
 
+/// DESIGN invariants 8 and 12: a controller killed between spawning an executor and
+/// recording its pid leaves a running executor behind; the next backend instance finds it
+/// by its working directory (running, so its job still runs), and `delete` stops it.
+#[tokio::test]
+async fn an_executor_whose_pid_was_never_recorded_is_found_running_and_stopped_on_delete() {
+    let s = setup().await;
+    let identity = Arc::new(RecordingIdentity::default());
+    let backend = s.backend("exec sleep 30", &identity);
+    let spec = s.spec("owner/repo").await;
+    let id = spec.assignment.id().clone();
+    backend.create(&spec).await.expect("create");
+    let pid = s.pid(&id);
+    drop(backend);
+    // The state the kill leaves: metadata written before the spawn, no pid yet.
+    let mut meta = s.metadata(&id);
+    meta["pid"] = serde_json::Value::Null;
+    meta["pid_start_time"] = serde_json::Value::Null;
+    std::fs::write(
+        s.dir(&id).join(METADATA_FILE),
+        serde_json::to_vec_pretty(&meta).expect("json"),
+    )
+    .expect("rewrite metadata");
+
+    let backend = s.backend("exec sleep 30", &identity);
+    assert_eq!(phase_of(&backend, &id).await, Phase::Running);
+    backend.delete(&id).await.expect("delete");
+    eventually(DEADLINE, "the unrecorded executor to stop", || async {
+        process_gone(pid).then_some(())
+    })
+    .await;
+}
+
 /// DESIGN invariants 9, 10: the claimed and terminal markers are written idempotently and
 /// durably (a new instance reads them); claiming an absent executor fails, marking one terminal
 /// is a no-op.
@@ -456,6 +492,46 @@ async fn an_exited_executor_reports_its_exit_status() {
         provisions,
         "no identity is served for finished executors"
     );
+}
+
+/// DESIGN invariant 12 (issue 9): the cause of a failure survives the clean-up: the
+/// backend's reason quotes the executor's last error line, and the executor's log is kept
+/// after its directory is deleted (within the retention).
+#[tokio::test]
+async fn a_failed_executor_names_its_last_error_and_its_log_outlives_its_deletion() {
+    let mut s = setup().await;
+    s.log_retention = LogRetention {
+        max_age: Duration::from_secs(3600),
+        max_count: 5,
+    };
+    let identity = Arc::new(RecordingIdentity::default());
+    let backend = s.backend(
+        "echo 'runner noise'; echo 'error: the facade at 127.0.0.1:9 did not answer in time' >&2; echo 'more noise'; exit 1",
+        &identity,
+    );
+    let spec = s.spec("owner/repo").await;
+    let id = spec.assignment.id().clone();
+    backend.create(&spec).await.expect("create");
+    assert!(!wait_finished(&backend, &id).await);
+    assert_eq!(
+        phase_of(&backend, &id).await,
+        Phase::Finished {
+            success: false,
+            reason: Some(
+                "the executor exited with status 1; its last error: the facade at 127.0.0.1:9 did not answer in time"
+                    .into()
+            )
+        }
+    );
+    backend.delete(&id).await.expect("delete");
+    assert!(!s.dir(&id).exists());
+    let kept = s
+        .state
+        .path()
+        .join(LOGS_DIR)
+        .join(format!("{}.log", id.as_str()));
+    let text = std::fs::read_to_string(&kept).expect("the log is kept");
+    assert!(text.contains("did not answer in time"), "{text}");
 }
 
 /// DESIGN invariant 8: delete is idempotent: it stops the executor's whole process group,

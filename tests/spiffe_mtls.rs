@@ -22,6 +22,7 @@ use axum::{Extension, Router};
 use bytes::Bytes;
 use gdr_controller::facade::tls::serve_tls;
 use gdr_executor::proxy::serve_loopback_proxy;
+use gdr_executor::relay::Relay;
 use gdr_identity::tls::{
     PeerSpiffeId, executor_client_config, facade_server_config, x509_source_with_timeout,
 };
@@ -45,6 +46,8 @@ const TD: &str = "example.test";
 const FACADE_ID: &str = "spiffe://example.test/ns/ci/sa/facade";
 const EXECUTOR_ID: &str = "spiffe://example.test/ci/owner/repo/build";
 const WAIT: Duration = Duration::from_secs(20);
+/// How long the loopback proxy waits out an unreachable facade in these tests.
+const TOLERANCE: Duration = Duration::from_secs(1);
 
 /// A trust domain with two workloads: the facade and one executor.
 struct Pki {
@@ -442,11 +445,11 @@ fn upstream_app() -> Router {
 async fn proxy_to(pki: &Pki, upstream: SocketAddr) -> (String, oneshot::Sender<()>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let config = Arc::new(executor_client_config(&pki.executor, FACADE_ID).unwrap());
+    let config = executor_client_config(&pki.executor, FACADE_ID).unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let facade_url = format!("https://{upstream}");
+    let relay = Relay::new(&format!("https://{upstream}"), &config, TOLERANCE).unwrap();
     tokio::spawn(async move {
-        serve_loopback_proxy(listener, &facade_url, config, async {
+        serve_loopback_proxy(listener, relay, async {
             let _ = stopped.await;
         })
         .await
@@ -553,13 +556,13 @@ async fn the_loopback_proxy_answers_502_when_the_facade_is_not_the_expected_iden
     .await;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let config = Arc::new(
-        executor_client_config(&pki.executor, "spiffe://example.test/ns/ci/sa/impostor").unwrap(),
-    );
-    let facade_url = format!("https://{}", upstream.addr);
+    let config =
+        executor_client_config(&pki.executor, "spiffe://example.test/ns/ci/sa/impostor").unwrap();
+    // A TLS failure is waited out like an outage, for as long as the tolerance allows.
+    let relay = Relay::new(&format!("https://{}", upstream.addr), &config, TOLERANCE).unwrap();
     let (_stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(async move {
-        serve_loopback_proxy(listener, &facade_url, config, async {
+        serve_loopback_proxy(listener, relay, async {
             let _ = stopped.await;
         })
         .await
@@ -582,6 +585,11 @@ fn workflow(script: &str) -> String {
 
 /// A `.runner` for a fresh runner of `mock`, in its own directory (the runner locks it).
 fn runner_dir(mock: &RunningMock) -> tempfile::TempDir {
+    runner_dir_at(mock, &mock.url)
+}
+
+/// [`runner_dir`] with the runner's `address` set to `address`.
+fn runner_dir_at(mock: &RunningMock, address: &str) -> tempfile::TempDir {
     let (uuid, token) = mock
         .handle
         .create_runner("standin", &["self-hosted", "pod"], true);
@@ -592,7 +600,7 @@ fn runner_dir(mock: &RunningMock) -> tempfile::TempDir {
         "uuid": uuid,
         "name": "standin",
         "token": token,
-        "address": mock.url,
+        "address": address,
         "labels": ["self-hosted", "pod"],
         "ephemeral": true,
     });
@@ -765,5 +773,117 @@ async fn the_stand_in_runner_checkout_script_streams_a_blob_from_its_address() {
     assert!(
         rows.iter().any(|r| r == "checkout: received 3000000 bytes"),
         "{rows:?}"
+    );
+}
+
+/// A TCP forwarder that can be switched to a black hole: existing connections are cut,
+/// new ones are accepted and never answered, as a peer that died behind a load balancer.
+struct Switch {
+    addr: SocketAddr,
+    dark: watch::Sender<bool>,
+}
+
+impl Switch {
+    async fn start(target: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (dark, seen) = watch::channel(false);
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    return;
+                };
+                let mut seen = seen.clone();
+                tokio::spawn(async move {
+                    if *seen.borrow() {
+                        // Swallowed: held open, never answered.
+                        let _ = seen.wait_for(|_| false).await;
+                        drop(inbound);
+                        return;
+                    }
+                    let Ok(mut outbound) = TcpStream::connect(target).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = seen.wait_for(|dark| *dark) => {}
+                    }
+                });
+            }
+        });
+        Switch { addr, dark }
+    }
+
+    fn go_dark(&self) {
+        self.dark.send_replace(true);
+    }
+}
+
+/// The stand-in models the official runner's `report_close_timeout`: its whole final
+/// report runs under one 10 s deadline, each call bounded by what is left of it, and then
+/// the result is given up, never delivered. A Gitea (or facade) that stops answering just
+/// before a job ends therefore loses that job's result unless something holds it for the
+/// runner (DESIGN invariant 19: the executor's relay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stand_in_gives_its_final_report_up_after_the_runners_close_timeout() {
+    use gdr_testkit::standin_runner::{CLOSE_TIMEOUT, GAVE_UP};
+    let mock = MockGitea::start(MockConfig::default()).await.unwrap();
+    let job = mock
+        .handle
+        .queue_workflow("owner/repo", &workflow("standin:sleep 1500"))
+        .unwrap()[0];
+    let target: SocketAddr = mock
+        .url
+        .trim_start_matches("http://")
+        .trim_end_matches('/')
+        .parse()
+        .unwrap();
+    let switch = Switch::start(target).await;
+    let dir = runner_dir_at(&mock, &format!("http://{}", switch.addr));
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_gitea-runner-standin"))
+        .args(["daemon", "--once"])
+        .current_dir(dir.path())
+        // One report at the start, none in flight when the job ends: only the close talks.
+        .env("STANDIN_HEARTBEAT_MS", "60000")
+        .env_remove("STANDIN_SCRIPT")
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    mock.handle
+        .wait_for(
+            |m| {
+                m.job(job).and_then(|j| j.task).is_some_and(|t| {
+                    t.heartbeats >= 1
+                        && t.log_rows
+                            .iter()
+                            .any(|r| r.contains("stand-in runner: task"))
+                })
+            },
+            WAIT,
+        )
+        .await
+        .expect("the stand-in runs the job and reported once");
+    switch.go_dark();
+    let dark = tokio::time::Instant::now();
+    let out = tokio::time::timeout(WAIT + Duration::from_secs(10), child.wait_with_output())
+        .await
+        .expect("the final report is given up within the close timeout, not after a 60 s call")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(GAVE_UP), "{stderr}");
+    assert!(
+        dark.elapsed() >= CLOSE_TIMEOUT,
+        "the final report was retried for the whole close timeout"
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "the runner's exit status is not the result"
+    );
+    assert_ne!(
+        mock.handle.job(job).map(|j| j.status),
+        Some(Status::Success),
+        "the result never reached Gitea"
     );
 }

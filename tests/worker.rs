@@ -140,6 +140,7 @@ impl Harness {
             facade_spiffe_id: "spiffe://example.org/controller".into(),
             runner_label: backend.as_str().into(),
             codec: gdr_core::metadata::MetadataCodec::default(),
+            report_outage_tolerance: Duration::from_secs(60),
         };
         tweak(&mut settings);
         let worker = Worker::new(

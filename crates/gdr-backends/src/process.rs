@@ -6,7 +6,9 @@
 //!   Kubernetes (assignment labels/annotations, claimed/terminal/identity markers, pid,
 //!   pid start time, exit code). Written atomically (temp file, fsync, rename, fsync dir).
 //! - `work/`: the executor's working directory (`CI_RUNNER_WORKDIR`).
-//! - `executor.log`: the child's stdout and stderr, appended.
+//! - `executor.log`: the child's stdout and stderr, appended. When the executor is deleted
+//!   the log moves to `<state_root>/logs/<assignment-id>.log` and is kept as long as the
+//!   [`LogRetention`] says, so the cause of a failure can still be read after clean-up.
 //!
 //! Executors outlive the controller: children are not killed on drop and run in their own
 //! process group. A new backend instance re-adopts live executors (pid alive and same start
@@ -64,6 +66,12 @@ pub const METADATA_FILE: &str = "metadata.json";
 pub const LOG_FILE: &str = "executor.log";
 /// Name of the work directory inside an executor directory.
 pub const WORK_DIR: &str = "work";
+/// Directory under the state root that keeps the logs of deleted executors.
+pub const LOGS_DIR: &str = "logs";
+/// How much of the end of `executor.log` is searched for the executor's last error.
+const ERROR_TAIL: u64 = 64 * 1024;
+/// Longest error line quoted in a failure reason.
+const MAX_ERROR_LINE: usize = 300;
 
 const METADATA_VERSION: u32 = 1;
 const METADATA_TEMP: &str = "metadata.json.tmp";
@@ -197,6 +205,30 @@ pub struct ProcessBackendSettings {
     pub trust_domain: TrustDomain,
     /// How long `delete` waits after SIGTERM before SIGKILL.
     pub stop_grace: Duration,
+    /// Which logs of deleted executors are kept.
+    pub log_retention: LogRetention,
+}
+
+/// Which logs of deleted executors are kept: none older than `max_age`, at most
+/// `max_count` (the newest).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogRetention {
+    /// Age limit (zero: no log is kept).
+    pub max_age: Duration,
+    /// Count limit (zero: no log is kept).
+    pub max_count: usize,
+}
+
+impl LogRetention {
+    /// Keeps no log.
+    pub const NONE: LogRetention = LogRetention {
+        max_age: Duration::ZERO,
+        max_count: 0,
+    };
+
+    fn keeps_any(&self) -> bool {
+        !self.max_age.is_zero() && self.max_count > 0
+    }
 }
 
 /// What `metadata.json` holds.
@@ -394,14 +426,18 @@ impl Inner {
     fn phase(&self, name: &str, meta: &Metadata) -> Phase {
         // A child of ours is authoritative: it is running until reaped, then its exit
         // status is known exactly (even before the metadata write lands).
-        if let Some(child) = self.live().children.get(name) {
-            return match *child.exit.borrow() {
-                None => Phase::Running,
-                Some(code) => finished(code),
-            };
+        let exit = self
+            .live()
+            .children
+            .get(name)
+            .map(|child| *child.exit.borrow());
+        match exit {
+            Some(None) => return Phase::Running,
+            Some(Some(code)) => return finished(code, last_error_line(&self.dir(name))),
+            None => {}
         }
         if let Some(code) = meta.exit_code {
-            return finished(Some(code));
+            return finished(Some(code), last_error_line(&self.dir(name)));
         }
         match (meta.pid, meta.pid_start_time) {
             (Some(pid), Some(start)) if process_alive(pid, start) => Phase::Running,
@@ -410,8 +446,17 @@ impl Inner {
             // started: either way it did not end cleanly as far as we can tell.
             (Some(_), _) => Phase::Finished {
                 success: false,
-                reason: Some("the executor process ended while no controller watched it".into()),
+                reason: Some(match last_error_line(&self.dir(name)) {
+                    Some(line) => format!(
+                        "the executor process ended while no controller watched it; its last error: {line}"
+                    ),
+                    None => "the executor process ended while no controller watched it".into(),
+                }),
             },
+            // A controller that died between spawning and recording the pid left it running.
+            (None, _) if unrecorded_executor(&self.dir(name).join(WORK_DIR)).is_some() => {
+                Phase::Running
+            }
             (None, _) => Phase::Finished {
                 success: false,
                 reason: Some("the executor process was never recorded as started".into()),
@@ -861,9 +906,11 @@ impl ExecutorBackend for ProcessBackend {
             let target = match own {
                 Some(target) => Some(target),
                 None => match self.inner.load(name).await {
-                    Ok(Load::Valid(loaded)) => {
-                        loaded.meta.pid.map(|p| (p, loaded.meta.pid_start_time))
-                    }
+                    Ok(Load::Valid(loaded)) => match loaded.meta.pid {
+                        Some(p) => Some((p, loaded.meta.pid_start_time)),
+                        None => unrecorded_executor(&dir.join(WORK_DIR))
+                            .map(|(pid, start)| (pid, Some(start))),
+                    },
                     Ok(_) => None,
                     Err(e) => {
                         tracing::warn!(assignment_id = %id, executor = name, error = %e, "deleting an executor whose metadata cannot be trusted; no process is signalled");
@@ -880,6 +927,21 @@ impl ExecutorBackend for ProcessBackend {
                 let mut live = self.inner.live();
                 live.provisioned.remove(name);
                 live.children.remove(name);
+            }
+            let retention = self.inner.settings.log_retention;
+            if retention.keeps_any() {
+                let root = self.inner.settings.state_root.clone();
+                let (log_name, log_dir) = (name.to_owned(), dir.clone());
+                let kept = tokio::task::spawn_blocking(move || {
+                    keep_log(&root, &log_name, &log_dir, retention)
+                })
+                .await
+                .map_err(|e| io::Error::other(e.to_string()))
+                .and_then(|r| r);
+                // The executor goes anyway: a log that cannot be kept must not leak it.
+                if let Err(e) = kept {
+                    tracing::warn!(assignment_id = %id, executor = name, error = %e, "cannot keep the executor's log");
+                }
             }
             match tokio::fs::remove_dir_all(&dir).await {
                 Ok(()) => {
@@ -939,6 +1001,23 @@ fn parse_stat(text: &str) -> Option<ProcStat> {
     })
 }
 
+/// The executor a controller spawned but died before recording (killed between the
+/// metadata write and the pid write): the process-group leader whose working directory is
+/// the executor's `work/` (only this user's processes can be there). Its pid and start time.
+fn unrecorded_executor(work: &Path) -> Option<(u32, u64)> {
+    let work = std::fs::canonicalize(work).ok()?;
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .find_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let stat = proc_stat(pid)?;
+            let leader = i32::try_from(pid).ok()? == stat.pgrp;
+            let here = std::fs::read_link(entry.path().join("cwd")).ok()? == work;
+            (leader && here && !exited(stat.state)).then_some((pid, stat.start_time))
+        })
+}
+
 fn exited(state: char) -> bool {
     matches!(state, 'Z' | 'X' | 'x')
 }
@@ -967,15 +1046,99 @@ fn signal_group(pgid: i32, signal: Signal) {
     }
 }
 
-fn finished(code: Option<i32>) -> Phase {
+fn finished(code: Option<i32>, last_error: Option<String>) -> Phase {
+    let status = match code {
+        Some(code) if code > 128 => format!("the executor was killed by signal {}", code - 128),
+        Some(code) => format!("the executor exited with status {code}"),
+        None => "the executor ended with an unknown status".to_owned(),
+    };
     Phase::Finished {
         success: code == Some(0),
-        reason: Some(match code {
-            Some(code) if code > 128 => format!("the executor was killed by signal {}", code - 128),
-            Some(code) => format!("the executor exited with status {code}"),
-            None => "the executor ended with an unknown status".to_owned(),
+        reason: Some(match last_error {
+            Some(line) => format!("{status}; its last error: {line}"),
+            None => status,
         }),
     }
+}
+
+/// The executor's own last error in `<dir>/executor.log`: the `error: …` line it prints
+/// when it stops, or its last ERROR event. Lines of the runner (which shares the file) are
+/// not quoted: only the executor's own messages, which never carry secrets (invariant 17).
+fn last_error_line(dir: &Path) -> Option<String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut file = std::fs::File::open(dir.join(LOG_FILE)).ok()?;
+    let len = file.metadata().ok()?.len();
+    file.seek(SeekFrom::Start(len.saturating_sub(ERROR_TAIL)))
+        .ok()?;
+    let mut tail = Vec::new();
+    file.take(ERROR_TAIL).read_to_end(&mut tail).ok()?;
+    let text = String::from_utf8_lossy(&tail);
+    let line = text.lines().rev().find_map(executor_error)?;
+    Some(if line.chars().count() > MAX_ERROR_LINE {
+        let cut: String = line.chars().take(MAX_ERROR_LINE).collect();
+        format!("{cut}…")
+    } else {
+        line
+    })
+}
+
+/// The message of one executor error line, if it is one.
+fn executor_error(line: &str) -> Option<String> {
+    if let Some(rest) = line.strip_prefix("error: ") {
+        return Some(rest.trim().to_owned());
+    }
+    let event: serde_json::Value = serde_json::from_str(line).ok()?;
+    let ours = event
+        .get("target")
+        .and_then(|t| t.as_str())
+        .is_some_and(|t| t.starts_with("gdr_executor"));
+    if !ours || event.get("level").and_then(|l| l.as_str()) != Some("ERROR") {
+        return None;
+    }
+    let message = event.get("message")?.as_str()?;
+    Some(match event.get("error").and_then(|e| e.as_str()) {
+        Some(error) => format!("{message}: {error}"),
+        None => message.to_owned(),
+    })
+}
+
+/// Moves a deleted executor's log to `logs/`, then drops kept logs beyond the retention.
+fn keep_log(root: &Path, name: &str, dir: &Path, retention: LogRetention) -> io::Result<()> {
+    let logs = root.join(LOGS_DIR);
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&logs)?;
+    match std::fs::rename(dir.join(LOG_FILE), logs.join(format!("{name}.log"))) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    prune_logs(&logs, retention, SystemTime::now())
+}
+
+/// Removes kept logs older than the retention, then the oldest beyond its count.
+fn prune_logs(logs: &Path, retention: LogRetention, now: SystemTime) -> io::Result<()> {
+    let mut kept: Vec<(SystemTime, PathBuf)> = Vec::new();
+    for entry in std::fs::read_dir(logs)? {
+        let entry = entry?;
+        let path = entry.path();
+        if path.extension().is_none_or(|e| e != "log") {
+            continue;
+        }
+        let modified = entry.metadata()?.modified()?;
+        let age = now.duration_since(modified).unwrap_or_default();
+        if age > retention.max_age {
+            std::fs::remove_file(&path)?;
+        } else {
+            kept.push((modified, path));
+        }
+    }
+    kept.sort_by_key(|k| std::cmp::Reverse(k.0));
+    for (_, path) in kept.into_iter().skip(retention.max_count) {
+        std::fs::remove_file(path)?;
+    }
+    Ok(())
 }
 
 fn process_target(meta: &Metadata) -> Option<IdentityTarget> {
@@ -1033,6 +1196,68 @@ mod tests {
         assert_eq!(stat.state, 'S');
         assert_eq!(stat.pgrp, 1234);
         assert_eq!(stat.start_time, 987654);
+    }
+
+    /// The failure reason quotes the executor's own last error, never a runner line.
+    #[test]
+    fn the_last_error_line_is_the_executors_own() {
+        let dir = tempfile::tempdir().expect("dir");
+        let log = [
+            r#"{"timestamp":"t","level":"ERROR","message":"first","target":"gdr_executor::relay"}"#,
+            r#"{"timestamp":"t","level":"ERROR","message":"runner says: token=xyz","target":"runner"}"#,
+            r#"{"timestamp":"t","level":"ERROR","message":"the facade stayed away","waited":"1s","error":"refused","target":"gdr_executor::relay"}"#,
+            "some runner output",
+        ]
+        .join("\n");
+        std::fs::write(dir.path().join(LOG_FILE), log).expect("write");
+        assert_eq!(
+            last_error_line(dir.path()).as_deref(),
+            Some("the facade stayed away: refused")
+        );
+        std::fs::write(
+            dir.path().join(LOG_FILE),
+            "noise\nerror: gave up delivering the runner's reports\nmore runner output\n",
+        )
+        .expect("write");
+        assert_eq!(
+            last_error_line(dir.path()).as_deref(),
+            Some("gave up delivering the runner's reports")
+        );
+        assert_eq!(
+            finished(Some(1), Some("boom".into())),
+            Phase::Finished {
+                success: false,
+                reason: Some("the executor exited with status 1; its last error: boom".into())
+            }
+        );
+    }
+
+    /// Kept logs never exceed the retention's age or count; the newest stay.
+    #[test]
+    fn kept_logs_are_pruned_by_age_and_count() {
+        let dir = tempfile::tempdir().expect("dir");
+        let now = SystemTime::now();
+        for (i, age) in [10u64, 20, 30, 4000].iter().enumerate() {
+            let path = dir.path().join(format!("gitea-task-{i}.log"));
+            std::fs::write(&path, "x").expect("write");
+            let file = std::fs::File::options()
+                .write(true)
+                .open(&path)
+                .expect("open");
+            file.set_modified(now - Duration::from_secs(*age))
+                .expect("mtime");
+        }
+        let retention = LogRetention {
+            max_age: Duration::from_secs(3600),
+            max_count: 2,
+        };
+        prune_logs(dir.path(), retention, now).expect("prune");
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .expect("list")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["gitea-task-0.log", "gitea-task-1.log"]);
     }
 
     #[test]

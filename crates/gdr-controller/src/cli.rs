@@ -53,6 +53,29 @@ pub enum Command {
     Metrics(MetricsArgs),
     /// Print the version.
     Version,
+    /// Internal: run PROGRAM so that it dies with the process that started it (the
+    /// controller starts its embedded nats-server this way).
+    #[command(name = "exec-bound-to-parent", hide = true)]
+    ExecBoundToParent(BoundArgs),
+}
+
+/// `exec-bound-to-parent` arguments.
+#[derive(Debug, Args)]
+pub struct BoundArgs {
+    /// The pid of the process PROGRAM must not outlive.
+    #[arg(long)]
+    pub parent: u32,
+    /// The program and its arguments.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    pub program: Vec<std::ffi::OsString>,
+}
+
+/// `exec-bound-to-parent`: becomes PROGRAM, or fails.
+pub fn exec_bound_to_parent(args: BoundArgs) -> ExitCode {
+    fail(crate::runtime::exec_bound_to_parent(
+        args.parent,
+        &args.program,
+    ))
 }
 
 /// Where the configuration comes from.

@@ -237,3 +237,55 @@ impl crate::status::QueueDepth for ConsumerDepth {
             .saturating_add(u64::try_from(info.num_ack_pending).unwrap_or(u64::MAX)))
     }
 }
+
+/// One message waiting in the stream.
+#[derive(Debug, Clone)]
+pub struct Queued {
+    /// Its stream sequence.
+    pub sequence: u64,
+    /// Its subject (`<base>.pod` / `<base>.vm`).
+    pub subject: String,
+    /// The envelope.
+    pub payload: bytes::Bytes,
+}
+
+/// The messages on `subjects` (a subject or wildcard) present in `stream` when it was
+/// opened (its cached info), read one by one without consuming them. With work-queue
+/// retention these are the assignments not claimed yet (and those whose claim has not
+/// been acknowledged).
+pub async fn queued(stream: &stream::Stream, subjects: &str) -> Result<Vec<Queued>, QueueError> {
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
+    let info = stream.cached_info();
+    let state = info.state.clone();
+    let mut out = Vec::new();
+    if state.messages == 0 {
+        return Ok(out);
+    }
+    let mut sequence = state.first_sequence;
+    // Only messages present now; later ones are the next reader's.
+    while sequence <= state.last_sequence {
+        let message = match stream
+            .get_first_raw_message_by_subject(subjects, sequence)
+            .await
+        {
+            Ok(m) => m,
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => break,
+            Err(e) => {
+                return Err(QueueError::Stream {
+                    stream: info.config.name.clone(),
+                    message: e.to_string(),
+                });
+            }
+        };
+        sequence = message.sequence + 1;
+        if message.sequence > state.last_sequence {
+            break;
+        }
+        out.push(Queued {
+            sequence: message.sequence,
+            subject: message.subject.to_string(),
+            payload: message.payload,
+        });
+    }
+    Ok(out)
+}

@@ -68,6 +68,8 @@ pub struct WorkerSettings {
     pub runner_label: String,
     /// The metadata codec of executor objects.
     pub codec: MetadataCodec,
+    /// How long executors hold their runner's reports while the facade is unreachable.
+    pub report_outage_tolerance: Duration,
 }
 
 /// What became of one delivery; logged and counted.
@@ -164,6 +166,32 @@ pub enum WorkerError {
     NoBackend(Backend),
 }
 
+/// Deletes a resumed assignment's message once its runner claimed it (see
+/// [`Worker::resume_adopted`]); gives up when the assignment is forgotten unclaimed.
+async fn remove_once_claimed(
+    stream: jetstream::stream::Stream,
+    sequence: u64,
+    id: AssignmentId,
+    mut claim: tokio::sync::watch::Receiver<ClaimState>,
+) {
+    let claimed = claim
+        .wait_for(|s| matches!(s, ClaimState::Claimed | ClaimState::Terminal))
+        .await
+        .is_ok();
+    if !claimed {
+        return;
+    }
+    match stream.delete_message(sequence).await {
+        Ok(_) => {
+            tracing::debug!(assignment_id = %id, sequence, "removed the claimed assignment of a resumed executor from the stream");
+        }
+        // Acknowledged by a redelivery meanwhile: gone already.
+        Err(e) => {
+            tracing::debug!(assignment_id = %id, sequence, error = %e, "the claimed assignment of a resumed executor is no longer in the stream");
+        }
+    }
+}
+
 /// Removes an assignment from the in-flight set when its handler ends, however it ends.
 struct InFlight<'a> {
     set: &'a Mutex<HashSet<AssignmentId>>,
@@ -219,6 +247,67 @@ impl Worker {
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = Some(metrics);
         self
+    }
+
+    /// Offers their assignments to the adopted executors whose runner has not claimed yet,
+    /// read straight from `stream` (messages on `subject`); returns how many.
+    ///
+    /// After a controller restart JetStream keeps the messages the dead controller held
+    /// pending until `nats_ack_wait` passes; their runners meanwhile poll the facade for a
+    /// task it cannot give them. Reading the messages now lets those runners claim in
+    /// seconds. Once one is claimed its message is deleted from the stream, as the ack
+    /// after a claim would have removed it (the dead controller's delivery cannot be
+    /// acknowledged from here), so a later redelivery cannot create its executor again.
+    /// A redelivery that comes before the claim is handled as any delivery.
+    pub async fn resume_adopted(&self, stream: &jetstream::stream::Stream, subject: &str) -> usize {
+        let backend = self.settings.backend;
+        let waiting: HashSet<AssignmentId> = match self.backend.list().await {
+            Ok(records) => records
+                .into_iter()
+                .filter(|r| !r.claimed && !r.terminal && !r.phase.is_finished())
+                .map(|r| r.assignment.id().clone())
+                .collect(),
+            Err(e) => {
+                tracing::warn!(%backend, error = %e, "cannot list executors to resume; their redelivery resumes them");
+                return 0;
+            }
+        };
+        if waiting.is_empty() {
+            return 0;
+        }
+        let messages = match crate::queue::queued(stream, subject).await {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(%backend, error = %e, "cannot read the stream to resume adopted executors; their redelivery resumes them");
+                return 0;
+            }
+        };
+        let mut resumed = 0;
+        for message in messages {
+            let Some(id) = envelope_id(&message.payload).filter(|id| waiting.contains(id)) else {
+                continue;
+            };
+            match decode(&message.payload, &self.policy, self.keyring.as_ref()) {
+                Ok(assignment) if assignment.backend() == backend && assignment.id() == &id => {
+                    // Admitted already: the pool was restored from the same executors.
+                    if self.dispatch.admit(backend, &id) == Admission::Full {
+                        continue;
+                    }
+                    let claim = self.dispatch.offer(&assignment);
+                    tokio::spawn(remove_once_claimed(
+                        stream.clone(),
+                        message.sequence,
+                        id.clone(),
+                        claim,
+                    ));
+                    resumed += 1;
+                    tracing::info!(%backend, assignment_id = %id, "offered the assignment of an adopted executor without waiting for its redelivery");
+                }
+                // Its redelivery decides (and terminates a bad one).
+                Ok(_) | Err(_) => {}
+            }
+        }
+        resumed
     }
 
     /// Consumes until `shutdown`. In-flight deliveries are NAKed on shutdown.
@@ -657,6 +746,7 @@ impl Worker {
             &self.settings.facade_spiffe_id,
             &self.settings.runner_label,
         )
+        .with_report_outage_tolerance(self.settings.report_outage_tolerance)
     }
 }
 

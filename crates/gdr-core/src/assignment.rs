@@ -275,6 +275,9 @@ pub enum TaskKeyError {
         /// Decoded length.
         len: usize,
     },
+    /// The system's random source failed while generating a key.
+    #[error("no randomness for a new task key")]
+    Random,
 }
 
 impl TaskKey {
@@ -309,6 +312,17 @@ impl TaskKey {
             .try_into()
             .map_err(|_| TaskKeyError::Length { len: bytes.len() })?;
         Ok(Self::from_bytes(key))
+    }
+
+    /// A new random key and the text of its key file (64 hex digits and a newline).
+    pub fn generate() -> Result<(Self, String), TaskKeyError> {
+        let mut key = [0u8; TASK_KEY_BYTES];
+        SystemRandom::new()
+            .fill(&mut key)
+            .map_err(|_| TaskKeyError::Random)?;
+        let mut text: String = key.iter().map(|b| format!("{b:02x}")).collect();
+        text.push('\n');
+        Ok((Self::from_bytes(key), text))
     }
 
     /// First 16 hex digits of SHA-256(`"gitea-dynamic-runner task key\0"` + key).

@@ -37,6 +37,9 @@ pub mod env {
     pub const RUNNER_LABEL: &str = "CI_RUNNER_LABEL";
     /// The SPIFFE Workload API socket.
     pub const SPIFFE_ENDPOINT_SOCKET: &str = "SPIFFE_ENDPOINT_SOCKET";
+    /// How long (seconds) the executor holds its runner's reports while the facade is
+    /// unreachable (`executor_report_outage_tolerance`).
+    pub const REPORT_OUTAGE_TOLERANCE: &str = "CI_EXECUTOR_REPORT_OUTAGE_TOLERANCE";
 }
 
 /// Everything a backend needs to start one executor.
@@ -57,6 +60,9 @@ pub struct ExecutorSpec {
     /// The metadata to place on the executor object, from the one codec
     /// ([`crate::metadata::MetadataCodec::encode`]), `runner=true` included.
     pub metadata: ExecutorMetadata,
+    /// How long the executor holds its runner's reports while the facade is unreachable
+    /// (`None`: the executor's default).
+    pub report_outage_tolerance: Option<Duration>,
 }
 
 impl ExecutorSpec {
@@ -79,13 +85,21 @@ impl ExecutorSpec {
             facade_spiffe_id: facade_spiffe_id.into(),
             runs_on: assignment.runs_on().to_vec(),
             runner_label: runner_label.into(),
+            report_outage_tolerance: None,
         }
+    }
+
+    /// The same spec with the executor's report outage tolerance set.
+    #[must_use]
+    pub fn with_report_outage_tolerance(mut self, tolerance: Duration) -> Self {
+        self.report_outage_tolerance = Some(tolerance);
+        self
     }
 
     /// The executor's `CI_*` environment (the capability included: it is what the
     /// executor authenticates with; it is never logged).
     pub fn environment(&self) -> BTreeMap<&'static str, String> {
-        BTreeMap::from([
+        let mut env = BTreeMap::from([
             (env::ASSIGNMENT_ID, self.assignment.id().as_str().to_owned()),
             (env::CAPABILITY, self.capability.expose().to_owned()),
             (env::FACADE_URL, self.facade_url.clone()),
@@ -96,7 +110,14 @@ impl ExecutorSpec {
             ),
             (env::BACKEND, self.assignment.backend().as_str().to_owned()),
             (env::RUNNER_LABEL, self.runner_label.clone()),
-        ])
+        ]);
+        if let Some(tolerance) = self.report_outage_tolerance {
+            env.insert(
+                env::REPORT_OUTAGE_TOLERANCE,
+                tolerance.as_secs().to_string(),
+            );
+        }
+        env
     }
 }
 

@@ -17,6 +17,7 @@
 
 pub mod assignment;
 pub mod backend;
+pub mod backoff;
 pub mod capability;
 pub mod capacity;
 pub mod executor;

@@ -5,7 +5,12 @@
 //!   facade and runs the runner once (`daemon --once`).
 //! - [`proxy`]: the loopback HTTP proxy the runner's `.runner` `address` points at; it
 //!   forwards everything to the facade over mTLS with the executor's SVID.
+//! - [`relay`]: the runner's RunnerService calls on their way to the facade: sent again
+//!   while the facade is unreachable, reports held and answered as Gitea would until the
+//!   facade has them ([`outbox`]).
 
 pub mod docker;
 pub mod oneshot;
+pub mod outbox;
 pub mod proxy;
+pub mod relay;

@@ -3,6 +3,12 @@
 //! one-shot `.runner`, waits until the facade answers, then runs the unmodified official
 //! runner as `daemon --once` and exits with its status.
 //!
+//! Restarts of the controller cost no job (DESIGN invariant 19): a runner that exits before
+//! its task was claimed (its `Declare` failed while the facade was away) is started again,
+//! with backoff, for as long as the outage tolerance; and the executor does not exit before
+//! everything the runner reported reached the facade, or the tolerance ran out (then it
+//! exits non-zero and says what was lost).
+//!
 //! The executor never sees the controller's Gitea credential: its runner token is the
 //! assignment-scoped capability, useful only at the facade and only with this
 //! workload's SVID.
@@ -14,9 +20,18 @@ use std::time::Duration;
 
 use gdr_core::assignment::AssignmentId;
 use gdr_core::backend::Backend;
+use gdr_core::backoff::Backoff;
 use gdr_core::executor::env;
 use rustix::process::{Pid, Signal};
 use serde::Serialize;
+
+use crate::relay::{Claim, Relay, Settled};
+
+/// Default of `CI_EXECUTOR_REPORT_OUTAGE_TOLERANCE` (the controller's
+/// `executor_report_outage_tolerance` default).
+pub const DEFAULT_REPORT_OUTAGE_TOLERANCE: Duration = Duration::from_secs(30 * 60);
+/// Starting the runner again after it exited before its task was claimed.
+const RUNNER_RESTART: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
 
 /// Everything the executor reads from its environment.
 #[derive(Clone)]
@@ -41,6 +56,10 @@ pub struct ExecutorConfig {
     pub work_dir: Option<PathBuf>,
     /// How long to wait for the SVID and the facade (`CI_EXECUTOR_READY_TIMEOUT` seconds, default 120).
     pub ready_timeout: Duration,
+    /// How long the runner's reports are held while the facade is unreachable, and how
+    /// long a runner that exits before its task was claimed is started again
+    /// (`CI_EXECUTOR_REPORT_OUTAGE_TOLERANCE` seconds, default 30 minutes).
+    pub report_outage_tolerance: Duration,
 }
 
 impl std::fmt::Debug for ExecutorConfig {
@@ -51,6 +70,7 @@ impl std::fmt::Debug for ExecutorConfig {
             .field("facade_url", &self.facade_url)
             .field("facade_spiffe_id", &self.facade_spiffe_id)
             .field("runner_binary", &self.runner_binary)
+            .field("report_outage_tolerance", &self.report_outage_tolerance)
             .finish_non_exhaustive()
     }
 }
@@ -83,6 +103,22 @@ pub enum RunError {
     /// The facade never answered.
     #[error("the facade at {0} did not answer in time")]
     FacadeUnreachable(String),
+    /// The facade stayed unreachable longer than the tolerance after the runner reported.
+    #[error(
+        "gave up delivering the runner's reports after the facade was unreachable for {waited:?} \
+         (executor_report_outage_tolerance {tolerance:?}): {rows} log rows{} not delivered",
+        if *.result { " and the job's result" } else { "" }
+    )]
+    ReportsUndelivered {
+        /// How long the executor waited.
+        waited: Duration,
+        /// The tolerance.
+        tolerance: Duration,
+        /// Log rows lost.
+        rows: usize,
+        /// Whether the result was lost too.
+        result: bool,
+    },
 }
 
 impl ExecutorConfig {
@@ -120,6 +156,13 @@ impl ExecutorConfig {
             })?),
             None => Duration::from_secs(120),
         };
+        let report_outage_tolerance = match get(env::REPORT_OUTAGE_TOLERANCE) {
+            Some(v) => Duration::from_secs(v.trim().parse().map_err(|_| RunError::Env {
+                name: env::REPORT_OUTAGE_TOLERANCE,
+                problem: format!("{v:?} is not a number of seconds"),
+            })?),
+            None => DEFAULT_REPORT_OUTAGE_TOLERANCE,
+        };
         Ok(ExecutorConfig {
             assignment_id,
             capability: required(env::CAPABILITY)?,
@@ -132,6 +175,7 @@ impl ExecutorConfig {
                 .map_or_else(|| PathBuf::from("gitea-runner"), PathBuf::from),
             work_dir: get("CI_RUNNER_WORKDIR").map(PathBuf::from),
             ready_timeout,
+            report_outage_tolerance,
         })
     }
 }
@@ -222,7 +266,6 @@ pub async fn run(
     config: ExecutorConfig,
     mut signals: tokio::sync::mpsc::Receiver<Forward>,
 ) -> Result<ExitStatus, RunError> {
-    let id = config.assignment_id.as_str().to_string();
     let source =
         gdr_identity::tls::x509_source_with_timeout(&config.workload_api, config.ready_timeout)
             .await?;
@@ -241,14 +284,19 @@ pub async fn run(
         source,
     })?;
     let proxy_url = format!("http://{local}");
+    let relay = Relay::new(
+        &config.facade_url,
+        &client_config,
+        config.report_outage_tolerance,
+    )?;
     let (stop_proxy, proxy_stopped) = tokio::sync::oneshot::channel::<()>();
-    let facade_url = config.facade_url.clone();
-    let proxy = tokio::spawn(async move {
-        crate::proxy::serve_loopback_proxy(listener, &facade_url, client_config, async {
+    let proxy = tokio::spawn(crate::proxy::serve_loopback_proxy(
+        listener,
+        relay.clone(),
+        async {
             let _ = proxy_stopped.await;
-        })
-        .await
-    });
+        },
+    ));
 
     let mut cleanup = Cleanup {
         runner_file: None,
@@ -265,25 +313,78 @@ pub async fn run(
     cleanup.runner_file = Some(work_dir.join(RUNNER_FILE));
     write_runner_file(&work_dir, &config, &proxy_url)?;
     wait_for_facade(&proxy_url, config.ready_timeout).await?;
-    tracing::info!(assignment_id = %id, proxy = %proxy_url, runner = %config.runner_binary.display(), "starting the one-shot runner");
 
-    let mut child = tokio::process::Command::new(&config.runner_binary)
-        .args(["daemon", "--once"])
-        .current_dir(&work_dir)
-        // The runner gets no CI_RUNNER_CAPABILITY: it reads its token from .runner.
-        .env_remove(env::CAPABILITY)
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|source| RunError::Io {
-            what: format!("starting the runner {}", config.runner_binary.display()),
-            source,
-        })?;
-    let status = wait_forwarding_signals(&mut child, &id, &mut signals).await?;
-    tracing::info!(assignment_id = %id, status = %status, "the one-shot runner exited");
+    let status = run_runner(&config, &work_dir, &proxy_url, &relay, &mut signals).await?;
+    // Invariant 19: the runner may have been answered by the relay; nothing leaves
+    // before the facade has it.
+    let settled = relay.settled().await;
     let _ = stop_proxy.send(());
     let _ = proxy.await;
     drop(cleanup);
-    Ok(status)
+    match settled {
+        Settled::Delivered => Ok(status),
+        Settled::GaveUp {
+            waited,
+            rows,
+            result,
+        } => Err(RunError::ReportsUndelivered {
+            waited,
+            tolerance: config.report_outage_tolerance,
+            rows,
+            result,
+        }),
+    }
+}
+
+/// Runs the runner until it has claimed its task (or cannot), starting it again when it
+/// exits before the claim — a restart of the controller during its `Declare` must not
+/// cost the job — with backoff, for as long as the outage tolerance. Returns the last
+/// runner's exit status.
+async fn run_runner(
+    config: &ExecutorConfig,
+    work_dir: &Path,
+    proxy_url: &str,
+    relay: &Relay,
+    signals: &mut tokio::sync::mpsc::Receiver<Forward>,
+) -> Result<ExitStatus, RunError> {
+    let id = config.assignment_id.as_str();
+    let mut restarts = 0u32;
+    let mut first_early_exit: Option<tokio::time::Instant> = None;
+    loop {
+        tracing::info!(assignment_id = %id, proxy = %proxy_url, runner = %config.runner_binary.display(), restarts, "starting the one-shot runner");
+        let mut child = tokio::process::Command::new(&config.runner_binary)
+            .args(["daemon", "--once"])
+            .current_dir(work_dir)
+            // The runner gets no CI_RUNNER_CAPABILITY: it reads its token from .runner.
+            .env_remove(env::CAPABILITY)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| RunError::Io {
+                what: format!("starting the runner {}", config.runner_binary.display()),
+                source,
+            })?;
+        let (status, signalled) = wait_forwarding_signals(&mut child, id, signals).await?;
+        tracing::info!(assignment_id = %id, status = %status, "the one-shot runner exited");
+        let claim = relay.claim();
+        if signalled || claim != Claim::Unclaimed {
+            return Ok(status);
+        }
+        let since = *first_early_exit.get_or_insert_with(tokio::time::Instant::now);
+        if since.elapsed() >= config.report_outage_tolerance {
+            tracing::error!(assignment_id = %id, %status, restarts, "the runner keeps exiting before its task was claimed; giving up");
+            return Ok(status);
+        }
+        let delay = RUNNER_RESTART.delay(restarts);
+        tracing::warn!(assignment_id = %id, %status, restarts, retry_in = ?delay, "the runner exited before its task was claimed; starting it again");
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            Some(forward) = signals.recv() => {
+                tracing::info!(assignment_id = %id, signal = ?forward, "stopping instead of starting the runner again");
+                return Ok(status);
+            }
+        }
+        restarts += 1;
+    }
 }
 
 fn tempdir() -> Result<PathBuf, RunError> {
@@ -312,18 +413,23 @@ fn tempdir() -> Result<PathBuf, RunError> {
 
 /// The runner cancels its job on SIGTERM/SIGINT and still reports a cancelled result,
 /// so the executor passes those signals on and keeps waiting for the runner to exit.
+/// Returns the runner's status and whether a signal was passed on.
 async fn wait_forwarding_signals(
     child: &mut tokio::process::Child,
     id: &str,
     signals: &mut tokio::sync::mpsc::Receiver<Forward>,
-) -> Result<ExitStatus, RunError> {
+) -> Result<(ExitStatus, bool), RunError> {
+    let mut signalled = false;
     loop {
         let forwarded = tokio::select! {
             status = child.wait() => {
-                return status.map_err(|source| RunError::Io { what: "waiting for the runner".into(), source });
+                return status
+                    .map(|s| (s, signalled))
+                    .map_err(|source| RunError::Io { what: "waiting for the runner".into(), source });
             }
             Some(forward) = signals.recv() => forward,
         };
+        signalled = true;
         let signal = match forwarded {
             Forward::Terminate => Signal::TERM,
             Forward::Interrupt => Signal::INT,
@@ -338,6 +444,9 @@ async fn wait_forwarding_signals(
         }
     }
 }
+
+/// How long one facade probe may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// Waits until a request through the proxy gets any answer from the facade (the
 /// runner exits at once if its first Declare fails).
@@ -374,11 +483,18 @@ async fn probe(stream: tokio::net::TcpStream, url: &str) -> bool {
     });
     let Ok(request) = http::Request::post(url)
         .header(http::header::HOST, "localhost")
+        // Bounds how long the proxy waits for an unreachable facade on our behalf.
+        .header("connect-timeout-ms", PROBE_TIMEOUT.as_millis().to_string())
         .body(http_body_util::Empty::new())
     else {
         return false;
     };
-    match tokio::time::timeout(Duration::from_secs(5), sender.send_request(request)).await {
+    match tokio::time::timeout(
+        PROBE_TIMEOUT + Duration::from_secs(1),
+        sender.send_request(request),
+    )
+    .await
+    {
         Ok(Ok(response)) => response.status().as_u16() < 502,
         _ => false,
     }

@@ -2,34 +2,60 @@
 //! (plain HTTP on 127.0.0.1), and every request is forwarded to the facade over mTLS
 //! with the executor's X.509-SVID.
 //!
-//! Bodies stream in both directions (hyper's `Incoming` is handed straight to the
-//! client and back), so a multi-GiB checkout or artifact upload never sits in memory.
-//! The TLS client configuration comes from `spiffe-rustls`; it resolves the current
-//! SVID on every handshake, so new connections after a rotation present the new
-//! certificate while established ones carry on.
+//! Bodies of ordinary requests (checkout, artifacts) stream in both directions, so a
+//! multi-GiB transfer never sits in memory. The runner's RunnerService calls are small and
+//! go through the [`Relay`], which rides out facade outages (DESIGN invariant 19): while
+//! the facade is unreachable it waits and retries instead of answering 502, and it holds
+//! the runner's reports until the facade has them.
+//!
+//! "Unreachable" means no request byte reached the facade: the TCP connection was refused
+//! or the TLS handshake failed (also a facade that is not the expected SPIFFE ID). Such a
+//! request is sent again, for as long as its caller's deadline (`Connect-Timeout-Ms`) or
+//! the outage tolerance allows. A streamed body is replayed only if none of it was read.
+//!
+//! The TLS client configuration comes from `spiffe-rustls`; it resolves the current SVID
+//! on every handshake, so new connections after a rotation present the new certificate
+//! while established ones carry on.
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use gdr_core::backoff::Backoff;
 use http::header::{self, HeaderMap, HeaderName};
-use http::{Request, Response, StatusCode, Uri};
-use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
+use http::{Method, Request, Response, StatusCode, Uri};
+use http_body_util::combinators::{BoxBody, UnsyncBoxBody};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Frame, Incoming, SizeHint};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio::time::Instant;
+
+use crate::relay::Relay;
 
 /// Bound on TCP connection establishment to the facade.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound of one buffered call to the facade (the official runner's request timeout).
+const UNARY_TIMEOUT: Duration = Duration::from_secs(60);
+/// Largest RunnerService request or answer the proxy buffers (a task with its secrets,
+/// a log batch).
+const MAX_UNARY_BODY: usize = 64 * 1024 * 1024;
+/// Waiting for an unreachable facade: quick at first, then every few seconds.
+pub(crate) const OUTAGE_BACKOFF: Backoff =
+    Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+/// The RunnerService path prefix under the runner's address.
+const RUNNER_SERVICE: &str = "/api/actions/runner.v1.RunnerService/";
 
-/// Errors that stop the proxy (per-request failures become 502 answers instead).
+/// Errors that stop the proxy (per-request failures become error answers instead).
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
     /// The facade URL is not `https://host[:port][/base]`.
@@ -81,55 +107,187 @@ impl Upstream {
         })
     }
 
-    fn target(&self, incoming: &Uri) -> Result<Uri, http::Error> {
-        let pq = incoming
-            .path_and_query()
-            .map(|pq| pq.as_str())
-            .unwrap_or("/");
+    fn target(&self, path_and_query: &str) -> Result<Uri, http::Error> {
         Uri::builder()
             .scheme(self.scheme.clone())
             .authority(self.authority.clone())
-            .path_and_query(format!("{}{}", self.base_path, pq))
+            .path_and_query(format!("{}{}", self.base_path, path_and_query))
             .build()
     }
 }
 
-type FacadeClient = Client<HttpsConnector<HttpConnector>, Incoming>;
+/// The body the facade client sends: a buffered one or a runner's stream.
+type ClientBody = UnsyncBoxBody<Bytes, hyper::Error>;
+type FacadeClient = Client<HttpsConnector<HttpConnector>, ClientBody>;
 
-/// What the runner gets back: the facade's streamed body, or a short error text.
-type Body = BoxBody<Bytes, hyper::Error>;
+/// What the runner gets back: the facade's streamed or buffered body, or a short text.
+pub(crate) type Body = BoxBody<Bytes, hyper::Error>;
+
+/// Why a call to the facade got no answer.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Failure {
+    /// No request byte reached the facade (connection refused, TLS handshake failed).
+    #[error("facade unreachable: {0}")]
+    Unreachable(#[source] hyper_util::client::legacy::Error),
+    /// The connection failed after (part of) the request was sent, or no answer came in
+    /// time: the facade may have acted on it.
+    #[error("facade call failed: {0}")]
+    Lost(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
+
+/// A request's method, target and headers, kept to send it again.
+#[derive(Debug, Clone)]
+pub(crate) struct Head {
+    pub(crate) method: Method,
+    pub(crate) path_and_query: String,
+    pub(crate) headers: HeaderMap,
+}
+
+impl Head {
+    /// The same call to another RunnerService method (the relay's deliveries).
+    pub(crate) fn for_method(&self, method: &str) -> Head {
+        let mut head = self.clone();
+        head.path_and_query = format!("{RUNNER_SERVICE}{method}");
+        // The runner's deadline was for its own call, not for a delivery.
+        head.headers.remove("connect-timeout-ms");
+        head
+    }
+
+    /// The caller's own deadline (`Connect-Timeout-Ms`), if it sent one.
+    pub(crate) fn deadline(&self) -> Option<Duration> {
+        self.headers
+            .get("connect-timeout-ms")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_millis)
+    }
+}
+
+/// A buffered answer of the facade.
+#[derive(Debug)]
+pub(crate) struct Exchange {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: HeaderMap,
+    pub(crate) body: Bytes,
+}
+
+impl Exchange {
+    /// The answer as the runner gets it.
+    pub(crate) fn into_response(self) -> Response<Body> {
+        let mut resp = Response::new(full(self.body));
+        *resp.status_mut() = self.status;
+        *resp.headers_mut() = self.headers;
+        // The body is whole now; hyper frames it.
+        resp.headers_mut().remove(header::CONTENT_LENGTH);
+        resp
+    }
+}
+
+/// The facade, reached over mTLS.
+#[derive(Clone)]
+pub(crate) struct Facade {
+    client: FacadeClient,
+    upstream: Upstream,
+}
+
+impl Facade {
+    /// A client for `facade_url` with `client_config` (it must not preset ALPN: the
+    /// connector offers `h2` and `http/1.1` itself).
+    pub(crate) fn new(
+        facade_url: &str,
+        client_config: &rustls::ClientConfig,
+    ) -> Result<Self, ProxyError> {
+        let upstream = Upstream::parse(facade_url)?;
+        let mut http = HttpConnector::new();
+        // The scheme check is the TLS layer's job; HttpConnector would refuse https URIs.
+        http.enforce_http(false);
+        http.set_connect_timeout(Some(CONNECT_TIMEOUT));
+        http.set_nodelay(true);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            // Cloning keeps spiffe-rustls' resolver and verifier (both shared, rotating).
+            .with_tls_config(client_config.clone())
+            .https_only()
+            .enable_all_versions()
+            .wrap_connector(http);
+        let client: FacadeClient = Client::builder(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .pool_timer(TokioTimer::new())
+            .build(connector);
+        Ok(Facade { client, upstream })
+    }
+
+    /// The facade's host and port, for messages.
+    pub(crate) fn authority(&self) -> &str {
+        self.upstream.authority.as_str()
+    }
+
+    fn request(&self, head: &Head, body: ClientBody) -> Result<Request<ClientBody>, http::Error> {
+        let mut req = Request::builder()
+            .method(head.method.clone())
+            .uri(self.upstream.target(&head.path_and_query)?)
+            // Requests to the facade are HTTP/1.1 or h2 as negotiated; hyper picks the form.
+            .version(http::Version::HTTP_11)
+            .body(body)?;
+        *req.headers_mut() = head.headers.clone();
+        Ok(req)
+    }
+
+    async fn send(&self, req: Request<ClientBody>) -> Result<Response<Incoming>, Failure> {
+        self.client.request(req).await.map_err(|e| {
+            if e.is_connect() {
+                Failure::Unreachable(e)
+            } else {
+                Failure::Lost(Box::new(e))
+            }
+        })
+    }
+
+    /// One buffered call: the whole request body, the whole answer (both bounded).
+    pub(crate) async fn unary(&self, head: &Head, body: Bytes) -> Result<Exchange, Failure> {
+        let mut head = head.clone();
+        // The body may not be the one the head came with (a delivery); hyper frames it.
+        head.headers.remove(header::CONTENT_LENGTH);
+        let head = &head;
+        let req = self
+            .request(
+                head,
+                Full::new(body)
+                    .map_err(|never| match never {})
+                    .boxed_unsync(),
+            )
+            .map_err(|e| Failure::Lost(Box::new(e)))?;
+        let call = async {
+            let resp = self.send(req).await?;
+            let (mut parts, body) = resp.into_parts();
+            let body = Limited::new(body, MAX_UNARY_BODY)
+                .collect()
+                .await
+                .map_err(Failure::Lost)?
+                .to_bytes();
+            strip_hop_by_hop(&mut parts.headers);
+            Ok(Exchange {
+                status: parts.status,
+                headers: parts.headers,
+                body,
+            })
+        };
+        tokio::time::timeout(UNARY_TIMEOUT, call)
+            .await
+            .unwrap_or_else(|elapsed| Err(Failure::Lost(Box::new(elapsed))))
+    }
+}
 
 /// Serves the loopback proxy on `listener` until `shutdown` resolves, then lets open
-/// requests finish. `facade_url` is `https://host:port[/base]`; `client_config` should
-/// come from [`gdr_identity::tls::executor_client_config`] (it must not preset ALPN:
-/// the connector offers `h2` and `http/1.1` itself).
+/// requests finish. The relay holds the facade client (see [`Relay::new`]).
 pub async fn serve_loopback_proxy(
     listener: TcpListener,
-    facade_url: &str,
-    client_config: Arc<rustls::ClientConfig>,
+    relay: Arc<Relay>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ProxyError> {
-    let upstream = Upstream::parse(facade_url)?;
     let local = listener
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_else(|_| "<unknown>".to_string());
-    let mut http = HttpConnector::new();
-    // The scheme check is the TLS layer's job; HttpConnector would refuse https URIs.
-    http.enforce_http(false);
-    http.set_connect_timeout(Some(CONNECT_TIMEOUT));
-    http.set_nodelay(true);
-    let connector = hyper_rustls::HttpsConnectorBuilder::new()
-        // Cloning keeps spiffe-rustls' resolver and verifier (both shared, rotating).
-        .with_tls_config((*client_config).clone())
-        .https_only()
-        .enable_all_versions()
-        .wrap_connector(http);
-    let client: FacadeClient = Client::builder(TokioExecutor::new())
-        .timer(TokioTimer::new())
-        .pool_timer(TokioTimer::new())
-        .build(connector);
-
     let mut shutdown = std::pin::pin!(shutdown);
     let graceful = GracefulShutdown::new();
     loop {
@@ -147,14 +305,10 @@ pub async fn serve_loopback_proxy(
             },
         };
         let _ = stream.set_nodelay(true);
-        let client = client.clone();
-        let upstream = upstream.clone();
+        let relay = relay.clone();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-            let client = client.clone();
-            let upstream = upstream.clone();
-            async move {
-                Ok::<_, std::convert::Infallible>(forward(&client, &upstream, req, peer).await)
-            }
+            let relay = relay.clone();
+            async move { Ok::<_, std::convert::Infallible>(handle(&relay, req, peer).await) }
         });
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
@@ -179,51 +333,195 @@ fn is_transient(e: &std::io::Error) -> bool {
     ) || matches!(e.raw_os_error(), Some(23 | 24)) // ENFILE, EMFILE
 }
 
-async fn forward(
-    client: &FacadeClient,
-    upstream: &Upstream,
-    req: Request<Incoming>,
-    peer: SocketAddr,
-) -> Response<Body> {
+/// A RunnerService method the relay handles itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Rpc {
+    Declare,
+    FetchTask,
+    UpdateTask,
+    UpdateLog,
+    /// Any other method (Register): buffered and retried while unreachable, no more.
+    Other,
+}
+
+impl Rpc {
+    /// The method of a binary-protobuf Connect call to the RunnerService, if `head` is one.
+    /// Other encodings pass through as ordinary requests (the official runner sends
+    /// uncompressed `application/proto`).
+    fn of(head: &Head) -> Option<Rpc> {
+        let method = head.path_and_query.strip_prefix(RUNNER_SERVICE)?;
+        let proto = head
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("application/proto"));
+        if head.method != Method::POST
+            || !proto
+            || head.headers.contains_key(header::CONTENT_ENCODING)
+        {
+            return None;
+        }
+        Some(match method {
+            "Declare" => Rpc::Declare,
+            "FetchTask" => Rpc::FetchTask,
+            "UpdateTask" => Rpc::UpdateTask,
+            "UpdateLog" => Rpc::UpdateLog,
+            _ => Rpc::Other,
+        })
+    }
+}
+
+async fn handle(relay: &Relay, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
     let (mut parts, body) = req.into_parts();
-    let target = match upstream.target(&parts.uri) {
-        Ok(t) => t,
-        Err(e) => return error_response(StatusCode::BAD_REQUEST, &format!("bad request URI: {e}")),
-    };
     strip_hop_by_hop(&mut parts.headers);
     // The Host the runner used names the loopback socket; the client sets the facade's.
     parts.headers.remove(header::HOST);
-    let method = parts.method.clone();
-    parts.uri = target;
-    // Requests to the facade are HTTP/1.1 or h2 as negotiated; hyper picks the wire form.
-    parts.version = http::Version::HTTP_11;
-    let upstream_req = Request::from_parts(parts, body);
-    match client.request(upstream_req).await {
-        Ok(resp) => {
-            let (mut parts, body) = resp.into_parts();
-            strip_hop_by_hop(&mut parts.headers);
-            // The runner always sees HTTP/1.1 from us, whatever the facade spoke.
-            parts.version = http::Version::HTTP_11;
-            Response::from_parts(parts, body.boxed())
+    let mut head = Head {
+        method: parts.method,
+        path_and_query: parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| "/".to_owned(), |pq| pq.as_str().to_owned()),
+        headers: parts.headers,
+    };
+    match Rpc::of(&head) {
+        Some(rpc) => {
+            let body = match Limited::new(body, MAX_UNARY_BODY).collect().await {
+                Ok(collected) => collected.to_bytes(),
+                Err(e) => {
+                    return error_response(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        &format!("request body unreadable or above {MAX_UNARY_BODY} bytes: {e}"),
+                    );
+                }
+            };
+            // The relay reads the answers: ask for them uncompressed.
+            head.headers.remove(header::ACCEPT_ENCODING);
+            relay.rpc(rpc, head, body).await
         }
-        Err(e) => {
+        None => stream(relay, head, body, peer).await,
+    }
+}
+
+/// Forwards an ordinary request with its body streamed. While the facade is unreachable
+/// and none of the body was read, the request waits and is sent again.
+async fn stream(relay: &Relay, head: Head, body: Incoming, peer: SocketAddr) -> Response<Body> {
+    let facade = relay.facade();
+    let deadline = Instant::now() + head.deadline().unwrap_or(relay.tolerance());
+    let mut body = Some(body);
+    let mut attempt = 0u32;
+    loop {
+        let Some(current) = body.take() else {
+            return error_response(StatusCode::BAD_GATEWAY, "request body lost");
+        };
+        let replay = Replayable::new(current);
+        let slot = replay.slot.clone();
+        let started = replay.started.clone();
+        let req = match facade.request(&head, replay.boxed_unsync()) {
+            Ok(r) => r,
+            Err(e) => {
+                return error_response(StatusCode::BAD_REQUEST, &format!("bad request URI: {e}"));
+            }
+        };
+        let failure = match facade.send(req).await {
+            Ok(resp) => {
+                let (mut parts, body) = resp.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                // The runner always sees HTTP/1.1 from us, whatever the facade spoke.
+                parts.version = http::Version::HTTP_11;
+                return Response::from_parts(parts, body.boxed());
+            }
+            Err(failure) => failure,
+        };
+        let delay = OUTAGE_BACKOFF.delay(attempt);
+        let retry = matches!(failure, Failure::Unreachable(_))
+            && !started.load(Ordering::SeqCst)
+            && Instant::now() + delay < deadline;
+        body = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if !retry || body.is_none() {
             // Paths may carry repository names but never credentials; the error chain
             // says whether TLS (e.g. wrong facade identity) or TCP failed.
-            tracing::warn!(%peer, %method, error = ?e, "loopback proxy: facade request failed");
-            error_response(
+            tracing::warn!(%peer, method = %head.method, error = ?failure, "loopback proxy: facade request failed");
+            return error_response(
                 StatusCode::BAD_GATEWAY,
-                &format!("facade {} unreachable: {e}", upstream.authority),
-            )
+                &format!("facade {} unreachable: {failure}", facade.authority()),
+            );
+        }
+        if attempt == 0 {
+            tracing::warn!(%peer, method = %head.method, error = %failure, "facade unreachable; waiting to send the request again");
+        }
+        tokio::time::sleep(delay).await;
+        attempt += 1;
+    }
+}
+
+/// A runner's streamed body that can be taken back for a second attempt as long as
+/// nothing of it was read (a connect or TLS failure happens before the body is polled).
+struct Replayable {
+    slot: Arc<Mutex<Option<Incoming>>>,
+    started: Arc<AtomicBool>,
+}
+
+impl Replayable {
+    fn new(body: Incoming) -> Self {
+        Replayable {
+            slot: Arc::new(Mutex::new(Some(body))),
+            started: Arc::new(AtomicBool::new(false)),
         }
     }
 }
 
-fn error_response(status: StatusCode, message: &str) -> Response<Body> {
-    let body = Full::new(Bytes::from(message.to_owned()))
-        .map_err(|never| match never {})
-        .boxed();
-    let mut resp = Response::new(body);
+impl hyper::body::Body for Replayable {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        self.started.store(true, Ordering::SeqCst);
+        let mut slot = self.slot.lock().unwrap_or_else(|p| p.into_inner());
+        match slot.as_mut() {
+            Some(body) => Pin::new(body).poll_frame(cx),
+            None => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.slot
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_none_or(|b| b.is_end_stream())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.slot
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map_or_else(|| SizeHint::with_exact(0), |b| b.size_hint())
+    }
+}
+
+fn full(bytes: Bytes) -> Body {
+    Full::new(bytes).map_err(|never| match never {}).boxed()
+}
+
+/// A short plain-text answer of the proxy itself.
+pub(crate) fn error_response(status: StatusCode, message: &str) -> Response<Body> {
+    let mut resp = Response::new(full(Bytes::from(message.to_owned())));
     *resp.status_mut() = status;
+    resp
+}
+
+/// A Connect unary answer of the relay itself (binary protobuf).
+pub(crate) fn proto_response(body: Vec<u8>) -> Response<Body> {
+    let mut resp = Response::new(full(Bytes::from(body)));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/proto"),
+    );
     resp
 }
 

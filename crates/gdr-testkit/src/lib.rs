@@ -16,6 +16,7 @@
 //! - [`browser`]: a real headless Chromium, for the status page.
 //! - [`controller`]: one builder of controller configurations, and controller processes
 //!   started with listeners the test bound.
+//! - [`service`]: a Kubernetes Service stand-in that routes to the ready replica.
 //! - [`eventually`] / [`until`] / [`until_sync`]: waiting on observable state with a deadline.
 
 pub mod backend_contract;
@@ -29,6 +30,7 @@ pub mod memory_backend;
 pub mod mock_gitea;
 pub mod nats_server;
 pub mod opensandbox;
+pub mod service;
 pub mod spiffe;
 pub mod standin_runner;
 pub mod tasks;

@@ -4,7 +4,7 @@
 //! one). Each server listens on its own loopback port with its own store, so tests
 //! run in parallel; `restart` keeps port and store, as a real restart would.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -15,8 +15,25 @@ use tokio::process::{Child, Command};
 pub struct NatsServer {
     child: Option<Child>,
     port: u16,
-    store: tempfile::TempDir,
+    store: Store,
     binary: PathBuf,
+}
+
+/// Where a server keeps its JetStream data.
+enum Store {
+    /// Its own, removed with it.
+    Temporary(tempfile::TempDir),
+    /// A directory the test names (another component's store).
+    At(PathBuf),
+}
+
+impl Store {
+    fn path(&self) -> &Path {
+        match self {
+            Store::Temporary(dir) => dir.path(),
+            Store::At(path) => path,
+        }
+    }
 }
 
 impl NatsServer {
@@ -31,12 +48,26 @@ impl NatsServer {
     /// picked by binding `:0` and releasing it, which another process may grab in
     /// between; a server that exits at start is retried on a new port.
     pub async fn start() -> std::io::Result<Self> {
+        Self::start_in(None).await
+    }
+
+    /// Starts a server on the store directory `store` (created if missing), as a server
+    /// left over there by a controller that died would be.
+    pub async fn start_on(store: &Path) -> std::io::Result<Self> {
+        std::fs::create_dir_all(store)?;
+        Self::start_in(Some(store)).await
+    }
+
+    async fn start_in(at: Option<&Path>) -> std::io::Result<Self> {
         let mut last = None;
         for _ in 0..5 {
             let port = std::net::TcpListener::bind("127.0.0.1:0")?
                 .local_addr()?
                 .port();
-            let store = tempfile::tempdir()?;
+            let store = match at {
+                Some(path) => Store::At(path.to_path_buf()),
+                None => Store::Temporary(tempfile::tempdir()?),
+            };
             let mut server = NatsServer {
                 child: None,
                 port,
@@ -49,6 +80,18 @@ impl NatsServer {
             }
         }
         Err(last.unwrap_or_else(|| std::io::Error::other("nats-server did not start")))
+    }
+
+    /// The server's pid while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().and_then(Child::id)
+    }
+
+    /// Whether the server process has exited (reaping it if so).
+    pub fn exited(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_none_or(|c| !matches!(c.try_wait(), Ok(None)))
     }
 
     /// `nats://127.0.0.1:<port>`.
@@ -133,4 +176,38 @@ impl NatsServer {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
     }
+}
+
+/// The pids of the live `nats-server` processes (by program name) that have `store` among
+/// their arguments: how a test counts the servers on one store, whoever started them.
+pub fn servers_on(store: &Path) -> Vec<u32> {
+    let wanted = store.as_os_str().as_encoded_bytes();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut pids: Vec<u32> = entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
+            let cmdline = std::fs::read(entry.path().join("cmdline")).ok()?;
+            let mut args = cmdline.split(|b| *b == 0);
+            let program = Path::new(std::str::from_utf8(args.next()?).ok()?);
+            let is_server = program.file_name()? == "nats-server";
+            let running = std::fs::read_to_string(entry.path().join("stat"))
+                .ok()
+                .and_then(|stat| {
+                    let state = stat
+                        .rsplit_once(')')?
+                        .1
+                        .split_whitespace()
+                        .next()?
+                        .to_owned();
+                    Some(state != "Z")
+                })
+                .unwrap_or(false);
+            (is_server && running && args.any(|a| a == wanted)).then_some(pid)
+        })
+        .collect();
+    pids.sort_unstable();
+    pids
 }

@@ -28,7 +28,14 @@
 //!
 //! Environment knobs (milliseconds): `STANDIN_HEARTBEAT_MS` (1000; UpdateLog/UpdateTask
 //! period), `STANDIN_FETCH_TIMEOUT_MS` (5000), `STANDIN_FETCH_INTERVAL_MS` (2000) and
-//! `STANDIN_FETCH_INTERVAL_MAX_MS` (5000) for the polling back-off.
+//! `STANDIN_FETCH_INTERVAL_MAX_MS` (5000) for the polling back-off, `STANDIN_REQUEST_TIMEOUT_MS`
+//! (60000; `runner.request_timeout`, the bound of every other RPC).
+//!
+//! The final report follows the official reporter's `Close`: it runs under one detached
+//! deadline of `report_close_timeout` (10 s), so every retried `UpdateLog`/`UpdateTask` is
+//! bounded by what is left of it, and after it the result is given up (logged, never
+//! delivered later): a controller outage longer than that loses the result unless the
+//! executor holds it.
 
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -48,8 +55,13 @@ pub const CRASH_EXIT_CODE: i32 = 3;
 
 /// Rows per `UpdateLog` call, as the official runner's `log_report_batch_size`.
 const LOG_BATCH: usize = 100;
-/// How long the final report is retried, as `runner.report_close_timeout`.
-const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the final report is retried, as `runner.report_close_timeout`: one deadline
+/// for the whole `Close`, each call bounded by what is left of it.
+pub const CLOSE_TIMEOUT: Duration = Duration::from_secs(10);
+/// The line the stand-in logs when it gave its final report up.
+pub const GAVE_UP: &str = "final report not delivered in time";
+/// Pause between retries of the final report.
+const CLOSE_RETRY: Duration = Duration::from_millis(200);
 
 /// Errors that end the stand-in before or outside a job (exit status 1).
 #[derive(Debug, thiserror::Error)]
@@ -123,6 +135,8 @@ pub struct StandinOptions {
     pub fetch_timeout: Duration,
     pub fetch_interval: Duration,
     pub fetch_interval_max: Duration,
+    /// Bound of every RPC but FetchTask (`runner.request_timeout`).
+    pub request_timeout: Duration,
     /// Overrides the script found in the task.
     pub script: Option<String>,
 }
@@ -134,6 +148,7 @@ impl Default for StandinOptions {
             fetch_timeout: Duration::from_secs(5),
             fetch_interval: Duration::from_secs(2),
             fetch_interval_max: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(60),
             script: None,
         }
     }
@@ -154,6 +169,7 @@ impl StandinOptions {
             fetch_timeout: ms("STANDIN_FETCH_TIMEOUT_MS", d.fetch_timeout),
             fetch_interval: ms("STANDIN_FETCH_INTERVAL_MS", d.fetch_interval),
             fetch_interval_max: ms("STANDIN_FETCH_INTERVAL_MAX_MS", d.fetch_interval_max),
+            request_timeout: ms("STANDIN_REQUEST_TIMEOUT_MS", d.request_timeout),
             script: std::env::var("STANDIN_SCRIPT")
                 .ok()
                 .filter(|s| !s.trim().is_empty()),
@@ -244,7 +260,7 @@ pub async fn daemon_once(
                 reason: e.to_string(),
             })?;
     let config = ClientConfig::new(api)
-        .with_default_timeout(Duration::from_secs(60))
+        .with_default_timeout(options.request_timeout)
         .with_default_header("x-runner-uuid", reg.uuid.as_str())
         .with_default_header("x-runner-token", reg.token.as_str());
     let client = Client::new(HttpClient::plaintext(), config);
@@ -366,12 +382,12 @@ async fn run_task(
                 Some(result) => break result,
                 None => {
                     // Push what was logged so far, then die like a killed process.
-                    let _ = reporter.flush_logs(false).await;
+                    let _ = reporter.flush_logs(false, None).await;
                     return StandinOutcome::Crashed;
                 }
             },
             _ = tick.tick() => {
-                if let Err(e) = reporter.flush_logs(false).await {
+                if let Err(e) = reporter.flush_logs(false, None).await {
                     tracing::warn!(error = %e, "UpdateLog failed; will resend from the ack index");
                 }
                 match reporter.heartbeat().await {
@@ -498,8 +514,13 @@ impl Reporter {
     }
 
     /// Sends one batch from the ack index; `no_more` marks the final call. Returns
-    /// whether everything is acknowledged afterwards.
-    async fn flush_logs(&self, no_more: bool) -> Result<bool, ConnectError> {
+    /// whether everything is acknowledged afterwards. `timeout` bounds the call (the
+    /// default request timeout when `None`).
+    async fn flush_logs(
+        &self,
+        no_more: bool,
+        timeout: Option<Duration>,
+    ) -> Result<bool, ConnectError> {
         let (index, rows, total) = {
             let logs = self.lock();
             let end = logs.rows.len().min(logs.acked + LOG_BATCH);
@@ -513,17 +534,22 @@ impl Reporter {
             return Ok(true);
         }
         let last_batch = index + rows.len() == total;
-        let resp = self
-            .client
-            .update_log(pb::UpdateLogRequest {
-                task_id: self.task_id,
-                index: i64::try_from(index).unwrap_or(i64::MAX),
-                rows,
-                no_more: no_more && last_batch,
-                ..Default::default()
-            })
-            .await?
-            .into_owned();
+        let request = pb::UpdateLogRequest {
+            task_id: self.task_id,
+            index: i64::try_from(index).unwrap_or(i64::MAX),
+            rows,
+            no_more: no_more && last_batch,
+            ..Default::default()
+        };
+        let resp = match timeout {
+            Some(t) => {
+                self.client
+                    .update_log_with_options(request, CallOptions::default().with_timeout(t))
+                    .await
+            }
+            None => self.client.update_log(request).await,
+        }?
+        .into_owned();
         let mut logs = self.lock();
         // The server's word decides where the next batch starts (it may be behind).
         logs.acked = usize::try_from(resp.ack_index)
@@ -571,19 +597,25 @@ impl Reporter {
         Ok(result != pb::TaskResult::RESULT_UNSPECIFIED as i32)
     }
 
-    /// Final report, retried up to [`CLOSE_TIMEOUT`]: all logs with `no_more`, then the
-    /// state with the result and `stopped_at`.
+    /// Final report under one deadline of [`CLOSE_TIMEOUT`] (the official reporter's
+    /// detached close context): all logs with `no_more`, then the state with the result
+    /// and `stopped_at`; each call is bounded by what is left of the deadline, and once it
+    /// passes the result is given up.
     async fn close(&self, result: pb::TaskResult) {
         let deadline = tokio::time::Instant::now() + CLOSE_TIMEOUT;
+        let left = || deadline.saturating_duration_since(tokio::time::Instant::now());
         let mut logs_done = false;
-        while tokio::time::Instant::now() < deadline {
+        while !left().is_zero() {
             if !logs_done {
-                match self.flush_logs(true).await {
+                match self
+                    .flush_logs(true, Some(left().max(Duration::from_millis(1))))
+                    .await
+                {
                     Ok(true) => logs_done = true,
                     Ok(false) => continue,
                     Err(e) => {
                         tracing::warn!(error = %e, "final UpdateLog failed; retrying");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        tokio::time::sleep(CLOSE_RETRY.min(left())).await;
                         continue;
                     }
                 }
@@ -592,15 +624,16 @@ impl Reporter {
                 state: MessageField::some(self.state(result, true)),
                 ..Default::default()
             };
-            match self.client.update_task(request).await {
+            let call = CallOptions::default().with_timeout(left().max(Duration::from_millis(1)));
+            match self.client.update_task_with_options(request, call).await {
                 Ok(_) => return,
                 Err(e) => {
                     tracing::warn!(error = %e, "final UpdateTask failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    tokio::time::sleep(CLOSE_RETRY.min(left())).await;
                 }
             }
         }
-        tracing::error!(task_id = self.task_id, "final report not delivered in time");
+        tracing::error!(task_id = self.task_id, "{GAVE_UP}");
     }
 }
 

@@ -1,129 +1,518 @@
 //! The embedded single-host NATS server: a supervised `nats-server` child with
 //! JetStream, listening on loopback only, its store under the state directory.
 //! Production deployments point `nats_url` at a cluster instead.
+//!
+//! The server never outlives its controller and never shares its store with another:
+//! - It is started through this binary's hidden `exec-bound-to-parent` subcommand, which
+//!   arms `PR_SET_PDEATHSIG` (SIGTERM) and then becomes `nats-server` (the signal survives
+//!   `execve` for a binary without set-uid). The kernel sends it when the thread that
+//!   started the child ends, so a dedicated supervisor thread, which lives exactly as long
+//!   as the server is wanted, starts it: a SIGKILLed controller takes its server along.
+//! - The controller holds an exclusive lock on `<store>/controller.lock` while it runs,
+//!   and records the server's pid in `<store>/nats-server.pid`. A second controller on the
+//!   same store is refused; a server left over on the store (from a controller that died
+//!   before its parent-death signal was armed, or from an older version without it) is
+//!   found through the pid file or its command line, stopped, and only then replaced.
 
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
-use tokio::io::AsyncReadExt;
-use tokio::process::{Child, Command};
-use tokio::sync::Notify;
+use rustix::fs::FlockOperation;
+use rustix::process::{Pid, Signal};
+
+/// The hidden subcommand that starts a program bound to the life of its parent (see
+/// [`crate::cli::Command::ExecBoundToParent`]).
+const EXEC_BOUND_TO_PARENT: &str = "exec-bound-to-parent";
+/// The lock a running controller holds on its store.
+const LOCK_FILE: &str = "controller.lock";
+/// The pid of the store's server.
+const PID_FILE: &str = "nats-server.pid";
+
+/// How long the server gets to accept clients after it starts.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Starts that exit at once (the released port was taken meanwhile) before giving up.
+const START_ATTEMPTS: u32 = 5;
+/// How long a stopped server gets after SIGTERM before SIGKILL.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+/// How long to wait for a SIGKILLed server to vanish.
+const KILL_WAIT: Duration = Duration::from_secs(5);
+/// Pause before restarting a server that exited on its own.
+const RESTART_DELAY: Duration = Duration::from_secs(1);
+/// Polling a process that is not our child.
+const POLL: Duration = Duration::from_millis(20);
+
+/// Why the embedded server could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum EmbeddedNatsError {
+    /// A file of the store could not be created, locked or written.
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Another controller runs on this store.
+    #[error(
+        "the NATS store {} is in use by another running controller{}; one store serves one controller",
+        .store.display(),
+        .holder.map(|p| format!(" (pid {p})")).unwrap_or_default()
+    )]
+    StoreInUse {
+        /// The store directory.
+        store: PathBuf,
+        /// The other controller, as its lock file records it.
+        holder: Option<u32>,
+    },
+    /// A leftover server on the store could not be stopped.
+    #[error("a nats-server left over on {} (pid {pid}) does not stop", .store.display())]
+    Leftover {
+        /// The store directory.
+        store: PathBuf,
+        /// The leftover server.
+        pid: u32,
+    },
+    /// The server could not be started, or did not become ready.
+    #[error("{0}")]
+    Start(String),
+}
+
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> EmbeddedNatsError {
+    let path = path.to_path_buf();
+    move |source| EmbeddedNatsError::Io { what, path, source }
+}
+
+/// How the server is started: the binary, and the program that binds it to this process.
+#[derive(Debug, Clone)]
+pub struct Launch {
+    /// The nats-server binary (`nats_server_binary`).
+    pub binary: PathBuf,
+    /// A program with the `exec-bound-to-parent` subcommand: this binary.
+    pub binder: PathBuf,
+}
 
 /// A supervised nats-server; stopped when dropped.
 pub struct EmbeddedNats {
     port: u16,
-    stop: Arc<Notify>,
-    supervisor: tokio::task::JoinHandle<()>,
+    shared: Arc<Shared>,
+    supervisor: Option<std::thread::JoinHandle<()>>,
+    /// Held (flock) while this controller runs; released when dropped.
+    _lock: std::fs::File,
+}
+
+struct Shared {
+    stop: AtomicBool,
+    /// The current server's pid (0: none).
+    pid: AtomicU32,
+    pid_file: PathBuf,
 }
 
 impl EmbeddedNats {
-    /// Starts the server (store in `store`) and waits until it accepts clients.
-    pub async fn start(binary: &Path, store: &Path) -> Result<Self, String> {
-        std::fs::create_dir_all(store)
-            .map_err(|e| format!("creating the NATS store {}: {e}", store.display()))?;
-        let binary = binary.to_path_buf();
+    /// Locks the store, stops a server left over on it, starts the server (store in
+    /// `store`) and waits until it accepts clients.
+    pub async fn start(launch: &Launch, store: &Path) -> Result<Self, EmbeddedNatsError> {
+        std::fs::create_dir_all(store).map_err(io("creating the NATS store", store))?;
+        let lock = lock_store(store)?;
+        let launch = launch.clone();
         let store = store.to_path_buf();
-        // The port comes from binding :0 and releasing it; another process can take it
-        // in between, so a server that exits at start is retried on a new port.
-        let mut attempt = 0;
-        let (child, port) = loop {
-            let port = std::net::TcpListener::bind("127.0.0.1:0")
-                .and_then(|l| l.local_addr())
-                .map_err(|e| format!("choosing a loopback port for NATS: {e}"))?
-                .port();
-            let mut child = spawn(&binary, &store, port)?;
-            match wait_ready(&mut child, port).await {
-                Ok(()) => break (child, port),
-                Err(e) if attempt >= 4 => return Err(e),
-                Err(_) => attempt += 1,
-            }
+        let shared = Arc::new(Shared {
+            stop: AtomicBool::new(false),
+            pid: AtomicU32::new(0),
+            pid_file: store.join(PID_FILE),
+        });
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let thread_shared = shared.clone();
+        let thread_store = store.clone();
+        // Everything blocking (stopping a leftover, waiting for the child) happens on the
+        // supervisor thread; this task only awaits its word.
+        let supervisor = std::thread::Builder::new()
+            .name("embedded-nats".into())
+            .spawn(move || supervise(&launch, &thread_store, &thread_shared, ready_tx))
+            .map_err(|e| {
+                EmbeddedNatsError::Start(format!("starting the supervisor thread: {e}"))
+            })?;
+        let mut nats = EmbeddedNats {
+            port: 0,
+            shared,
+            supervisor: Some(supervisor),
+            _lock: lock,
         };
-        tracing::info!(port, store = %store.display(), "embedded nats-server started");
-        let stop = Arc::new(Notify::new());
-        let supervisor = tokio::spawn(supervise(child, binary, store, port, stop.clone()));
-        Ok(EmbeddedNats {
-            port,
-            stop,
-            supervisor,
-        })
+        match ready_rx.await {
+            Ok(Ok(port)) => {
+                nats.port = port;
+                tracing::info!(port, store = %store.display(), "embedded nats-server started");
+                Ok(nats)
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(EmbeddedNatsError::Start(
+                "the supervisor thread ended before the server was ready".into(),
+            )),
+        }
     }
 
     /// `nats://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
     }
+
+    /// The current server's pid, if one runs.
+    pub fn pid(&self) -> Option<u32> {
+        Some(self.shared.pid.load(Ordering::SeqCst)).filter(|p| *p != 0)
+    }
 }
 
 impl Drop for EmbeddedNats {
     fn drop(&mut self) {
-        self.stop.notify_one();
-        self.supervisor.abort();
-    }
-}
-
-fn spawn(binary: &PathBuf, store: &Path, port: u16) -> Result<Child, String> {
-    Command::new(binary)
-        .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-        .arg(store)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| format!("starting {} (nats_server_binary): {e}", binary.display()))
-}
-
-async fn wait_ready(child: &mut Child, port: u16) -> Result<(), String> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(Some(status)) = child.try_wait() {
-            return Err(format!("nats-server exited at start: {status}"));
+        self.shared.stop.store(true, Ordering::SeqCst);
+        if let Some(pid) = self.pid() {
+            terminate(pid);
         }
-        if let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
-            let mut greeting = [0u8; 4];
-            if stream.read_exact(&mut greeting).await.is_ok() && &greeting == b"INFO" {
-                return Ok(());
+        if let Some(thread) = self.supervisor.take() {
+            // The supervisor reaps the server and removes the pid file, then ends.
+            let deadline = Instant::now() + STOP_GRACE;
+            while !thread.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(POLL);
             }
+            if !thread.is_finished()
+                && let Some(pid) = self.pid()
+            {
+                tracing::warn!(pid, "embedded nats-server ignored SIGTERM; sending SIGKILL");
+                signal(pid, Signal::KILL);
+            }
+            let _ = thread.join();
         }
-        if tokio::time::Instant::now() >= deadline {
-            return Err("nats-server did not accept clients within 30s".into());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
-/// Restarts the server when it exits (clients reconnect by themselves).
-async fn supervise(
-    mut child: Child,
-    binary: PathBuf,
-    store: PathBuf,
-    port: u16,
-    stop: Arc<Notify>,
+/// Takes the store's lock (non-blocking) and writes this process's pid into it.
+fn lock_store(store: &Path) -> Result<std::fs::File, EmbeddedNatsError> {
+    let path = store.join(LOCK_FILE);
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&path)
+        .map_err(io("opening", &path))?;
+    if rustix::fs::flock(&file, FlockOperation::NonBlockingLockExclusive).is_err() {
+        let mut text = String::new();
+        let _ = file.read_to_string(&mut text);
+        return Err(EmbeddedNatsError::StoreInUse {
+            store: store.to_path_buf(),
+            holder: text.trim().parse().ok(),
+        });
+    }
+    file.set_len(0).map_err(io("writing", &path))?;
+    writeln!(file, "{}", std::process::id()).map_err(io("writing", &path))?;
+    Ok(file)
+}
+
+/// The supervisor thread: stops leftovers, starts the server, reports readiness once,
+/// restarts the server when it exits on its own, and ends when asked to stop.
+fn supervise(
+    launch: &Launch,
+    store: &Path,
+    shared: &Shared,
+    ready: tokio::sync::oneshot::Sender<Result<u16, EmbeddedNatsError>>,
 ) {
+    if let Err(e) = stop_leftovers(store) {
+        let _ = ready.send(Err(e));
+        return;
+    }
+    let (mut child, port) = match first_start(launch, store, shared) {
+        Ok(started) => started,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let _ = ready.send(Ok(port));
     loop {
-        tokio::select! {
-            _ = stop.notified() => {
-                let _ = child.kill().await;
+        let status = child.wait();
+        shared.pid.store(0, Ordering::SeqCst);
+        let _ = std::fs::remove_file(&shared.pid_file);
+        if shared.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        tracing::error!(?status, "embedded nats-server exited; restarting");
+        loop {
+            std::thread::sleep(RESTART_DELAY);
+            if shared.stop.load(Ordering::SeqCst) {
                 return;
             }
-            status = child.wait() => {
-                tracing::error!(?status, "embedded nats-server exited; restarting");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                match spawn(&binary, &store, port) {
-                    Ok(mut next) => {
-                        if let Err(e) = wait_ready(&mut next, port).await {
-                            tracing::error!(error = %e, "embedded nats-server restart failed");
-                        }
-                        child = next;
+            match spawn(launch, store, port, shared) {
+                Ok(mut next) => {
+                    if let Err(e) = wait_ready(&mut next, port) {
+                        tracing::error!(error = %e, "embedded nats-server restart failed");
                     }
-                    Err(e) => {
-                        tracing::error!(error = %e, "embedded nats-server restart failed; retrying");
-                        tokio::time::sleep(Duration::from_secs(5)).await;
-                    }
+                    child = next;
+                    break;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "embedded nats-server restart failed; retrying");
                 }
             }
         }
+    }
+}
+
+fn first_start(
+    launch: &Launch,
+    store: &Path,
+    shared: &Shared,
+) -> Result<(Child, u16), EmbeddedNatsError> {
+    // The port comes from binding :0 and releasing it; another process can take it in
+    // between, so a server that exits at start is tried again on a new port.
+    let mut attempt = 0;
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| {
+                EmbeddedNatsError::Start(format!("choosing a loopback port for NATS: {e}"))
+            })?
+            .port();
+        let mut child = spawn(launch, store, port, shared)?;
+        match wait_ready(&mut child, port) {
+            Ok(()) => return Ok((child, port)),
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                shared.pid.store(0, Ordering::SeqCst);
+                let _ = std::fs::remove_file(&shared.pid_file);
+                attempt += 1;
+                if attempt >= START_ATTEMPTS {
+                    return Err(e);
+                }
+            }
+        }
+    }
+}
+
+/// The server's command line (after the binder): loopback only, JetStream, this store.
+fn server_args(store: &Path, port: u16) -> Vec<OsString> {
+    let mut args: Vec<OsString> = ["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"]
+        .iter()
+        .map(OsString::from)
+        .collect();
+    args.push(store.as_os_str().to_owned());
+    args
+}
+
+/// Starts the server through the binder, from this (supervisor) thread, and records its pid.
+fn spawn(
+    launch: &Launch,
+    store: &Path,
+    port: u16,
+    shared: &Shared,
+) -> Result<Child, EmbeddedNatsError> {
+    let child = Command::new(&launch.binder)
+        .arg(EXEC_BOUND_TO_PARENT)
+        .arg("--parent")
+        .arg(std::process::id().to_string())
+        .arg("--")
+        .arg(&launch.binary)
+        .args(server_args(store, port))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| {
+            EmbeddedNatsError::Start(format!(
+                "starting {} through {} (nats_server_binary): {e}",
+                launch.binary.display(),
+                launch.binder.display()
+            ))
+        })?;
+    shared.pid.store(child.id(), Ordering::SeqCst);
+    std::fs::write(&shared.pid_file, format!("{}\n", child.id()))
+        .map_err(io("writing", &shared.pid_file))?;
+    Ok(child)
+}
+
+fn wait_ready(child: &mut Child, port: u16) -> Result<(), EmbeddedNatsError> {
+    let deadline = Instant::now() + READY_TIMEOUT;
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Err(EmbeddedNatsError::Start(format!(
+                "nats-server exited at start: {status}"
+            )));
+        }
+        if let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1))
+        {
+            let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+            let mut greeting = [0u8; 4];
+            if stream.read_exact(&mut greeting).is_ok() && &greeting == b"INFO" {
+                return Ok(());
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err(EmbeddedNatsError::Start(format!(
+                "nats-server did not accept clients within {READY_TIMEOUT:?}"
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Stops every nats-server that serves `store`: the one its pid file names and any other
+/// whose command line names the store (a server started before pid files existed).
+fn stop_leftovers(store: &Path) -> Result<(), EmbeddedNatsError> {
+    let pid_file = store.join(PID_FILE);
+    let mut pids = servers_of(store);
+    if let Some(recorded) = std::fs::read_to_string(&pid_file)
+        .ok()
+        .and_then(|t| t.trim().parse::<u32>().ok())
+        && serves(recorded, store)
+        && !pids.contains(&recorded)
+    {
+        pids.push(recorded);
+    }
+    for pid in pids {
+        tracing::warn!(pid, store = %store.display(), "stopping a nats-server left over on the store");
+        terminate(pid);
+        if !gone_within(pid, STOP_GRACE) {
+            signal(pid, Signal::KILL);
+            if !gone_within(pid, KILL_WAIT) {
+                return Err(EmbeddedNatsError::Leftover {
+                    store: store.to_path_buf(),
+                    pid,
+                });
+            }
+        }
+    }
+    let _ = std::fs::remove_file(&pid_file);
+    Ok(())
+}
+
+/// Live processes whose command line serves `store` (`-sd <store>`).
+fn servers_of(store: &Path) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| *pid != std::process::id() && serves(*pid, store))
+        .collect()
+}
+
+/// Whether `pid` is a live process started with `-sd <store>`.
+fn serves(pid: u32, store: &Path) -> bool {
+    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+        return false;
+    };
+    let store = store.as_os_str().as_encoded_bytes();
+    let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+    alive(pid) && args.windows(2).any(|w| w[0] == b"-sd" && w[1] == store)
+}
+
+/// Alive and not a zombie (a zombie is gone for every purpose but its parent's).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rfind(')')
+            .and_then(|end| stat[end + 1..].split_whitespace().next())
+            .is_some_and(|state| !matches!(state, "Z" | "X" | "x"))
+    })
+}
+
+fn gone_within(pid: u32, wait: Duration) -> bool {
+    let deadline = Instant::now() + wait;
+    while alive(pid) {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(POLL);
+    }
+    true
+}
+
+fn terminate(pid: u32) {
+    signal(pid, Signal::TERM);
+}
+
+fn signal(pid: u32, signal: Signal) {
+    // Never 0 or 1 (or a negative group form): only the one process.
+    if let Some(pid) = i32::try_from(pid)
+        .ok()
+        .filter(|p| *p > 1)
+        .and_then(Pid::from_raw)
+    {
+        let _ = rustix::process::kill_process(pid, signal);
+    }
+}
+
+/// The `exec-bound-to-parent` subcommand: arms the parent-death signal (SIGTERM), checks
+/// the parent `parent` is still there (it may have died before the signal was armed), then
+/// becomes `program`. Returns only on failure.
+pub fn exec_bound_to_parent(parent: u32, program: &[OsString]) -> std::io::Error {
+    let Some((binary, args)) = program.split_first() else {
+        return std::io::Error::other("no program to run");
+    };
+    if let Err(e) = rustix::process::set_parent_process_death_signal(Some(Signal::TERM)) {
+        return std::io::Error::other(format!("arming the parent-death signal: {e}"));
+    }
+    let current = rustix::process::getppid().map(|p| p.as_raw_nonzero().get());
+    if current.and_then(|p| u32::try_from(p).ok()) != Some(parent) {
+        return std::io::Error::other(format!(
+            "the parent process {parent} is gone; not starting {}",
+            Path::new(binary).display()
+        ));
+    }
+    Command::new(binary).args(args).exec()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One store serves one controller: a second lock on it is refused and names the
+    /// holder.
+    #[test]
+    fn a_second_controller_on_the_same_store_is_refused() {
+        let store = tempfile::tempdir().unwrap();
+        let _first = lock_store(store.path()).unwrap();
+        match lock_store(store.path()) {
+            Err(EmbeddedNatsError::StoreInUse { holder, .. }) => {
+                assert_eq!(holder, Some(std::process::id()));
+            }
+            other => panic!("a second lock must fail: {other:?}"),
+        }
+    }
+
+    /// A process serving another store is never taken for a leftover.
+    #[test]
+    fn only_processes_naming_the_store_count_as_its_servers() {
+        let store = tempfile::tempdir().unwrap();
+        let other = tempfile::tempdir().unwrap();
+        // A shell that stays (its command is not its last) keeps `-sd <store>` in argv.
+        let mut child = Command::new("sh")
+            .args(["-c", "sleep 30; :", "sh", "-sd"])
+            .arg(store.path())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !servers_of(store.path()).contains(&child.id()) {
+            assert!(Instant::now() < deadline, "the child is found by its store");
+            std::thread::sleep(POLL);
+        }
+        assert!(!servers_of(other.path()).contains(&child.id()));
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(
+            !servers_of(store.path()).contains(&child.id()),
+            "a reaped child is gone"
+        );
     }
 }

@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-pub use embedded_nats::EmbeddedNats;
-use gdr_backends::process::{ProcessBackend, ProcessBackendSettings};
+pub use embedded_nats::{EmbeddedNats, EmbeddedNatsError, Launch, exec_bound_to_parent};
+use gdr_backends::process::{LogRetention, ProcessBackend, ProcessBackendSettings};
 use gdr_core::assignment::{DerivationPolicy, TaskKey, TaskKeyring};
 use gdr_core::backend::Backend;
 use gdr_core::capability::CapabilityKey;
@@ -145,7 +145,12 @@ pub async fn run(
     let single_host = matches!(nats.server, NatsServer::Embedded { .. });
     let (gitea_client, extra_ca) = gitea_client(&gitea)?;
     let capability_key = capability_key(&capability_key_file)?;
-    let keyring = keyring(task_keys)?;
+    let keyring = keyring(
+        task_keys,
+        &state_dir,
+        matches!(nats.server, NatsServer::Embedded { .. }),
+        scheduler.is_some(),
+    )?;
 
     let health_state = Health::new();
     let metrics = health_state.metrics.clone();
@@ -276,6 +281,7 @@ pub async fn run(
             facade_spiffe_id: facade.map(|f| f.spiffe_id.clone()).unwrap_or_default(),
             runner_label: policy.labels.label_of(*backend).to_owned(),
             codec: codec.clone(),
+            report_outage_tolerance: executors.report_outage_tolerance,
         };
         let consumer = queue
             .consumer(*backend, *capacity, nats.ack_wait, nats.create_stream)
@@ -290,6 +296,7 @@ pub async fn run(
         .map_err(setup("starting a worker"))?
         .with_outcomes(count_outcomes(&metrics, *backend))
         .with_metrics(metrics.clone());
+        queue.resume_adopted(&worker, *backend).await;
         let stop = work_shutdown.clone();
         tasks.spawn(async move {
             worker.run(consumer, stop).await;
@@ -386,8 +393,33 @@ fn capability_key(path: &Path) -> Result<CapabilityKey, RuntimeError> {
     })
 }
 
-fn keyring(files: Option<TaskKeyFiles>) -> Result<Option<TaskKeyring>, RuntimeError> {
+/// The task key single-host mode generates under `state_dir` when no
+/// `task_encryption_key_file` is configured, so job secrets never sit readable in the
+/// embedded store.
+pub const GENERATED_TASK_KEY_FILE: &str = "task-encryption.key";
+
+/// The task keys: the configured ones; in single-host mode without one, a key generated
+/// under `state_dir` on first start (mode 0600; also kept for opening older envelopes once
+/// a key is configured). A scheduler that would write plaintext v1 envelopes says so.
+fn keyring(
+    files: Option<TaskKeyFiles>,
+    state_dir: &Path,
+    single_host: bool,
+    writes_envelopes: bool,
+) -> Result<Option<TaskKeyring>, RuntimeError> {
+    let generated = state_dir.join(GENERATED_TASK_KEY_FILE);
     let Some(TaskKeyFiles { current, previous }) = files else {
+        if single_host {
+            return Ok(Some(TaskKeyring::new(
+                generated_task_key(&generated)?,
+                Vec::new(),
+            )));
+        }
+        if writes_envelopes {
+            tracing::warn!(
+                "task_encryption_key_file is not set: assignments are published as plaintext v1 envelopes and job secrets are readable by anyone who can read the stream; configure a key (envelope v2)"
+            );
+        }
         return Ok(None);
     };
     let load = |path: &PathBuf| -> Result<TaskKey, RuntimeError> {
@@ -398,8 +430,43 @@ fn keyring(files: Option<TaskKeyFiles>) -> Result<Option<TaskKeyring>, RuntimeEr
             step("task_encryption_key_file")(format!("{}: {e}", path.display()).into())
         })
     };
-    let previous = previous.iter().map(load).collect::<Result<Vec<_>, _>>()?;
+    let mut previous = previous.iter().map(load).collect::<Result<Vec<_>, _>>()?;
+    if single_host && generated.exists() {
+        // Envelopes sealed before a key was configured still open.
+        previous.push(load(&generated)?);
+    }
     Ok(Some(TaskKeyring::new(load(&current)?, previous)))
+}
+
+/// Reads the generated key at `path`, or creates it (0600) on first start.
+fn generated_task_key(path: &Path) -> Result<TaskKey, RuntimeError> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let fail = |e: String| step("generating the task encryption key")(e.into());
+    match std::fs::read(path) {
+        Ok(bytes) => {
+            return TaskKey::from_file_contents(&bytes)
+                .map_err(|e| fail(format!("{}: {e}", path.display())));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(fail(format!("cannot read {}: {e}", path.display()))),
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| fail(format!("cannot create {}: {e}", dir.display())))?;
+    }
+    let (key, text) = TaskKey::generate().map_err(|e| fail(e.to_string()))?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| fail(format!("cannot create {}: {e}", path.display())))?;
+    file.write_all(text.as_bytes())
+        .and_then(|()| file.sync_all())
+        .map_err(|e| fail(format!("cannot write {}: {e}", path.display())))?;
+    tracing::info!(path = %path.display(), key_id = key.key_id(), "generated the task encryption key of single-host mode");
+    Ok(key)
 }
 
 // === NATS ===
@@ -427,8 +494,17 @@ impl Queue {
             duplicate_window: DUPLICATE_WINDOW,
         };
         let (url, embedded, producer_auth, worker_auth, ca) = match &nats.server {
-            NatsServer::Embedded { binary } => {
-                let server = EmbeddedNats::start(binary, &state_dir.join("nats"))
+            NatsServer::Embedded { binary, binder } => {
+                let binder = match binder {
+                    Some(b) => b.clone(),
+                    None => std::env::current_exe()
+                        .map_err(setup("locating this binary for the embedded nats-server"))?,
+                };
+                let launch = Launch {
+                    binary: binary.clone(),
+                    binder,
+                };
+                let server = EmbeddedNats::start(&launch, &state_dir.join("nats"))
                     .await
                     .map_err(setup("starting the embedded nats-server"))?;
                 (
@@ -470,6 +546,24 @@ impl Queue {
                 .map_err(setup("opening the JetStream stream"))?;
         }
         Ok(queue)
+    }
+
+    /// Lets `worker` offer the assignments of adopted, unclaimed executors now instead of
+    /// after their redelivery (`nats_ack_wait` after the previous controller died).
+    async fn resume_adopted(&self, worker: &Worker, backend: Backend) {
+        match queue::open_stream(&self.worker, &self.stream).await {
+            Ok(stream) => {
+                let resumed = worker
+                    .resume_adopted(&stream, &self.stream.subject(backend))
+                    .await;
+                if resumed > 0 {
+                    tracing::info!(%backend, resumed, "resumed adopted executors waiting for their task");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(%backend, error = %e, "cannot read the stream to resume adopted executors")
+            }
+        }
     }
 
     async fn consumer(
@@ -694,6 +788,10 @@ fn process_backend(
         codec: wiring.codec.clone(),
         trust_domain: wiring.policy.trust_domain.clone(),
         stop_grace: PROCESS_STOP_GRACE,
+        log_retention: LogRetention {
+            max_age: process.log_retention,
+            max_count: usize::try_from(process.log_retention_count).unwrap_or(usize::MAX),
+        },
     };
     ProcessBackend::new(settings, identity).map_err(setup("building the process backend"))
 }
@@ -942,5 +1040,53 @@ async fn export_metrics(
         if !stop.sleep(METRICS_INTERVAL).await {
             return ("metrics", Ok(()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use super::*;
+
+    /// DESIGN invariant 5 (issue 9): single-host mode without a configured key generates
+    /// one under `state_dir` (mode 0600) on first start and reuses it, so the scheduler seals
+    /// envelope v2; once a key is configured the generated one still opens older envelopes.
+    /// With an external NATS and no key there is no keyring: plaintext v1, warned about.
+    #[test]
+    fn single_host_mode_generates_its_task_key_once_and_keeps_it_for_older_envelopes() {
+        let state = tempfile::tempdir().unwrap();
+        let first = keyring(None, state.path(), true, true).unwrap().unwrap();
+        let file = state.path().join(GENERATED_TASK_KEY_FILE);
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let again = keyring(None, state.path(), true, true).unwrap().unwrap();
+        assert_eq!(again.current.key_id(), first.current.key_id(), "reused");
+
+        let configured = state.path().join("configured.key");
+        std::fs::write(&configured, "ab".repeat(32)).unwrap();
+        let files = || {
+            Some(TaskKeyFiles {
+                current: configured.clone(),
+                previous: Vec::new(),
+            })
+        };
+        let rotated = keyring(files(), state.path(), true, true).unwrap().unwrap();
+        assert_ne!(rotated.current.key_id(), first.current.key_id());
+        assert!(
+            rotated
+                .previous
+                .iter()
+                .any(|k| k.key_id() == first.current.key_id()),
+            "envelopes sealed with the generated key still open"
+        );
+
+        let cluster = tempfile::tempdir().unwrap();
+        assert!(
+            keyring(None, cluster.path(), false, true)
+                .unwrap()
+                .is_none()
+        );
+        assert!(!cluster.path().join(GENERATED_TASK_KEY_FILE).exists());
     }
 }

@@ -12,7 +12,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use buffa::MessageField;
 use gdr_core::assignment::envelope_id;
 use gdr_proto::runner::v1 as pb;
@@ -107,33 +106,11 @@ impl Heartbeater {
 
     /// One round over the messages in the stream now.
     pub async fn beat_once(&self) -> Result<HeartbeatRound, QueueError> {
-        let stream_err = |e: &dyn std::fmt::Display| QueueError::Stream {
-            stream: self.stream.stream.clone(),
-            message: e.to_string(),
-        };
         // Opening reads the stream info: the snapshot this round covers.
         let stream = queue::open_stream(&self.js, &self.stream).await?;
-        let state = stream.cached_info().state.clone();
         let mut round = HeartbeatRound::default();
-        if state.messages == 0 {
-            return Ok(round);
-        }
         let subjects = format!("{}.>", self.stream.subject_base);
-        let mut sequence = state.first_sequence;
-        // Only messages present now; later ones get their beat next round.
-        while sequence <= state.last_sequence {
-            let message = match stream
-                .get_first_raw_message_by_subject(&subjects, sequence)
-                .await
-            {
-                Ok(m) => m,
-                Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => break,
-                Err(e) => return Err(stream_err(&e)),
-            };
-            sequence = message.sequence + 1;
-            if message.sequence > state.last_sequence {
-                break;
-            }
+        for message in queue::queued(&stream, &subjects).await? {
             round.queued += 1;
             let task_id = match envelope_id(&message.payload) {
                 Some(id) => id.task_id(),

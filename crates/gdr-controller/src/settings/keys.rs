@@ -156,9 +156,12 @@ keys! {
     /// (HMAC-SHA256); whitespace around it is trimmed.
     runner_facade_capability_key_file: Option<PathBuf> = None => secret;
     /// File holding the AES-256 key (64 hex characters or base64 of 32 bytes) that
-    /// encrypts tasks in the stream (envelope v2). Unset: tasks are stored as v1, readable
-    /// by anyone who can read the stream.
-    task_encryption_key_file: Option<PathBuf> = None => secret;
+    /// encrypts tasks in the stream (envelope v2). Unset in single-host mode: a key is
+    /// generated as `<state_dir>/task-encryption.key` (mode 0600) on first start. Unset
+    /// with `nats_url`: tasks are stored as plaintext v1, readable by anyone who can read
+    /// the stream (`check-config` reports it, the controller warns at start).
+    task_encryption_key_file: Option<PathBuf> = None,
+        shown "generated under state_dir without nats_url, else unset" => secret;
     /// Older task keys still accepted for decryption during a rotation (comma-separated
     /// paths).
     task_encryption_previous_key_files: List = List::default() => secret;
@@ -231,6 +234,21 @@ keys! {
     /// (its runner died while its environment stayed up). The official runner reports
     /// every 5s.
     executor_idle_timeout: Secs = Secs::from_secs(300);
+    /// How long an executor holds what its runner reported (log rows, the result) while
+    /// the facade is unreachable (a controller restart, an upgrade, a leader failover),
+    /// answering the runner itself as Gitea would and delivering everything once the
+    /// facade is back; also how long it starts its runner again when the runner exits
+    /// before its task was claimed. After it the executor gives up, logs what was lost and
+    /// exits non-zero. Restarts count silence anew, so `executor_idle_timeout` only fails
+    /// an executor the running controller cannot hear from.
+    executor_report_outage_tolerance: Secs = Secs::from_secs(30 * 60);
+    /// How long the process backend keeps an ended executor's `executor.log` (moved to
+    /// `<state_dir>/<backend>/logs/<assignment-id>.log` when the executor is deleted); `0`
+    /// deletes it with the executor.
+    executor_log_retention: Secs = Secs::from_secs(7 * 24 * 3600);
+    /// How many ended executors' logs the process backend keeps at most; the oldest go
+    /// first.
+    executor_log_retention_count: u32 = 100;
     /// nats-server binary of the embedded single-host mode (used when `nats_url` is unset).
     nats_server_binary: PathBuf = PathBuf::from("nats-server");
     /// Campaign for a Kubernetes Lease; only the leader works, standbys report not ready.

@@ -32,6 +32,10 @@ pub use secret::{SecretFileError, read_secret_file};
 pub use sources::{ParseError, Sources};
 pub use values::{Component, Components};
 
+/// The official runner's `report_close_timeout`: an executor that holds reports for less
+/// adds nothing to what the runner does itself.
+const MIN_REPORT_OUTAGE_TOLERANCE: Duration = Duration::from_secs(10);
+
 /// Largest capacity of one backend: more executors than this on one controller is a typo,
 /// not a deployment (and the pollers, backlog and consumer settings derive from it).
 pub const MAX_CAPACITY: u32 = 10_000;
@@ -197,6 +201,10 @@ pub enum NatsServer {
     Embedded {
         /// The nats-server binary.
         binary: PathBuf,
+        /// The program whose `exec-bound-to-parent` subcommand starts it (`None`: this
+        /// binary; a test that runs the controller inside its own process names the real
+        /// binary here).
+        binder: Option<PathBuf>,
     },
     /// A NATS cluster.
     External {
@@ -294,6 +302,10 @@ pub struct ProcessSettings {
     pub program: Option<PathBuf>,
     /// The official runner the executor runs.
     pub runner_binary: PathBuf,
+    /// How long an ended executor's log is kept (zero: not at all).
+    pub log_retention: Duration,
+    /// How many ended executors' logs are kept at most.
+    pub log_retention_count: u32,
 }
 
 /// The Kubernetes Pod backend.
@@ -335,6 +347,8 @@ pub struct ExecutorTimings {
     pub start_deadline: Duration,
     /// A claimed executor silent for this long is failed.
     pub idle_timeout: Duration,
+    /// How long an executor holds its runner's reports while the facade is unreachable.
+    pub report_outage_tolerance: Duration,
 }
 
 /// Leader election.
@@ -504,6 +518,9 @@ impl TryFrom<Raw> for Settings {
             runner_binary,
             executor_start_deadline,
             executor_idle_timeout,
+            executor_report_outage_tolerance,
+            executor_log_retention,
+            executor_log_retention_count,
             nats_server_binary,
             leader_election,
             lease_namespace,
@@ -616,6 +633,7 @@ impl TryFrom<Raw> for Settings {
         let server = match nats_url {
             None => NatsServer::Embedded {
                 binary: nats_server_binary,
+                binder: None,
             },
             Some(url) => NatsServer::External {
                 url,
@@ -654,6 +672,8 @@ impl TryFrom<Raw> for Settings {
         let process = ProcessSettings {
             program: executor_program,
             runner_binary,
+            log_retention: executor_log_retention.0,
+            log_retention_count: executor_log_retention_count,
         };
         let default_kind = |single: &'static str, cluster: &'static str| {
             if single_host { single } else { cluster }
@@ -839,7 +859,14 @@ impl TryFrom<Raw> for Settings {
         let executors = ExecutorTimings {
             start_deadline: executor_start_deadline.0,
             idle_timeout: executor_idle_timeout.0,
+            report_outage_tolerance: executor_report_outage_tolerance.0,
         };
+        if executors.report_outage_tolerance < MIN_REPORT_OUTAGE_TOLERANCE {
+            check.problem(
+                "executor_report_outage_tolerance",
+                "must be at least 10s: the official runner itself retries its final report for 10s (report_close_timeout), so less would hold nothing it does not",
+            );
+        }
         if executors.idle_timeout < Duration::from_secs(30) {
             check.problem(
                 "executor_idle_timeout",
@@ -1010,6 +1037,7 @@ pub fn check(sources: &Sources) -> Result<Checked, SettingsError> {
     let raw = sources.load()?;
     let rendered = render(&raw);
     let secret_files = secret_files(&raw);
+    let plaintext = writes_plaintext_envelopes(&raw);
     let mut problems = match Settings::try_from(raw) {
         Ok(_) => Vec::new(),
         Err(SettingsError::Invalid(problems)) => problems.iter().map(ToString::to_string).collect(),
@@ -1019,6 +1047,15 @@ pub fn check(sources: &Sources) -> Result<Checked, SettingsError> {
         if let Err(e) = read_secret_file(key, &path) {
             problems.push(e.to_string());
         }
+    }
+    if plaintext {
+        problems.push(
+            Problem::new(
+                "task_encryption_key_file",
+                "is not set: the scheduler would publish plaintext v1 envelopes, and job secrets would be readable by anyone who can read the stream; configure a key file (64 hex digits or base64 of 32 bytes) for envelope v2",
+            )
+            .to_string(),
+        );
     }
     if sources.environment {
         for plain in [
@@ -1036,6 +1073,14 @@ pub fn check(sources: &Sources) -> Result<Checked, SettingsError> {
         }
     }
     Ok(Checked { rendered, problems })
+}
+
+/// Whether the scheduler would write plaintext v1 envelopes: it runs, NATS is external
+/// (single-host mode generates a key) and no task key is configured.
+fn writes_plaintext_envelopes(raw: &Raw) -> bool {
+    raw.components.contains(Component::Scheduler)
+        && raw.nats_url.is_some()
+        && raw.task_encryption_key_file.is_none()
 }
 
 /// Every configured secret file: its key and path.

@@ -413,3 +413,71 @@ fn check_lists_unreadable_secret_files_with_their_key() {
         checked.problems
     );
 }
+
+/// DESIGN invariant 19: the executor's outage tolerance reaches the executors, defaults to
+/// 30 minutes and is never below the official runner's own 10 s retry.
+#[test]
+fn the_report_outage_tolerance_defaults_to_30_minutes_and_is_at_least_the_runners_own_retry() {
+    let s = settings(&[]).unwrap();
+    assert_eq!(
+        s.executors.report_outage_tolerance,
+        Duration::from_secs(1800)
+    );
+    let s = settings(&["executor_report_outage_tolerance=2m"]).unwrap();
+    assert_eq!(
+        s.executors.report_outage_tolerance,
+        Duration::from_secs(120)
+    );
+    let p = problems(&["executor_report_outage_tolerance=5s"]);
+    assert!(
+        p.iter()
+            .any(|p| p.key == "executor_report_outage_tolerance"),
+        "{p:?}"
+    );
+}
+
+/// DESIGN invariant 5 (issue 9): wherever a plaintext v1 envelope would be written,
+/// `check-config` names it; single-host mode generates a key instead.
+#[test]
+fn check_lists_plaintext_envelopes_as_a_problem_only_where_they_would_be_written() {
+    let plaintext = |extra: &[&str]| {
+        check(&Sources::overrides(complete(extra)).unwrap())
+            .unwrap()
+            .problems
+            .iter()
+            .any(|p| {
+                p.starts_with("task_encryption_key_file (TASK_ENCRYPTION_KEY_FILE)")
+                    && p.contains("plaintext v1")
+            })
+    };
+    assert!(plaintext(&["nats_url=nats://nats:4222"]));
+    assert!(!plaintext(&[]), "single host generates a key");
+    assert!(!plaintext(&[
+        "nats_url=nats://nats:4222",
+        "task_encryption_key_file=/run/secrets/task-key"
+    ]));
+    assert!(
+        !plaintext(&["nats_url=nats://nats:4222", "components=pod-worker"]),
+        "only the scheduler writes envelopes"
+    );
+}
+
+/// Issue 9: the process backend keeps ended executors' logs for the configured time and
+/// count.
+#[test]
+fn the_executor_log_retention_reaches_the_process_backend() {
+    let s = settings(&[
+        "executor_log_retention=1h",
+        "executor_log_retention_count=3",
+    ])
+    .unwrap();
+    let Some(BackendSettings {
+        kind: PodBackend::Process(process),
+        ..
+    }) = s.pod
+    else {
+        panic!("single host runs pod jobs as processes")
+    };
+    assert_eq!(process.log_retention, Duration::from_secs(3600));
+    assert_eq!(process.log_retention_count, 3);
+}

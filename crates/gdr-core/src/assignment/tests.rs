@@ -423,6 +423,16 @@ fn task_key_files_accept_hex_and_every_base64_spelling_of_32_bytes() {
     }
 }
 
+/// DESIGN invariant 5: a generated key file reads back as the same key, and two
+/// generated keys differ.
+#[test]
+fn a_generated_task_key_reads_back_from_its_file_text() {
+    let (key, text) = TaskKey::generate().unwrap();
+    let read = TaskKey::from_file_contents(text.as_bytes()).unwrap();
+    assert_eq!(read.key_id(), key.key_id());
+    assert_ne!(TaskKey::generate().unwrap().0.key_id(), key.key_id());
+}
+
 #[test]
 fn task_key_files_of_the_wrong_size_or_format_are_refused_with_a_hint() {
     let err = TaskKeyError::Length { len: 16 };

@@ -1,0 +1,459 @@
+//! What the runner reported and the facade does not have yet (DESIGN invariant 19).
+//!
+//! While the facade is unreachable the executor answers the runner's `UpdateLog` and
+//! `UpdateTask` itself, as Gitea would, and keeps what it acknowledged here until it is
+//! delivered: log rows from the index Gitea acknowledged last, in order; the latest task
+//! state with its outputs. Gitea's rules make the later delivery safe: `UpdateLog` appends
+//! only at its own acknowledged index (a repeated row is never written twice) and the first
+//! result of a task wins.
+//!
+//! This module is pure bookkeeping (no I/O); [`crate::relay`] moves the messages.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use buffa::MessageField;
+use gdr_proto::runner::v1 as pb;
+
+/// Rows per delivered `UpdateLog` (the official runner sends up to 100 per call; a backlog
+/// after a long outage goes in fewer, larger calls).
+pub const DELIVERY_BATCH: usize = 500;
+
+/// Bytes of log content the executor holds at most. Beyond it the runner's rows are not
+/// acknowledged, so the runner keeps them itself (it resends from the acknowledged index),
+/// and a job that logs without bound cannot exhaust the executor's memory.
+pub const MAX_HELD_BYTES: usize = 256 * 1024 * 1024;
+
+/// One delivery to make next, in order: log rows before the task state (the official
+/// runner's `Close` order), so the result never reaches Gitea before the rows it closes.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Delivery {
+    /// Log rows from Gitea's acknowledged index.
+    Log {
+        /// The request to send.
+        request: pb::UpdateLogRequest,
+        /// How many held rows it carries.
+        rows: usize,
+    },
+    /// The latest task state (with every output not yet confirmed).
+    State {
+        /// The request to send.
+        request: pb::UpdateTaskRequest,
+        /// Which version of the held state it is (a newer one may arrive meanwhile).
+        generation: u64,
+    },
+}
+
+/// The held reports of one task.
+#[derive(Debug, Default)]
+pub struct Outbox {
+    task_id: i64,
+    /// Rows Gitea acknowledged (its `ack_index`), as far as the executor knows.
+    acked: i64,
+    /// Rows acknowledged to the runner beyond `acked`, in order.
+    rows: Vec<pb::LogRow>,
+    held_bytes: usize,
+    /// The runner closed its log (`no_more`) and Gitea has not been told yet.
+    no_more: bool,
+    /// The latest state the runner reported that Gitea has not got, and its outputs.
+    state: Option<pb::UpdateTaskRequest>,
+    generation: u64,
+    /// Output keys Gitea confirmed.
+    sent_outputs: BTreeSet<String>,
+    /// The last result Gitea answered for the task (`CANCELLED` after a cancel); a local
+    /// answer repeats it and never makes one up.
+    server_result: buffa::EnumValue<pb::TaskResult>,
+}
+
+impl Outbox {
+    /// Nothing is held: the runner's calls may go straight to the facade again.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty() && !self.no_more && self.state.is_none()
+    }
+
+    /// Rows held now.
+    pub fn held_rows(&self) -> usize {
+        self.rows.len()
+    }
+
+    /// Whether the task's result is held.
+    pub fn holds_result(&self) -> bool {
+        self.state.as_ref().is_some_and(is_final)
+    }
+
+    /// Gitea answered an `UpdateLog` the runner sent through: its acknowledged index.
+    pub fn passed_log(&mut self, request: &pb::UpdateLogRequest, answer: &pb::UpdateLogResponse) {
+        self.task_id = request.task_id;
+        if self.rows.is_empty() {
+            self.acked = answer.ack_index;
+        }
+    }
+
+    /// Gitea answered an `UpdateTask` the runner sent through.
+    pub fn passed_state(
+        &mut self,
+        request: &pb::UpdateTaskRequest,
+        answer: &pb::UpdateTaskResponse,
+    ) {
+        if let Some(state) = request.state.as_option() {
+            self.task_id = state.id;
+        }
+        self.learn(answer);
+    }
+
+    fn learn(&mut self, answer: &pb::UpdateTaskResponse) {
+        self.sent_outputs
+            .extend(answer.sent_outputs.iter().cloned());
+        if let Some(state) = answer.state.as_option() {
+            self.server_result = state.result;
+        }
+    }
+
+    /// Holds an `UpdateLog` of the runner and answers it as Gitea would: rows are taken
+    /// only at the acknowledged index (a gap is not written), and the answer acknowledges
+    /// every row now held.
+    pub fn hold_log(&mut self, request: &pb::UpdateLogRequest) -> pb::UpdateLogResponse {
+        self.task_id = request.task_id;
+        let held = i64::try_from(self.rows.len()).unwrap_or(i64::MAX);
+        let mut end = self.acked.saturating_add(held);
+        if self.rows.is_empty() && request.index > end {
+            // The runner heard an acknowledgement this executor could not read; it is
+            // Gitea's word, so it stands.
+            self.acked = request.index;
+            end = request.index;
+        }
+        if request.index <= end {
+            let skip = usize::try_from(end - request.index).unwrap_or(usize::MAX);
+            for row in request.rows.iter().skip(skip) {
+                let size = row.content.len();
+                if self.held_bytes.saturating_add(size) > MAX_HELD_BYTES {
+                    break;
+                }
+                self.held_bytes += size;
+                self.rows.push(row.clone());
+                end += 1;
+            }
+            let complete = end >= request.index.saturating_add(row_count(request));
+            if request.no_more && complete {
+                self.no_more = true;
+            }
+        }
+        pb::UpdateLogResponse {
+            ack_index: end,
+            ..Default::default()
+        }
+    }
+
+    /// Holds an `UpdateTask` of the runner and answers it as Gitea would: the state's ID
+    /// with the result Gitea last gave (or, for a final report, the result now held), and
+    /// every output key as sent (they will be).
+    pub fn hold_state(&mut self, request: pb::UpdateTaskRequest) -> pb::UpdateTaskResponse {
+        let reported = request.state.as_option().map_or(
+            buffa::EnumValue::from(pb::TaskResult::RESULT_UNSPECIFIED),
+            |s| s.result,
+        );
+        let task_id = request.state.as_option().map_or(self.task_id, |s| s.id);
+        self.task_id = task_id;
+        // Outputs are insert-if-absent in Gitea: the first value of a key wins.
+        let mut outputs: BTreeMap<String, String> = self
+            .state
+            .as_ref()
+            .map(|s| {
+                s.outputs
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        for (k, v) in &request.outputs {
+            outputs.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+        let held_final = self.state.as_ref().is_some_and(is_final);
+        // A final state is never replaced by a later heartbeat: the first result wins.
+        if !held_final || is_final(&request) {
+            self.state = Some(request);
+        }
+        if let Some(state) = self.state.as_mut() {
+            state.outputs = outputs.clone().into_iter().collect();
+        }
+        self.generation += 1;
+        let unspecified = buffa::EnumValue::from(pb::TaskResult::RESULT_UNSPECIFIED);
+        let result = if self.server_result != unspecified {
+            self.server_result
+        } else if held_final {
+            self.state
+                .as_ref()
+                .and_then(|s| s.state.as_option())
+                .map_or(reported, |s| s.result)
+        } else {
+            reported
+        };
+        let mut sent: BTreeSet<String> = self.sent_outputs.clone();
+        sent.extend(outputs.into_keys());
+        pb::UpdateTaskResponse {
+            state: MessageField::some(pb::TaskState {
+                id: task_id,
+                result,
+                ..Default::default()
+            }),
+            sent_outputs: sent.into_iter().collect(),
+            ..Default::default()
+        }
+    }
+
+    /// The next delivery, if anything is held.
+    pub fn next(&self) -> Option<Delivery> {
+        if !self.rows.is_empty() || self.no_more {
+            let take = self.rows.len().min(DELIVERY_BATCH);
+            let rows = self.rows[..take].to_vec();
+            return Some(Delivery::Log {
+                request: pb::UpdateLogRequest {
+                    task_id: self.task_id,
+                    index: self.acked,
+                    rows,
+                    no_more: self.no_more && take == self.rows.len(),
+                    ..Default::default()
+                },
+                rows: take,
+            });
+        }
+        self.state.as_ref().map(|request| Delivery::State {
+            request: request.clone(),
+            generation: self.generation,
+        })
+    }
+
+    /// Gitea answered a delivered `UpdateLog`: drop what it acknowledged. Returns false when
+    /// its answer makes no progress on what is held (the rows cannot be delivered).
+    pub fn delivered_log(
+        &mut self,
+        request: &pb::UpdateLogRequest,
+        answer: &pb::UpdateLogResponse,
+    ) -> bool {
+        let ack = answer.ack_index;
+        let sent = row_count(request);
+        if ack < self.acked || (ack == self.acked && sent > 0) {
+            return false;
+        }
+        let drop = usize::try_from(ack - self.acked)
+            .unwrap_or(usize::MAX)
+            .min(self.rows.len());
+        for row in self.rows.drain(..drop) {
+            self.held_bytes = self.held_bytes.saturating_sub(row.content.len());
+        }
+        self.acked = ack;
+        if request.no_more && ack >= request.index.saturating_add(sent) {
+            self.no_more = false;
+        }
+        true
+    }
+
+    /// Gitea answered a delivered `UpdateTask`.
+    pub fn delivered_state(&mut self, generation: u64, answer: &pb::UpdateTaskResponse) {
+        self.learn(answer);
+        if generation == self.generation {
+            self.state = None;
+        }
+    }
+
+    /// Gitea refused the log rows for good (e.g. the log is already archived): they are
+    /// dropped so the task state can still be delivered.
+    pub fn drop_log(&mut self) -> usize {
+        let dropped = self.rows.len();
+        self.rows.clear();
+        self.held_bytes = 0;
+        self.no_more = false;
+        dropped
+    }
+
+    /// Gitea refused the held state for good.
+    pub fn drop_state(&mut self, generation: u64) {
+        if generation == self.generation {
+            self.state = None;
+        }
+    }
+}
+
+fn row_count(request: &pb::UpdateLogRequest) -> i64 {
+    i64::try_from(request.rows.len()).unwrap_or(i64::MAX)
+}
+
+/// A report that carries the task's result.
+fn is_final(request: &pb::UpdateTaskRequest) -> bool {
+    request
+        .state
+        .as_option()
+        .is_some_and(|s| s.result != buffa::EnumValue::from(pb::TaskResult::RESULT_UNSPECIFIED))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    fn rows(from: usize, n: usize) -> Vec<pb::LogRow> {
+        (from..from + n)
+            .map(|i| pb::LogRow {
+                content: format!("row {i}"),
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    fn log(index: i64, rows: Vec<pb::LogRow>, no_more: bool) -> pb::UpdateLogRequest {
+        pb::UpdateLogRequest {
+            task_id: 7,
+            index,
+            rows,
+            no_more,
+            ..Default::default()
+        }
+    }
+
+    fn state(result: pb::TaskResult, outputs: &[(&str, &str)]) -> pb::UpdateTaskRequest {
+        pb::UpdateTaskRequest {
+            state: MessageField::some(pb::TaskState {
+                id: 7,
+                result: result.into(),
+                ..Default::default()
+            }),
+            outputs: outputs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    fn ack(n: i64) -> pb::UpdateLogResponse {
+        pb::UpdateLogResponse {
+            ack_index: n,
+            ..Default::default()
+        }
+    }
+
+    fn result_of(answer: &pb::UpdateTaskResponse) -> pb::TaskResult {
+        answer
+            .state
+            .as_option()
+            .and_then(|s| s.result.as_known())
+            .unwrap()
+    }
+
+    /// DESIGN invariant 19: held rows are acknowledged to the runner as Gitea would, resent
+    /// rows are not held twice, and delivery starts at Gitea's own index.
+    #[test]
+    fn held_rows_are_acknowledged_once_and_delivered_from_giteas_index() {
+        let mut outbox = Outbox::default();
+        outbox.passed_log(&log(0, rows(0, 3), false), &ack(3));
+        assert_eq!(outbox.hold_log(&log(3, rows(3, 2), false)).ack_index, 5);
+        // The runner resends from an older index: only the new row is taken.
+        assert_eq!(outbox.hold_log(&log(4, rows(4, 2), false)).ack_index, 6);
+        // A gap is not written.
+        assert_eq!(outbox.hold_log(&log(9, rows(9, 1), false)).ack_index, 6);
+        assert_eq!(outbox.hold_log(&log(6, vec![], true)).ack_index, 6);
+        let Some(Delivery::Log { request, rows: n }) = outbox.next() else {
+            panic!("rows first")
+        };
+        assert_eq!((request.index, n, request.no_more), (3, 3, true));
+        let contents: Vec<_> = request.rows.iter().map(|r| r.content.as_str()).collect();
+        assert_eq!(contents, ["row 3", "row 4", "row 5"]);
+        assert!(outbox.delivered_log(&request, &ack(6)));
+        assert!(outbox.is_empty());
+    }
+
+    /// DESIGN invariant 19: the result goes after the rows, and a later heartbeat never
+    /// replaces it (the first result wins).
+    #[test]
+    fn the_final_state_waits_for_the_rows_and_is_never_replaced() {
+        let mut outbox = Outbox::default();
+        outbox.hold_log(&log(0, rows(0, 2), true));
+        let answer = outbox.hold_state(state(pb::TaskResult::RESULT_SUCCESS, &[("k", "1")]));
+        assert_eq!(result_of(&answer), pb::TaskResult::RESULT_SUCCESS);
+        assert_eq!(answer.sent_outputs, ["k"]);
+        outbox.hold_state(state(
+            pb::TaskResult::RESULT_UNSPECIFIED,
+            &[("k", "2"), ("j", "3")],
+        ));
+        assert!(matches!(outbox.next(), Some(Delivery::Log { .. })));
+        let Some(Delivery::Log { request, .. }) = outbox.next() else {
+            unreachable!()
+        };
+        outbox.delivered_log(&request, &ack(2));
+        let Some(Delivery::State {
+            request,
+            generation,
+        }) = outbox.next()
+        else {
+            panic!("then the state")
+        };
+        assert_eq!(
+            request.state.as_option().unwrap().result.as_known(),
+            Some(pb::TaskResult::RESULT_SUCCESS)
+        );
+        assert_eq!(request.outputs.get("k").map(String::as_str), Some("1"));
+        assert_eq!(request.outputs.get("j").map(String::as_str), Some("3"));
+        outbox.delivered_state(generation, &pb::UpdateTaskResponse::default());
+        assert!(outbox.is_empty());
+    }
+
+    /// DESIGN invariant 19: a local answer never invents a cancel, and repeats Gitea's.
+    #[test]
+    fn a_local_answer_repeats_giteas_cancel_and_never_invents_one() {
+        let mut outbox = Outbox::default();
+        let answer = outbox.hold_state(state(pb::TaskResult::RESULT_UNSPECIFIED, &[]));
+        assert_eq!(result_of(&answer), pb::TaskResult::RESULT_UNSPECIFIED);
+        let Some(Delivery::State { generation, .. }) = outbox.next() else {
+            panic!()
+        };
+        outbox.delivered_state(
+            generation,
+            &pb::UpdateTaskResponse {
+                state: MessageField::some(pb::TaskState {
+                    id: 7,
+                    result: pb::TaskResult::RESULT_CANCELLED.into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+        );
+        let answer = outbox.hold_state(state(pb::TaskResult::RESULT_UNSPECIFIED, &[]));
+        assert_eq!(result_of(&answer), pb::TaskResult::RESULT_CANCELLED);
+    }
+
+    /// A state that changed while its delivery was under way stays held.
+    #[test]
+    fn a_state_newer_than_the_delivered_one_stays_held() {
+        let mut outbox = Outbox::default();
+        outbox.hold_state(state(pb::TaskResult::RESULT_UNSPECIFIED, &[]));
+        let Some(Delivery::State { generation, .. }) = outbox.next() else {
+            panic!()
+        };
+        outbox.hold_state(state(pb::TaskResult::RESULT_FAILURE, &[]));
+        outbox.delivered_state(generation, &pb::UpdateTaskResponse::default());
+        assert!(!outbox.is_empty());
+    }
+
+    /// Memory is bounded: rows beyond the cap are not acknowledged, so the runner keeps them.
+    #[test]
+    fn rows_beyond_the_memory_bound_are_left_with_the_runner() {
+        let mut outbox = Outbox::default();
+        let big = "x".repeat(MAX_HELD_BYTES / 2 + 1);
+        let request = log(
+            0,
+            vec![
+                pb::LogRow {
+                    content: big.clone(),
+                    ..Default::default()
+                },
+                pb::LogRow {
+                    content: big,
+                    ..Default::default()
+                },
+            ],
+            true,
+        );
+        assert_eq!(outbox.hold_log(&request).ack_index, 1);
+        assert!(!outbox.no_more, "no_more only once every row is held");
+    }
+}
