@@ -225,7 +225,9 @@ fn forward_error(method: &'static str, e: GiteaError) -> ConnectError {
         ErrorKind::Unavailable | ErrorKind::Unauthenticated => {
             ConnectError::unavailable(format!("Gitea: {message}"))
         }
-        ErrorKind::Other => ConnectError::internal(format!("Gitea: {message}")),
+        ErrorKind::Other | ErrorKind::TooLarge => {
+            ConnectError::internal(format!("Gitea: {message}"))
+        }
     }
 }
 
