@@ -163,7 +163,7 @@
   backlog_limit = lib.mkOption {
     type = lib.types.nullOr lib.types.int;
     default = null;
-    description = "Stop fetching while this many assignments wait unclaimed in the stream. Environment variable: BACKLOG_LIMIT. Default: pod_capacity + vm_capacity.";
+    description = "Stop fetching a backend's jobs while this many of its assignments wait unclaimed on its subject (each backend is counted alone). Environment variable: BACKLOG_LIMIT. Default: the backend's capacity.";
   };
   runner_facade_listen = lib.mkOption {
     type = lib.types.nullOr lib.types.str;
@@ -219,6 +219,11 @@
     type = lib.types.nullOr lib.types.str;
     default = null;
     description = "An executor whose runner has not claimed its task by then is failed. Environment variable: EXECUTOR_START_DEADLINE. Default: 10m.";
+  };
+  executor_idle_timeout = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "A claimed executor the facade has not heard from for this long is failed in Gitea. Environment variable: EXECUTOR_IDLE_TIMEOUT. Default: 5m.";
   };
   nats_server_binary = lib.mkOption {
     type = lib.types.nullOr lib.types.path;
@@ -314,5 +319,60 @@
     type = lib.types.nullOr lib.types.int;
     default = null;
     description = "Lifetime of a VM sandbox in seconds. Environment variable: VM_TIMEOUT_SECONDS. Default: 14400.";
+  };
+  runner_facade_max_connections = lib.mkOption {
+    type = lib.types.nullOr lib.types.int;
+    default = null;
+    description = "Most connections the facade holds at once, TLS handshakes included; at the limit a new connection replaces the oldest one still in its handshake, or is closed at once. Capped at a quarter of the open-file limit. Environment variable: RUNNER_FACADE_MAX_CONNECTIONS. Default: 1024.";
+  };
+  runner_facade_max_connections_per_peer = lib.mkOption {
+    type = lib.types.nullOr lib.types.int;
+    default = null;
+    description = "Most facade connections from one peer address. Environment variable: RUNNER_FACADE_MAX_CONNECTIONS_PER_PEER. Default: 512.";
+  };
+  runner_facade_max_connections_per_identity = lib.mkOption {
+    type = lib.types.nullOr lib.types.int;
+    default = null;
+    description = "Most facade connections one SPIFFE ID (one job's executor) holds after its handshake. Environment variable: RUNNER_FACADE_MAX_CONNECTIONS_PER_IDENTITY. Default: 16.";
+  };
+  runner_facade_tls_handshake_timeout = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "A facade TLS handshake not finished within this closes the connection. Environment variable: RUNNER_FACADE_TLS_HANDSHAKE_TIMEOUT. Default: 10s.";
+  };
+  runner_facade_header_read_timeout = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "The first bytes after the handshake and every HTTP/1.1 request head must arrive within this. Environment variable: RUNNER_FACADE_HEADER_READ_TIMEOUT. Default: 15s.";
+  };
+  runner_facade_idle_timeout = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "A facade connection with no request in flight for this long is closed (HTTP/1.1 and HTTP/2). Environment variable: RUNNER_FACADE_IDLE_TIMEOUT. Default: 1m 30s.";
+  };
+  accept_plaintext_envelopes = lib.mkOption {
+    type = lib.types.nullOr lib.types.bool;
+    default = null;
+    description = "Accept plaintext (v1) envelopes although task_encryption_key_file is set; only while draining a queue the Go version wrote. Environment variable: ACCEPT_PLAINTEXT_ENVELOPES. Default: false.";
+  };
+  gitea_endless_task_timeout = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "Gitea's [actions] ENDLESS_TASK_TIMEOUT: an envelope fetched longer ago is refused, and finished assignments are remembered at least this long. Environment variable: GITEA_ENDLESS_TASK_TIMEOUT. Default: 3h.";
+  };
+  nats_finished_bucket = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "JetStream key-value bucket of finished assignment IDs (an assignment runs at most once). Environment variable: NATS_FINISHED_BUCKET. Default: CI_RUNNER_FINISHED.";
+  };
+  held_assignment_timeout = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "An assignment sealed with a task key this controller lacks is set aside, released when the key is configured, and failed in Gitea after this long. Environment variable: HELD_ASSIGNMENT_TIMEOUT. Default: 1h.";
+  };
+  secret_file_permissions = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "Which permissions a secret file may have: owner-only, group-readable (Kubernetes Secret volumes with fsGroup) or unchecked. Environment variable: SECRET_FILE_PERMISSIONS. Default: owner-only.";
   };
 }

@@ -5,8 +5,10 @@
 //!   [`lease`] (Kubernetes Lease leader election).
 //! - Components: [`scheduler`] (FetchTask pollers, heartbeats), [`worker`] (one per
 //!   backend), [`dispatch`] (admission and claims shared by workers and facade), [`facade`],
-//!   [`lifecycle`] (clean-up and failure reports).
-//! - Wiring: [`settings`], [`cli`], [`register`], [`runtime`], [`metrics`], [`logging`].
+//!   [`lifecycle`] (clean-up and failure reports), [`held`] (assignments sealed with an
+//!   unknown task key).
+//! - Wiring: [`settings`], [`cli`], [`register`], [`runtime`], [`metrics`], [`logging`],
+//!   [`limits`] (the process's open-file limit).
 
 pub mod backoff;
 pub mod cli;
@@ -14,8 +16,10 @@ pub mod dispatch;
 pub mod facade;
 pub mod failpoint;
 pub mod gitea;
+pub mod held;
 pub mod lease;
 pub mod lifecycle;
+pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod queue;

@@ -66,6 +66,23 @@ pub struct Metrics {
     pub lifecycle_errors: Family<BackendLabel, Counter>,
     /// Claimed executors failed because their runner fell silent, by backend.
     pub idle_executors_failed: Family<BackendLabel, Counter>,
+    /// Assignments held because they are sealed with a task key this controller lacks.
+    pub held_assignments: Family<BackendLabel, Gauge>,
+    /// Facade connections open now.
+    pub facade_connections: Gauge,
+    /// Facade connections closed early, by why: `limit` (refused at a connection limit),
+    /// `evicted` (in their handshake, to make room), `handshake` (failed or timed out),
+    /// `identity_limit` (a SPIFFE ID at its limit), `idle`.
+    pub facade_connections_closed: Family<ReasonLabel, Counter>,
+    /// Failed `accept` calls of the facade (e.g. no file descriptors).
+    pub facade_accept_errors: Counter,
+}
+
+/// Label: why something happened.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    /// The reason.
+    pub reason: String,
 }
 
 impl Default for Metrics {
@@ -91,6 +108,10 @@ impl Metrics {
             handoff_window_max_micros: Gauge::default(),
             lifecycle_errors: Family::default(),
             idle_executors_failed: Family::default(),
+            held_assignments: Family::default(),
+            facade_connections: Gauge::default(),
+            facade_connections_closed: Family::default(),
+            facade_accept_errors: Counter::default(),
         };
         registry.register(
             "tasks_fetched",
@@ -146,6 +167,26 @@ impl Metrics {
             "idle_executors_failed",
             "Claimed executors failed in Gitea because their runner stopped reporting, by backend",
             m.idle_executors_failed.clone(),
+        );
+        registry.register(
+            "held_assignments",
+            "Assignments set aside because they are sealed with a task key this controller lacks, by backend",
+            m.held_assignments.clone(),
+        );
+        registry.register(
+            "facade_connections",
+            "Connections the facade holds open",
+            m.facade_connections.clone(),
+        );
+        registry.register(
+            "facade_connections_closed",
+            "Facade connections refused or closed early, by reason (limit, evicted, handshake, identity_limit, idle)",
+            m.facade_connections_closed.clone(),
+        );
+        registry.register(
+            "facade_accept_errors",
+            "Failed accept calls of the facade (for example, no file descriptors left)",
+            m.facade_accept_errors.clone(),
         );
         Metrics { registry, ..m }
     }

@@ -52,14 +52,17 @@ impl Credentials {
         }
     }
 
-    /// Reads the UUID and token files written by `register`.
+    /// Reads the UUID and token files written by `register`, refusing files whose mode
+    /// `permissions` does not allow.
     pub fn from_files(
         uuid_file: &Path,
         token_file: &Path,
+        permissions: crate::settings::SecretPermissions,
     ) -> Result<Self, crate::settings::SecretFileError> {
+        use crate::settings::read_secret_file_with as read;
         Ok(Credentials {
-            uuid: crate::settings::read_secret_file("gitea_runner_uuid_file", uuid_file)?,
-            token: crate::settings::read_secret_file("gitea_runner_token_file", token_file)?,
+            uuid: read("gitea_runner_uuid_file", uuid_file, permissions)?,
+            token: read("gitea_runner_token_file", token_file, permissions)?,
         })
     }
 }
