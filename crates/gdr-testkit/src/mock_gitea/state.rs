@@ -214,6 +214,8 @@ pub(crate) struct State {
     /// Calls received per method (faulted ones included).
     pub calls: HashMap<RpcMethod, u64>,
     pub seen_requests: Vec<String>,
+    /// The headers of each of `seen_requests`, in order.
+    pub seen_request_headers: Vec<(String, Vec<(String, String)>)>,
     /// Gitea's AppURL, with the trailing slash Gitea keeps.
     pub server_url: String,
     pub default_actions_url: String,
@@ -274,6 +276,7 @@ impl State {
             faults: HashMap::new(),
             calls: HashMap::new(),
             seen_requests: Vec::new(),
+            seen_request_headers: Vec::new(),
             server_url,
             default_actions_url,
         }
