@@ -159,7 +159,7 @@ in
   backlog_limit = mkOption {
     type = types.nullOr (types.ints.unsigned);
     default = null;
-    description = "Stop fetching while this many assignments wait unclaimed in the stream. Default: `the sum of the enabled capacities`.";
+    description = "Stop fetching a backend's jobs while this many of its assignments wait unclaimed on its subject (each backend is counted alone, so a full or dead one never stops the other). Default: `the backend's capacity`.";
   };
   runner_facade_listen = mkOption {
     type = types.nullOr (types.str);
@@ -325,5 +325,60 @@ in
     type = types.nullOr (types.ints.unsigned);
     default = null;
     description = "Lifetime of a VM sandbox in seconds. Default: `14400`.";
+  };
+  runner_facade_max_connections = mkOption {
+    type = types.nullOr (types.ints.unsigned);
+    default = null;
+    description = "Most connections the facade holds at once, TLS handshakes included. At the limit a new connection replaces the oldest one still in its handshake, or is closed at once. Capped at a quarter of the open-file limit, which is raised to its hard limit at start. Default: `1024`.";
+  };
+  runner_facade_max_connections_per_peer = mkOption {
+    type = types.nullOr (types.ints.unsigned);
+    default = null;
+    description = "Most connections from one peer address (all executors of a host share its address; in single-host mode all of them come from 127.0.0.1). Default: `512`.";
+  };
+  runner_facade_max_connections_per_identity = mkOption {
+    type = types.nullOr (types.ints.unsigned);
+    default = null;
+    description = "Most connections one SPIFFE ID (one job's executor) holds after its handshake; the executor's proxy multiplexes over one or two. Default: `16`.";
+  };
+  runner_facade_tls_handshake_timeout = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "A TLS handshake not finished within this closes the connection. Default: `10s`.";
+  };
+  runner_facade_header_read_timeout = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "The first bytes after the handshake and every HTTP/1.1 request head must arrive within this, or the connection is closed (slow-header clients). Default: `15s`.";
+  };
+  runner_facade_idle_timeout = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "A connection with no request in flight for this long is closed (HTTP/1.1 and HTTP/2); HTTP/2 peers are also pinged, and one that stops answering is dropped. Default: `1m 30s`.";
+  };
+  accept_plaintext_envelopes = mkOption {
+    type = types.nullOr (types.bool);
+    default = null;
+    description = "Accept plaintext (v1) envelopes although `task_encryption_key_file` is set. Only for draining a queue the Go version wrote: a v1 envelope proves nothing about its writer. Logged as a warning at start. Default: `false`.";
+  };
+  gitea_endless_task_timeout = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "Gitea's `[actions] ENDLESS_TASK_TIMEOUT`: Gitea ends a task this long after it was fetched, so an envelope fetched longer ago is refused as stale or replayed, and finished assignments are remembered at least this long. Default: `3h`.";
+  };
+  nats_finished_bucket = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "JetStream key-value bucket of finished assignment IDs: an assignment runs at most once, even when its envelope is published again. Default: `CI_RUNNER_FINISHED`.";
+  };
+  held_assignment_timeout = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "An assignment sealed with a task key this controller lacks is set aside (it takes no admission slot), released when the key is configured, and failed in Gitea with the reason after this long. Default: `1h`.";
+  };
+  secret_file_permissions = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "Which permissions a secret file may have: `owner-only` (no group or other access, as ssh requires of private keys), `group-readable` (also read by the file's group: Kubernetes Secret volumes with `fsGroup` are 0440), or `unchecked`. Default: `owner-only`.";
   };
 }

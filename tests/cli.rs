@@ -213,7 +213,7 @@ fn check_config_accepts_a_complete_configuration() {
     let dir = tempfile::tempdir().expect("tempdir");
     let secret = |name: &str, value: &str| {
         let p = dir.path().join(name);
-        std::fs::write(&p, value).expect("write");
+        write_secret(&p, value);
         p.to_string_lossy().into_owned()
     };
     let toml = format!(
@@ -237,6 +237,45 @@ fn check_config_accepts_a_complete_configuration() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     // Only the path of the token file is shown, never its content.
     assert!(!text(&out.stdout).contains("0123456789abcdef"));
+
+    // DESIGN invariant 17: a secret file others can read is refused, naming it and its
+    // mode (as ssh refuses such private keys); `group-readable` allows a platform's 0440.
+    use std::os::unix::fs::PermissionsExt;
+    let token = dir.path().join("token");
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let out = run(&["check-config", "--config", file.to_str().expect("utf8")]);
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("GITEA_RUNNER_TOKEN_FILE")
+            && err.contains(&token.display().to_string())
+            && err.contains("mode 0644"),
+        "{err}"
+    );
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o440)).expect("chmod");
+    let out = run(&["check-config", "--config", file.to_str().expect("utf8")]);
+    assert!(!out.status.success(), "0440 is group-readable");
+    let out = run(&[
+        "check-config",
+        "--config",
+        file.to_str().expect("utf8"),
+        "--set",
+        "secret_file_permissions=group-readable",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+}
+
+/// Writes a secret file as an operator should: readable by its owner only.
+fn write_secret(path: &Path, content: &str) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .expect("open");
+    std::io::Write::write_all(&mut file, content.as_bytes()).expect("write");
 }
 
 fn mode(path: &Path) -> u32 {
@@ -258,7 +297,7 @@ async fn register_writes_private_credential_files_and_refuses_to_overwrite_them(
         .expect("mock");
     let dir = tempfile::tempdir().expect("tempdir");
     let reg = dir.path().join("registration-token");
-    std::fs::write(&reg, "reg-1\n").expect("write");
+    write_secret(&reg, "reg-1\n");
     let uuid_file = dir.path().join("uuid");
     let token_file = dir.path().join("token");
     let args = |extra: &[&str]| {
@@ -340,7 +379,7 @@ async fn register_with_a_wrong_token_fails_clearly_and_writes_nothing() {
         .expect("mock");
     let dir = tempfile::tempdir().expect("tempdir");
     let reg = dir.path().join("registration-token");
-    std::fs::write(&reg, "wrong").expect("write");
+    write_secret(&reg, "wrong");
     let uuid_file = dir.path().join("uuid");
     let out = run_async(vec![
         "register".into(),
@@ -372,7 +411,7 @@ async fn register_with_a_wrong_token_fails_clearly_and_writes_nothing() {
 fn register_without_the_gitea_settings_names_what_is_missing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let reg = dir.path().join("registration-token");
-    std::fs::write(&reg, "x").expect("write");
+    write_secret(&reg, "x");
     let out = run(&[
         "register",
         "--registration-token-file",
@@ -425,7 +464,7 @@ fn the_controller_with_an_incomplete_configuration_lists_the_problems_and_fails(
 fn register_with_an_unreadable_ca_file_says_it_cannot_read_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let reg = dir.path().join("registration-token");
-    std::fs::write(&reg, "x").expect("write");
+    write_secret(&reg, "x");
     let missing = dir.path().join("no-such-ca.pem");
     let out = run(&[
         "register",

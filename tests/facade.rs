@@ -11,7 +11,9 @@ use connectrpc::client::{ClientConfig, HttpClient};
 use gdr_controller::dispatch::{ClaimState, Dispatch};
 use gdr_controller::facade::Facade;
 use gdr_controller::facade::proxy::ReverseProxy;
+use gdr_controller::facade::tls::FacadeStats;
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
+use gdr_controller::settings::FacadeLimits;
 use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
 use gdr_core::assignment::{Assignment, DerivationPolicy};
 use gdr_core::backend::{Backend, BackendLabels};
@@ -56,6 +58,10 @@ struct Env {
 
 impl Env {
     async fn new() -> Self {
+        Self::with_limits(FacadeLimits::default()).await
+    }
+
+    async fn with_limits(limits: FacadeLimits) -> Self {
         let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
         let (uuid, token) = mock
             .handle
@@ -94,7 +100,16 @@ impl Env {
         tokio::spawn(async move {
             // The source must live as long as the server: it rotates the facade's SVID.
             let _source = source;
-            facade.serve(listener, tls, proxy, stopped).await
+            facade
+                .serve_limited(
+                    listener,
+                    tls,
+                    proxy,
+                    limits,
+                    Arc::new(FacadeStats::default()),
+                    stopped,
+                )
+                .await
         });
         Env {
             mock,
@@ -699,5 +714,242 @@ async fn an_executor_whose_facade_stays_away_past_the_tolerance_gives_up_and_say
         env.mock.handle.task(task_id).map(|t| t.status),
         Some(Status::Running),
         "the result never reached Gitea"
+    );
+}
+
+// === hostile peers (DESIGN invariant 21) ===
+
+/// An SVID of the trust domain, as any job's executor holds one.
+fn job_svid(env: &Env, job: &str) -> gdr_testkit::spiffe::Svid {
+    env.ca
+        .issue(
+            &format!("spiffe://example.org/ci/owner/repo/{job}"),
+            Duration::from_secs(600),
+        )
+        .expect("svid")
+}
+
+/// A TLS connection to the facade presenting `svid`, offering `alpn`.
+async fn tls_to(
+    addr: std::net::SocketAddr,
+    svid: &gdr_testkit::spiffe::Svid,
+    alpn: &[&[u8]],
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    let mut config = any_server_client_config(Some(svid)).expect("tls");
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(
+            rustls::pki_types::ServerName::IpAddress(
+                std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST).into(),
+            ),
+            tcp,
+        )
+        .await
+        .expect("handshake")
+}
+
+/// Reads until the peer closes (or `WAIT` passes: then `false`).
+async fn closed_by_peer(stream: &mut (impl tokio::io::AsyncRead + Unpin)) -> bool {
+    let mut buf = [0u8; 4096];
+    let read = async {
+        loop {
+            match tokio::io::AsyncReadExt::read(stream, &mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    };
+    tokio::time::timeout(WAIT, read).await.is_ok()
+}
+
+/// Reads the status line of one HTTP/1.1 answer (or `None` if none came within `WAIT`).
+async fn status_line(stream: &mut (impl tokio::io::AsyncRead + Unpin)) -> Option<String> {
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 1024];
+    let read = async {
+        while !answer.windows(2).any(|w| w == b"\r\n") {
+            match tokio::io::AsyncReadExt::read(stream, &mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => answer.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(WAIT, read).await.ok()?;
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    text.lines().next().map(str::to_owned)
+}
+
+/// DESIGN invariant 21: a RunnerService call is authenticated from its headers and the
+/// peer's SPIFFE ID before its body is read. A peer of the trust domain without the
+/// assignment's credential announcing a 10 MB body gets its refusal at once, without the
+/// facade waiting for (or buffering) the body.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runner_api_call_with_a_wrong_credential_is_refused_before_its_body_is_read() {
+    let env = Env::new().await;
+    let a = env.assignment("echo hi").await;
+    let svid = job_svid(&env, "build");
+    for (uuid, token) in [
+        (a.id().as_str(), "not-the-capability"),
+        ("gitea-task-999999", "x"),
+        ("", ""),
+    ] {
+        let mut tls = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
+        let head = format!(
+            "POST /api/actions/runner.v1.RunnerService/UpdateLog HTTP/1.1\r\nhost: facade\r\ncontent-type: application/proto\r\ncontent-length: 10000000\r\nx-runner-uuid: {uuid}\r\nx-runner-token: {token}\r\n\r\n"
+        );
+        tokio::io::AsyncWriteExt::write_all(&mut tls, head.as_bytes())
+            .await
+            .expect("write head");
+        let status = status_line(&mut tls).await;
+        assert_eq!(
+            status.as_deref(),
+            Some("HTTP/1.1 401 Unauthorized"),
+            "uuid {uuid:?}: refused from the headers, the body never sent"
+        );
+    }
+    // Register is refused without reading its body too.
+    let mut tls = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
+    tokio::io::AsyncWriteExt::write_all(
+        &mut tls,
+        b"POST /api/actions/runner.v1.RunnerService/Register HTTP/1.1\r\nhost: facade\r\ncontent-type: application/proto\r\ncontent-length: 10000000\r\n\r\n",
+    )
+    .await
+    .expect("write head");
+    assert_eq!(
+        status_line(&mut tls).await.as_deref(),
+        Some("HTTP/1.1 403 Forbidden")
+    );
+}
+
+/// The reverse proxy drops forwarding headers a client sends (Gitea would believe them)
+/// and sets the real ones: the peer's address and https.
+#[tokio::test(flavor = "multi_thread")]
+async fn client_sent_forwarding_headers_are_replaced_by_the_real_peer() {
+    let env = Env::new().await;
+    let svid = job_svid(&env, "build");
+    let mut tls = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
+    tokio::io::AsyncWriteExt::write_all(
+        &mut tls,
+        b"GET /_mock/blob/3 HTTP/1.1\r\nhost: facade\r\nx-forwarded-for: 6.6.6.6\r\nx-forwarded-host: evil.example\r\nx-forwarded-proto: http\r\nforwarded: for=6.6.6.6;host=evil.example\r\nx-real-ip: 6.6.6.6\r\nconnection: close\r\n\r\n",
+    )
+    .await
+    .expect("write");
+    assert_eq!(
+        status_line(&mut tls).await.as_deref(),
+        Some("HTTP/1.1 200 OK")
+    );
+    let (path, headers) = env
+        .mock
+        .handle
+        .seen_request_headers()
+        .into_iter()
+        .find(|(p, _)| p == "/_mock/blob/3")
+        .expect("the request reached Gitea");
+    let values = |name: &str| -> Vec<String> {
+        headers
+            .iter()
+            .filter(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+            .collect()
+    };
+    assert_eq!(
+        values("x-forwarded-for"),
+        ["127.0.0.1"],
+        "{path}: {headers:?}"
+    );
+    assert_eq!(values("x-forwarded-proto"), ["https"], "{headers:?}");
+    for dropped in ["x-forwarded-host", "forwarded", "x-real-ip"] {
+        assert!(values(dropped).is_empty(), "{dropped} passed: {headers:?}");
+    }
+}
+
+/// DESIGN invariant 21: nothing a peer opens and leaves idle is held for long — a TCP
+/// connection that never starts TLS, a TLS connection that never sends a request, an
+/// HTTP/1.1 request head sent slowly, an HTTP/2 session with no request in flight — and
+/// one SPIFFE ID holds only its share of connections.
+#[tokio::test(flavor = "multi_thread")]
+async fn idle_connections_are_closed_and_one_identity_holds_only_its_share() {
+    let limits = FacadeLimits {
+        max_connections_per_identity: 2,
+        tls_handshake_timeout: Duration::from_secs(1),
+        header_read_timeout: Duration::from_secs(1),
+        idle_timeout: Duration::from_secs(2),
+        ..FacadeLimits::default()
+    };
+    let env = Env::with_limits(limits).await;
+    let svid = job_svid(&env, "build");
+
+    let mut silent_tcp = tokio::net::TcpStream::connect(env.facade_addr)
+        .await
+        .expect("connect");
+    assert!(
+        closed_by_peer(&mut silent_tcp).await,
+        "a connection that never starts TLS is closed"
+    );
+
+    let mut silent_tls = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
+    assert!(
+        closed_by_peer(&mut silent_tls).await,
+        "a TLS connection that never sends a request is closed"
+    );
+
+    let mut slow = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
+    tokio::io::AsyncWriteExt::write_all(&mut slow, b"GET /_mock/blob/1 HTTP/1.1\r\nhost: f")
+        .await
+        .expect("write");
+    assert!(
+        closed_by_peer(&mut slow).await,
+        "a request head that never completes is not waited for"
+    );
+
+    // An HTTP/2 session that made a request and then idles.
+    let h2 = tls_to(env.facade_addr, &svid, &[b"h2"]).await;
+    let (mut sender, connection) =
+        hyper::client::conn::http2::handshake::<_, _, http_body_util::Empty<bytes::Bytes>>(
+            hyper_util::rt::TokioExecutor::new(),
+            hyper_util::rt::TokioIo::new(h2),
+        )
+        .await
+        .expect("h2 handshake");
+    let session = tokio::spawn(connection);
+    let answer = sender
+        .send_request(
+            http::Request::get("https://facade/_mock/blob/1")
+                .body(http_body_util::Empty::new())
+                .expect("request"),
+        )
+        .await
+        .expect("answer");
+    assert_eq!(answer.status(), 200);
+    drop(answer);
+    let ended = tokio::time::timeout(WAIT, session).await;
+    assert!(ended.is_ok(), "an idle HTTP/2 session is closed");
+
+    // Per identity: two connections are held, a third of the same SPIFFE ID is closed.
+    let mut first = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
+    let mut second = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
+    let request = b"GET /_mock/blob/1 HTTP/1.1\r\nhost: facade\r\n\r\n";
+    for held in [&mut first, &mut second] {
+        tokio::io::AsyncWriteExt::write_all(held, request)
+            .await
+            .expect("write");
+        assert_eq!(status_line(held).await.as_deref(), Some("HTTP/1.1 200 OK"));
+    }
+    let mut third = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
+    let _ = tokio::io::AsyncWriteExt::write_all(&mut third, request).await;
+    assert_eq!(
+        status_line(&mut third).await,
+        None,
+        "a third connection of one SPIFFE ID is closed without an answer"
+    );
+    // Another job's identity is not held back by it.
+    let mut other = tls_to(env.facade_addr, &job_svid(&env, "other"), &[b"http/1.1"]).await;
+    tokio::io::AsyncWriteExt::write_all(&mut other, request)
+        .await
+        .expect("write");
+    assert_eq!(
+        status_line(&mut other).await.as_deref(),
+        Some("HTTP/1.1 200 OK")
     );
 }

@@ -307,6 +307,60 @@ async fn large_gzipped_answers_are_decoded() {
     assert!(payload.contains(&"x".repeat(8 * 1024)));
 }
 
+/// A FetchTask answer above connectrpc's 4 MiB default is a task Gitea has claimed for
+/// us: it is read (up to `FETCH_TASK_MESSAGE_LIMIT`, 32 MiB), and one above the limit is
+/// reported as too large with the limit, not as "Gitea is unavailable".
+#[tokio::test]
+async fn fetch_task_answers_above_4_mib_are_read_and_larger_ones_are_reported_as_too_large() {
+    use gdr_controller::gitea::FETCH_TASK_MESSAGE_LIMIT;
+    let mock = mock().await;
+    let (uuid, token) = mock
+        .handle
+        .create_runner("ctl", &["self-hosted", "pod"], false);
+    let creds = Credentials::new(uuid, token);
+    // Building and compressing MiBs in an unoptimised mock takes seconds.
+    let mut options = ClientOptions::new(mock.url.clone());
+    options.fetch_timeout = Duration::from_secs(60);
+    assert_eq!(options.fetch_message_limit, FETCH_TASK_MESSAGE_LIMIT);
+    const { assert!(FETCH_TASK_MESSAGE_LIMIT >= 32 * 1024 * 1024) };
+    let c = GiteaClient::new(options.clone(), Some(&creds)).expect("client");
+    // Secrets are per repository; distinct bytes keep gzip from hiding the size.
+    let bulky = |len: usize| -> String {
+        (0..len)
+            .map(|i| char::from(b'a' + u8::try_from((i * 7 + i / 26) % 26).unwrap()))
+            .collect()
+    };
+    let size = 4 * 1024 * 1024 + 512 * 1024;
+    mock.handle.set_secret("owner/big", "BULK", &bulky(size));
+    mock.handle
+        .queue_workflow("owner/big", POD_JOB)
+        .expect("queue");
+    let task = c
+        .fetch_task(0)
+        .await
+        .expect("a 4.5 MiB task is read")
+        .task
+        .into_option()
+        .expect("task");
+    assert_eq!(task.secrets.get("BULK").map(String::len), Some(size));
+
+    // The same task over connectrpc's default 4 MiB (sending 32 MiB through an unoptimised
+    // mock is slow).
+    options.fetch_message_limit = 4 * 1024 * 1024;
+    let small = GiteaClient::new(options, Some(&creds)).expect("client");
+    mock.handle
+        .queue_workflow("owner/big", POD_JOB)
+        .expect("queue");
+    let err = small.fetch_task(0).await.expect_err("over the limit");
+    assert_eq!(err.kind(), ErrorKind::TooLarge, "{err}");
+    assert!(!err.is_retryable());
+    let text = err.to_string();
+    assert!(
+        text.contains("larger than the client accepts") && text.contains("4194304"),
+        "{text}"
+    );
+}
+
 /// No DESIGN invariant (operator interface): a CA file without a certificate is refused naming
 /// `gitea_ca_file`.
 #[test]

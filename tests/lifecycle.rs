@@ -320,3 +320,84 @@ async fn a_failure_report_gitea_refuses_keeps_the_executor_for_the_next_pass() {
         }
     );
 }
+
+/// Creates, starts and claims an executor of `assignment` (its task need not be ours).
+async fn claimed_executor_of(s: &Setup, assignment: &Assignment) {
+    let spec = ExecutorSpec::new(
+        assignment,
+        s.dispatch.capability_key().issue(assignment.id()),
+        &MetadataCodec::default(),
+        "https://facade",
+        "spiffe://example.org/controller",
+        "pod",
+    );
+    s.backend.create(&spec).await.expect("create");
+    s.backend.start(assignment.id());
+    s.backend
+        .record_claimed(assignment.id())
+        .await
+        .expect("claim");
+}
+
+/// DESIGN invariant 12: when Gitea no longer has a task for this runner — it never
+/// existed or was removed (`update task: … resource does not exist`), or another runner
+/// holds it (`update task: invalid runner for task`) — there is nothing left to report:
+/// the executor is deleted and its slot released at once, not retried every pass forever.
+#[tokio::test]
+async fn an_executor_whose_task_gitea_no_longer_has_is_released_and_deleted_not_retried_forever() {
+    let s = setup().await;
+    // A task Gitea never handed out.
+    let unknown = gdr_testkit::tasks::assignment(4242, "[self-hosted, pod]");
+    claimed_executor_of(&s, &unknown).await;
+    // A task another runner holds (e.g. the controller was registered anew).
+    let (uuid, token) = s
+        .mock
+        .handle
+        .create_runner("other", &["self-hosted", "pod"], false);
+    let other = GiteaClient::new(
+        ClientOptions::new(s.mock.url.clone()),
+        Some(&Credentials::new(uuid, token)),
+    )
+    .expect("client");
+    s.mock
+        .handle
+        .queue_workflow(
+            "owner/repo",
+            "on: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    steps: []\n",
+        )
+        .expect("queue");
+    let task = other
+        .fetch_task(0)
+        .await
+        .expect("fetch")
+        .task
+        .into_option()
+        .expect("task");
+    let foreign = Assignment::from_task(task, &gdr_testkit::tasks::policy()).expect("assignment");
+    claimed_executor_of(&s, &foreign).await;
+    s.dispatch.restore(&s.backend.records());
+    assert_eq!(s.dispatch.pool_usage(Backend::Pod), (2, 2));
+    s.backend.finish(unknown.id(), false);
+    s.backend.finish(foreign.id(), false);
+
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE);
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            deleted: 2,
+            failed: 2,
+            ..Pass::default()
+        }
+    );
+    assert!(s.backend.records().is_empty(), "both executors deleted");
+    assert_eq!(
+        s.dispatch.pool_usage(Backend::Pod),
+        (0, 2),
+        "slots released"
+    );
+    assert_eq!(
+        s.mock.handle.task(foreign.id().task_id()).map(|t| t.status),
+        Some(Status::Running),
+        "another runner's task is left to that runner"
+    );
+}

@@ -421,9 +421,9 @@ async fn only_the_fetching_runner_may_update_a_task() {
     let err = update(&other, state(task.id, pb::TaskResult::RESULT_SUCCESS), &[])
         .await
         .unwrap_err();
-    assert_gitea_error(&err, "Internal", "invalid runner for task");
+    assert_gitea_error(&err, "Internal", "update task: invalid runner for task");
     let err = log(&other, task.id, 0, &["x"], false).await.unwrap_err();
-    assert_gitea_error(&err, "Internal", "invalid runner for task");
+    assert_gitea_error(&err, "Internal", "get task: invalid runner for task");
 
     let snap = mock.handle.task(task.id).unwrap();
     assert_eq!(snap.status, Status::Running);
@@ -431,15 +431,20 @@ async fn only_the_fetching_runner_may_update_a_task() {
     heartbeat(&owner, task.id).await;
 }
 
-/// Peer fidelity: updating an unknown task is Gitea's `NotFound` `task N does not exist`.
+/// Peer fidelity: Gitea answers an unknown task with its internal-error wrapping of `util.ErrNotExist`,
+/// not with `NotFound` (its handlers return `status.Errorf(codes.Internal, …)`).
 #[tokio::test]
-async fn updating_an_unknown_task_is_not_found() {
+async fn updating_an_unknown_task_is_an_internal_resource_does_not_exist() {
     let mock = start().await;
     let (c, _) = runner(&mock, &["l"], false);
     let err = update(&c, state(4242, pb::TaskResult::RESULT_UNSPECIFIED), &[])
         .await
         .unwrap_err();
-    assert_gitea_error(&err, "NotFound", "task 4242 does not exist");
+    assert_gitea_error(
+        &err,
+        "Internal",
+        "update task: task with id 4242: resource does not exist",
+    );
 }
 
 /// Peer fidelity: a heartbeat (an UpdateTask without a result) moves the task's `updated` time

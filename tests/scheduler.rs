@@ -22,7 +22,7 @@ use gdr_core::assignment::{AssignmentId, DerivationPolicy};
 use gdr_core::backend::BackendLabels;
 use gdr_core::identity::TrustDomain;
 use gdr_proto::runner::v1 as pb;
-use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
+use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RpcMethod, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;
 use gdr_testkit::until;
 use tokio::task::JoinHandle;
@@ -376,7 +376,10 @@ async fn the_scheduler_stops_fetching_while_the_backlog_is_full() {
     let env = Env::start(MockConfig::default()).await;
     env.queue_jobs(5);
     let pollers = 3;
-    let running = Running::start(env.scheduler(pollers, 2));
+    // Only the pod backend: with its backlog full nothing is open.
+    let mut settings = env.settings(pollers, 2);
+    settings.labels = vec!["self-hosted".into(), "pod".into()];
+    let running = Running::start(env.scheduler_with(settings));
     let stats = running.stats.clone();
     // Held back with a full backlog (the gate is also shut before its first read).
     let all_held_back = || async {
@@ -413,6 +416,78 @@ async fn the_scheduler_stops_fetching_while_the_backlog_is_full() {
     .await;
     let report = running.stop().await;
     assert_eq!(report.tasks_fetched, 5);
+}
+
+/// DESIGN invariant 22: each backend's backlog is counted on its own subject. Pod
+/// assignments nothing consumes (a dead or disabled pod worker) fill only the pod backlog:
+/// the controller declares the vm label alone and keeps polling for vm jobs, and declares
+/// both again once the pod backlog has room — and then fetches the pod job Gitea held
+/// back meanwhile, although Declare does not bump Gitea's tasks version.
+#[tokio::test]
+async fn a_full_pod_backlog_does_not_stop_fetching_vm_jobs() {
+    let env = Env::start(MockConfig::default()).await;
+    let queue = |key: &str, runs_on: &str| {
+        env.gitea_mock()
+            .queue_workflow(
+                "owner/repo",
+                &format!("on: push\njobs:\n  {key}:\n    runs-on: {runs_on}\n    steps: []\n"),
+            )
+            .expect("queue")[0]
+    };
+    let running_of = |jobs: &[JobId]| {
+        jobs.iter()
+            .filter(|j| {
+                env.gitea_mock()
+                    .job(**j)
+                    .is_some_and(|j| j.status == Status::Running)
+            })
+            .count()
+    };
+    let pods: Vec<_> = (0..3)
+        .map(|i| queue(&format!("pod_{i}"), "[self-hosted, pod]"))
+        .collect();
+    let running = Running::start(env.scheduler(2, 2));
+    until(WAIT, "the pod backlog is full", || async {
+        running_of(&pods) == 2
+    })
+    .await;
+    until(
+        WAIT,
+        "the labels are declared without the full backend",
+        || async { env.gitea_mock().calls(RpcMethod::Declare) >= 2 },
+    )
+    .await;
+    // Idle polls for vm jobs: their empty answers bring the pollers' tasks version up to
+    // Gitea's, which then answers without looking for jobs.
+    let calls = env.gitea_mock().calls(RpcMethod::FetchTask);
+    until(WAIT, "idle polls for vm jobs", || async {
+        env.gitea_mock().calls(RpcMethod::FetchTask) >= calls + 3
+    })
+    .await;
+    assert_eq!(running_of(&pods), 2, "no pod job beyond the pod backlog");
+
+    // Claims drain the pod backlog: the pod label is declared again and the waiting pod
+    // job fetched, although Gitea's tasks version did not move.
+    env.drain_stream().await;
+    until(WAIT, "the last pod job is fetched", || async {
+        running_of(&pods) == 3
+    })
+    .await;
+
+    // Meanwhile vm jobs were never held back by the pod backlog.
+    let vms: Vec<_> = (0..3)
+        .map(|i| queue(&format!("vm_{i}"), "[self-hosted, vm]"))
+        .collect();
+    until(WAIT, "vm jobs fill their own backlog", || async {
+        running_of(&vms) == 2
+    })
+    .await;
+    env.drain_stream().await;
+    until(WAIT, "the last vm job is fetched", || async {
+        running_of(&vms) == 3
+    })
+    .await;
+    running.stop().await;
 }
 
 /// DESIGN invariant 5a: a queued assignment's task gets task-ID-only heartbeats from what the

@@ -13,7 +13,7 @@ use gdr_controller::dispatch::{ClaimState, Dispatch};
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::queue::{self, ConsumerSettings, StreamSettings};
 use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
-use gdr_controller::worker::{Outcome, Worker, WorkerSettings};
+use gdr_controller::worker::{EnvelopeTrust, Outcome, Worker, WorkerSettings};
 use gdr_core::assignment::{Assignment, AssignmentId, DerivationPolicy, encode_v1};
 use gdr_core::backend::{Backend, BackendLabels};
 use gdr_core::capability::CapabilityKey;
@@ -141,6 +141,11 @@ impl Harness {
             runner_label: backend.as_str().into(),
             codec: gdr_core::metadata::MetadataCodec::default(),
             report_outage_tolerance: Duration::from_secs(60),
+            envelopes: EnvelopeTrust {
+                accept_plaintext: false,
+                max_age: Duration::from_secs(3 * 3600),
+            },
+            held_subject: stream_settings().held_subject(backend),
         };
         tweak(&mut settings);
         let worker = Worker::new(
@@ -495,8 +500,12 @@ impl Harness {
     }
 }
 
+/// DESIGN invariant 21: an assignment sealed with a task key this controller lacks is kept
+/// (a rotation rolled out in the wrong order must not lose jobs) but set aside on the held
+/// subject, so it holds none of the consumer's `max_ack_pending` slots: a backend of
+/// capacity 1 still runs its next job.
 #[tokio::test]
-async fn an_assignment_sealed_with_a_key_this_controller_lacks_is_kept_not_terminated() {
+async fn an_assignment_sealed_with_a_key_this_controller_lacks_is_set_aside_not_terminated() {
     use gdr_core::assignment::{TaskKey, TaskKeyring, encode_v2};
     let mut h = Harness::new(1, 1).await;
     h.start_worker(Backend::Pod, 1).await;
@@ -516,16 +525,28 @@ async fn an_assignment_sealed_with_a_key_this_controller_lacks_is_kept_not_termi
     .await
     .expect("publish");
     let (_, outcome) = h.next_outcome().await;
-    assert_eq!(outcome, Outcome::MissingKey);
-    let mut stream = queue::open_stream(&h.js, &stream_settings())
+    assert_eq!(outcome, Outcome::Held);
+    let stream = queue::open_stream(&h.js, &stream_settings())
         .await
         .expect("stream");
+    let held = queue::held_per_backend(&stream, &stream_settings())
+        .await
+        .expect("info");
+    assert_eq!(held.get(&Backend::Pod), Some(&1), "the job stays, held");
+    let unclaimed = queue::unclaimed_per_backend(&stream, &stream_settings())
+        .await
+        .expect("info");
     assert_eq!(
-        queue::unclaimed(&mut stream).await.expect("info"),
-        1,
-        "the job stays in the stream"
+        unclaimed.get(&Backend::Pod),
+        None,
+        "nothing waits on the pod subject"
     );
     assert_eq!(h.pod.created(), 0);
+
+    // The held message holds no slot of the capacity-1 consumer: the next job runs.
+    let next = h.publish_job("[self-hosted, pod]").await;
+    h.wait_offered(next.id()).await;
+    assert_eq!(h.pod.created(), 1);
 }
 
 /// A spec of `assignment`'s executor as the worker builds it.

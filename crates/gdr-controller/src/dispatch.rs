@@ -95,6 +95,9 @@ pub struct Dispatch {
     /// When the facade last heard from each claimed assignment's runner (invariant 12: a
     /// claimed executor that falls silent is failed after the idle timeout).
     heard: Mutex<HashMap<AssignmentId, Instant>>,
+    /// The assignments that finished, so a replayed envelope never runs one again
+    /// (invariant 20); `None` only where no queue exists (unit tests).
+    finished: Option<crate::queue::FinishedAssignments>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -121,6 +124,32 @@ impl Dispatch {
             pools: Mutex::new(pools),
             entries: Mutex::new(HashMap::new()),
             heard: Mutex::new(HashMap::new()),
+            finished: None,
+        }
+    }
+
+    /// Records finished assignments in `finished` and consults it before any executor is
+    /// created (DESIGN invariant 20: an assignment runs at most once, ever).
+    #[must_use]
+    pub fn with_finished(mut self, finished: crate::queue::FinishedAssignments) -> Self {
+        self.finished = Some(finished);
+        self
+    }
+
+    /// Records that `id` finished: Gitea has its result, or it was failed there. Callers
+    /// record before deleting the executor that proves it.
+    pub async fn record_finished(&self, id: &AssignmentId) -> Result<(), crate::queue::QueueError> {
+        match &self.finished {
+            Some(f) => f.record(id).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Whether `id` finished before (a replay, if its envelope arrives again).
+    pub async fn has_finished(&self, id: &AssignmentId) -> Result<bool, crate::queue::QueueError> {
+        match &self.finished {
+            Some(f) => f.contains(id).await,
+            None => Ok(false),
         }
     }
 
@@ -349,6 +378,12 @@ impl Dispatch {
             .ok_or(ClaimError::NoBackend(auth.backend))?;
         backend.mark_terminal(&auth.id).await?;
         crate::failpoint::hit(crate::failpoint::points::AFTER_TERMINAL_MARKER);
+        // The terminal marker already prevents a second run while the executor exists;
+        // the record outlives it. The lifecycle reconciler records again (and must
+        // succeed) before it deletes the executor, so a failure here costs nothing.
+        if let Err(e) = self.record_finished(&auth.id).await {
+            tracing::warn!(assignment_id = %auth.id, error = %e, "recording the finished assignment failed; the lifecycle reconciler records it before clean-up");
+        }
         self.release(auth.backend, &auth.id);
         lock(&self.heard).remove(&auth.id);
         let mut ran = None;

@@ -5,8 +5,10 @@
 //!   [`lease`] (Kubernetes Lease leader election).
 //! - Components: [`scheduler`] (FetchTask pollers, heartbeats), [`worker`] (one per
 //!   backend), [`dispatch`] (admission and claims shared by workers and facade), [`facade`],
-//!   [`lifecycle`] (clean-up and failure reports).
-//! - Wiring: [`settings`], [`cli`], [`register`], [`runtime`], [`logging`].
+//!   [`lifecycle`] (clean-up and failure reports), [`held`] (assignments sealed with an
+//!   unknown task key).
+//! - Wiring: [`settings`], [`cli`], [`register`], [`runtime`], [`logging`], [`limits`] (the
+//!   process's open-file limit).
 //! - Operating it: [`metrics`], [`health`] (the health listener), [`status`] (what the
 //!   controller is doing, for `/status`, the status page and the `status` subcommand).
 
@@ -17,8 +19,10 @@ pub mod facade;
 pub mod failpoint;
 pub mod gitea;
 pub mod health;
+pub mod held;
 pub mod lease;
 pub mod lifecycle;
+pub mod limits;
 pub mod logging;
 pub mod metrics;
 pub mod queue;

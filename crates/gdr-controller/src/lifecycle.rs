@@ -46,6 +46,8 @@ enum StepError {
     Report(#[source] crate::gitea::GiteaError),
     #[error("{0}")]
     Backend(#[source] ExecutorError),
+    #[error("recording the finished assignment: {0}")]
+    Record(#[source] crate::queue::QueueError),
 }
 
 /// Reconciles one backend's executors.
@@ -222,6 +224,12 @@ impl Lifecycle {
 
     async fn delete(&self, record: &ExecutorRecord) -> Result<(), StepError> {
         let id = record.assignment.id();
+        // Invariant 20: once the executor is gone, only this record stops a replayed
+        // envelope from running the job again.
+        self.dispatch
+            .record_finished(id)
+            .await
+            .map_err(StepError::Record)?;
         self.backend.delete(id).await.map_err(StepError::Backend)?;
         self.dispatch.forget(self.backend.backend(), id);
         tracing::info!(backend = %self.backend.backend(), assignment_id = %id, event = "cleaned", executor = %record.name, "executor deleted; its slot is free");

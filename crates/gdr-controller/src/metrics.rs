@@ -349,6 +349,27 @@ pub struct Metrics {
     pub queue_depth: Family<BackendLabel, Gauge>,
     /// 1 while the NATS connection is up.
     pub nats_connected: Family<ConnectionLabel, Gauge>,
+    /// Assignments held because they are sealed with a task key this controller lacks.
+    pub held_assignments: Family<BackendLabel, Gauge>,
+    /// Facade connections open now.
+    pub facade_connections: Gauge,
+    /// Facade connections closed early, by why: `limit` (refused at a connection limit),
+    /// `evicted` (in their handshake, to make room), `handshake` (failed or timed out),
+    /// `identity_limit` (a SPIFFE ID at its limit), `idle`.
+    pub facade_connections_closed: Family<CloseReasonLabel, Counter>,
+    /// Failed `accept` calls of the facade (e.g. no file descriptors).
+    pub facade_accept_errors: Counter,
+}
+
+/// Why the facade closed a connection early: the values of [`CloseReasonLabel`].
+pub const FACADE_CLOSE_REASONS: [&str; 5] =
+    ["limit", "evicted", "handshake", "identity_limit", "idle"];
+
+/// Label: why the facade closed a connection early.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CloseReasonLabel {
+    /// The reason.
+    pub reason: String,
 }
 
 impl Default for Metrics {
@@ -512,6 +533,36 @@ impl Metrics {
             &nats_connected,
         )
         .values("connection", &["producer", "worker"]);
+        let held_assignments = Family::<BackendLabel, Gauge>::default();
+        b.family(
+            "held_assignments",
+            "Assignments set aside because they are sealed with a task key this controller lacks, by backend",
+            &held_assignments,
+        );
+        let facade_connections = Gauge::default();
+        b.add(
+            "facade_connections",
+            "Connections the facade holds open",
+            &facade_connections,
+        );
+        let facade_connections_closed = Family::<CloseReasonLabel, Counter>::default();
+        b.family(
+            "facade_connections_closed",
+            "Facade connections refused or closed early, by reason (limit, evicted, handshake, identity_limit, idle)",
+            &facade_connections_closed,
+        )
+        .values("reason", &FACADE_CLOSE_REASONS);
+        for reason in FACADE_CLOSE_REASONS {
+            facade_connections_closed.get_or_create_owned(&CloseReasonLabel {
+                reason: reason.into(),
+            });
+        }
+        let facade_accept_errors = Counter::default();
+        b.add(
+            "facade_accept_errors",
+            "Failed accept calls of the facade (for example, no file descriptors left)",
+            &facade_accept_errors,
+        );
         Metrics {
             registry: b.registry,
             docs: b.docs,
@@ -537,6 +588,10 @@ impl Metrics {
             executors,
             queue_depth,
             nats_connected,
+            held_assignments,
+            facade_connections,
+            facade_connections_closed,
+            facade_accept_errors,
         }
     }
 
@@ -546,7 +601,12 @@ impl Metrics {
     pub fn init_backend(&self, backend: gdr_core::backend::Backend) {
         let label = BackendLabel::of(backend);
         let name = label.backend.clone();
-        for family in [&self.pool_in_use, &self.pool_capacity, &self.queue_depth] {
+        for family in [
+            &self.pool_in_use,
+            &self.pool_capacity,
+            &self.queue_depth,
+            &self.held_assignments,
+        ] {
             family.get_or_create_owned(&label);
         }
         for family in [&self.lifecycle_errors, &self.idle_executors_failed] {

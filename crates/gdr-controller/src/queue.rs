@@ -3,10 +3,18 @@
 //! Subjects `<base>.pod` / `<base>.vm`, one work-queue stream, one durable pull
 //! consumer per backend (names `pod` / `vm`, as the Go version used). The message
 //! ID is the assignment ID, so a retried publish of the same task is stored once.
+//!
+//! Two more things live beside them (DESIGN invariants 20, 21): `<base>.held.<backend>`
+//! holds assignments sealed with a task key this controller lacks, so they take no
+//! admission slot (see `crate::held`), and a key-value bucket records the assignments
+//! that finished, so a replayed envelope never runs a job again.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer, stream};
+use async_nats::jetstream::{self, consumer, kv, stream};
+use futures::TryStreamExt;
+use gdr_core::assignment::AssignmentId;
 use gdr_core::backend::Backend;
 
 /// Stream layout.
@@ -24,6 +32,19 @@ impl StreamSettings {
     /// The subject of a backend's assignments.
     pub fn subject(&self, backend: Backend) -> String {
         format!("{}.{}", self.subject_base, backend.as_str())
+    }
+
+    /// The subject of a backend's held assignments (sealed with an unknown task key).
+    pub fn held_subject(&self, backend: Backend) -> String {
+        format!("{}.held.{}", self.subject_base, backend.as_str())
+    }
+
+    /// Every subject the stream must cover.
+    pub fn subjects(&self) -> Vec<String> {
+        [Backend::Pod, Backend::Vm]
+            .into_iter()
+            .flat_map(|b| [self.subject(b), self.held_subject(b)])
+            .collect()
     }
 }
 
@@ -56,9 +77,18 @@ pub enum QueueError {
         /// Cause.
         message: String,
     },
+    /// The finished-assignments bucket could not be created, read or written.
+    #[error("JetStream key-value bucket {bucket}: {message}")]
+    Finished {
+        /// Bucket name.
+        bucket: String,
+        /// Cause.
+        message: String,
+    },
 }
 
-/// Creates the stream if missing, or checks an existing one covers our subjects.
+/// Creates the stream if missing, or makes an existing one cover every subject (a stream
+/// of the Go version, or of an older release, lacks the held subjects).
 pub async fn ensure_stream(
     js: &jetstream::Context,
     settings: &StreamSettings,
@@ -69,16 +99,27 @@ pub async fn ensure_stream(
     };
     let config = stream::Config {
         name: settings.stream.clone(),
-        subjects: vec![
-            settings.subject(Backend::Pod),
-            settings.subject(Backend::Vm),
-        ],
+        subjects: settings.subjects(),
         retention: stream::RetentionPolicy::WorkQueue,
         storage: stream::StorageType::File,
         duplicate_window: settings.duplicate_window,
         ..Default::default()
     };
-    js.get_or_create_stream(config).await.map_err(|e| err(&e))
+    let mut stream = js.get_or_create_stream(config).await.map_err(|e| err(&e))?;
+    let existing = stream.info().await.map_err(|e| err(&e))?.config.clone();
+    let missing: Vec<String> = settings
+        .subjects()
+        .into_iter()
+        .filter(|s| !existing.subjects.contains(s))
+        .collect();
+    if !missing.is_empty() {
+        let mut config = existing;
+        tracing::info!(stream = %settings.stream, subjects = ?missing, "adding subjects to the stream");
+        config.subjects.extend(missing);
+        js.update_stream(config).await.map_err(|e| err(&e))?;
+        stream = js.get_stream(&settings.stream).await.map_err(|e| err(&e))?;
+    }
+    Ok(stream)
 }
 
 /// Opens the stream an operator provisioned (least-privilege deployments).
@@ -106,7 +147,9 @@ pub struct ConsumerSettings {
     pub max_deliver: i64,
 }
 
-/// Creates (or opens) the durable pull consumer of one backend.
+/// Creates the durable pull consumer of one backend, or brings an existing one to
+/// `consumer_settings` (JetStream keeps an existing consumer's configuration as it is, so
+/// a capacity changed across a restart would otherwise never reach `max_ack_pending`).
 pub async fn ensure_consumer(
     stream: &stream::Stream,
     settings: &StreamSettings,
@@ -114,7 +157,11 @@ pub async fn ensure_consumer(
     consumer_settings: &ConsumerSettings,
 ) -> Result<consumer::PullConsumer, QueueError> {
     let name = backend.as_str().to_string();
-    let config = consumer::pull::Config {
+    let err = |e: &dyn std::fmt::Display| QueueError::Consumer {
+        consumer: name.clone(),
+        message: e.to_string(),
+    };
+    let wanted = consumer::pull::Config {
         durable_name: Some(name.clone()),
         filter_subject: settings.subject(backend),
         ack_policy: consumer::AckPolicy::Explicit,
@@ -123,13 +170,27 @@ pub async fn ensure_consumer(
         max_ack_pending: consumer_settings.max_ack_pending,
         ..Default::default()
     };
-    stream
-        .get_or_create_consumer(&name, config)
+    let mut consumer: consumer::PullConsumer = stream
+        .get_or_create_consumer(&name, wanted.clone())
         .await
-        .map_err(|e| QueueError::Consumer {
-            consumer: name,
-            message: e.to_string(),
-        })
+        .map_err(|e| err(&e))?;
+    let current = consumer.info().await.map_err(|e| err(&e))?.config.clone();
+    let differs = current.max_ack_pending != wanted.max_ack_pending
+        || current.ack_wait != wanted.ack_wait
+        || current.max_deliver != wanted.max_deliver
+        || current.filter_subject != wanted.filter_subject
+        || current.ack_policy != wanted.ack_policy;
+    if differs {
+        tracing::info!(
+            consumer = %name,
+            max_ack_pending = wanted.max_ack_pending,
+            was = current.max_ack_pending,
+            ack_wait = ?wanted.ack_wait,
+            "updating the worker consumer to the configured settings"
+        );
+        consumer = stream.update_consumer(wanted).await.map_err(|e| err(&e))?;
+    }
+    Ok(consumer)
 }
 
 /// Opens the durable consumer of one backend that an operator provisioned.
@@ -185,6 +246,62 @@ pub async fn publish(
         sequence: ack.sequence,
         duplicate: ack.duplicate,
     })
+}
+
+/// Unclaimed assignments per backend: the messages on each backend's own subject (held
+/// ones, and those of a backend not in this stream, are not counted).
+pub async fn unclaimed_per_backend(
+    stream: &stream::Stream,
+    settings: &StreamSettings,
+) -> Result<BTreeMap<Backend, u64>, QueueError> {
+    counts_per_backend(
+        stream,
+        settings,
+        format!("{}.*", settings.subject_base),
+        StreamSettings::subject,
+    )
+    .await
+}
+
+/// Held assignments per backend (sealed with a task key this controller lacks).
+pub async fn held_per_backend(
+    stream: &stream::Stream,
+    settings: &StreamSettings,
+) -> Result<BTreeMap<Backend, u64>, QueueError> {
+    counts_per_backend(
+        stream,
+        settings,
+        format!("{}.held.*", settings.subject_base),
+        StreamSettings::held_subject,
+    )
+    .await
+}
+
+async fn counts_per_backend(
+    stream: &stream::Stream,
+    settings: &StreamSettings,
+    filter: String,
+    subject_of: fn(&StreamSettings, Backend) -> String,
+) -> Result<BTreeMap<Backend, u64>, QueueError> {
+    let err = |e: &dyn std::fmt::Display| QueueError::Stream {
+        stream: settings.stream.clone(),
+        message: e.to_string(),
+    };
+    let wanted: BTreeMap<String, Backend> = [Backend::Pod, Backend::Vm]
+        .into_iter()
+        .map(|b| (subject_of(settings, b), b))
+        .collect();
+    let mut counts = BTreeMap::new();
+    let mut subjects = stream
+        .info_with_subjects(filter)
+        .await
+        .map_err(|e| err(&e))?;
+    while let Some((subject, count)) = subjects.try_next().await.map_err(|e| err(&e))? {
+        if let Some(backend) = wanted.get(&subject) {
+            counts.insert(*backend, u64::try_from(count).unwrap_or(u64::MAX));
+        }
+    }
+    Ok(counts)
 }
 
 /// Messages in the stream: with work-queue retention this is the number of
@@ -288,4 +405,86 @@ pub async fn queued(stream: &stream::Stream, subjects: &str) -> Result<Vec<Queue
         });
     }
     Ok(out)
+}
+
+// === finished assignments ===
+
+/// The JetStream key-value bucket of finished assignment IDs (DESIGN invariant 20). An
+/// entry lives `ttl`: at least Gitea's endless-task timeout, after which an envelope of
+/// the assignment is refused as too old anyway.
+#[derive(Clone)]
+pub struct FinishedAssignments {
+    store: kv::Store,
+    bucket: String,
+}
+
+impl std::fmt::Debug for FinishedAssignments {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FinishedAssignments")
+            .field("bucket", &self.bucket)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FinishedAssignments {
+    /// Creates the bucket (or brings its TTL to `ttl`) when `create`, else opens the one
+    /// an operator provisioned.
+    pub async fn open(
+        js: &jetstream::Context,
+        bucket: &str,
+        ttl: Duration,
+        create: bool,
+    ) -> Result<Self, QueueError> {
+        let err = |e: &dyn std::fmt::Display| QueueError::Finished {
+            bucket: bucket.to_owned(),
+            message: e.to_string(),
+        };
+        let store = if create {
+            js.create_or_update_key_value(kv::Config {
+                bucket: bucket.to_owned(),
+                description: "assignments that finished: never run again".into(),
+                history: 1,
+                max_age: ttl,
+                storage: stream::StorageType::File,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| err(&e))?
+        } else {
+            js.get_key_value(bucket).await.map_err(|e| err(&e))?
+        };
+        Ok(FinishedAssignments {
+            store,
+            bucket: bucket.to_owned(),
+        })
+    }
+
+    fn err(&self, e: &dyn std::fmt::Display) -> QueueError {
+        QueueError::Finished {
+            bucket: self.bucket.clone(),
+            message: e.to_string(),
+        }
+    }
+
+    /// Records that `id` finished (idempotent).
+    pub async fn record(&self, id: &AssignmentId) -> Result<(), QueueError> {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        self.store
+            .put(id.as_str(), now.to_string().into())
+            .await
+            .map(|_| ())
+            .map_err(|e| self.err(&e))
+    }
+
+    /// Whether `id` finished (within the bucket's TTL).
+    pub async fn contains(&self, id: &AssignmentId) -> Result<bool, QueueError> {
+        self.store
+            .get(id.as_str())
+            .await
+            .map(|v| v.is_some())
+            .map_err(|e| self.err(&e))
+    }
 }

@@ -1,8 +1,12 @@
 //! Workers: one per backend, each consuming its own durable JetStream consumer
 //! (DESIGN invariants 5, 6, 8, 9, 12).
 //!
-//! For every delivered assignment: decode and re-derive (poison or tampered → TERM); skip
-//! if the backend shows it claimed already; take an admission slot or NAK with a delay (the
+//! For every delivered assignment: decode and re-derive (poison or tampered → TERM); apply
+//! the queue's trust rules (invariant 21: a plaintext envelope where a task key is
+//! configured, or one fetched longer ago than a task may live → TERM); set aside one
+//! sealed with a key this controller lacks (moved to the held subject, so it holds no
+//! admission slot); skip if the backend shows it claimed already, or if it finished before
+//! (invariant 20: a replay → TERM); take an admission slot or NAK with a delay (the
 //! assignment stays pending, nothing is created beyond capacity); reconcile the executor
 //! through the backend (find → create → bind identity); offer the task to the facade and
 //! wait, extending the ack deadline, until the runner claims it; then double-ack. A failing
@@ -21,7 +25,8 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use gdr_core::assignment::{
-    Assignment, AssignmentId, DerivationPolicy, EnvelopeError, TaskKeyring, decode, envelope_id,
+    Assignment, AssignmentId, DerivationPolicy, EnvelopeError, EnvelopeRules, TaskKeyring,
+    decode_with, envelope_id,
 };
 use gdr_core::backend::Backend;
 use gdr_core::capacity::Admission;
@@ -70,6 +75,31 @@ pub struct WorkerSettings {
     pub codec: MetadataCodec,
     /// How long executors hold their runner's reports while the facade is unreachable.
     pub report_outage_tolerance: Duration,
+    /// What the worker trusts of an envelope.
+    pub envelopes: EnvelopeTrust,
+    /// Where assignments sealed with an unknown task key are set aside
+    /// (`queue::StreamSettings::held_subject`).
+    pub held_subject: String,
+}
+
+/// The trust rules a worker applies to what it reads from the queue (DESIGN invariant 21).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnvelopeTrust {
+    /// Accept plaintext v1 envelopes although a task key is configured (a migration).
+    pub accept_plaintext: bool,
+    /// Refuse an envelope fetched longer ago than this (Gitea's endless-task timeout).
+    pub max_age: Duration,
+}
+
+impl EnvelopeTrust {
+    /// The rules as of now.
+    pub fn rules(&self) -> EnvelopeRules {
+        EnvelopeRules {
+            accept_plaintext: self.accept_plaintext,
+            max_age: self.max_age,
+            now: SystemTime::now(),
+        }
+    }
 }
 
 /// What became of one delivery; logged and counted.
@@ -97,8 +127,18 @@ pub enum Outcome {
     InFlight,
     /// Shutting down: NAK so another controller takes it at once.
     Interrupted,
-    /// Sealed with a task key this controller does not have: NAK with a long delay.
+    /// Sealed with a task key this controller does not have, and setting it aside failed:
+    /// NAK with a long delay.
     MissingKey,
+    /// Sealed with a task key this controller does not have: moved to the held subject
+    /// (it holds no admission slot there), acknowledged here.
+    Held,
+    /// A plaintext envelope where a task key is configured: terminated.
+    Plaintext,
+    /// Fetched longer ago than a task may live (or in the future): terminated.
+    Expired,
+    /// The assignment finished before: a replay, terminated.
+    Replayed,
 }
 
 impl Outcome {
@@ -131,6 +171,10 @@ impl Outcome {
             Outcome::InFlight => "in_flight",
             Outcome::Interrupted => "interrupted",
             Outcome::MissingKey => "missing_key",
+            Outcome::Held => "held",
+            Outcome::Plaintext => "plaintext_refused",
+            Outcome::Expired => "expired",
+            Outcome::Replayed => "replayed",
         }
     }
 }
@@ -287,7 +331,13 @@ impl Worker {
             let Some(id) = envelope_id(&message.payload).filter(|id| waiting.contains(id)) else {
                 continue;
             };
-            match decode(&message.payload, &self.policy, self.keyring.as_ref()) {
+            let rules = self.settings.envelopes.rules();
+            match decode_with(
+                &message.payload,
+                &self.policy,
+                self.keyring.as_ref(),
+                &rules,
+            ) {
                 Ok(assignment) if assignment.backend() == backend && assignment.id() == &id => {
                     // Admitted already: the pool was restored from the same executors.
                     if self.dispatch.admit(backend, &id) == Admission::Full {
@@ -384,8 +434,13 @@ impl Worker {
     fn settlement(&self, outcome: Outcome, retry_hint: Option<Duration>) -> Settle {
         let s = &self.settings;
         match outcome {
-            Outcome::Claimed | Outcome::AlreadyClaimed | Outcome::ExecutorFailed => Settle::Ack,
-            Outcome::Poison => Settle::Term,
+            Outcome::Claimed
+            | Outcome::AlreadyClaimed
+            | Outcome::ExecutorFailed
+            | Outcome::Held => Settle::Ack,
+            Outcome::Poison | Outcome::Plaintext | Outcome::Expired | Outcome::Replayed => {
+                Settle::Term
+            }
             // The backend knows best when it has room again (OpenSandbox's Retry-After).
             Outcome::Full => Settle::Nak(Some(retry_hint.unwrap_or(s.full_delay))),
             Outcome::NotReady => Settle::Nak(Some(s.not_ready_delay)),
@@ -411,15 +466,34 @@ impl Worker {
                 |id| id.to_string(),
             )
         };
-        let assignment = match decode(&message.payload, &self.policy, self.keyring.as_ref()) {
+        let rules = self.settings.envelopes.rules();
+        let decoded = decode_with(
+            &message.payload,
+            &self.policy,
+            self.keyring.as_ref(),
+            &rules,
+        );
+        let assignment = match decoded {
             Ok(a) => a,
             Err(e @ (EnvelopeError::UnknownKey(_) | EnvelopeError::NoKeyring)) => {
                 // A key this process lacks is a configuration fault (e.g. a rotation
-                // rolled out in the wrong order), not a bad message: keep the job. The
-                // heartbeater keeps it alive in Gitea meanwhile (it reads only the ID).
+                // rolled out in the wrong order) or a stranger's message, not a job this
+                // backend can start: set it aside so it holds no admission slot. The
+                // heartbeater keeps it alive in Gitea meanwhile (it reads only the ID); the
+                // held reconciler releases it once the key is configured, or fails it.
                 let label = label();
-                tracing::error!(%backend, assignment_id = %label, error = %e, "cannot decrypt an assignment: configure its task key; retrying later");
-                return (label, Outcome::MissingKey);
+                tracing::error!(%backend, assignment_id = %label, error = %e, "cannot decrypt an assignment: setting it aside until its task key is configured");
+                return (label, self.hold(message).await);
+            }
+            Err(e @ EnvelopeError::Plaintext) => {
+                let label = label();
+                tracing::error!(%backend, assignment_id = %label, error = %e, "terminating a plaintext assignment: anyone able to publish could have written it");
+                return (label, Outcome::Plaintext);
+            }
+            Err(e @ (EnvelopeError::Expired { .. } | EnvelopeError::FromTheFuture { .. })) => {
+                let label = label();
+                tracing::error!(%backend, assignment_id = %label, error = %e, "terminating an assignment outside its lifetime (stale or replayed)");
+                return (label, Outcome::Expired);
             }
             Err(e) => {
                 let label = label();
@@ -437,6 +511,32 @@ impl Worker {
             return (label, Outcome::InFlight);
         };
         (label, self.reconcile(assignment, message, shutdown).await)
+    }
+
+    /// Moves an undecryptable delivery to the held subject, then lets the caller ack it.
+    async fn hold(&self, message: &jetstream::Message) -> Outcome {
+        let backend = self.settings.backend;
+        let mut publish =
+            jetstream::message::PublishMessage::build().payload(message.payload.clone());
+        // A redelivery of a message held already is dropped by JetStream as a duplicate.
+        if let Some(id) = envelope_id(&message.payload) {
+            publish = publish.message_id(format!("held-{id}"));
+        }
+        let stored = async {
+            message
+                .context
+                .send_publish(self.settings.held_subject.clone(), publish)
+                .await?
+                .await
+        }
+        .await;
+        match stored {
+            Ok(_) => Outcome::Held,
+            Err(e) => {
+                tracing::warn!(%backend, subject = %self.settings.held_subject, error = %e, "setting an assignment aside failed; retrying later");
+                Outcome::MissingKey
+            }
+        }
     }
 
     fn enter(&self, id: &AssignmentId) -> Option<InFlight<'_>> {
@@ -489,6 +589,20 @@ impl Worker {
         };
         if existing.as_ref().is_some_and(|r| r.claimed || r.terminal) {
             return Outcome::AlreadyClaimed;
+        }
+        if existing.is_none() {
+            // Invariant 20: its executor is gone, but the record of its end outlives it.
+            match self.dispatch.has_finished(&id).await {
+                Ok(false) => {}
+                Ok(true) => {
+                    tracing::warn!(%backend, assignment_id = %id, "terminating an assignment that finished before (a replayed envelope)");
+                    return Outcome::Replayed;
+                }
+                Err(e) => {
+                    tracing::warn!(%backend, assignment_id = %id, error = %e, "cannot tell whether the assignment finished before; retrying later");
+                    return Outcome::BackendError;
+                }
+            }
         }
         match self.dispatch.admit(backend, &id) {
             Admission::Full => {
@@ -689,6 +803,17 @@ impl Worker {
             }
         }
         let marked = self.backend.mark_terminal(id).await;
+        if let Err(e) = self.dispatch.record_finished(id).await {
+            // Deleting now would leave nothing that stops a replay: keep the executor (the
+            // terminal marker holds meanwhile) for the lifecycle reconciler, which records
+            // before it deletes.
+            tracing::warn!(%backend, assignment_id = %id, error = %e, "recording the failed assignment as finished failed; the lifecycle reconciler cleans up");
+            self.dispatch.forget(backend, id);
+            return match marked {
+                Ok(()) => Outcome::ExecutorFailed,
+                Err(_) => Outcome::BackendError,
+            };
+        }
         self.dispatch.forget(backend, id);
         match (self.backend.delete(id).await, marked) {
             (Ok(()), _) => {

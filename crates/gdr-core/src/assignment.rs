@@ -10,11 +10,18 @@
 //! - **v1**, byte-compatible with the Go seed (`json.Marshal` of its `envelope` struct): the
 //!   task protobuf in plain base64. Still read, so a Rust controller can drain a Go queue.
 //! - **v2**: the task protobuf sealed with AES-256-GCM under a key from a file, so job
-//!   secrets do not sit readable in the stream. The redundant fields and the key ID are
-//!   bound as additional data, so ciphertext cannot be moved between envelopes.
+//!   secrets do not sit readable in the stream. The redundant fields, the key ID and the
+//!   fetch time are bound as additional data, so ciphertext cannot be moved between
+//!   envelopes and an envelope cannot be made younger than it is.
+//!
+//! [`decode_with`] applies the queue's trust rules on top (DESIGN invariants 20, 21): where
+//! a task key is configured a plaintext v1 envelope is refused (anyone able to publish
+//! could write one for any repository), and an envelope fetched longer ago than Gitea lets
+//! a task run is refused (a replay of an old job).
 
 use std::fmt;
 use std::str::FromStr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aws_lc_rs::aead::{AES_256_GCM, Aad, LessSafeKey, NONCE_LEN, Nonce, UnboundKey};
 use aws_lc_rs::digest;
@@ -140,6 +147,9 @@ pub struct Assignment {
     task: Task,
     identity: Identity,
     runs_on: Vec<String>,
+    /// When the task was fetched from Gitea (whole seconds), if known: set by the scheduler,
+    /// carried authenticated in v2 envelopes; v1 envelopes have none.
+    fetched_at: Option<u64>,
 }
 
 impl Assignment {
@@ -155,7 +165,21 @@ impl Assignment {
             task,
             identity,
             runs_on: job.runs_on,
+            fetched_at: None,
         })
+    }
+
+    /// The same assignment, recorded as fetched from Gitea at `at` (kept to the second).
+    #[must_use]
+    pub fn with_fetch_time(mut self, at: SystemTime) -> Self {
+        self.fetched_at = Some(at.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs());
+        self
+    }
+
+    /// When the task was fetched from Gitea, if the envelope said (v2).
+    pub fn fetch_time(&self) -> Option<SystemTime> {
+        self.fetched_at
+            .map(|secs| UNIX_EPOCH + Duration::from_secs(secs))
     }
 
     /// The assignment ID.
@@ -429,6 +453,10 @@ struct EnvelopeV2 {
     nonce: String,
     task: String,
     identity: WireIdentity,
+    /// Unix seconds of the fetch from Gitea. Optional only so that envelopes written before
+    /// it existed still open; when present it is part of the additional data.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    fetched_at: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -499,6 +527,27 @@ pub enum EnvelopeError {
     /// The task inside does not make a valid assignment.
     #[error("assignment envelope task: {0}")]
     Invalid(#[from] AssignmentError),
+    /// A plaintext v1 envelope where a task key is configured: it proves nothing about who
+    /// wrote it (see [`EnvelopeRules::accept_plaintext`]).
+    #[error(
+        "plaintext (v1) assignment envelope refused: a task key is configured, so only sealed envelopes are trusted (accept_plaintext_envelopes allows v1 during a migration)"
+    )]
+    Plaintext,
+    /// Fetched from Gitea longer ago than [`EnvelopeRules::max_age`]: Gitea has ended the
+    /// task since, so this is a stale copy or a replay.
+    #[error("assignment envelope fetched {age}s ago, longer than the {max_age}s a task may live")]
+    Expired {
+        /// Seconds since the fetch.
+        age: u64,
+        /// The bound, in seconds.
+        max_age: u64,
+    },
+    /// Fetched further in the future than clocks can disagree.
+    #[error("assignment envelope claims a fetch {ahead}s in the future")]
+    FromTheFuture {
+        /// Seconds ahead of this clock.
+        ahead: u64,
+    },
 }
 
 impl EnvelopeError {
@@ -529,8 +578,18 @@ pub fn encode_v1(assignment: &Assignment) -> Result<Vec<u8>, EncodeError> {
 
 /// The additional data of a v2 envelope: every redundant field and the key ID, each
 /// length-prefixed so that no two different field tuples give the same bytes.
-fn aad_v2(id: &str, backend: &str, identity: &WireIdentity, key_id: &str) -> Vec<u8> {
+/// The fetch time, when present, is a seventh field, so an envelope without it (written
+/// before it existed) keeps its original additional data, and adding or removing it breaks
+/// the tag.
+fn aad_v2(
+    id: &str,
+    backend: &str,
+    identity: &WireIdentity,
+    key_id: &str,
+    fetched_at: Option<u64>,
+) -> Vec<u8> {
     let mut aad = b"gitea-dynamic-runner assignment v2\0".to_vec();
+    let fetched_at = fetched_at.map(|t| t.to_string());
     for field in [
         id,
         backend,
@@ -538,7 +597,10 @@ fn aad_v2(id: &str, backend: &str, identity: &WireIdentity, key_id: &str) -> Vec
         &identity.job_key,
         &identity.spiffe_id,
         key_id,
-    ] {
+    ]
+    .into_iter()
+    .chain(fetched_at.as_deref())
+    {
         aad.extend_from_slice(&(field.len() as u64).to_be_bytes());
         aad.extend_from_slice(field.as_bytes());
     }
@@ -557,7 +619,7 @@ pub fn encode_v2(assignment: &Assignment, keyring: &TaskKeyring) -> Result<Vec<u
     let identity = WireIdentity::from(&assignment.identity);
     let id = assignment.id.as_str();
     let backend = assignment.backend.as_str();
-    let aad = aad_v2(id, backend, &identity, key.key_id());
+    let aad = aad_v2(id, backend, &identity, key.key_id(), assignment.fetched_at);
     let mut sealed = encode_task(&assignment.task)?;
     key.aead_key()
         .ok_or(EncodeError::Seal)?
@@ -575,6 +637,7 @@ pub fn encode_v2(assignment: &Assignment, keyring: &TaskKeyring) -> Result<Vec<u
         nonce: STANDARD.encode(nonce),
         task: STANDARD.encode(sealed),
         identity,
+        fetched_at: assignment.fetched_at,
     };
     serde_json::to_vec(&envelope).map_err(|_| EncodeError::Json)
 }
@@ -608,20 +671,63 @@ fn is_key_id(text: &str) -> bool {
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
+/// How far ahead of this clock a fetch time may be (clocks of two replicas disagree).
+const CLOCK_SKEW: u64 = 300;
+
+/// The queue's trust rules, applied by [`decode_with`] after an envelope decoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnvelopeRules {
+    /// Accept plaintext v1 envelopes although a keyring is given (a migration from the Go
+    /// version, whose queue holds v1). Without a keyring v1 is always accepted.
+    pub accept_plaintext: bool,
+    /// Refuse an envelope fetched longer ago than this (Gitea's endless-task timeout: a
+    /// task is ended by Gitea after it, so a younger envelope cannot be a live job).
+    pub max_age: Duration,
+    /// The current time.
+    pub now: SystemTime,
+}
+
+impl EnvelopeRules {
+    /// Rules that refuse nothing [`decode`] accepts.
+    pub fn permissive() -> Self {
+        EnvelopeRules {
+            accept_plaintext: true,
+            max_age: Duration::MAX,
+            now: SystemTime::now(),
+        }
+    }
+}
+
 /// Decodes a v1 or v2 envelope, then derives the assignment from the task inside and
 /// rejects the envelope if its `id`, `backend` or `identity` differ from the derived ones.
-/// `keyring` is needed only for v2. Never panics.
+/// `keyring` is needed only for v2. Never panics. Applies no trust rules: a consumer of the
+/// queue uses [`decode_with`].
 pub fn decode(
     bytes: &[u8],
     policy: &DerivationPolicy,
     keyring: Option<&TaskKeyring>,
 ) -> Result<Assignment, EnvelopeError> {
+    decode_with(bytes, policy, keyring, &EnvelopeRules::permissive())
+}
+
+/// [`decode`], then `rules`: a v1 envelope is refused when `keyring` is given unless
+/// plaintext is accepted, and a v2 envelope fetched more than `max_age` ago (or more than
+/// five minutes in the future) is refused.
+pub fn decode_with(
+    bytes: &[u8],
+    policy: &DerivationPolicy,
+    keyring: Option<&TaskKeyring>,
+    rules: &EnvelopeRules,
+) -> Result<Assignment, EnvelopeError> {
     let probe: VersionProbe = serde_json::from_slice(bytes).map_err(|e| json_error(&e))?;
-    let (id, backend, identity, task_bytes) = match probe.version {
+    let (id, backend, identity, task_bytes, fetched_at) = match probe.version {
         1 => {
             let envelope: EnvelopeV1 = serde_json::from_slice(bytes).map_err(|e| json_error(&e))?;
+            if keyring.is_some() && !rules.accept_plaintext {
+                return Err(EnvelopeError::Plaintext);
+            }
             let task = decode_base64("task", &envelope.task)?;
-            (envelope.id, envelope.backend, envelope.identity, task)
+            (envelope.id, envelope.backend, envelope.identity, task, None)
         }
         2 => {
             let envelope: EnvelopeV2 = serde_json::from_slice(bytes).map_err(|e| json_error(&e))?;
@@ -643,6 +749,7 @@ pub fn decode(
                 &envelope.backend,
                 &envelope.identity,
                 &envelope.key_id,
+                envelope.fetched_at,
             );
             let plain_len = key
                 .aead_key()
@@ -655,13 +762,21 @@ pub fn decode(
                 .map_err(|_| EnvelopeError::Decrypt)?
                 .len();
             sealed.truncate(plain_len);
-            (envelope.id, envelope.backend, envelope.identity, sealed)
+            check_age(envelope.fetched_at, rules)?;
+            (
+                envelope.id,
+                envelope.backend,
+                envelope.identity,
+                sealed,
+                envelope.fetched_at,
+            )
         }
         other => return Err(EnvelopeError::UnsupportedVersion(other)),
     };
     let task = Task::decode_from_slice(&task_bytes)
         .map_err(|_| EnvelopeError::Malformed("task is not a valid Task protobuf".into()))?;
-    let assignment = Assignment::from_task(task, policy)?;
+    let mut assignment = Assignment::from_task(task, policy)?;
+    assignment.fetched_at = fetched_at;
     let tampered = |field| Err(EnvelopeError::Tampered { field });
     if id != assignment.id.as_str() {
         return tampered("id");
@@ -679,6 +794,31 @@ pub fn decode(
         return tampered("identity.SPIFFEID");
     }
     Ok(assignment)
+}
+
+/// The fetch time (authenticated already) against the rules' bounds.
+fn check_age(fetched_at: Option<u64>, rules: &EnvelopeRules) -> Result<(), EnvelopeError> {
+    let Some(fetched_at) = fetched_at else {
+        return Ok(());
+    };
+    let now = rules
+        .now
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    if fetched_at > now.saturating_add(CLOCK_SKEW) {
+        return Err(EnvelopeError::FromTheFuture {
+            ahead: fetched_at - now,
+        });
+    }
+    let age = now.saturating_sub(fetched_at);
+    if u128::from(age) > rules.max_age.as_millis() / 1000 {
+        return Err(EnvelopeError::Expired {
+            age,
+            max_age: rules.max_age.as_secs(),
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -17,6 +17,10 @@ use super::workflow::{SingleJob, WorkflowError, parse_single_job};
 /// Longest slug kept from an unsafe path segment before the digest suffix is added.
 const MAX_SLUG_BYTES: usize = 48;
 
+/// Longest SPIFFE ID the SPIFFE specification allows (its URI form, in bytes); SPIRE, the
+/// `spiffe` crate and the executor refuse longer ones.
+pub const MAX_SPIFFE_ID_BYTES: usize = 2048;
+
 /// A SPIFFE trust domain such as `ddupan.top`.
 ///
 /// Validated on construction (lowercase letters, digits, `.`, `-`, `_`, at most 255 bytes:
@@ -97,6 +101,11 @@ pub enum IdentityError {
     /// The task's workflow could not be read.
     #[error("task workflow: {0}")]
     Workflow(#[from] WorkflowError),
+    /// The SPIFFE ID repository and job key derive would not be a valid job SPIFFE ID
+    /// (a `.`/`..` path segment, or longer than [`MAX_SPIFFE_ID_BYTES`]): no executor could
+    /// use it, so the job is refused when its assignment is built.
+    #[error("the job's SPIFFE ID would be invalid: {0}")]
+    InvalidSpiffeId(#[source] InvalidJobSpiffeId),
     /// Recovered metadata names a SPIFFE ID other than the one its fields derive.
     #[error("recovered SPIFFE ID {found:?} does not match the derived {expected:?}")]
     SpiffeIdMismatch {
@@ -172,6 +181,10 @@ impl Identity {
             sanitize(owner),
             sanitize(repo)
         );
+        // `sanitize` keeps `.` and `..` (as the Go version did) and nothing bounds the
+        // length of names and job keys: check the whole ID now, not when an executor
+        // fails to parse it at the start deadline.
+        check_job_spiffe_id(&spiffe_id, trust_domain).map_err(IdentityError::InvalidSpiffeId)?;
         Ok(Self {
             repository: repository.to_owned(),
             job_key: job_key.to_owned(),
@@ -263,7 +276,7 @@ pub fn sanitize(segment: &str) -> String {
 
 /// A SPIFFE ID that is not the ID of a job in the trust domain.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{id:?} is not a job SPIFFE ID of trust domain {trust_domain}: {why}")]
+#[error("{} is not a job SPIFFE ID of trust domain {trust_domain}: {why}", shown(.id))]
 pub struct InvalidJobSpiffeId {
     /// The ID checked.
     pub id: String,
@@ -273,12 +286,27 @@ pub struct InvalidJobSpiffeId {
     pub why: &'static str,
 }
 
+/// The ID as an error shows it: quoted, and cut after 120 bytes (an over-long ID would
+/// otherwise fill the log row Gitea shows the user).
+fn shown(id: &str) -> String {
+    const SHOWN: usize = 120;
+    if id.len() <= SHOWN {
+        return format!("{id:?}");
+    }
+    let mut end = SHOWN;
+    while !id.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{:?}… ({} bytes)", &id[..end], id.len())
+}
+
 /// Checks that `spiffe_id` has the shape every job identity has,
 /// `spiffe://<trust domain>/ci/<owner>/<repo>/<job key>`: owner and repo are path segments
 /// [`sanitize`] can produce (`[A-Za-z0-9._-]+`, not `.` or `..`) and the job key matches
 /// `[A-Za-z_][A-Za-z0-9_-]*`. For an ID that arrives without the repository and job key
 /// it was derived from (a sandbox's `CI_SPIFFE_ID`); [`Identity::from_metadata`] checks more
-/// where those are known.
+/// where those are known. At most [`MAX_SPIFFE_ID_BYTES`] long, as the SPIFFE
+/// specification requires.
 pub fn check_job_spiffe_id(
     spiffe_id: &str,
     trust_domain: &TrustDomain,
@@ -290,6 +318,9 @@ pub fn check_job_spiffe_id(
             why,
         })
     };
+    if spiffe_id.len() > MAX_SPIFFE_ID_BYTES {
+        return fail("it is longer than the 2048 bytes a SPIFFE ID may have");
+    }
     let prefix = format!("spiffe://{trust_domain}/ci/");
     let Some(path) = spiffe_id.strip_prefix(&prefix) else {
         return fail("it is outside the trust domain's /ci/ namespace");
@@ -536,5 +567,48 @@ mod tests {
         ] {
             assert!(check_job_spiffe_id(bad, &td).is_err(), "{bad}");
         }
+        let long = format!("spiffe://example.org/ci/o/r/{}", "j".repeat(2048));
+        assert!(check_job_spiffe_id(&long, &td).is_err(), "over 2048 bytes");
+    }
+
+    /// DESIGN invariant 13: a repository or job name that would derive an unusable SPIFFE
+    /// ID (a dot segment, more than 2048 bytes) makes no identity, so the job is refused
+    /// with the reason when its assignment is built instead of failing at the start
+    /// deadline in an executor that cannot parse its own ID.
+    #[test]
+    fn names_that_derive_an_unusable_spiffe_id_make_no_identity() {
+        let job = |key: &str| format!("jobs:\n  {key}:\n    runs-on: [self-hosted, pod]\n");
+        for (repository, key, why) in [
+            ("./repo", "build".to_owned(), "owner and repo"),
+            ("owner/..", "build".to_owned(), "owner and repo"),
+            // YAML caps implicit keys at 1024 characters; a long name does the rest.
+            (
+                &format!("owner/{}", "r".repeat(1100)),
+                "j".repeat(1000),
+                "2048 bytes",
+            ),
+            (
+                &format!("owner/{}", "r".repeat(2100)),
+                "build".to_owned(),
+                "2048 bytes",
+            ),
+        ] {
+            let err = Identity::from_task(&task_with(Some(repository), &job(&key)), &td())
+                .expect_err(repository);
+            assert!(
+                matches!(err, IdentityError::InvalidSpiffeId(_)),
+                "{repository}: {err}"
+            );
+            let text = err.to_string();
+            assert!(text.contains(why), "{text}");
+            assert!(
+                text.len() < 400,
+                "the reason stays short: {} bytes",
+                text.len()
+            );
+        }
+        let repo = "r".repeat(2048 - "spiffe://ddupan.top/ci/o//build".len());
+        Identity::from_task(&task_with(Some(&format!("o/{repo}")), &job("build")), &td())
+            .expect("an ID of exactly 2048 bytes is valid");
     }
 }

@@ -2,7 +2,8 @@
 //!
 //! Every call must come from an mTLS peer of the trust domain (enforced by the TLS
 //! server) and present the assignment ID as runner UUID, the assignment's capability as
-//! runner token, and a peer SPIFFE ID equal to the assignment's. Then:
+//! runner token, and a peer SPIFFE ID equal to the assignment's; this is checked from the
+//! headers before the request body is read. Then:
 //! - `Declare` answers an ephemeral runner record named after the assignment;
 //! - `FetchTask` hands out the pre-assigned task exactly once, after the claim is durable;
 //! - `UpdateTask`/`UpdateLog` must name the assignment's task and are forwarded to Gitea
@@ -83,16 +84,24 @@ impl Facade {
     }
 
     /// The whole facade application: the RunnerService under `/api/actions`, everything
-    /// else reverse-proxied to Gitea.
+    /// else reverse-proxied to Gitea. Every RunnerService call is authenticated from its
+    /// headers and the peer's SPIFFE ID before its body is read (DESIGN invariant 21): a
+    /// peer without a valid assignment credential cannot make the facade buffer a body.
     pub fn app(self: Arc<Self>, proxy: proxy::ReverseProxy) -> axum::Router {
+        let runner_api = axum::Router::new()
+            .fallback_service(self.clone().router().into_axum_service())
+            .layer(axum::middleware::from_fn_with_state(
+                self,
+                authenticate_request,
+            ));
         axum::Router::new()
-            .nest_service("/api/actions", self.router().into_axum_service())
+            .nest("/api/actions", runner_api)
             .fallback(proxy::handler)
             .with_state(proxy)
     }
 
-    /// Serves the facade over SPIFFE mTLS until `shutdown` resolves. Only peers of the
-    /// trust domain complete the handshake; the peer's SPIFFE ID reaches the handlers.
+    /// Serves the facade over SPIFFE mTLS with the default connection limits until
+    /// `shutdown` resolves; see [`Facade::serve_limited`].
     pub async fn serve(
         self: Arc<Self>,
         listener: tokio::net::TcpListener,
@@ -100,10 +109,30 @@ impl Facade {
         proxy: proxy::ReverseProxy,
         shutdown: Shutdown,
     ) -> std::io::Result<()> {
-        tls::serve_tls(listener, tls, self.app(proxy), async move {
-            shutdown.wait().await
-        })
+        self.serve_limited(
+            listener,
+            tls,
+            proxy,
+            crate::settings::FacadeLimits::default(),
+            Arc::new(tls::FacadeStats::default()),
+            shutdown,
+        )
         .await
+    }
+
+    /// Serves the facade over SPIFFE mTLS until `shutdown` resolves. Only peers of the
+    /// trust domain complete the handshake; `limits` bound what any peer can hold, and
+    /// `stats` counts connections, refusals and accept errors.
+    pub async fn serve_limited(
+        self: Arc<Self>,
+        listener: tokio::net::TcpListener,
+        tls: Arc<rustls::ServerConfig>,
+        proxy: proxy::ReverseProxy,
+        limits: crate::settings::FacadeLimits,
+        stats: Arc<tls::FacadeStats>,
+        shutdown: Shutdown,
+    ) -> std::io::Result<()> {
+        tls::serve_tls_limited(listener, tls, self.app(proxy), limits, stats, shutdown).await
     }
 
     /// Like [`Self::authenticate`], but also accepts a runner whose assignment this
@@ -111,22 +140,19 @@ impl Facade {
     /// poll, and gets its task once the redelivered assignment is offered.
     async fn authenticate_waiting(
         &self,
-        ctx: &RequestContext,
+        headers: &http::HeaderMap,
+        peer: Option<&PeerSpiffeId>,
         method: &str,
     ) -> Result<Authorized, ConnectError> {
-        match self.authenticate(ctx, method) {
+        match self.authenticate(headers, peer, method) {
             Err(e) if e.code == connectrpc::ErrorCode::Unauthenticated => {
-                let header = |name: &str| {
-                    ctx.header(name)
-                        .and_then(|v| v.to_str().ok())
-                        .unwrap_or_default()
-                };
-                let Some(PeerSpiffeId(peer)) = ctx.extensions().get::<PeerSpiffeId>() else {
+                let Some(PeerSpiffeId(peer)) = peer else {
                     return Err(e);
                 };
+                let uuid = header(headers, UUID_HEADER);
                 match self
                     .dispatch
-                    .authorize_from_backend(header(UUID_HEADER), header(TOKEN_HEADER), peer)
+                    .authorize_from_backend(uuid, header(headers, TOKEN_HEADER), peer)
                     .await
                 {
                     Ok(auth) => {
@@ -137,7 +163,7 @@ impl Facade {
                         "peer SPIFFE ID does not match the assignment",
                     )),
                     Err(AuthError::Unavailable(why)) => {
-                        tracing::warn!(method, assignment_id = header(UUID_HEADER), reason = %why, "cannot check a runner against the backend; asking it to retry");
+                        tracing::warn!(method, assignment_id = uuid, reason = %why, "cannot check a runner against the backend; asking it to retry");
                         Err(ConnectError::unavailable(
                             "the controller cannot check this runner right now; retry",
                         ))
@@ -149,15 +175,15 @@ impl Facade {
         }
     }
 
-    fn authenticate(&self, ctx: &RequestContext, method: &str) -> Result<Authorized, ConnectError> {
-        let header = |name: &str| {
-            ctx.header(name)
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or_default()
-        };
-        let uuid = header(UUID_HEADER);
-        let token = header(TOKEN_HEADER);
-        let Some(PeerSpiffeId(peer)) = ctx.extensions().get::<PeerSpiffeId>() else {
+    fn authenticate(
+        &self,
+        headers: &http::HeaderMap,
+        peer: Option<&PeerSpiffeId>,
+        method: &str,
+    ) -> Result<Authorized, ConnectError> {
+        let uuid = header(headers, UUID_HEADER);
+        let token = header(headers, TOKEN_HEADER);
+        let Some(PeerSpiffeId(peer)) = peer else {
             tracing::warn!(
                 method,
                 assignment_id = uuid,
@@ -223,6 +249,77 @@ impl Facade {
     }
 }
 
+fn header<'a>(headers: &'a http::HeaderMap, name: &str) -> &'a str {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+}
+
+/// The RunnerService methods and how each is authenticated.
+enum Method {
+    /// Refused outright.
+    Register,
+    /// May come from a runner whose assignment was not offered here yet (after a restart).
+    Waiting(&'static str),
+    /// Only from a runner of an assignment offered here.
+    Offered(&'static str),
+}
+
+fn method_of(path: &str) -> Option<Method> {
+    let name = path.strip_prefix("/runner.v1.RunnerService/")?;
+    Some(match name {
+        "Register" => Method::Register,
+        "Declare" => Method::Waiting("Declare"),
+        "FetchTask" => Method::Waiting("FetchTask"),
+        "UpdateTask" => Method::Offered("UpdateTask"),
+        "UpdateLog" => Method::Offered("UpdateLog"),
+        _ => return None,
+    })
+}
+
+/// Authenticates a RunnerService call from its headers and the peer's SPIFFE ID, before
+/// anything reads its body; the handler finds the result in the request's extensions.
+async fn authenticate_request(
+    axum::extract::State(facade): axum::extract::State<Arc<Facade>>,
+    mut request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let Some(method) = method_of(request.uri().path()) else {
+        // Not a method this facade serves: the Connect router answers `unimplemented`
+        // without reading a body.
+        return next.run(request).await;
+    };
+    let peer = request.extensions().get::<PeerSpiffeId>().cloned();
+    let auth = match method {
+        Method::Register => Err(ConnectError::permission_denied(
+            "executors cannot register runners: the facade accepts only its pre-assigned runner",
+        )),
+        Method::Waiting(name) => {
+            facade
+                .authenticate_waiting(request.headers(), peer.as_ref(), name)
+                .await
+        }
+        Method::Offered(name) => facade.authenticate(request.headers(), peer.as_ref(), name),
+    };
+    match auth {
+        Ok(auth) => {
+            request.extensions_mut().insert(auth);
+            next.run(request).await
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The caller as [`authenticate_request`] authenticated it.
+fn authorized(ctx: &RequestContext) -> Result<Authorized, ConnectError> {
+    ctx.extensions()
+        .get::<Authorized>()
+        .cloned()
+        .ok_or_else(|| ConnectError::internal("the call was not authenticated"))
+}
+
 /// Gitea's failure as the runner should see it. A refusal of the *controller's*
 /// credential is not the runner's fault, so it becomes `unavailable` (retry later).
 fn forward_error(method: &'static str, auth: &Authorized, e: GiteaError) -> ConnectError {
@@ -234,7 +331,9 @@ fn forward_error(method: &'static str, auth: &Authorized, e: GiteaError) -> Conn
         ErrorKind::Unavailable | ErrorKind::Unauthenticated => {
             ConnectError::unavailable(format!("Gitea: {message}"))
         }
-        ErrorKind::Other => ConnectError::internal(format!("Gitea: {message}")),
+        ErrorKind::Other | ErrorKind::TooLarge => {
+            ConnectError::internal(format!("Gitea: {message}"))
+        }
     }
 }
 
@@ -254,7 +353,7 @@ impl RunnerService for Facade {
         ctx: RequestContext,
         request: ServiceRequest<'_, DeclareRequest>,
     ) -> ServiceResult<DeclareResponse> {
-        let auth = self.authenticate_waiting(&ctx, "Declare").await?;
+        let auth = authorized(&ctx)?;
         let version = request.to_owned_message().version;
         tracing::info!(assignment_id = %auth.id, runner_version = %version, "executor runner declared");
         let response = Response::new(DeclareResponse {
@@ -277,7 +376,7 @@ impl RunnerService for Facade {
         ctx: RequestContext,
         request: ServiceRequest<'_, FetchTaskRequest>,
     ) -> ServiceResult<FetchTaskResponse> {
-        let auth = self.authenticate_waiting(&ctx, "FetchTask").await?;
+        let auth = authorized(&ctx)?;
         let version = request.to_owned_message().tasks_version;
         let state = self.dispatch.claim_state(&auth.id);
         if matches!(
@@ -324,7 +423,7 @@ impl RunnerService for Facade {
         ctx: RequestContext,
         request: ServiceRequest<'_, UpdateTaskRequest>,
     ) -> ServiceResult<UpdateTaskResponse> {
-        let auth = self.authenticate(&ctx, "UpdateTask")?;
+        let auth = authorized(&ctx)?;
         let request = request.to_owned_message();
         let (task_id, result) = request
             .state
@@ -373,7 +472,7 @@ impl RunnerService for Facade {
         ctx: RequestContext,
         request: ServiceRequest<'_, UpdateLogRequest>,
     ) -> ServiceResult<UpdateLogResponse> {
-        let auth = self.authenticate(&ctx, "UpdateLog")?;
+        let auth = authorized(&ctx)?;
         let request = request.to_owned_message();
         Self::check_task(&auth, request.task_id, "UpdateLog")?;
         let response = self

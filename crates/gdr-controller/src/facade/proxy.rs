@@ -18,6 +18,18 @@ use hyper_util::rt::TokioExecutor;
 
 use crate::gitea::{GiteaError, TOKEN_HEADER, UUID_HEADER};
 
+/// Forwarding headers a client may send but only a proxy may write: a client's own would
+/// be believed by Gitea as where the request came from.
+const FORWARDING: &[&str] = &[
+    "forwarded",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "x-forwarded-port",
+    "x-forwarded-server",
+    "x-real-ip",
+];
+
 /// Headers that belong to one hop only (RFC 9110 §7.6.1).
 const HOP_BY_HOP: &[&str] = &[
     "connection",
@@ -88,16 +100,20 @@ impl ReverseProxy {
         *request.version_mut() = axum::http::Version::HTTP_11;
         let peer = request
             .extensions()
-            .get::<std::net::SocketAddr>()
-            .map(|a| a.ip().to_string());
+            .get::<connectrpc::server::PeerAddr>()
+            .map(|a| a.0.ip().to_string());
         let headers = request.headers_mut();
         strip_hop_by_hop(headers);
         headers.remove(header::HOST);
+        for name in FORWARDING {
+            headers.remove(*name);
+        }
         // The assignment's runner credential is for the facade only, never for Gitea.
         headers.remove(UUID_HEADER);
         headers.remove(TOKEN_HEADER);
+        // This facade is the first proxy: the peer is the whole chain.
         if let Some(ip) = peer.and_then(|p| HeaderValue::from_str(&p).ok()) {
-            headers.append(HeaderName::from_static("x-forwarded-for"), ip);
+            headers.insert(HeaderName::from_static("x-forwarded-for"), ip);
         }
         headers.insert(
             HeaderName::from_static("x-forwarded-proto"),

@@ -23,6 +23,10 @@ pub enum ErrorKind {
     /// Gitea or the network is unavailable, overloaded, or the call timed out;
     /// retrying later may succeed.
     Unavailable,
+    /// Gitea's answer is larger than this client reads (see
+    /// [`crate::gitea::FETCH_TASK_MESSAGE_LIMIT`]): not an outage, and retrying does not
+    /// help.
+    TooLarge,
     /// Anything else, including Gitea internal errors.
     Other,
 }
@@ -35,6 +39,7 @@ impl ErrorKind {
             ErrorKind::NotFound => "not_found",
             ErrorKind::Invalid => "invalid",
             ErrorKind::Unavailable => "unavailable",
+            ErrorKind::TooLarge => "too_large",
             ErrorKind::Other => "other",
         }
     }
@@ -59,6 +64,7 @@ impl fmt::Display for GiteaError {
             ErrorKind::NotFound => "Gitea does not know the object",
             ErrorKind::Invalid => "Gitea refused the request",
             ErrorKind::Unavailable => "Gitea is unavailable",
+            ErrorKind::TooLarge => "Gitea's answer is larger than the client accepts",
             ErrorKind::Other => "Gitea call failed",
         };
         match self.method {
@@ -84,11 +90,23 @@ impl GiteaError {
         self.kind == ErrorKind::Unavailable
     }
 
-    /// Gitea itself says the task does not exist (any more): its handler answered
+    /// Gitea itself says it no longer has this task for this runner: the task does not
+    /// exist (any more), or it belongs to another runner. Real Gitea answers both as
+    /// `Internal` with `update task: resource does not exist` (`get task: …` from UpdateLog)
+    /// and `update task: invalid runner for task`; a proxy or a newer Gitea may answer
     /// `NotFound`. A plain HTTP 404 (wrong URL, Actions disabled) does not count, so a
     /// misconfiguration never makes the controller treat running jobs as gone.
     pub fn task_gone(&self) -> bool {
-        self.kind == ErrorKind::NotFound && self.code == "NotFound"
+        const GONE: [&str; 2] = ["resource does not exist", "invalid runner for task"];
+        match self.kind {
+            ErrorKind::NotFound => self.code == "NotFound",
+            ErrorKind::Other => {
+                matches!(self.code.as_str(), "Internal" | "Unknown")
+                    && matches!(self.method, Some("UpdateTask" | "UpdateLog"))
+                    && GONE.iter().any(|g| self.message.ends_with(g))
+            }
+            _ => false,
+        }
     }
 
     pub(crate) fn config(message: String) -> Self {
@@ -118,6 +136,16 @@ impl GiteaError {
                 method: Some(method),
                 message: desc.to_string(),
                 code: grpc_code.to_string(),
+            };
+        }
+        // The client's own bound on a response (`message size N exceeds limit M`): the
+        // answer arrived whole, it is just larger than we read.
+        if error.code == ErrorCode::ResourceExhausted && raw.contains("exceeds limit") {
+            return GiteaError {
+                kind: ErrorKind::TooLarge,
+                method: Some(method),
+                message: raw,
+                code: error.code.as_str().to_string(),
             };
         }
         let kind = match error.code {
@@ -221,6 +249,82 @@ mod tests {
                 "{code:?}"
             );
         }
+    }
+
+    /// What real Gitea answers when the controller fails a task it no longer has counts as
+    /// gone (so the executor is cleaned up and its slot released instead of a report
+    /// retried forever); other failures, and an HTTP 404 of a misconfigured URL, do not.
+    #[test]
+    fn the_answers_gitea_gives_for_a_task_it_no_longer_has_count_as_gone() {
+        let gitea = |method, text: &str| {
+            GiteaError::from_connect(method, ConnectError::new(ErrorCode::Unknown, text))
+        };
+        for (method, text) in [
+            (
+                "UpdateTask",
+                "rpc error: code = Internal desc = update task: resource does not exist",
+            ),
+            (
+                "UpdateTask",
+                "rpc error: code = Internal desc = update task: failed to get task 7: resource does not exist",
+            ),
+            (
+                "UpdateTask",
+                "rpc error: code = Internal desc = update task: invalid runner for task",
+            ),
+            (
+                "UpdateLog",
+                "rpc error: code = Internal desc = get task: resource does not exist",
+            ),
+            (
+                "UpdateTask",
+                "rpc error: code = NotFound desc = task 7 does not exist",
+            ),
+        ] {
+            assert!(gitea(method, text).task_gone(), "{method}: {text}");
+        }
+        for (method, text) in [
+            (
+                "UpdateTask",
+                "rpc error: code = Internal desc = update task: database is locked",
+            ),
+            (
+                "UpdateTask",
+                "rpc error: code = Unauthenticated desc = unregistered runner",
+            ),
+            (
+                "FetchTask",
+                "rpc error: code = Internal desc = pick task: resource does not exist",
+            ),
+        ] {
+            assert!(!gitea(method, text).task_gone(), "{method}: {text}");
+        }
+        let http_404 = GiteaError::from_connect(
+            "UpdateTask",
+            ConnectError::new(ErrorCode::Unimplemented, "HTTP 404"),
+        );
+        assert!(!http_404.task_gone());
+    }
+
+    #[test]
+    fn an_answer_over_the_clients_limit_is_too_large_not_an_outage() {
+        let e = GiteaError::from_connect(
+            "FetchTask",
+            ConnectError::new(
+                ErrorCode::ResourceExhausted,
+                "message size 40000000 exceeds limit 33554432",
+            ),
+        );
+        assert_eq!(e.kind(), ErrorKind::TooLarge);
+        assert!(!e.is_retryable());
+        let text = e.to_string();
+        assert!(text.contains("larger than the client accepts"), "{text}");
+        assert!(text.contains("40000000"), "{text}");
+        let throttled = GiteaError::from_connect(
+            "FetchTask",
+            ConnectError::new(ErrorCode::ResourceExhausted, "HTTP 429"),
+        );
+        assert_eq!(throttled.kind(), ErrorKind::Unavailable);
     }
 
     #[test]

@@ -29,6 +29,11 @@ pub const TOKEN_HEADER: &str = "x-runner-token";
 pub const FAILURE_LOG_PREFIX: &str = "gitea-dynamic-runner: ";
 /// Response header of `Declare` listing server capabilities (e.g. `job-summary`).
 pub const CAPABILITIES_HEADER: &str = "x-gitea-actions-capabilities";
+/// The largest FetchTask answer read (connectrpc's default is 4 MiB). A task is the job's
+/// workflow, context, secrets and variables; Gitea caps secret and variable values at
+/// 64 KiB each but not their number nor the workflow's size, and an answer the client
+/// cannot read is a task Gitea has claimed for us and nobody runs.
+pub const FETCH_TASK_MESSAGE_LIMIT: usize = 32 * 1024 * 1024;
 
 /// The runner identity the controller authenticates with.
 #[derive(Clone)]
@@ -47,14 +52,17 @@ impl Credentials {
         }
     }
 
-    /// Reads the UUID and token files written by `register`.
+    /// Reads the UUID and token files written by `register`, refusing files whose mode
+    /// `permissions` does not allow.
     pub fn from_files(
         uuid_file: &Path,
         token_file: &Path,
+        permissions: crate::settings::SecretPermissions,
     ) -> Result<Self, crate::settings::SecretFileError> {
+        use crate::settings::read_secret_file_with as read;
         Ok(Credentials {
-            uuid: crate::settings::read_secret_file("gitea_runner_uuid_file", uuid_file)?,
-            token: crate::settings::read_secret_file("gitea_runner_token_file", token_file)?,
+            uuid: read("gitea_runner_uuid_file", uuid_file, permissions)?,
+            token: read("gitea_runner_token_file", token_file, permissions)?,
         })
     }
 }
@@ -81,6 +89,8 @@ pub struct ClientOptions {
     pub fetch_timeout: Duration,
     /// TCP + TLS connection establishment bound.
     pub connect_timeout: Duration,
+    /// Largest FetchTask answer read ([`FETCH_TASK_MESSAGE_LIMIT`]).
+    pub fetch_message_limit: usize,
 }
 
 impl ClientOptions {
@@ -92,6 +102,7 @@ impl ClientOptions {
             request_timeout: Duration::from_secs(60),
             fetch_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(10),
+            fetch_message_limit: FETCH_TASK_MESSAGE_LIMIT,
         }
     }
 }
@@ -237,7 +248,9 @@ impl GiteaClient {
             tasks_version,
             ..Default::default()
         };
-        let options = CallOptions::default().with_timeout(self.options.fetch_timeout);
+        let options = CallOptions::default()
+            .with_timeout(self.options.fetch_timeout)
+            .with_max_message_size(self.options.fetch_message_limit);
         let resp = self
             .runner
             .fetch_task_with_options(request, options)

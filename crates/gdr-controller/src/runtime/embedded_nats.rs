@@ -2,6 +2,11 @@
 //! JetStream, listening on loopback only, its store under the state directory.
 //! Production deployments point `nats_url` at a cluster instead.
 //!
+//! Loopback is not a trust boundary (every local process can connect), so the server
+//! requires credentials (DESIGN invariant 21): a producer and a worker user with random
+//! passwords, generated at each start into files only the controller's user can read
+//! (the store directory is 0700, the files 0600).
+//!
 //! The server never outlives its controller and never shares its store with another:
 //! - It is started through this binary's hidden `exec-bound-to-parent` subcommand, which
 //!   arms `PR_SET_PDEATHSIG` (SIGTERM) and then becomes `nats-server` (the signal survives
@@ -92,6 +97,16 @@ fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Embedde
     move |source| EmbeddedNatsError::Io { what, path, source }
 }
 
+/// The users of the embedded server.
+const PRODUCER_USER: &str = "gdr-producer";
+const WORKER_USER: &str = "gdr-worker";
+/// The server's configuration file (credentials, payload limit) in the store.
+const CONFIG_FILE: &str = "auth.conf";
+/// Largest message the embedded server takes (its default is 1 MiB): a task Gitea hands
+/// out can be as large as `gitea::FETCH_TASK_MESSAGE_LIMIT` (32 MiB), and its envelope is
+/// base64 of it, a third larger. 64 MB is nats-server's own upper bound.
+const MAX_PAYLOAD: &str = "64MB";
+
 /// How the server is started: the binary, and the program that binds it to this process.
 #[derive(Debug, Clone)]
 pub struct Launch {
@@ -104,6 +119,7 @@ pub struct Launch {
 /// A supervised nats-server; stopped when dropped.
 pub struct EmbeddedNats {
     port: u16,
+    store: PathBuf,
     shared: Arc<Shared>,
     supervisor: Option<std::thread::JoinHandle<()>>,
     /// Held (flock) while this controller runs; released when dropped.
@@ -121,8 +137,10 @@ impl EmbeddedNats {
     /// Locks the store, stops a server left over on it, starts the server (store in
     /// `store`) and waits until it accepts clients.
     pub async fn start(launch: &Launch, store: &Path) -> Result<Self, EmbeddedNatsError> {
-        std::fs::create_dir_all(store).map_err(io("creating the NATS store", store))?;
+        crate::runtime::private_dir(store)
+            .map_err(|e| EmbeddedNatsError::Start(format!("the NATS store: {e}")))?;
         let lock = lock_store(store)?;
+        write_auth(store)?;
         let launch = launch.clone();
         let store = store.to_path_buf();
         let shared = Arc::new(Shared {
@@ -143,6 +161,7 @@ impl EmbeddedNats {
             })?;
         let mut nats = EmbeddedNats {
             port: 0,
+            store: store.clone(),
             shared,
             supervisor: Some(supervisor),
             _lock: lock,
@@ -163,6 +182,24 @@ impl EmbeddedNats {
     /// `nats://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// How the scheduler's connection authenticates.
+    pub fn producer_auth(&self) -> crate::settings::NatsAuth {
+        self.auth(PRODUCER_USER)
+    }
+
+    /// How the workers' connection authenticates.
+    pub fn worker_auth(&self) -> crate::settings::NatsAuth {
+        self.auth(WORKER_USER)
+    }
+
+    fn auth(&self, user: &str) -> crate::settings::NatsAuth {
+        crate::settings::NatsAuth::Password {
+            user: user.to_owned(),
+            file: self.store.join(format!("{user}.password")),
+            key: "state_dir",
+        }
     }
 
     /// The current server's pid, if one runs.
@@ -299,12 +336,51 @@ fn first_start(
     }
 }
 
-/// The server's command line (after the binder): loopback only, JetStream, this store.
+/// Writes fresh credentials and the server's configuration into `store` (each file 0600).
+fn write_auth(store: &Path) -> Result<(), EmbeddedNatsError> {
+    use std::fmt::Write as _;
+    let write = |name: &str, content: &str| -> Result<(), EmbeddedNatsError> {
+        let path = store.join(name);
+        // Replaced, not rewritten in place: a file an older release left 0644 must not
+        // keep its mode.
+        let _ = std::fs::remove_file(&path);
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(io("writing", &path))?;
+        file.write_all(content.as_bytes())
+            .map_err(io("writing", &path))
+    };
+    let password = || -> String {
+        let bytes: [u8; 24] = rand::random();
+        bytes.iter().fold(String::new(), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+    };
+    let (producer, worker) = (password(), password());
+    write(&format!("{PRODUCER_USER}.password"), &producer)?;
+    write(&format!("{WORKER_USER}.password"), &worker)?;
+    write(
+        CONFIG_FILE,
+        &format!(
+            "max_payload: {MAX_PAYLOAD}\n\
+             authorization {{\n  users = [\n    {{ user: \"{PRODUCER_USER}\", password: \"{producer}\" }}\n    {{ user: \"{WORKER_USER}\", password: \"{worker}\" }}\n  ]\n}}\n"
+        ),
+    )
+}
+
+/// The server's command line (after the binder): its configuration, loopback only,
+/// JetStream, this store.
 fn server_args(store: &Path, port: u16) -> Vec<OsString> {
-    let mut args: Vec<OsString> = ["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"]
-        .iter()
-        .map(OsString::from)
-        .collect();
+    let mut args: Vec<OsString> = vec!["-c".into(), store.join(CONFIG_FILE).into_os_string()];
+    args.extend(
+        ["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"]
+            .iter()
+            .map(OsString::from),
+    );
     args.push(store.as_os_str().to_owned());
     args
 }

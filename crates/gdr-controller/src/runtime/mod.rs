@@ -28,20 +28,23 @@ use tokio::task::JoinSet;
 use crate::dispatch::Dispatch;
 use crate::facade::Facade;
 use crate::facade::proxy::ReverseProxy;
+use crate::facade::tls::FacadeStats;
 use crate::gitea::{ClientOptions, Credentials, GiteaClient};
 use crate::health::Health;
+use crate::held::HeldAssignments;
 use crate::lease::{LeaderElector, Leadership, LeaseSettings};
 use crate::lifecycle::Lifecycle;
 use crate::metrics::{BackendLabel, Metrics, OutcomeLabels};
 use crate::queue::{self, ConsumerSettings, StreamSettings};
 use crate::scheduler::{Heartbeater, Scheduler, SchedulerStats};
 use crate::settings::{
-    self, BackendSettings, GiteaSettings, IdentitySource, LeaderSettings, NatsAuth, NatsServer,
-    NatsSettings, PodBackend, ProcessSettings, Settings, TaskKeyFiles, VmBackend, read_secret_file,
+    self, BackendSettings, FacadeLimits, GiteaSettings, IdentitySource, LeaderSettings, NatsAuth,
+    NatsServer, NatsSettings, PodBackend, ProcessSettings, SecretPermissions, Settings,
+    TaskKeyFiles, VmBackend, check_secret_file_mode, read_secret_file_with,
 };
 use crate::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use crate::status::{Observations, Observed, QueueDepth};
-use crate::worker::{Worker, WorkerSettings};
+use crate::worker::{EnvelopeTrust, Worker, WorkerSettings};
 
 /// JetStream drops a repeated message ID within this window (a retried publish). Two
 /// minutes is JetStream's default and far longer than any publish retry loop.
@@ -68,6 +71,20 @@ const LOCAL_SVID_TTL: Duration = Duration::from_secs(3600);
 const PROCESS_STOP_GRACE: Duration = Duration::from_secs(10);
 /// How often pool and scheduler counters are copied into the metrics.
 const METRICS_INTERVAL: Duration = Duration::from_secs(1);
+/// Most FetchTask pollers, whatever the capacities: Gitea serialises task picks per
+/// instance (`MAX_CONCURRENT_TASK_PICKS`, 16 by default), so more concurrent pollers only
+/// add idle load on Gitea.
+pub const MAX_POLLERS: usize = 8;
+/// Finished assignments are remembered this much longer than a task may live, so clock
+/// skew between replicas never opens a gap between the record expiring and the envelope
+/// counting as too old.
+const FINISHED_MARGIN: Duration = Duration::from_secs(3600);
+/// How often held assignments (sealed with an unknown task key) are looked at.
+const HELD_INTERVAL: Duration = Duration::from_secs(30);
+/// The facade may hold at most this fraction of the open-file limit: each connection can
+/// bring an upstream connection to Gitea, and executors, NATS and the health server need
+/// descriptors too.
+const FACADE_SHARE_OF_OPEN_FILES: u64 = 4;
 
 /// Sockets the caller bound (so nothing below `main` picks a port).
 pub struct Listeners {
@@ -141,16 +158,27 @@ pub async fn run(
         vm,
         executors,
         leader,
+        secrets,
     } = settings;
+    let open_files = open_files();
     let single_host = matches!(nats.server, NatsServer::Embedded { .. });
-    let (gitea_client, extra_ca) = gitea_client(&gitea)?;
-    let capability_key = capability_key(&capability_key_file)?;
+    let (gitea_client, extra_ca) = gitea_client(&gitea, secrets)?;
+    let capability_key = capability_key(&capability_key_file, secrets)?;
     let keyring = keyring(
         task_keys,
         &state_dir,
-        matches!(nats.server, NatsServer::Embedded { .. }),
+        single_host,
         scheduler.is_some(),
+        secrets,
     )?;
+    if keyring.is_some() && nats.security.accept_plaintext_envelopes {
+        tracing::warn!(
+            "accept_plaintext_envelopes = true: plaintext (v1) assignments are trusted although a task key is configured; anyone able to publish to the queue can start a job with any repository's identity. Turn it off once the queue the Go version wrote is drained"
+        );
+    }
+    if uses_state_dir(&nats, &identity, pod.as_ref(), vm.as_ref()) {
+        private_dir(&state_dir).map_err(|e| step("state_dir")(e.into()))?;
+    }
 
     let health_state = Health::new();
     let metrics = health_state.metrics.clone();
@@ -162,7 +190,7 @@ pub async fn run(
         health_shutdown.clone(),
     ));
 
-    let queue = Queue::connect(&nats, &state_dir).await?;
+    let queue = Queue::connect(&nats, &state_dir, secrets).await?;
     tokio::spawn(watch_nats(
         metrics.clone(),
         vec![
@@ -207,7 +235,8 @@ pub async fn run(
         metrics.init_backend(*backend);
     }
     let observations = Arc::new(Observations::new(Some(metrics.clone())));
-    let dispatch = Arc::new(Dispatch::new(backends, capability_key));
+    let finished = queue.finished(&nats).await?;
+    let dispatch = Arc::new(Dispatch::new(backends, capability_key).with_finished(finished));
     restore(&dispatch, &capacities).await?;
 
     // Components. Stopping the scheduler first lets an in-flight fetch publish (4).
@@ -218,6 +247,7 @@ pub async fn run(
     stats.observe_handoff_into(metrics.handoff_window.clone());
     let labels = settings::declared_labels(&policy.labels, capacities.keys().copied());
     let facade_settings = scheduler.as_ref().map(|s| s.facade.clone());
+    let facade_stats = Arc::new(FacadeStats::default());
     if let Some(scheduler) = scheduler {
         let facade = Arc::new(
             Facade::new(
@@ -234,7 +264,8 @@ pub async fn run(
                 settings: &scheduler,
                 labels,
                 capabilities: runner.capabilities.clone(),
-                pollers: capacities.values().sum::<usize>().max(1),
+                pollers: pollers(&capacities),
+                capacities: &capacities,
                 gitea: &gitea_client,
                 queue: &queue,
                 policy: &policy,
@@ -260,6 +291,8 @@ pub async fn run(
                 trust_domain: policy.trust_domain.as_str(),
                 gitea_url: gitea.url.as_str(),
                 extra_ca: extra_ca.as_deref(),
+                limits: facade_limits(scheduler.facade.limits, &open_files),
+                stats: facade_stats.clone(),
             },
             work_shutdown.clone(),
         )
@@ -282,6 +315,11 @@ pub async fn run(
             runner_label: policy.labels.label_of(*backend).to_owned(),
             codec: codec.clone(),
             report_outage_tolerance: executors.report_outage_tolerance,
+            envelopes: EnvelopeTrust {
+                accept_plaintext: nats.security.accept_plaintext_envelopes,
+                max_age: nats.security.task_lifetime,
+            },
+            held_subject: queue.stream.held_subject(*backend),
         };
         let consumer = queue
             .consumer(*backend, *capacity, nats.ack_wait, nats.create_stream)
@@ -317,9 +355,26 @@ pub async fn run(
         });
     }
     let depth = queue_depth(&queue).await;
+    if !capacities.is_empty() {
+        spawn_held(
+            &mut tasks,
+            HeldWiring {
+                queue: &queue,
+                nats: &nats,
+                policy: &policy,
+                keyring: keyring.as_ref(),
+                gitea: &gitea_client,
+                dispatch: &dispatch,
+                metrics: &metrics,
+            },
+            work_shutdown.clone(),
+        )
+        .await?;
+    }
     tasks.spawn(export_metrics(
         metrics.clone(),
         stats.clone(),
+        facade_stats.clone(),
         dispatch.clone(),
         capacities.clone(),
         depth.clone(),
@@ -367,8 +422,103 @@ pub async fn run(
 
 // === credentials ===
 
-fn gitea_client(gitea: &GiteaSettings) -> Result<(GiteaClient, Option<Vec<u8>>), RuntimeError> {
-    let credentials = Credentials::from_files(&gitea.uuid_file, &gitea.token_file)
+/// Raises the open-file limit to its hard limit and logs both (invariant 21: a few hundred
+/// idle connections exhaust the usual soft limit of 1024).
+fn open_files() -> crate::limits::OpenFiles {
+    match crate::limits::raise_open_files() {
+        Ok(limits) => {
+            tracing::info!(
+                before = ?limits.before,
+                now = ?limits.now,
+                hard = ?limits.hard,
+                "open-file limit (RLIMIT_NOFILE; None is unlimited)"
+            );
+            limits
+        }
+        Err(e) => {
+            let current = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+            tracing::warn!(error = %e, soft = ?current.current, hard = ?current.maximum, "cannot raise the open-file limit; keeping it");
+            crate::limits::OpenFiles {
+                before: current.current,
+                now: current.current,
+                hard: current.maximum,
+            }
+        }
+    }
+}
+
+/// The facade's connection limit, capped to its share of the open-file limit.
+fn facade_limits(mut limits: FacadeLimits, open_files: &crate::limits::OpenFiles) -> FacadeLimits {
+    let share =
+        usize::try_from(open_files.soft() / FACADE_SHARE_OF_OPEN_FILES).unwrap_or(usize::MAX);
+    if limits.max_connections > share {
+        tracing::warn!(
+            configured = limits.max_connections,
+            used = share,
+            open_files = open_files.soft(),
+            "runner_facade_max_connections is above a quarter of the open-file limit; using that"
+        );
+        limits.max_connections = share.max(1);
+    }
+    tracing::info!(
+        max_connections = limits.max_connections,
+        per_peer = limits.max_connections_per_peer,
+        per_identity = limits.max_connections_per_identity,
+        "facade connection limits"
+    );
+    limits
+}
+
+/// The FetchTask pollers: one per slot, at most [`MAX_POLLERS`].
+pub fn pollers(capacities: &BTreeMap<Backend, usize>) -> usize {
+    capacities.values().sum::<usize>().clamp(1, MAX_POLLERS)
+}
+
+/// Whether anything of this configuration keeps state under `state_dir`.
+fn uses_state_dir(
+    nats: &NatsSettings,
+    identity: &IdentitySource,
+    pod: Option<&BackendSettings<PodBackend>>,
+    vm: Option<&BackendSettings<VmBackend>>,
+) -> bool {
+    matches!(nats.server, NatsServer::Embedded { .. })
+        || matches!(identity, IdentitySource::Local)
+        || pod.is_some_and(|p| matches!(p.kind, PodBackend::Process(_)))
+        || vm.is_some_and(|v| matches!(v.kind, VmBackend::Process(_)))
+}
+
+/// Creates `dir` (and its parents) as 0700, or makes an existing one 0700: the embedded
+/// NATS store, the local CA's key and the executors' Workload API sockets live below it,
+/// and only the controller's user may reach them.
+pub(crate) fn private_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let mode = std::fs::metadata(dir)
+        .map_err(|e| format!("reading {}: {e}", dir.display()))?
+        .permissions()
+        .mode();
+    if mode & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(|e| {
+            format!(
+                "{} is mode {:04o} and cannot be made 0700: {e}",
+                dir.display(),
+                mode & 0o7777
+            )
+        })?;
+        tracing::info!(dir = %dir.display(), was = format!("{:04o}", mode & 0o7777), "restricted a state directory to its owner (0700)");
+    }
+    Ok(())
+}
+
+fn gitea_client(
+    gitea: &GiteaSettings,
+    secrets: SecretPermissions,
+) -> Result<(GiteaClient, Option<Vec<u8>>), RuntimeError> {
+    let credentials = Credentials::from_files(&gitea.uuid_file, &gitea.token_file, secrets)
         .map_err(setup("reading the runner credentials"))?;
     let extra_ca = match &gitea.ca_file {
         Some(p) => Some(std::fs::read(p).map_err(|e| {
@@ -385,8 +535,8 @@ fn gitea_client(gitea: &GiteaSettings) -> Result<(GiteaClient, Option<Vec<u8>>),
     Ok((client, extra_ca))
 }
 
-fn capability_key(path: &Path) -> Result<CapabilityKey, RuntimeError> {
-    let text = read_secret_file("runner_facade_capability_key_file", path)
+fn capability_key(path: &Path, secrets: SecretPermissions) -> Result<CapabilityKey, RuntimeError> {
+    let text = read_secret_file_with("runner_facade_capability_key_file", path, secrets)
         .map_err(setup("reading the capability key"))?;
     CapabilityKey::new(text.as_bytes()).map_err(|e| {
         step("runner_facade_capability_key_file")(format!("{}: {e}", path.display()).into())
@@ -406,6 +556,7 @@ fn keyring(
     state_dir: &Path,
     single_host: bool,
     writes_envelopes: bool,
+    secrets: SecretPermissions,
 ) -> Result<Option<TaskKeyring>, RuntimeError> {
     let generated = state_dir.join(GENERATED_TASK_KEY_FILE);
     let Some(TaskKeyFiles { current, previous }) = files else {
@@ -423,6 +574,8 @@ fn keyring(
         return Ok(None);
     };
     let load = |path: &PathBuf| -> Result<TaskKey, RuntimeError> {
+        check_secret_file_mode("task_encryption_key_file", path, secrets)
+            .map_err(setup("task_encryption_key_file"))?;
         let bytes = std::fs::read(path).map_err(|e| {
             step("task_encryption_key_file")(format!("cannot read {}: {e}", path.display()).into())
         })?;
@@ -487,13 +640,17 @@ enum Role {
 }
 
 impl Queue {
-    async fn connect(nats: &NatsSettings, state_dir: &Path) -> Result<Self, RuntimeError> {
+    async fn connect(
+        nats: &NatsSettings,
+        state_dir: &Path,
+        secrets: SecretPermissions,
+    ) -> Result<Self, RuntimeError> {
         let stream = StreamSettings {
             stream: nats.stream.clone(),
             subject_base: nats.subject_base.clone(),
             duplicate_window: DUPLICATE_WINDOW,
         };
-        let (url, embedded, producer_auth, worker_auth, ca) = match &nats.server {
+        let (url, producer_auth, worker_auth, embedded, ca) = match &nats.server {
             NatsServer::Embedded { binary, binder } => {
                 let binder = match binder {
                     Some(b) => b.clone(),
@@ -509,9 +666,9 @@ impl Queue {
                     .map_err(setup("starting the embedded nats-server"))?;
                 (
                     server.url(),
+                    NatsAuth::clone(&server.producer_auth()),
+                    server.worker_auth(),
                     Some(server),
-                    NatsAuth::Anonymous,
-                    NatsAuth::Anonymous,
                     None,
                 )
             }
@@ -522,14 +679,15 @@ impl Queue {
                 ca_file,
             } => (
                 url.clone(),
-                None,
                 producer.clone(),
                 worker.clone(),
+                None,
                 ca_file.clone(),
             ),
         };
-        let producer = connect(&url, Role::Producer, &producer_auth, ca.as_deref()).await?;
-        let worker = connect(&url, Role::Worker, &worker_auth, ca.as_deref()).await?;
+        let producer =
+            connect(&url, Role::Producer, &producer_auth, ca.as_deref(), secrets).await?;
+        let worker = connect(&url, Role::Worker, &worker_auth, ca.as_deref(), secrets).await?;
         let queue = Queue {
             producer: jetstream::new(producer),
             worker: jetstream::new(worker),
@@ -564,6 +722,21 @@ impl Queue {
                 tracing::warn!(%backend, error = %e, "cannot read the stream to resume adopted executors")
             }
         }
+    }
+
+    /// The finished-assignments bucket (created with the stream, else provisioned).
+    async fn finished(
+        &self,
+        nats: &NatsSettings,
+    ) -> Result<queue::FinishedAssignments, RuntimeError> {
+        queue::FinishedAssignments::open(
+            &self.worker,
+            &nats.security.finished_bucket,
+            nats.security.task_lifetime + FINISHED_MARGIN,
+            nats.create_stream,
+        )
+        .await
+        .map_err(setup("opening the finished-assignments bucket"))
     }
 
     async fn consumer(
@@ -602,19 +775,31 @@ async fn connect(
     role: Role,
     auth: &NatsAuth,
     ca_file: Option<&Path>,
+    secrets: SecretPermissions,
 ) -> Result<async_nats::Client, RuntimeError> {
     let name = match role {
         Role::Producer => "gitea-dynamic-runner-scheduler",
         Role::Worker => "gitea-dynamic-runner-worker",
     };
     let mut options = match auth {
-        NatsAuth::Creds(path) => async_nats::ConnectOptions::with_credentials_file(path.clone())
-            .await
-            .map_err(|e| {
-                step("reading the NATS credentials file")(format!("{}: {e}", path.display()).into())
-            })?,
+        NatsAuth::Creds(path) => {
+            let key = match role {
+                Role::Producer => "nats_producer_creds_file",
+                Role::Worker => "nats_worker_creds_file",
+            };
+            check_secret_file_mode(key, path, secrets)
+                .map_err(setup("reading the NATS credentials file"))?;
+            async_nats::ConnectOptions::with_credentials_file(path.clone())
+                .await
+                .map_err(|e| {
+                    step("reading the NATS credentials file")(
+                        format!("{}: {e}", path.display()).into(),
+                    )
+                })?
+        }
         NatsAuth::Password { user, file, key } => {
-            let password = read_secret_file(key, file).map_err(setup("reading a NATS password"))?;
+            let password = read_secret_file_with(key, file, secrets)
+                .map_err(setup("reading a NATS password"))?;
             async_nats::ConnectOptions::new().user_and_password(user.clone(), password)
         }
         NatsAuth::Anonymous => async_nats::ConnectOptions::new(),
@@ -675,7 +860,9 @@ fn local_identity(
     match identity {
         IdentitySource::WorkloadApi(_) => Ok(None),
         IdentitySource::Local => {
-            let ca = LocalCa::load_or_create(&state_dir.join("ca"), policy.trust_domain.as_str())
+            let dir = state_dir.join("ca");
+            private_dir(&dir).map_err(|e| step("loading the local CA")(e.into()))?;
+            let ca = LocalCa::load_or_create(&dir, policy.trust_domain.as_str())
                 .map_err(setup("loading the local CA"))?;
             Ok(Some(Arc::new(LocalIdentity::new(ca, LOCAL_SVID_TTL))))
         }
@@ -776,9 +963,11 @@ fn process_backend(
         Some(p) => p.clone(),
         None => std::env::current_exe().map_err(setup("locating this binary for executors"))?,
     };
+    let state_root = wiring.state_dir.join(backend.as_str());
+    private_dir(&state_root).map_err(|e| step("building the process backend")(e.into()))?;
     let settings = ProcessBackendSettings {
         backend,
-        state_root: wiring.state_dir.join(backend.as_str()),
+        state_root,
         program,
         args: vec!["executor".into()],
         extra_env: BTreeMap::from([(
@@ -820,6 +1009,7 @@ struct SchedulerWiring<'a> {
     labels: Vec<String>,
     capabilities: Vec<String>,
     pollers: usize,
+    capacities: &'a BTreeMap<Backend, usize>,
     gitea: &'a GiteaClient,
     queue: &'a Queue,
     policy: &'a DerivationPolicy,
@@ -837,8 +1027,17 @@ fn spawn_scheduler(
         w.labels,
         w.capabilities,
         w.pollers,
-        w.settings.backlog_limit,
+        w.settings.backlog_limit.unwrap_or(1),
     );
+    // Each backend's own backlog: the configured limit, else its capacity.
+    poller_settings.backlog_limits = w
+        .capacities
+        .iter()
+        .map(|(b, c)| {
+            let capacity = u64::try_from(*c).unwrap_or(u64::MAX);
+            (*b, w.settings.backlog_limit.unwrap_or(capacity).max(1))
+        })
+        .collect();
     poller_settings.shutdown_publish_timeout = SHUTDOWN_PUBLISH_TIMEOUT;
     let mut scheduler = Scheduler::new(
         w.gitea.clone(),
@@ -885,6 +1084,8 @@ struct FacadeWiring<'a> {
     trust_domain: &'a str,
     gitea_url: &'a str,
     extra_ca: Option<&'a [u8]>,
+    limits: FacadeLimits,
+    stats: Arc<FacadeStats>,
 }
 
 async fn spawn_facade(
@@ -903,11 +1104,58 @@ async fn spawn_facade(
     );
     let proxy =
         ReverseProxy::new(w.gitea_url, w.extra_ca).map_err(setup("building the reverse proxy"))?;
+    let (limits, stats) = (w.limits, w.stats);
     tasks.spawn(async move {
         // The source must live as long as the server: it rotates the SVID.
         let _source = source;
-        let result = facade.serve(listener, tls, proxy, shutdown).await;
+        let result = facade
+            .serve_limited(listener, tls, proxy, limits, stats, shutdown)
+            .await;
         ("facade", result.map_err(Source::from))
+    });
+    Ok(())
+}
+
+struct HeldWiring<'a> {
+    queue: &'a Queue,
+    nats: &'a NatsSettings,
+    policy: &'a DerivationPolicy,
+    keyring: Option<&'a TaskKeyring>,
+    gitea: &'a GiteaClient,
+    dispatch: &'a Arc<Dispatch>,
+    metrics: &'a Arc<Metrics>,
+}
+
+/// The reconciler of assignments sealed with a task key this controller lacks.
+async fn spawn_held(
+    tasks: &mut JoinSet<(&'static str, Result<(), Source>)>,
+    w: HeldWiring<'_>,
+    shutdown: Shutdown,
+) -> Result<(), RuntimeError> {
+    let held = HeldAssignments::new(
+        w.queue.worker.clone(),
+        w.queue.stream.clone(),
+        w.policy.clone(),
+        w.keyring.cloned(),
+        w.gitea.clone(),
+        w.dispatch.clone(),
+        w.nats.security.held_timeout,
+    );
+    let consumer = match held.consumer(w.nats.create_stream, w.nats.ack_wait).await {
+        Ok(c) => c,
+        // Operator-provisioned queues may lack it: held assignments then wait in the
+        // stream (NAKed by the workers) as before.
+        Err(e) if !w.nats.create_stream => {
+            tracing::warn!(error = %e, "no held-assignments consumer; assignments sealed with an unknown task key are only retried");
+            return Ok(());
+        }
+        Err(e) => return Err(setup("creating the held-assignments consumer")(e)),
+    };
+    let metrics = w.metrics.clone();
+    tasks.spawn(async move {
+        held.run(consumer, HELD_INTERVAL, shutdown, Some(metrics))
+            .await;
+        ("held assignments", Ok(()))
     });
     Ok(())
 }
@@ -983,6 +1231,7 @@ async fn watch_nats(
 async fn export_metrics(
     metrics: Arc<Metrics>,
     stats: Arc<SchedulerStats>,
+    facade: Arc<FacadeStats>,
     dispatch: Arc<Dispatch>,
     capacities: BTreeMap<Backend, usize>,
     depth: Option<Arc<dyn QueueDepth>>,
@@ -1037,9 +1286,37 @@ async fn export_metrics(
                 }
             }
         }
+        export_facade(&metrics, &facade);
         if !stop.sleep(METRICS_INTERVAL).await {
             return ("metrics", Ok(()));
         }
+    }
+}
+
+/// Copies the facade's connection counters into Prometheus.
+fn export_facade(metrics: &Metrics, facade: &FacadeStats) {
+    use std::sync::atomic::Ordering::Relaxed;
+    metrics
+        .facade_connections
+        .set(i64::try_from(facade.open.load(Relaxed)).unwrap_or(i64::MAX));
+    let accept_errors = facade.accept_errors.load(Relaxed);
+    metrics
+        .facade_accept_errors
+        .inc_by(accept_errors.saturating_sub(metrics.facade_accept_errors.get()));
+    for (reason, counter) in [
+        ("limit", &facade.refused),
+        ("evicted", &facade.evicted),
+        ("handshake", &facade.handshake_failures),
+        ("identity_limit", &facade.identity_refused),
+        ("idle", &facade.idle_closed),
+    ] {
+        let family =
+            metrics
+                .facade_connections_closed
+                .get_or_create(&crate::metrics::CloseReasonLabel {
+                    reason: reason.into(),
+                });
+        family.inc_by(counter.load(Relaxed).saturating_sub(family.get()));
     }
 }
 
@@ -1056,22 +1333,35 @@ mod tests {
     #[test]
     fn single_host_mode_generates_its_task_key_once_and_keeps_it_for_older_envelopes() {
         let state = tempfile::tempdir().unwrap();
-        let first = keyring(None, state.path(), true, true).unwrap().unwrap();
+        let first = keyring(None, state.path(), true, true, SecretPermissions::default())
+            .unwrap()
+            .unwrap();
         let file = state.path().join(GENERATED_TASK_KEY_FILE);
         let mode = std::fs::metadata(&file).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
-        let again = keyring(None, state.path(), true, true).unwrap().unwrap();
+        let again = keyring(None, state.path(), true, true, SecretPermissions::default())
+            .unwrap()
+            .unwrap();
         assert_eq!(again.current.key_id(), first.current.key_id(), "reused");
 
         let configured = state.path().join("configured.key");
         std::fs::write(&configured, "ab".repeat(32)).unwrap();
+        std::fs::set_permissions(&configured, std::fs::Permissions::from_mode(0o600)).unwrap();
         let files = || {
             Some(TaskKeyFiles {
                 current: configured.clone(),
                 previous: Vec::new(),
             })
         };
-        let rotated = keyring(files(), state.path(), true, true).unwrap().unwrap();
+        let rotated = keyring(
+            files(),
+            state.path(),
+            true,
+            true,
+            SecretPermissions::default(),
+        )
+        .unwrap()
+        .unwrap();
         assert_ne!(rotated.current.key_id(), first.current.key_id());
         assert!(
             rotated
@@ -1083,9 +1373,15 @@ mod tests {
 
         let cluster = tempfile::tempdir().unwrap();
         assert!(
-            keyring(None, cluster.path(), false, true)
-                .unwrap()
-                .is_none()
+            keyring(
+                None,
+                cluster.path(),
+                false,
+                true,
+                SecretPermissions::default()
+            )
+            .unwrap()
+            .is_none()
         );
         assert!(!cluster.path().join(GENERATED_TASK_KEY_FILE).exists());
     }

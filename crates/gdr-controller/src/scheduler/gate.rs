@@ -1,35 +1,54 @@
-//! The backlog gate (invariant 5b): no fetch while the stream holds `limit` unclaimed
-//! assignments.
+//! The backlog gate (invariants 5b and 22): each backend may have at most its limit of
+//! unclaimed assignments in the stream, counted on its own subject, and a full or dead
+//! backend never stops fetching for the other.
 //!
-//! One watcher task refreshes the stream's message count; pollers consult the cached
-//! value. Between refreshes the gate counts its own admissions, so N pollers passing at
-//! once cannot overshoot the limit: a poller reserves a slot before fetching and turns it
-//! into a counted message when its publish is stored (or gives it back when the fetch
-//! returned nothing). While the count is unknown (NATS unreachable) the gate stays shut.
+//! FetchTask cannot ask for one backend's jobs, but Gitea offers a runner only jobs whose
+//! `runs-on` its declared labels cover. So a backend whose backlog is full is *closed*: the
+//! controller re-declares its labels without it (the scheduler's declarer does, whenever
+//! the set of open backends changes) and pollers fetch only while the labels Gitea has are
+//! exactly those of the open backends. A fetch already in flight when a backend closes
+//! may still bring one of its jobs, so a backlog can exceed its limit by at most the
+//! number of pollers.
+//!
+//! One watcher task refreshes the per-subject message counts; pollers consult the cached
+//! values. Between refreshes the gate counts its own admissions, so N pollers passing at
+//! once cannot overshoot: a poller reserves a slot before fetching (at most as many as the
+//! smallest room of an open backend) and turns it into a counted message when its publish
+//! is stored (or gives it back when the fetch returned nothing). While the counts are
+//! unknown (NATS unreachable) the gate stays shut.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use gdr_core::backend::Backend;
 use tokio::sync::watch;
 
 use crate::shutdown::Shutdown;
 
+/// Stored publishes per backend, as counted when a refresh started.
+pub(crate) type Epoch = BTreeMap<Backend, u64>;
+
 #[derive(Debug, Default)]
 struct GateState {
-    /// Messages in the stream as last read, plus our publishes since; `None`: unknown.
-    in_stream: Option<u64>,
+    /// Messages per backend subject as last read, plus our publishes since; `None`:
+    /// unknown.
+    in_stream: Option<BTreeMap<Backend, u64>>,
     /// Pollers between admission and a stored publish (or an empty answer).
     reserved: u64,
+    /// The backends whose labels Gitea has now (`None` before the first Declare).
+    declared: Option<BTreeSet<Backend>>,
+    /// Stored (non-duplicate) publishes so far, per backend; lets a refresh add the
+    /// publishes its stream-info answer may not include.
+    publishes: BTreeMap<Backend, u64>,
 }
 
 /// Shared admission control for the pollers.
 #[derive(Debug)]
 pub(crate) struct BacklogGate {
-    limit: u64,
+    /// The limit of each enabled backend (≥ 1).
+    limits: BTreeMap<Backend, u64>,
     state: Mutex<GateState>,
-    /// Stored (non-duplicate) publishes so far; lets a refresh add the publishes its
-    /// stream-info answer may not include.
-    publishes: AtomicU64,
     changed: watch::Sender<u64>,
 }
 
@@ -39,11 +58,10 @@ pub(crate) struct BacklogGate {
 pub(crate) struct Slot;
 
 impl BacklogGate {
-    pub(crate) fn new(limit: u64) -> Self {
+    pub(crate) fn new(limits: BTreeMap<Backend, u64>) -> Self {
         BacklogGate {
-            limit: limit.max(1),
+            limits: limits.into_iter().map(|(b, l)| (b, l.max(1))).collect(),
             state: Mutex::new(GateState::default()),
-            publishes: AtomicU64::new(0),
             changed: watch::Sender::new(0),
         }
     }
@@ -56,16 +74,37 @@ impl BacklogGate {
         self.changed.send_modify(|v| *v = v.wrapping_add(1));
     }
 
-    /// The publish counter to read before asking the stream for its count.
-    pub(crate) fn epoch(&self) -> u64 {
-        self.publishes.load(Ordering::Acquire)
+    /// Wakes on every change of counts, reservations or declared labels.
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
     }
 
-    /// A fresh count read after `epoch()` returned `epoch`. Publishes stored since may be
-    /// counted twice until the next refresh, which errs on the side of fetching less.
-    pub(crate) fn refreshed(&self, messages: u64, epoch: u64) {
-        let since = self.epoch().saturating_sub(epoch);
-        self.lock().in_stream = Some(messages.saturating_add(since));
+    /// The publish counters to read before asking the stream for its counts.
+    pub(crate) fn epoch(&self) -> Epoch {
+        self.lock().publishes.clone()
+    }
+
+    /// Fresh per-subject counts read after `epoch()` returned `epoch`. Publishes stored
+    /// since may be counted twice until the next refresh, which errs on the side of
+    /// fetching less. Backends absent from `messages` have none.
+    pub(crate) fn refreshed(&self, messages: &BTreeMap<Backend, u64>, epoch: &Epoch) {
+        let mut s = self.lock();
+        let counts = self
+            .limits
+            .keys()
+            .map(|b| {
+                let since = s
+                    .publishes
+                    .get(b)
+                    .copied()
+                    .unwrap_or(0)
+                    .saturating_sub(epoch.get(b).copied().unwrap_or(0));
+                let read = messages.get(b).copied().unwrap_or(0);
+                (*b, read.saturating_add(since))
+            })
+            .collect();
+        s.in_stream = Some(counts);
+        drop(s);
         self.notify();
     }
 
@@ -75,16 +114,57 @@ impl BacklogGate {
         self.notify();
     }
 
-    /// The cached number of unclaimed assignments.
+    /// The backends with room in their backlog; `None` while the counts are unknown.
+    fn open(&self, s: &GateState) -> Option<BTreeSet<Backend>> {
+        let counts = s.in_stream.as_ref()?;
+        Some(
+            self.limits
+                .iter()
+                .filter(|(b, limit)| counts.get(b).copied().unwrap_or(0) < **limit)
+                .map(|(b, _)| *b)
+                .collect(),
+        )
+    }
+
+    /// The backends whose labels Gitea should have now: the open ones, when that set is
+    /// known, not empty and not what Gitea has already.
+    pub(crate) fn wanted(&self) -> Option<BTreeSet<Backend>> {
+        let s = self.lock();
+        let open = self.open(&s)?;
+        (!open.is_empty() && s.declared.as_ref() != Some(&open)).then_some(open)
+    }
+
+    /// Gitea now has the labels of `backends`.
+    pub(crate) fn declared(&self, backends: BTreeSet<Backend>) {
+        self.lock().declared = Some(backends);
+        self.notify();
+    }
+
+    /// The cached number of unclaimed assignments of `backend`.
     #[cfg(test)]
-    fn in_stream(&self) -> Option<u64> {
-        self.lock().in_stream
+    fn in_stream(&self, backend: Backend) -> Option<u64> {
+        self.lock()
+            .in_stream
+            .as_ref()
+            .map(|c| c.get(&backend).copied().unwrap_or(0))
     }
 
     fn try_admit(&self) -> Option<Slot> {
         let mut s = self.lock();
-        let count = s.in_stream?;
-        if count.saturating_add(s.reserved) < self.limit {
+        let open = self.open(&s)?;
+        if open.is_empty() || s.declared.as_ref() != Some(&open) {
+            return None;
+        }
+        let counts = s.in_stream.as_ref()?;
+        // Every fetch in flight may bring a job of any open backend.
+        let room = open
+            .iter()
+            .map(|b| {
+                let limit = self.limits.get(b).copied().unwrap_or(0);
+                limit.saturating_sub(counts.get(b).copied().unwrap_or(0))
+            })
+            .min()?;
+        if s.reserved < room {
             s.reserved += 1;
             Some(Slot)
         } else {
@@ -128,13 +208,13 @@ impl BacklogGate {
         self.notify();
     }
 
-    /// The assignment is stored; a duplicate was counted already.
-    pub(crate) fn stored(&self, _slot: Slot, duplicate: bool) {
+    /// The assignment of `backend` is stored; a duplicate was counted already.
+    pub(crate) fn stored(&self, _slot: Slot, backend: Backend, duplicate: bool) {
         let mut s = self.lock();
         s.reserved = s.reserved.saturating_sub(1);
         if !duplicate {
-            self.publishes.fetch_add(1, Ordering::AcqRel);
-            if let Some(n) = s.in_stream.as_mut() {
+            *s.publishes.entry(backend).or_default() += 1;
+            if let Some(n) = s.in_stream.as_mut().and_then(|c| c.get_mut(&backend)) {
                 *n += 1;
             }
         }
@@ -147,25 +227,62 @@ impl BacklogGate {
 mod tests {
     use super::*;
 
+    fn both(pod: u64, vm: u64) -> BTreeMap<Backend, u64> {
+        BTreeMap::from([(Backend::Pod, pod), (Backend::Vm, vm)])
+    }
+
+    fn set(backends: &[Backend]) -> BTreeSet<Backend> {
+        backends.iter().copied().collect()
+    }
+
     #[tokio::test]
     async fn admissions_and_stored_publishes_count_against_the_limit() {
-        let gate = BacklogGate::new(2);
+        let gate = BacklogGate::new(BTreeMap::from([(Backend::Pod, 2)]));
+        gate.declared(set(&[Backend::Pod]));
         assert!(
             gate.try_admit().is_none(),
             "shut while the count is unknown"
         );
-        gate.refreshed(0, gate.epoch());
+        gate.refreshed(&BTreeMap::new(), &gate.epoch());
         let a = gate.try_admit().expect("first");
         let b = gate.try_admit().expect("second");
         assert!(gate.try_admit().is_none(), "two reserved reach the limit");
-        gate.stored(a, false);
+        gate.stored(a, Backend::Pod, false);
         assert!(gate.try_admit().is_none(), "one stored + one reserved");
         gate.release(b);
         let c = gate.try_admit().expect("room again");
         gate.release(c);
         let epoch = gate.epoch();
-        gate.refreshed(0, epoch);
-        assert_eq!(gate.in_stream(), Some(0));
+        gate.refreshed(&BTreeMap::new(), &epoch);
+        assert_eq!(gate.in_stream(Backend::Pod), Some(0));
+    }
+
+    /// DESIGN invariant 22: a backend whose backlog is full (nothing consumes it: a dead or
+    /// disabled worker) closes only itself. The gate wants the other backend's labels alone
+    /// declared and admits fetches once Gitea has them; when the full backend drains, it
+    /// wants both again.
+    #[tokio::test]
+    async fn a_full_backlog_closes_only_its_own_backend() {
+        let gate = BacklogGate::new(both(2, 2));
+        gate.declared(set(&[Backend::Pod, Backend::Vm]));
+        gate.refreshed(&both(2, 0), &gate.epoch());
+        assert!(
+            gate.try_admit().is_none(),
+            "no fetch while Gitea may still offer the full backend's jobs"
+        );
+        assert_eq!(gate.wanted(), Some(set(&[Backend::Vm])));
+        gate.declared(set(&[Backend::Vm]));
+        assert_eq!(gate.wanted(), None);
+        let a = gate.try_admit().expect("the vm backlog has room");
+        let b = gate.try_admit().expect("twice");
+        assert!(gate.try_admit().is_none(), "the vm room is two");
+        gate.stored(a, Backend::Vm, false);
+        gate.release(b);
+        gate.refreshed(&both(0, 1), &gate.epoch());
+        assert_eq!(gate.wanted(), Some(set(&[Backend::Pod, Backend::Vm])));
+        gate.refreshed(&both(2, 2), &gate.epoch());
+        assert_eq!(gate.wanted(), None, "nothing to declare with both full");
+        assert!(gate.try_admit().is_none());
     }
 
     /// DESIGN invariant 5b: a poller held at the limit is let through the moment a
@@ -174,8 +291,9 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_poller_held_at_the_limit_waits_for_room_and_a_shutdown_ends_the_wait() {
         use std::sync::Arc;
-        let gate = Arc::new(BacklogGate::new(1));
-        gate.refreshed(1, gate.epoch());
+        let gate = Arc::new(BacklogGate::new(BTreeMap::from([(Backend::Pod, 1)])));
+        gate.declared(set(&[Backend::Pod]));
+        gate.refreshed(&BTreeMap::from([(Backend::Pod, 1)]), &gate.epoch());
         let waiting = Arc::new(AtomicU64::new(0));
         let (_trigger, shutdown) = crate::shutdown::shutdown_channel();
         let held = tokio::spawn({
@@ -185,7 +303,7 @@ mod tests {
         tokio::time::sleep(std::time::Duration::from_secs(60)).await;
         assert!(!held.is_finished(), "admitted beyond the limit");
         assert_eq!(waiting.load(Ordering::Acquire), 1);
-        gate.refreshed(0, gate.epoch());
+        gate.refreshed(&BTreeMap::new(), &gate.epoch());
         assert!(held.await.unwrap(), "room did not let the poller through");
         assert_eq!(waiting.load(Ordering::Acquire), 0);
 

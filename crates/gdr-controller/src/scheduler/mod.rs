@@ -8,8 +8,10 @@
 //! - [`Shutdown`] stops new fetches; an in-flight fetch finishes and its task is
 //!   published for a bounded time (invariant 4). A task fetched and not stored within
 //!   that time is logged at ERROR with its task ID: the documented loss window.
-//! - A backlog gate stops fetching while the stream holds `backlog_limit` unclaimed
-//!   assignments (invariant 5b); [`Heartbeater`] keeps queued tasks alive (5a).
+//! - A backlog gate stops fetching a backend's jobs while its subject holds its limit of
+//!   unclaimed assignments (invariant 5b), by declaring the labels of only the backends
+//!   with room, so a full or dead backend never stops the other (22); [`Heartbeater`]
+//!   keeps queued tasks alive (5a).
 //! - A task that cannot become an assignment is failed in Gitea with a log row
 //!   giving the reason, never dropped silently.
 
@@ -18,12 +20,14 @@ mod heartbeat;
 mod stats;
 mod version;
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream;
 use gate::{BacklogGate, Slot};
 use gdr_core::assignment::{Assignment, DerivationPolicy, TaskKeyring, encode_v1, encode_v2};
+use gdr_core::backend::Backend;
 use gdr_proto::runner::v1 as pb;
 pub use heartbeat::{HeartbeatRound, Heartbeater};
 pub use stats::{ERROR_KINDS, SchedulerStats};
@@ -49,10 +53,13 @@ pub struct SchedulerSettings {
     pub labels: Vec<String>,
     /// Capabilities sent with `Declare` (e.g. `cancelling`).
     pub capabilities: Vec<String>,
-    /// Concurrent FetchTask pollers: pod capacity + vm capacity of enabled backends.
+    /// Concurrent FetchTask pollers (bounded by the runtime, not by the capacities).
     pub pollers: usize,
-    /// No fetch while the stream holds this many unclaimed assignments (≥ 1).
+    /// No fetch of a backend's jobs while its subject holds this many unclaimed
+    /// assignments (≥ 1), unless `backlog_limits` names the backend.
     pub backlog_limit: u64,
+    /// Per-backend limits overriding `backlog_limit`.
+    pub backlog_limits: BTreeMap<Backend, u64>,
     /// How often the stream's message count is refreshed.
     pub backlog_refresh: Duration,
     /// Pause after empty FetchTask answers (grows with consecutive empty answers).
@@ -79,6 +86,7 @@ impl SchedulerSettings {
             capabilities,
             pollers,
             backlog_limit,
+            backlog_limits: BTreeMap::new(),
             backlog_refresh: Duration::from_millis(500),
             idle_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(5)),
             error_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
@@ -162,7 +170,7 @@ impl Scheduler {
         policy: DerivationPolicy,
         settings: SchedulerSettings,
     ) -> Self {
-        let gate = BacklogGate::new(settings.backlog_limit);
+        let gate = BacklogGate::new(Self::backend_limits(&settings, &policy));
         Scheduler {
             shared: Shared {
                 gitea,
@@ -209,6 +217,28 @@ impl Scheduler {
         self.shared.version.clone()
     }
 
+    /// The backends whose labels `labels` declares, with their backlog limits.
+    fn backend_limits(
+        settings: &SchedulerSettings,
+        policy: &DerivationPolicy,
+    ) -> BTreeMap<Backend, u64> {
+        [Backend::Pod, Backend::Vm]
+            .into_iter()
+            .filter(|b| {
+                let label = policy.labels.label_of(*b);
+                settings.labels.iter().any(|l| l == label)
+            })
+            .map(|b| {
+                let limit = settings
+                    .backlog_limits
+                    .get(&b)
+                    .copied()
+                    .unwrap_or(settings.backlog_limit);
+                (b, limit)
+            })
+            .collect()
+    }
+
     /// Declares the runner, then polls until `shutdown`; returns when every poller
     /// has stopped (in-flight fetches finished, their tasks published or given up).
     pub async fn run(self, shutdown: Shutdown) -> Result<Report, SchedulerError> {
@@ -222,7 +252,8 @@ impl Scheduler {
             return Ok(Report::default());
         }
         let (stop_watcher, watcher_stop) = shutdown_channel();
-        let watcher = tokio::spawn(watch_backlog(shared.clone(), watcher_stop));
+        let watcher = tokio::spawn(watch_backlog(shared.clone(), watcher_stop.clone()));
+        let declarer = tokio::spawn(keep_declared(shared.clone(), watcher_stop));
         let mut pollers = JoinSet::new();
         for index in 0..shared.settings.pollers {
             pollers.spawn(poll(shared.clone(), index, shutdown.clone()));
@@ -237,6 +268,7 @@ impl Scheduler {
         }
         stop_watcher.trigger();
         let _ = watcher.await;
+        let _ = declarer.await;
         tracing::info!(
             tasks_fetched = report.tasks_fetched,
             tasks_published = report.tasks_published,
@@ -267,6 +299,7 @@ async fn declare(shared: &Shared, shutdown: &Shutdown) -> Result<bool, Scheduler
         {
             Ok(declared) => {
                 shared.declared.send_replace(Some(declared.clone()));
+                shared.gate.declared(shared.gate_backends());
                 tracing::info!(
                     runner = %declared.runner.name,
                     labels = ?shared.settings.labels,
@@ -291,7 +324,7 @@ async fn declare(shared: &Shared, shutdown: &Shutdown) -> Result<bool, Scheduler
     }
 }
 
-/// Keeps the gate's view of the stream's message count fresh.
+/// Keeps the gate's view of each backend subject's message count fresh.
 async fn watch_backlog(shared: Arc<Shared>, stop: Shutdown) {
     let mut stream: Option<jetstream::stream::Stream> = None;
     let mut healthy = true;
@@ -302,7 +335,7 @@ async fn watch_backlog(shared: Arc<Shared>, stop: Shutdown) {
                 Some(s) => s,
                 None => stream.insert(queue::open_stream(&shared.js, &shared.stream).await?),
             };
-            queue::unclaimed(s).await
+            queue::unclaimed_per_backend(s, &shared.stream).await
         };
         let bound = shared.settings.backlog_refresh.max(Duration::from_secs(2));
         let result = match tokio::time::timeout(bound, read).await {
@@ -315,10 +348,10 @@ async fn watch_backlog(shared: Arc<Shared>, stop: Shutdown) {
         match result {
             Ok(messages) => {
                 if !healthy {
-                    tracing::info!(unclaimed = messages, "stream readable again");
+                    tracing::info!(unclaimed = ?messages, "stream readable again");
                 }
                 healthy = true;
-                shared.gate.refreshed(messages, epoch);
+                shared.gate.refreshed(&messages, &epoch);
             }
             Err(e) => {
                 if healthy {
@@ -330,6 +363,75 @@ async fn watch_backlog(shared: Arc<Shared>, stop: Shutdown) {
         }
         if !stop.sleep(shared.settings.backlog_refresh).await {
             return;
+        }
+    }
+}
+
+impl Shared {
+    /// The backends the gate limits (those whose labels the settings declare).
+    fn gate_backends(&self) -> BTreeSet<Backend> {
+        Scheduler::backend_limits(&self.settings, &self.policy)
+            .into_keys()
+            .collect()
+    }
+
+    /// The declared labels with those of the backends not in `open` left out.
+    fn labels_for(&self, open: &BTreeSet<Backend>) -> Vec<String> {
+        let closed: Vec<&str> = self
+            .gate_backends()
+            .difference(open)
+            .map(|b| self.policy.labels.label_of(*b))
+            .collect();
+        self.settings
+            .labels
+            .iter()
+            .filter(|l| !closed.contains(&l.as_str()))
+            .cloned()
+            .collect()
+    }
+}
+
+/// Keeps the labels Gitea has equal to those of the backends with room in their backlog:
+/// a Declare whenever that set changes, so Gitea offers only jobs that can be queued.
+async fn keep_declared(shared: Arc<Shared>, stop: Shutdown) {
+    let mut changes = shared.gate.subscribe();
+    let mut attempt = 0u32;
+    loop {
+        if let Some(open) = shared.gate.wanted() {
+            let labels = shared.labels_for(&open);
+            match shared
+                .gitea
+                .declare(labels.clone(), shared.settings.capabilities.clone())
+                .await
+            {
+                Ok(declared) => {
+                    attempt = 0;
+                    shared.declared.send_replace(Some(declared));
+                    // Declare does not bump Gitea's tasks version: without a reset, a
+                    // poller whose version is current would never pick a job the new
+                    // labels match.
+                    shared.version.task_received();
+                    tracing::info!(
+                        ?labels,
+                        "labels declared for the backends whose backlog has room"
+                    );
+                    shared.gate.declared(open);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, ?labels, "Declare of the open backends' labels failed; retrying");
+                    let delay = shared.settings.error_backoff.delay(attempt);
+                    attempt = attempt.saturating_add(1);
+                    if !stop.sleep(delay).await {
+                        return;
+                    }
+                    continue;
+                }
+            }
+        }
+        tokio::select! {
+            changed = changes.changed() => if changed.is_err() { return },
+            _ = stop.wait() => return,
         }
     }
 }
@@ -442,7 +544,7 @@ async fn hand_off(
     );
     match publish_until_stored(shared, &assignment, payload, shutdown).await {
         Some(published) => {
-            shared.gate.stored(slot, published.duplicate);
+            shared.gate.stored(slot, backend, published.duplicate);
             let window = fetched_at.elapsed();
             shared.stats.handoff(window);
             SchedulerStats::inc(&shared.stats.tasks_published);

@@ -33,7 +33,7 @@ pub struct SchedulerStats {
     pub heartbeat_errors: AtomicU64,
     /// Queued assignments whose task Gitea reported as ended (e.g. cancelled).
     pub queued_tasks_ended: AtomicU64,
-    fetch_errors: [AtomicU64; 5],
+    fetch_errors: [AtomicU64; ERROR_KINDS.len()],
     /// Where each fetch→stored window is observed, once the metrics are wired.
     handoff_histogram: std::sync::OnceLock<prometheus_client::metrics::histogram::Histogram>,
 }
@@ -45,16 +45,18 @@ fn kind_index(kind: ErrorKind) -> usize {
         ErrorKind::Invalid => 2,
         ErrorKind::Unavailable => 3,
         ErrorKind::Other => 4,
+        ErrorKind::TooLarge => 5,
     }
 }
 
 /// Every error kind, in a stable order (for metrics export).
-pub const ERROR_KINDS: [ErrorKind; 5] = [
+pub const ERROR_KINDS: [ErrorKind; 6] = [
     ErrorKind::Unauthenticated,
     ErrorKind::NotFound,
     ErrorKind::Invalid,
     ErrorKind::Unavailable,
     ErrorKind::Other,
+    ErrorKind::TooLarge,
 ];
 
 impl SchedulerStats {

@@ -195,8 +195,10 @@ keys! {
     /// Interval of the task-ID-only UpdateTask heartbeats that keep queued tasks alive in
     /// Gitea (at least 1s; keep it well below Gitea's 10 minute zombie timeout).
     heartbeat_interval: Secs = Secs::from_secs(60);
-    /// Stop fetching while this many assignments wait unclaimed in the stream.
-    backlog_limit: Option<u32> = None, shown "the sum of the enabled capacities";
+    /// Stop fetching a backend's jobs while this many of its assignments wait unclaimed on
+    /// its subject (each backend is counted alone, so a full or dead one never stops the
+    /// other).
+    backlog_limit: Option<u32> = None, shown "the backend's capacity";
     /// Listen address of the RunnerService facade (SPIFFE mTLS).
     runner_facade_listen: Option<String> = None,
         shown "127.0.0.1:8443 without nats_url (single host), else 0.0.0.0:8443";
@@ -284,4 +286,51 @@ keys! {
     opensandbox_pool: String = "ci-vm".into();
     /// Lifetime of a VM sandbox in seconds.
     vm_timeout_seconds: u64 = 14_400;
+
+    // === Facade limits: what one peer can hold of the facade (docs/security.md) ===
+
+    /// Most connections the facade holds at once, TLS handshakes included. At the limit a
+    /// new connection replaces the oldest one still in its handshake, or is closed at once.
+    /// Capped at a quarter of the open-file limit, which is raised to its hard limit at
+    /// start.
+    runner_facade_max_connections: u32 = 1024;
+    /// Most connections from one peer address (all executors of a host share its address;
+    /// in single-host mode all of them come from 127.0.0.1).
+    runner_facade_max_connections_per_peer: u32 = 512;
+    /// Most connections one SPIFFE ID (one job's executor) holds after its handshake; the
+    /// executor's proxy multiplexes over one or two.
+    runner_facade_max_connections_per_identity: u32 = 16;
+    /// A TLS handshake not finished within this closes the connection.
+    runner_facade_tls_handshake_timeout: Secs = Secs::from_secs(10);
+    /// The first bytes after the handshake and every HTTP/1.1 request head must arrive
+    /// within this, or the connection is closed (slow-header clients).
+    runner_facade_header_read_timeout: Secs = Secs::from_secs(15);
+    /// A connection with no request in flight for this long is closed (HTTP/1.1 and
+    /// HTTP/2); HTTP/2 peers are also pinged, and one that stops answering is dropped.
+    runner_facade_idle_timeout: Secs = Secs::from_secs(90);
+
+    // === Queue security: who may write the queue, and what a worker trusts ===
+
+    /// Accept plaintext (v1) envelopes although `task_encryption_key_file` is set. Only for
+    /// draining a queue the Go version wrote: a v1 envelope proves nothing about its writer.
+    /// Logged as a warning at start.
+    accept_plaintext_envelopes: bool = false;
+    /// Gitea's `[actions] ENDLESS_TASK_TIMEOUT`: Gitea ends a task this long after it was
+    /// fetched, so an envelope fetched longer ago is refused as stale or replayed, and
+    /// finished assignments are remembered at least this long.
+    gitea_endless_task_timeout: Secs = Secs::from_secs(3 * 3600);
+    /// JetStream key-value bucket of finished assignment IDs: an assignment runs at most
+    /// once, even when its envelope is published again.
+    nats_finished_bucket: String = "CI_RUNNER_FINISHED".into();
+    /// An assignment sealed with a task key this controller lacks is set aside (it takes
+    /// no admission slot), released when the key is configured, and failed in Gitea with
+    /// the reason after this long.
+    held_assignment_timeout: Secs = Secs::from_secs(3600);
+
+    // === Secret files ===
+
+    /// Which permissions a secret file may have: `owner-only` (no group or other access,
+    /// as ssh requires of private keys), `group-readable` (also read by the file's group:
+    /// Kubernetes Secret volumes with `fsGroup` are 0440), or `unchecked`.
+    secret_file_permissions: String = "owner-only".into();
 }

@@ -28,7 +28,10 @@ use gdr_core::metadata::MetadataCodec;
 pub(crate) use keys::Raw;
 pub use keys::{KEYS, Key, Kind};
 pub use reference::{Format, default_of, render as reference};
-pub use secret::{SecretFileError, read_secret_file};
+pub use secret::{
+    SecretFileError, SecretPermissions, check_secret_file_mode, read_secret_file,
+    read_secret_file_with,
+};
 pub use sources::{ParseError, Sources};
 pub use values::{Component, Components};
 
@@ -142,6 +145,8 @@ pub struct Settings {
     pub executors: ExecutorTimings,
     /// Leader election; present when enabled.
     pub leader: Option<LeaderSettings>,
+    /// Which permissions secret files may have.
+    pub secrets: SecretPermissions,
 }
 
 /// How to reach Gitea.
@@ -192,6 +197,22 @@ pub struct NatsSettings {
     pub create_stream: bool,
     /// Ack wait of the worker consumers.
     pub ack_wait: Duration,
+    /// What a worker trusts of what it reads from the queue.
+    pub security: QueueSecurity,
+}
+
+/// The queue's trust rules (DESIGN invariants 20, 21).
+#[derive(Debug, Clone)]
+pub struct QueueSecurity {
+    /// Accept plaintext v1 envelopes although a task key is configured (a migration).
+    pub accept_plaintext_envelopes: bool,
+    /// Gitea's endless-task timeout: an envelope fetched longer ago is refused, and a
+    /// finished assignment is remembered at least this long.
+    pub task_lifetime: Duration,
+    /// Key-value bucket of finished assignment IDs.
+    pub finished_bucket: String,
+    /// An assignment sealed with an unknown task key is failed in Gitea after this long.
+    pub held_timeout: Duration,
 }
 
 /// Which NATS server.
@@ -251,8 +272,9 @@ pub enum IdentitySource {
 pub struct SchedulerSettings {
     /// Interval of heartbeats for queued tasks.
     pub heartbeat_interval: Duration,
-    /// No fetch while this many assignments wait unclaimed.
-    pub backlog_limit: u64,
+    /// No fetch of a backend's jobs while this many of its assignments wait unclaimed
+    /// (`None`: the backend's capacity).
+    pub backlog_limit: Option<u64>,
     /// The facade.
     pub facade: FacadeSettings,
 }
@@ -266,6 +288,25 @@ pub struct FacadeSettings {
     pub url: String,
     /// SPIFFE ID executors verify.
     pub spiffe_id: String,
+    /// What one peer can hold of it.
+    pub limits: FacadeLimits,
+}
+
+/// Connection limits and timeouts of the facade (DESIGN invariant 21).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FacadeLimits {
+    /// Open connections, handshakes included.
+    pub max_connections: usize,
+    /// Open connections from one peer address.
+    pub max_connections_per_peer: usize,
+    /// Established connections of one SPIFFE ID.
+    pub max_connections_per_identity: usize,
+    /// Bound of the TLS handshake.
+    pub tls_handshake_timeout: Duration,
+    /// Bound of the first bytes and of each HTTP/1.1 request head.
+    pub header_read_timeout: Duration,
+    /// A connection without a request in flight this long is closed.
+    pub idle_timeout: Duration,
 }
 
 /// One enabled backend.
@@ -538,6 +579,17 @@ impl TryFrom<Raw> for Settings {
             opensandbox_api_key_file,
             opensandbox_pool,
             vm_timeout_seconds,
+            runner_facade_max_connections,
+            runner_facade_max_connections_per_peer,
+            runner_facade_max_connections_per_identity,
+            runner_facade_tls_handshake_timeout,
+            runner_facade_header_read_timeout,
+            runner_facade_idle_timeout,
+            accept_plaintext_envelopes,
+            gitea_endless_task_timeout,
+            nats_finished_bucket,
+            held_assignment_timeout,
+            secret_file_permissions,
         } = raw;
         let mut check = Check::default();
         let single_host = nats_url.is_none();
@@ -642,12 +694,22 @@ impl TryFrom<Raw> for Settings {
                 ca_file: nats_ca_file,
             },
         };
+        let security = queue_security(
+            &mut check,
+            QueueSecurityKeys {
+                accept_plaintext_envelopes,
+                gitea_endless_task_timeout: gitea_endless_task_timeout.0,
+                nats_finished_bucket,
+                held_assignment_timeout: held_assignment_timeout.0,
+            },
+        );
         let nats = NatsSettings {
             server,
             stream: nats_stream,
             subject_base: nats_subject_base,
             create_stream: nats_create_stream,
             ack_wait: nats_ack_wait.0,
+            security,
         };
         if nats.ack_wait < Duration::from_secs(1) {
             check.problem(
@@ -759,8 +821,6 @@ impl TryFrom<Raw> for Settings {
             capacity: vm_capacity,
             kind,
         });
-        let enabled_capacity = u64::from(if pod_on { pod_capacity } else { 0 })
-            + u64::from(if vm_on { vm_capacity } else { 0 });
 
         // Components.
         let scheduler_on = components.contains(Component::Scheduler);
@@ -797,6 +857,23 @@ impl TryFrom<Raw> for Settings {
             }
         };
         let facade_listen = runner_facade_listen.unwrap_or_else(|| listen_default(8443));
+        let facade_limits = facade_limits(
+            &mut check,
+            FacadeLimitKeys {
+                max_connections: runner_facade_max_connections,
+                max_connections_per_peer: runner_facade_max_connections_per_peer,
+                max_connections_per_identity: runner_facade_max_connections_per_identity,
+                tls_handshake_timeout: runner_facade_tls_handshake_timeout.0,
+                header_read_timeout: runner_facade_header_read_timeout.0,
+                idle_timeout: runner_facade_idle_timeout.0,
+            },
+        );
+        let secrets = check
+            .ok(
+                "secret_file_permissions",
+                secret_file_permissions.parse::<SecretPermissions>(),
+            )
+            .unwrap_or_default();
         let scheduler = if scheduler_on {
             let url = check
                 .required(
@@ -831,11 +908,12 @@ impl TryFrom<Raw> for Settings {
             url.zip(spiffe_id)
                 .map(|(url, spiffe_id)| SchedulerSettings {
                     heartbeat_interval: heartbeat_interval.0,
-                    backlog_limit: backlog_limit.map_or(enabled_capacity.max(1), u64::from),
+                    backlog_limit: backlog_limit.map(u64::from),
                     facade: FacadeSettings {
                         listen: facade_listen,
                         url,
                         spiffe_id,
+                        limits: facade_limits,
                     },
                 })
         } else {
@@ -900,10 +978,135 @@ impl TryFrom<Raw> for Settings {
                     vm,
                     executors,
                     leader,
+                    secrets,
                 })
             }
             _ => Err(SettingsError::Invalid(check.problems)),
         }
+    }
+}
+
+// === Facade limits and queue security (docs/security.md) ===
+
+/// The facade limit keys, for [`facade_limits`].
+struct FacadeLimitKeys {
+    max_connections: u32,
+    max_connections_per_peer: u32,
+    max_connections_per_identity: u32,
+    tls_handshake_timeout: Duration,
+    header_read_timeout: Duration,
+    idle_timeout: Duration,
+}
+
+impl Default for FacadeLimits {
+    /// The limits the keys default to.
+    fn default() -> Self {
+        let raw = Raw::default();
+        facade_limits(
+            &mut Check::default(),
+            FacadeLimitKeys {
+                max_connections: raw.runner_facade_max_connections,
+                max_connections_per_peer: raw.runner_facade_max_connections_per_peer,
+                max_connections_per_identity: raw.runner_facade_max_connections_per_identity,
+                tls_handshake_timeout: raw.runner_facade_tls_handshake_timeout.0,
+                header_read_timeout: raw.runner_facade_header_read_timeout.0,
+                idle_timeout: raw.runner_facade_idle_timeout.0,
+            },
+        )
+    }
+}
+
+fn facade_limits(check: &mut Check, keys: FacadeLimitKeys) -> FacadeLimits {
+    let count = |check: &mut Check, key: &'static str, n: u32| {
+        if n == 0 {
+            check.problem(key, "must be at least 1");
+        }
+        usize::try_from(n).unwrap_or(usize::MAX)
+    };
+    let max_connections = count(check, "runner_facade_max_connections", keys.max_connections);
+    let per_peer = count(
+        check,
+        "runner_facade_max_connections_per_peer",
+        keys.max_connections_per_peer,
+    );
+    let per_identity = count(
+        check,
+        "runner_facade_max_connections_per_identity",
+        keys.max_connections_per_identity,
+    );
+    for (key, value, least) in [
+        (
+            "runner_facade_tls_handshake_timeout",
+            keys.tls_handshake_timeout,
+            Duration::from_secs(1),
+        ),
+        (
+            "runner_facade_header_read_timeout",
+            keys.header_read_timeout,
+            Duration::from_secs(1),
+        ),
+        // The official runner reports every 5s; an idle bound below that would close
+        // connections it is about to use.
+        (
+            "runner_facade_idle_timeout",
+            keys.idle_timeout,
+            Duration::from_secs(10),
+        ),
+    ] {
+        if value < least {
+            check.problem(
+                key,
+                format!(
+                    "must be at least {}",
+                    humantime_serde::re::humantime::format_duration(least)
+                ),
+            );
+        }
+    }
+    FacadeLimits {
+        max_connections,
+        max_connections_per_peer: per_peer,
+        max_connections_per_identity: per_identity,
+        tls_handshake_timeout: keys.tls_handshake_timeout,
+        header_read_timeout: keys.header_read_timeout,
+        idle_timeout: keys.idle_timeout,
+    }
+}
+
+/// The queue security keys, for [`queue_security`].
+struct QueueSecurityKeys {
+    accept_plaintext_envelopes: bool,
+    gitea_endless_task_timeout: Duration,
+    nats_finished_bucket: String,
+    held_assignment_timeout: Duration,
+}
+
+fn queue_security(check: &mut Check, keys: QueueSecurityKeys) -> QueueSecurity {
+    if keys.gitea_endless_task_timeout < Duration::from_secs(60) {
+        check.problem(
+            "gitea_endless_task_timeout",
+            "must be at least 1m (Gitea's default ENDLESS_TASK_TIMEOUT is 3h)",
+        );
+    }
+    if keys.held_assignment_timeout < Duration::from_secs(60) {
+        check.problem("held_assignment_timeout", "must be at least 1m");
+    }
+    let bucket = &keys.nats_finished_bucket;
+    if bucket.is_empty()
+        || !bucket
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        check.problem(
+            "nats_finished_bucket",
+            format!("{bucket:?} must be a key-value bucket name: letters, digits, '_' and '-'"),
+        );
+    }
+    QueueSecurity {
+        accept_plaintext_envelopes: keys.accept_plaintext_envelopes,
+        task_lifetime: keys.gitea_endless_task_timeout,
+        finished_bucket: keys.nats_finished_bucket,
+        held_timeout: keys.held_assignment_timeout,
     }
 }
 
@@ -1038,13 +1241,18 @@ pub fn check(sources: &Sources) -> Result<Checked, SettingsError> {
     let rendered = render(&raw);
     let secret_files = secret_files(&raw);
     let plaintext = writes_plaintext_envelopes(&raw);
+    // A wrong spelling is reported by the conversion below; check with the default then.
+    let permissions = raw
+        .secret_file_permissions
+        .parse::<SecretPermissions>()
+        .unwrap_or_default();
     let mut problems = match Settings::try_from(raw) {
         Ok(_) => Vec::new(),
         Err(SettingsError::Invalid(problems)) => problems.iter().map(ToString::to_string).collect(),
         Err(e) => vec![e.to_string()],
     };
     for (key, path) in secret_files {
-        if let Err(e) = read_secret_file(key, &path) {
+        if let Err(e) = read_secret_file_with(key, &path, permissions) {
             problems.push(e.to_string());
         }
     }

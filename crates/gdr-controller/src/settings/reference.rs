@@ -209,7 +209,7 @@ mod tests {
         assert!(
             default_of(key("backlog_limit"))
                 .unwrap()
-                .contains("capacities")
+                .contains("capacity")
         );
     }
 

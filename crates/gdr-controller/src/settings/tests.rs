@@ -269,13 +269,15 @@ fn a_disabled_backend_has_no_section_and_no_label() {
     let s = settings(&["components=scheduler,vm-worker"]).unwrap();
     assert!(s.pod.is_none());
     assert_eq!(s.declared_labels(), ["self-hosted", "vm"]);
-    assert_eq!(s.scheduler.as_ref().unwrap().backlog_limit, 1);
+    // Each enabled backend's backlog defaults to its own capacity; a disabled one has none.
+    assert_eq!(s.scheduler.as_ref().unwrap().backlog_limit, None);
+    assert_eq!(s.capacities(), [(Backend::Vm, 1)]);
     let s = settings(&["vm_capacity=0", "vm_runner_label=vm-dev"]).unwrap();
     assert!(s.vm.is_none());
     assert_eq!(s.declared_labels(), ["self-hosted", "pod"]);
     let s = settings(&["vm_runner_label=vm-dev"]).unwrap();
     assert_eq!(s.declared_labels(), ["self-hosted", "pod", "vm-dev"]);
-    assert_eq!(s.scheduler.unwrap().backlog_limit, 5);
+    assert_eq!(s.capacities(), [(Backend::Pod, 4), (Backend::Vm, 1)]);
 }
 
 #[test]

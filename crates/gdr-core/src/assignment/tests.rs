@@ -571,8 +571,11 @@ fn inconsistent_backend_metadata_is_rejected() {
 
 // === properties ===
 
+/// Owner and repository names; `.` and `..` derive a dot segment and are refused (see
+/// `names_that_derive_an_unusable_spiffe_id_make_no_identity`).
 fn name() -> impl Strategy<Value = String> {
     "[A-Za-z0-9._@ü-]([A-Za-z0-9._ @ü-]{0,14}[A-Za-z0-9._@ü-])?"
+        .prop_filter("a dot segment", |n| n != "." && n != "..")
 }
 
 proptest! {
@@ -632,4 +635,142 @@ fn the_envelope_id_is_readable_without_the_key_in_both_versions() {
     assert_eq!(envelope_id(&v1).as_ref(), Some(assignment.id()));
     assert_eq!(envelope_id(br#"{"id":"gitea-task-007"}"#), None);
     assert_eq!(envelope_id(b"not json"), None);
+}
+
+// === trust rules (invariants 20, 21) ===
+
+fn rules(now: SystemTime) -> EnvelopeRules {
+    EnvelopeRules {
+        accept_plaintext: false,
+        max_age: Duration::from_secs(3 * 3600),
+        now,
+    }
+}
+
+fn at(secs: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_secs(secs)
+}
+
+/// DESIGN invariant 21: where a task key is configured, a plaintext envelope proves nothing
+/// about its writer (anyone who can publish can write one for any repository), so it is
+/// refused unless the operator accepts plaintext for a migration; without a key it is the
+/// only format and stays accepted.
+#[test]
+fn a_plaintext_envelope_is_refused_where_a_task_key_is_configured_unless_accepted() {
+    let v1 = encode_v1(&pod_assignment()).unwrap();
+    let now = SystemTime::now();
+    assert_eq!(
+        decode_with(&v1, &policy(), Some(&keyring()), &rules(now)),
+        Err(EnvelopeError::Plaintext)
+    );
+    let accepting = EnvelopeRules {
+        accept_plaintext: true,
+        ..rules(now)
+    };
+    assert_eq!(
+        decode_with(&v1, &policy(), Some(&keyring()), &accepting).unwrap(),
+        pod_assignment()
+    );
+    assert_eq!(
+        decode_with(&v1, &policy(), None, &rules(now)).unwrap(),
+        pod_assignment()
+    );
+    assert!(EnvelopeError::Plaintext.is_poison());
+}
+
+/// DESIGN invariant 20: the fetch time travels authenticated in a v2 envelope; an envelope
+/// older than the bound (Gitea has ended its task since) or from the future is refused,
+/// and the time can be neither removed, added nor changed without breaking the tag.
+#[test]
+fn a_v2_envelope_carries_its_fetch_time_authenticated_and_old_ones_are_refused() {
+    let fetched = at(1_800_000_000);
+    let assignment = pod_assignment().with_fetch_time(fetched);
+    let envelope = encode_v2(&assignment, &keyring()).unwrap();
+    let opened = decode_with(
+        &envelope,
+        &policy(),
+        Some(&keyring()),
+        &rules(fetched + Duration::from_secs(3600)),
+    )
+    .unwrap();
+    assert_eq!(opened.fetch_time(), Some(fetched));
+    assert_eq!(opened, assignment);
+    assert_eq!(
+        decode_with(
+            &envelope,
+            &policy(),
+            Some(&keyring()),
+            &rules(fetched + Duration::from_secs(3 * 3600 + 1))
+        ),
+        Err(EnvelopeError::Expired {
+            age: 3 * 3600 + 1,
+            max_age: 3 * 3600
+        })
+    );
+    assert_eq!(
+        decode_with(
+            &envelope,
+            &policy(),
+            Some(&keyring()),
+            &rules(fetched - Duration::from_secs(3600))
+        ),
+        Err(EnvelopeError::FromTheFuture { ahead: 3600 })
+    );
+    let edits: [(&str, Edit); 3] = [
+        ("removed", |v| {
+            v.as_object_mut().unwrap().remove("fetched_at");
+        }),
+        ("younger", |v| {
+            v["fetched_at"] = serde_json::json!(1_800_000_999u64)
+        }),
+        ("a string", |v| {
+            v["fetched_at"] = serde_json::json!("1800000000")
+        }),
+    ];
+    for (what, change) in edits {
+        let edited = edit(&envelope, change);
+        let result = decode_with(
+            &edited,
+            &policy(),
+            Some(&keyring()),
+            &rules(fetched + Duration::from_secs(60)),
+        );
+        assert!(
+            matches!(
+                result,
+                Err(EnvelopeError::Decrypt | EnvelopeError::Malformed(_))
+            ),
+            "fetch time {what}: {result:?}"
+        );
+    }
+}
+
+/// A v2 envelope written before the fetch time existed still opens (its additional data
+/// is unchanged), and one without a fetch time cannot gain one.
+#[test]
+fn a_v2_envelope_without_a_fetch_time_still_opens_and_cannot_gain_one() {
+    let assignment = pod_assignment();
+    let envelope = encode_v2(&assignment, &keyring()).unwrap();
+    let json: serde_json::Value = serde_json::from_slice(&envelope).unwrap();
+    assert!(json.get("fetched_at").is_none());
+    let opened = decode_with(
+        &envelope,
+        &policy(),
+        Some(&keyring()),
+        &rules(SystemTime::now()),
+    )
+    .unwrap();
+    assert_eq!(opened.fetch_time(), None);
+    let gained = edit(&envelope, |v| {
+        v["fetched_at"] = serde_json::json!(1_800_000_000u64);
+    });
+    assert_eq!(
+        decode_with(
+            &gained,
+            &policy(),
+            Some(&keyring()),
+            &rules(SystemTime::now())
+        ),
+        Err(EnvelopeError::Decrypt)
+    );
 }

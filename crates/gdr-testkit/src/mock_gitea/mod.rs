@@ -446,6 +446,12 @@ impl MockGitea {
         self.read(|s| s.seen_requests.clone())
     }
 
+    /// Every request outside the runner API with its headers (names in lower case), in
+    /// order: what a proxy in front of Gitea forwarded.
+    pub fn seen_request_headers(&self) -> Vec<(String, Vec<(String, String)>)> {
+        self.read(|s| s.seen_request_headers.clone())
+    }
+
     /// Fails zombie tasks now; returns how many were stopped.
     pub fn sweep_zombies_now(&self) -> usize {
         let timeout = self.inner.config.zombie_timeout;

@@ -63,7 +63,20 @@ async fn front(State(mock): State<MockGitea>, req: Request, next: Next) -> HttpR
             .uri()
             .path_and_query()
             .map_or_else(|| path.clone(), |pq| pq.as_str().to_owned());
-        mock.mutate(|s| s.seen_requests.push(seen));
+        let headers = req
+            .headers()
+            .iter()
+            .map(|(k, v)| {
+                (
+                    k.as_str().to_owned(),
+                    v.to_str().unwrap_or("<binary>").to_owned(),
+                )
+            })
+            .collect();
+        mock.mutate(|s| {
+            s.seen_request_headers.push((seen.clone(), headers));
+            s.seen_requests.push(seen);
+        });
         return next.run(req).await;
     };
     if let Some(method) = RpcMethod::from_procedure(procedure) {

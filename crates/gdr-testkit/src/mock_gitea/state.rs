@@ -214,6 +214,8 @@ pub(crate) struct State {
     /// Calls received per method (faulted ones included).
     pub calls: HashMap<RpcMethod, u64>,
     pub seen_requests: Vec<String>,
+    /// The headers of each of `seen_requests`, in order.
+    pub seen_request_headers: Vec<(String, Vec<(String, String)>)>,
     /// Gitea's AppURL, with the trailing slash Gitea keeps.
     pub server_url: String,
     pub default_actions_url: String,
@@ -274,6 +276,7 @@ impl State {
             faults: HashMap::new(),
             calls: HashMap::new(),
             seen_requests: Vec::new(),
+            seen_request_headers: Vec::new(),
             server_url,
             default_actions_url,
         }
@@ -762,14 +765,25 @@ impl State {
         })
     }
 
-    fn owned_task(&mut self, runner_id: i64, task_id: i64) -> Result<&mut TaskRec, GiteaError> {
+    /// The task `runner_id` may update. Failures read as Gitea's do: its handlers wrap
+    /// `util.ErrNotExist` and the ownership check in `codes.Internal` with the step
+    /// (`update task: …` in UpdateTask, `get task: …` in UpdateLog).
+    fn owned_task(
+        &mut self,
+        runner_id: i64,
+        task_id: i64,
+        step: &str,
+    ) -> Result<&mut TaskRec, GiteaError> {
         let t = self.tasks.get_mut(&task_id).ok_or_else(|| {
-            GiteaError::status(GrpcCode::NotFound, format!("task {task_id} does not exist"))
+            GiteaError::status(
+                GrpcCode::Internal,
+                format!("{step}: task with id {task_id}: resource does not exist"),
+            )
         })?;
         if t.runner_id != runner_id {
             return Err(GiteaError::status(
                 GrpcCode::Internal,
-                "invalid runner for task",
+                format!("{step}: invalid runner for task"),
             ));
         }
         Ok(t)
@@ -791,7 +805,7 @@ impl State {
             .result
             .as_known()
             .unwrap_or(pb::TaskResult::RESULT_FAILURE);
-        let task = self.owned_task(runner_id, task_id)?;
+        let task = self.owned_task(runner_id, task_id, "update task")?;
         let mut finish = None;
         if !task.status.is_done() {
             for s in &state.steps {
@@ -854,7 +868,7 @@ impl State {
         req: &pb::UpdateLogRequest,
     ) -> Result<i64, GiteaError> {
         let runner_id = self.authenticate(uuid, token)?.id;
-        let task = self.owned_task(runner_id, req.task_id)?;
+        let task = self.owned_task(runner_id, req.task_id, "get task")?;
         let ack = i64::try_from(task.log_rows.len()).unwrap_or(i64::MAX);
         let len = i64::try_from(req.rows.len()).unwrap_or(i64::MAX);
         let has_new_rows = req.index <= ack && ack < req.index.saturating_add(len);

@@ -1,0 +1,233 @@
+use std::sync::atomic::AtomicU64;
+
+use gdr_testkit::log_capture::Capture;
+
+use super::*;
+
+fn limits(total: usize, per_peer: usize, per_identity: usize) -> FacadeLimits {
+    FacadeLimits {
+        max_connections: total,
+        max_connections_per_peer: per_peer,
+        max_connections_per_identity: per_identity,
+        ..FacadeLimits::default()
+    }
+}
+
+fn tracker(limits: FacadeLimits) -> Arc<Tracker> {
+    Arc::new(Tracker {
+        limits,
+        state: Mutex::new(TrackerState::default()),
+        stats: Arc::new(FacadeStats::default()),
+    })
+}
+
+const A: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 1));
+const B: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 2));
+
+/// DESIGN invariant 21: at the connection limit the oldest connection still in its TLS
+/// handshake makes room for a new one, so idle floods cannot keep a real client's fresh
+/// connection out; established connections are never evicted, and with nothing left to
+/// evict the new connection is refused.
+#[test]
+fn at_the_limit_the_oldest_handshake_makes_room_and_established_connections_stay() {
+    let t = tracker(limits(3, 3, 8));
+    let first = t.admit(A).unwrap();
+    let second = t.admit(B).unwrap();
+    let third = t.admit(A).unwrap();
+    assert!(t.established(&second, "spiffe://example.org/ci/o/r/job"));
+    let fourth = t
+        .admit(B)
+        .expect("room made by evicting the oldest handshake");
+    assert_eq!(t.stats.evicted.load(Ordering::Relaxed), 1);
+    assert!(
+        !t.established(&first, "spiffe://example.org/ci/o/r/other"),
+        "an evicted connection cannot become established"
+    );
+    assert!(t.established(&third, "spiffe://example.org/ci/o/r/x"));
+    assert!(t.established(&fourth, "spiffe://example.org/ci/o/r/y"));
+    assert_eq!(t.admit(A).err(), Some(Refusal::Total));
+    assert_eq!(t.stats.open.load(Ordering::Relaxed), 3);
+    drop(second);
+    assert!(
+        t.admit(A).is_ok(),
+        "a closed connection gives its place back"
+    );
+    drop(first);
+    assert_eq!(
+        t.stats.open.load(Ordering::Relaxed),
+        2,
+        "dropping an evicted slot counts nothing twice"
+    );
+}
+
+#[test]
+fn one_peer_address_and_one_identity_hold_only_their_own_share() {
+    let t = tracker(limits(100, 2, 1));
+    let a1 = t.admit(A).unwrap();
+    let a2 = t.admit(A).unwrap();
+    assert!(t.established(&a1, "spiffe://example.org/ci/o/r/job"));
+    assert!(t.established(&a2, "spiffe://example.org/ci/o/r/job2"));
+    assert_eq!(t.admit(A).err(), Some(Refusal::Peer));
+    let b1 = t.admit(B).expect("another address is not held back");
+    assert!(
+        !t.established(&b1, "spiffe://example.org/ci/o/r/job"),
+        "a second connection of one SPIFFE ID over its limit is refused"
+    );
+    drop(a1);
+    let b2 = t.admit(B).unwrap();
+    assert!(t.established(&b2, "spiffe://example.org/ci/o/r/job"));
+
+    // At the per-peer limit, the peer's own oldest handshake makes room.
+    let t = tracker(limits(100, 2, 8));
+    let h1 = t.admit(A).unwrap();
+    let b = t.admit(B).unwrap();
+    let h2 = t.admit(A).unwrap();
+    let h3 = t
+        .admit(A)
+        .expect("the oldest handshake of this peer makes room");
+    assert!(
+        !t.established(&h1, "spiffe://example.org/ci/o/r/one"),
+        "evicted"
+    );
+    assert!(
+        t.established(&b, "spiffe://example.org/ci/o/r/b"),
+        "another peer is untouched"
+    );
+    assert!(t.established(&h2, "spiffe://example.org/ci/o/r/two"));
+    assert!(t.established(&h3, "spiffe://example.org/ci/o/r/three"));
+}
+
+/// An acceptor whose `accept` always fails with `EMFILE`, as a process out of file
+/// descriptors sees it; it counts the calls and stops failing fast after `cap` so that a
+/// loop without backoff ends the test instead of hanging it.
+struct Exhausted {
+    calls: Arc<AtomicU64>,
+    cap: u64,
+}
+
+impl Accept for Exhausted {
+    fn accept(
+        &mut self,
+    ) -> impl Future<Output = std::io::Result<(TcpStream, SocketAddr)>> + Send + '_ {
+        let calls = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
+        let cap = self.cap;
+        async move {
+            if calls > cap {
+                std::future::pending::<()>().await;
+            }
+            Err(std::io::Error::from_raw_os_error(
+                rustix::io::Errno::MFILE.raw_os_error(),
+            ))
+        }
+    }
+}
+
+fn server_config() -> Arc<rustls::ServerConfig> {
+    let ca = gdr_identity::workload_api::LocalCa::load_or_create(
+        &tempfile::tempdir().unwrap().path().join("ca"),
+        "example.org",
+    )
+    .unwrap();
+    let svid = ca
+        .issue("spiffe://example.org/controller", Duration::from_secs(600))
+        .unwrap();
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            svid.cert_chain_der
+                .iter()
+                .map(|c| rustls::pki_types::CertificateDer::from(c.clone()))
+                .collect(),
+            rustls::pki_types::PrivateKeyDer::Pkcs8(rustls::pki_types::PrivatePkcs8KeyDer::from(
+                svid.key_pkcs8_der.clone(),
+            )),
+        )
+        .unwrap();
+    Arc::new(config)
+}
+
+/// DESIGN invariant 21: when `accept` keeps failing for lack of file descriptors, the loop
+/// backs off instead of retrying at once (a spin that burnt a core and logged ~46,000
+/// lines a second), and logs the failure at most once per interval with a count.
+#[test]
+fn accept_errors_back_off_and_are_logged_once_per_interval_with_a_count() {
+    let capture = Capture::default();
+    let subscriber =
+        crate::logging::subscriber(tracing_subscriber::EnvFilter::new("info"), capture.clone());
+    let calls = Arc::new(AtomicU64::new(0));
+    let config = server_config();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    let stats = Arc::new(FacadeStats::default());
+    tracing::subscriber::with_default(subscriber, || {
+        runtime.block_on(async {
+            let (trigger, shutdown) = crate::shutdown::shutdown_channel();
+            let server = tokio::spawn(serve_with(
+                Exhausted {
+                    calls: calls.clone(),
+                    cap: 100_000,
+                },
+                config,
+                axum::Router::new(),
+                FacadeLimits::default(),
+                stats.clone(),
+                shutdown,
+            ));
+            // One virtual minute of exhaustion.
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            trigger.trigger();
+            server.await.unwrap().unwrap();
+        });
+    });
+    let calls = calls.load(Ordering::Relaxed);
+    // 20 ms doubling to 1 s: about 6 calls to reach the maximum, then one a second.
+    assert!(
+        (50..=80).contains(&calls),
+        "accept called {calls} times in a minute of EMFILE"
+    );
+    assert_eq!(stats.accept_errors.load(Ordering::Relaxed), calls);
+    let log = capture.text();
+    let lines = log
+        .lines()
+        .filter(|l| l.contains("failed to accept connections"))
+        .count();
+    assert!(
+        (6..=7).contains(&lines),
+        "{lines} log lines for a minute of accept errors:\n{log}"
+    );
+    assert!(log.contains("\"count\":"), "{log}");
+}
+
+#[test]
+fn a_throttle_logs_the_first_event_then_once_per_interval_with_the_count() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .start_paused(true)
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let mut t = Throttle::new(Duration::from_secs(10));
+        assert_eq!(t.note(), Some(1));
+        assert_eq!(t.note(), None);
+        assert_eq!(t.note(), None);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert_eq!(t.note(), Some(3));
+    });
+}
+
+#[test]
+fn accept_errors_are_told_apart() {
+    use rustix::io::Errno;
+    let e = |errno: Errno| std::io::Error::from_raw_os_error(errno.raw_os_error());
+    assert_eq!(classify(&e(Errno::MFILE)), AcceptFailure::Resources);
+    assert_eq!(classify(&e(Errno::NFILE)), AcceptFailure::Resources);
+    assert_eq!(classify(&e(Errno::CONNABORTED)), AcceptFailure::Connection);
+    assert_eq!(classify(&e(Errno::BADF)), AcceptFailure::Fatal);
+    assert_eq!(classify(&e(Errno::INVAL)), AcceptFailure::Fatal);
+}

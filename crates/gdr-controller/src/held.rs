@@ -1,0 +1,284 @@
+//! Held assignments (DESIGN invariant 21): envelopes sealed with a task key this controller
+//! does not have. A worker moves them to `<base>.held.<backend>` so they never occupy an
+//! admission slot (a consumer's `max_ack_pending` is the backend's capacity: `capacity`
+//! such messages NAKed forever would stop the backend for good).
+//!
+//! This reconciler looks at them every interval with its own durable consumer:
+//! - once the key is configured (the controller restarted with it), the envelope is
+//!   published again to its backend's subject and runs normally;
+//! - after `timeout` it is failed in Gitea with the reason (its assignment ID is readable,
+//!   its task is not) and dropped;
+//! - meanwhile it stays in the stream, where the heartbeater keeps its task alive.
+//!
+//! The number held per backend is exported as a metric and logged.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
+use async_nats::jetstream::{self, AckKind};
+use futures::StreamExt;
+use gdr_core::assignment::{
+    DerivationPolicy, EnvelopeError, EnvelopeRules, TaskKeyring, decode_with, envelope_id,
+};
+use gdr_core::backend::Backend;
+
+use crate::backoff::Backoff;
+use crate::dispatch::Dispatch;
+use crate::gitea::{GiteaClient, Reported};
+use crate::queue::{self, QueueError, StreamSettings};
+use crate::shutdown::Shutdown;
+
+/// Durable name of the held consumer.
+pub const CONSUMER: &str = "held";
+/// Messages looked at per round.
+const BATCH: usize = 256;
+/// A failure report: a few attempts per round; the next round is the retry.
+const REPORT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
+const REPORT_ATTEMPTS: u32 = 3;
+
+/// What one round did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Round {
+    /// Held per backend at the start of the round.
+    pub held: BTreeMap<Backend, u64>,
+    /// Published again to their backend (their key is known now).
+    pub released: usize,
+    /// Failed in Gitea after the timeout.
+    pub failed: usize,
+    /// Still waiting for their key.
+    pub waiting: usize,
+    /// Not envelopes at all (dropped).
+    pub dropped: usize,
+}
+
+/// The held-assignments reconciler.
+pub struct HeldAssignments {
+    js: jetstream::Context,
+    stream: StreamSettings,
+    policy: DerivationPolicy,
+    keyring: Option<TaskKeyring>,
+    gitea: GiteaClient,
+    dispatch: Arc<Dispatch>,
+    timeout: Duration,
+}
+
+impl HeldAssignments {
+    /// A reconciler failing held assignments in Gitea after `timeout`.
+    pub fn new(
+        js: jetstream::Context,
+        stream: StreamSettings,
+        policy: DerivationPolicy,
+        keyring: Option<TaskKeyring>,
+        gitea: GiteaClient,
+        dispatch: Arc<Dispatch>,
+        timeout: Duration,
+    ) -> Self {
+        HeldAssignments {
+            js,
+            stream,
+            policy,
+            keyring,
+            gitea,
+            dispatch,
+            timeout,
+        }
+    }
+
+    /// The durable consumer of the held subjects, created (or brought to its settings) when
+    /// `create`, else the one an operator provisioned.
+    pub async fn consumer(
+        &self,
+        create: bool,
+        ack_wait: Duration,
+    ) -> Result<PullConsumer, QueueError> {
+        let stream = queue::open_stream(&self.js, &self.stream).await?;
+        let err = |e: &dyn std::fmt::Display| QueueError::Consumer {
+            consumer: CONSUMER.into(),
+            message: e.to_string(),
+        };
+        if !create {
+            return stream.get_consumer(CONSUMER).await.map_err(|e| err(&e));
+        }
+        let config = pull::Config {
+            durable_name: Some(CONSUMER.into()),
+            filter_subject: format!("{}.held.>", self.stream.subject_base),
+            ack_policy: AckPolicy::Explicit,
+            ack_wait,
+            max_deliver: -1,
+            ..Default::default()
+        };
+        stream
+            .get_or_create_consumer(CONSUMER, config)
+            .await
+            .map_err(|e| err(&e))
+    }
+
+    /// Rounds every `interval` until `shutdown`.
+    pub async fn run(
+        self,
+        consumer: PullConsumer,
+        interval: Duration,
+        shutdown: Shutdown,
+        metrics: Option<Arc<crate::metrics::Metrics>>,
+    ) {
+        loop {
+            match self.round(&consumer, interval).await {
+                Ok(round) => {
+                    if let Some(m) = &metrics {
+                        for backend in [Backend::Pod, Backend::Vm] {
+                            let n = round.held.get(&backend).copied().unwrap_or(0);
+                            m.held_assignments
+                                .get_or_create(&crate::metrics::BackendLabel {
+                                    backend: backend.as_str().into(),
+                                })
+                                .set(i64::try_from(n).unwrap_or(i64::MAX));
+                        }
+                    }
+                    if round.held.values().any(|n| *n > 0) {
+                        tracing::warn!(
+                            held = ?round.held,
+                            released = round.released,
+                            failed = round.failed,
+                            "assignments sealed with a task key this controller does not have are held"
+                        );
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot look at held assignments; retrying"),
+            }
+            if !shutdown.sleep(interval).await {
+                return;
+            }
+        }
+    }
+
+    /// One round over the held messages now.
+    pub async fn round(
+        &self,
+        consumer: &PullConsumer,
+        interval: Duration,
+    ) -> Result<Round, QueueError> {
+        let stream = queue::open_stream(&self.js, &self.stream).await?;
+        let mut round = Round {
+            held: queue::held_per_backend(&stream, &self.stream).await?,
+            ..Round::default()
+        };
+        if round.held.values().all(|n| *n == 0) {
+            return Ok(round);
+        }
+        let consumer_err = |e: &dyn std::fmt::Display| QueueError::Consumer {
+            consumer: CONSUMER.into(),
+            message: e.to_string(),
+        };
+        let mut batch = consumer
+            .fetch()
+            .max_messages(BATCH)
+            .expires(Duration::from_secs(1))
+            .messages()
+            .await
+            .map_err(|e| consumer_err(&e))?;
+        while let Some(message) = batch.next().await {
+            let message = message.map_err(|e| consumer_err(&e))?;
+            let settle = self.settle(&message, interval, &mut round).await;
+            if let Err(e) = message.ack_with(settle).await {
+                tracing::warn!(error = %e, "settling a held assignment failed; it comes back");
+            }
+        }
+        Ok(round)
+    }
+
+    async fn settle(
+        &self,
+        message: &jetstream::Message,
+        interval: Duration,
+        round: &mut Round,
+    ) -> AckKind {
+        // The worker applies the real rules once the assignment is back on its subject.
+        let rules = EnvelopeRules::permissive();
+        let id = envelope_id(&message.payload);
+        match decode_with(
+            &message.payload,
+            &self.policy,
+            self.keyring.as_ref(),
+            &rules,
+        ) {
+            Ok(assignment) => {
+                let sequence = message
+                    .info()
+                    .map(|i| i.stream_sequence)
+                    .unwrap_or_default();
+                let publish = jetstream::message::PublishMessage::build()
+                    .payload(message.payload.clone())
+                    // Not the assignment ID: within the duplicate window of the original
+                    // publish JetStream would drop it. Unique per held copy, so a retried
+                    // release is stored once.
+                    .message_id(format!("released-{}-{sequence}", assignment.id()));
+                let subject = self.stream.subject(assignment.backend());
+                match async { self.js.send_publish(subject, publish).await?.await }.await {
+                    Ok(_) => {
+                        round.released += 1;
+                        tracing::info!(assignment_id = %assignment.id(), "a held assignment's task key is configured now; released to its backend");
+                        AckKind::Ack
+                    }
+                    Err(e) => {
+                        tracing::warn!(assignment_id = %assignment.id(), error = %e, "releasing a held assignment failed; retrying");
+                        AckKind::Nak(Some(interval))
+                    }
+                }
+            }
+            Err(e @ (EnvelopeError::UnknownKey(_) | EnvelopeError::NoKeyring)) => {
+                let Some(id) = id else {
+                    round.dropped += 1;
+                    return AckKind::Term;
+                };
+                let held_for = message
+                    .info()
+                    .ok()
+                    .and_then(|i| {
+                        let published = SystemTime::UNIX_EPOCH
+                            + Duration::from_nanos(
+                                u64::try_from(i.published.unix_timestamp_nanos()).unwrap_or(0),
+                            );
+                        SystemTime::now().duration_since(published).ok()
+                    })
+                    .unwrap_or_default();
+                if held_for < self.timeout {
+                    round.waiting += 1;
+                    return AckKind::Nak(Some(interval));
+                }
+                let reason = format!(
+                    "the job's queued assignment cannot be opened: {e}; it was held for {} waiting for that key (configure it in task_encryption_previous_key_files)",
+                    humantime_serde::re::humantime::format_duration(Duration::from_secs(
+                        held_for.as_secs()
+                    ))
+                );
+                tracing::error!(assignment_id = %id, %reason, "failing a held assignment in Gitea");
+                match self
+                    .gitea
+                    .report_failure(id.task_id(), &reason, &REPORT_BACKOFF, REPORT_ATTEMPTS)
+                    .await
+                {
+                    Ok(Reported::Accepted | Reported::TaskGone) => {
+                        if let Err(e) = self.dispatch.record_finished(&id).await {
+                            tracing::warn!(assignment_id = %id, error = %e, "recording the failed held assignment failed; retrying");
+                            return AckKind::Nak(Some(interval));
+                        }
+                        round.failed += 1;
+                        AckKind::Term
+                    }
+                    Err(e) => {
+                        tracing::warn!(assignment_id = %id, error = %e, "Gitea did not take the failure of a held assignment; retrying");
+                        AckKind::Nak(Some(interval))
+                    }
+                }
+            }
+            // Not something a worker could ever run: drop it (the worker would too).
+            Err(e) => {
+                tracing::error!(assignment_id = ?id.map(|i| i.to_string()), error = %e, "dropping an undecodable held message");
+                round.dropped += 1;
+                AckKind::Term
+            }
+        }
+    }
+}
