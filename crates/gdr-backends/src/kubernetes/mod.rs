@@ -22,8 +22,8 @@
 //!   node's agent ID (`spiffe://<td>/spire/agent/k8s_psat/<cluster>/<Node UID>`, or the
 //!   configured `spire_agent_id`). An existing entry with another spec is an error, never
 //!   re-pointed. Entries are cluster-scoped and cannot be owned by a Pod: `delete` removes
-//!   the entry before the Pod, and [`KubernetesBackend::sweep`] (also run by `list`) removes
-//!   entries whose Pod is gone.
+//!   the entry before the Pod, and [`KubernetesBackend::sweep`] (run by the controller's
+//!   lifecycle pass) removes entries whose Pod is gone.
 //! - **Errors** map onto the contract: 409/429/5xx/transport → retry, 403 → permanent,
 //!   naming the RBAC verb and resource to grant, 422 → permanent with the server's message.
 //!   Every call the backend makes is listed in [`API_CALLS`].
@@ -610,9 +610,6 @@ impl Inner {
                     tracing::warn!(pod = %pod.name_any(), error = %e, "skipping a Pod with untrustworthy executor metadata");
                 }
             }
-        }
-        if let Err(e) = self.sweep(&entries, &pods).await {
-            tracing::warn!(error = %e, "sweeping identity entries and capability Secrets failed; retrying on the next list");
         }
         records.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(records)
