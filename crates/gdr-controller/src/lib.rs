@@ -2,11 +2,13 @@
 //! through an executor backend, serving the RunnerService facade its runners talk to.
 //!
 //! - Adapters: [`gitea`] (Connect client for Gitea's RunnerService), [`queue`] (JetStream),
-//!   [`lease`] (Kubernetes Lease leader election).
+//!   [`lease`] (Kubernetes Lease leader election), [`kube_client`] (the Kubernetes API
+//!   client of the Lease and the Pod backend).
 //! - Components: [`scheduler`] (FetchTask pollers, heartbeats), [`worker`] (one per
 //!   backend), [`dispatch`] (admission and claims shared by workers and facade), [`facade`],
 //!   [`lifecycle`] (clean-up and failure reports).
-//! - Wiring: [`settings`], [`cli`], [`register`], [`runtime`], [`metrics`], [`logging`].
+//! - Wiring: [`settings`], [`cli`], [`register`], [`runtime`], [`metrics`], [`logging`],
+//!   [`shutdown`] (the one stop signal), [`wake`] (a backend's change signal).
 
 pub mod backoff;
 pub mod cli;
@@ -14,6 +16,7 @@ pub mod dispatch;
 pub mod facade;
 pub mod failpoint;
 pub mod gitea;
+pub mod kube_client;
 pub mod lease;
 pub mod lifecycle;
 pub mod logging;
@@ -24,6 +27,7 @@ pub mod runtime;
 pub mod scheduler;
 pub mod settings;
 pub mod shutdown;
+pub mod wake;
 pub mod worker;
 
 /// Version string reported to Gitea and by `version`.
