@@ -150,7 +150,7 @@ impl Lifecycle {
 
     /// A claimed assignment missing from the list: if the backend confirms its executor is
     /// gone (a direct read, not the list, which may predate a just-created executor), fail
-    /// the task in Gitea and forget it.
+    /// the task in Gitea, delete what is left of the executor, and forget it.
     async fn fail_gone(&self, id: &AssignmentId, pass: &mut Pass) -> Result<(), StepError> {
         if self
             .backend
@@ -174,6 +174,8 @@ impl Lifecycle {
             Ok(Reported::Accepted | Reported::TaskGone) => {}
             Err(e) => return Err(StepError::Report(e)),
         }
+        // What the executor left (its identity entry) goes now, not at the next sweep.
+        self.backend.delete(id).await.map_err(StepError::Backend)?;
         self.dispatch.forget(kind, id);
         pass.gone += 1;
         Ok(())

@@ -112,6 +112,11 @@ impl KubernetesBackend {
         if !settings.image.contains("@sha256:") {
             tracing::warn!(image = %settings.image, "pod_executor_image is a mutable tag; pin a digest (image@sha256:…) so every job runs the executor you reviewed");
         }
+        for (label, profile) in &settings.profiles {
+            if let Some(image) = profile.image.as_deref().filter(|i| !i.contains("@sha256:")) {
+                tracing::warn!(profile = %label, %image, "the image of Pod profile {label} is a mutable tag; pin a digest (image@sha256:…)");
+            }
+        }
         let ns = settings.namespace.clone();
         let entry_resource = entry_resource();
         let inner = Arc::new(Inner {
