@@ -268,7 +268,7 @@
   pod_executor_image = lib.mkOption {
     type = lib.types.nullOr lib.types.str;
     default = null;
-    description = "Executor image (required for pod-worker). Environment variable: POD_EXECUTOR_IMAGE. Default: unset.";
+    description = "Executor image (required for the kubernetes pod backend); pin a digest. Environment variable: POD_EXECUTOR_IMAGE. Default: unset.";
   };
   pod_service_account = lib.mkOption {
     type = lib.types.nullOr lib.types.str;
@@ -278,7 +278,82 @@
   pod_executor_uid = lib.mkOption {
     type = lib.types.nullOr lib.types.int;
     default = null;
-    description = "UID the executor runs as (also the SPIRE unix:uid selector). Environment variable: POD_EXECUTOR_UID. Default: 2000.";
+    description = "UID and GID the executor container runs as (also the SPIRE unix:uid selector). Environment variable: POD_EXECUTOR_UID. Default: 2000.";
+  };
+  pod_privileged = lib.mkOption {
+    type = lib.types.nullOr lib.types.bool;
+    default = null;
+    description = "Run the executor container privileged (Docker inside the Pod needs it); false: non-root, no privilege escalation, all capabilities dropped, RuntimeDefault seccomp. Environment variable: POD_PRIVILEGED. Default: true.";
+  };
+  pod_docker_storage_limit = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "Size limit of the emptyDir at /var/lib/docker in executor Pods. Environment variable: POD_DOCKER_STORAGE_LIMIT. Default: 20Gi.";
+  };
+  pod_active_deadline = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "activeDeadlineSeconds of executor Pods, as a duration. Environment variable: POD_ACTIVE_DEADLINE. Default: 3h 10m.";
+  };
+  pod_automount_service_account_token = lib.mkOption {
+    type = lib.types.nullOr lib.types.bool;
+    default = null;
+    description = "Mount the service account token into executor Pods. Environment variable: POD_AUTOMOUNT_SERVICE_ACCOUNT_TOKEN. Default: false.";
+  };
+  pod_executor_args = lib.mkOption {
+    type = lib.types.nullOr (lib.types.listOf lib.types.str);
+    default = null;
+    description = "Arguments of the executor container. Environment variable: POD_EXECUTOR_ARGS. Default: [ \"executor\" ].";
+  };
+  pod_executor_env = lib.mkOption {
+    type = lib.types.nullOr (lib.types.attrsOf lib.types.str);
+    default = null;
+    description = "Extra environment of the executor container (CI_* and SPIFFE_ENDPOINT_SOCKET cannot be overridden). Environment variable: POD_EXECUTOR_ENV. Default: {}.";
+  };
+  pod_spiffe_csi_driver = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "CSI driver of the SPIFFE Workload API volume of executor Pods. Environment variable: POD_SPIFFE_CSI_DRIVER. Default: csi.spiffe.io.";
+  };
+  pod_spiffe_socket_dir = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "Mount path of the Workload API volume in the executor container. Environment variable: POD_SPIFFE_SOCKET_DIR. Default: /run/spire/agent-sockets.";
+  };
+  pod_spiffe_socket_name = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "File name of the Workload API socket in pod_spiffe_socket_dir. Environment variable: POD_SPIFFE_SOCKET_NAME. Default: spire-agent.sock.";
+  };
+  pod_resources = lib.mkOption {
+    type = lib.types.nullOr (lib.types.attrsOf lib.types.anything);
+    default = null;
+    description = "Requests and limits of executor Pods without a profile ({ requests = { cpu = \"1\"; }; limits = { memory = \"4Gi\"; }; }). Environment variable: POD_RESOURCES. Default: {}.";
+  };
+  pod_profiles = lib.mkOption {
+    type = lib.types.nullOr (lib.types.attrsOf lib.types.anything);
+    default = null;
+    description = "Per-label Pod profiles: requests, limits, node_selector, tolerations, runtime_class_name, volumes (from pod_volume_allow_list), image; each label is declared to Gitea. Environment variable: POD_PROFILES. Default: {}.";
+  };
+  pod_profile_max = lib.mkOption {
+    type = lib.types.nullOr (lib.types.attrsOf lib.types.anything);
+    default = null;
+    description = "Upper bounds of any profile's requests and limits, per resource. Environment variable: POD_PROFILE_MAX. Default: {}.";
+  };
+  pod_volume_allow_list = lib.mkOption {
+    type = lib.types.nullOr (lib.types.attrsOf lib.types.anything);
+    default = null;
+    description = "Volumes profiles may mount, by name, each a Kubernetes volume source. Environment variable: POD_VOLUME_ALLOW_LIST. Default: {}.";
+  };
+  pod_orphan_secret_grace = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "Age after which a capability Secret without a Pod is removed. Environment variable: POD_ORPHAN_SECRET_GRACE. Default: 10m.";
+  };
+  pod_identity_bind_deadline = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "How long an executor Pod waits for its SVID and the facade before the job is failed with its error. Environment variable: POD_IDENTITY_BIND_DEADLINE. Default: 2m.";
   };
   spire_cluster = lib.mkOption {
     type = lib.types.nullOr lib.types.str;
@@ -293,7 +368,7 @@
   spire_agent_id = lib.mkOption {
     type = lib.types.nullOr lib.types.str;
     default = null;
-    description = "Parent SPIFFE ID of Pod entries (required for pod-worker). Environment variable: SPIRE_AGENT_ID. Default: unset.";
+    description = "Parent SPIFFE ID of every Pod entry (single-node clusters, node aliases); unset: the agent ID of the node each Pod is scheduled on. Environment variable: SPIRE_AGENT_ID. Default: unset.";
   };
   opensandbox_api = lib.mkOption {
     type = lib.types.nullOr lib.types.str;
