@@ -241,3 +241,19 @@ fn the_pod_only_configuration_loads_with_the_pod_backend_and_its_profile() {
     assert_eq!(k.profiles["large"].resources.limits["memory"], "16Gi");
     assert!(settings.declared_labels().contains(&"large".to_owned()));
 }
+
+/// The operator guide names every key of the Pod section, so a new key cannot ship
+/// undocumented there (the generated reference documents it anyway).
+#[test]
+fn the_pod_backend_guide_documents_every_pod_key() {
+    let guide =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/pod-backend.md"))
+            .expect("docs/pod-backend.md");
+    let missing: Vec<&str> = gdr_controller::settings::KEYS
+        .iter()
+        .map(|k| k.name)
+        .filter(|k| k.starts_with("pod_") || k.starts_with("spire_"))
+        .filter(|k| !guide.contains(&format!("| `{k}` |")))
+        .collect();
+    assert!(missing.is_empty(), "docs/pod-backend.md lacks {missing:?}");
+}
