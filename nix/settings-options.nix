@@ -220,6 +220,11 @@
     default = null;
     description = "An executor whose runner has not claimed its task by then is failed. Environment variable: EXECUTOR_START_DEADLINE. Default: 10m.";
   };
+  executor_idle_timeout = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "A claimed executor the facade has not heard from for this long is failed in Gitea (its runner died while its environment stayed up). Environment variable: EXECUTOR_IDLE_TIMEOUT. Default: 5m.";
+  };
   nats_server_binary = lib.mkOption {
     type = lib.types.nullOr lib.types.path;
     default = null;
