@@ -26,6 +26,11 @@ let
       name = "listOf";
       inherit elem;
     };
+    attrsOf = elem: {
+      name = "attrsOf";
+      inherit elem;
+    };
+    anything = leaf "anything";
     nullOr = elem: {
       name = "nullOr";
       inherit elem;

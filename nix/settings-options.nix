@@ -274,12 +274,12 @@ in
   pod_namespace = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "Namespace of executor Pods. Default: `gitea-actions`.";
+    description = "Namespace of executor Pods and their capability Secrets. Default: `gitea-actions`.";
   };
   pod_executor_image = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "Executor image (required for the kubernetes pod backend).";
+    description = "Executor image (required for the kubernetes pod backend). Pin a digest (`image@sha256:…`): every job runs it; a mutable tag is accepted with a warning.";
   };
   pod_service_account = mkOption {
     type = types.nullOr (types.str);
@@ -289,22 +289,97 @@ in
   pod_executor_uid = mkOption {
     type = types.nullOr (types.ints.unsigned);
     default = null;
-    description = "UID the executor runs as (also the SPIRE `unix:uid` selector). Default: `2000`.";
+    description = "UID and GID the executor container runs as (also the SPIRE `unix:uid` selector). Default: `2000`.";
+  };
+  pod_privileged = mkOption {
+    type = types.nullOr (types.bool);
+    default = null;
+    description = "Run the executor container privileged, which Docker inside the Pod needs. `false`: non-root, no privilege escalation, all capabilities dropped, the runtime's default seccomp profile. Default: `true`.";
+  };
+  pod_docker_storage_limit = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "Size limit of the `emptyDir` mounted at `/var/lib/docker` in executor Pods. Default: `20Gi`.";
+  };
+  pod_active_deadline = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "`activeDeadlineSeconds` of executor Pods: Kubernetes ends a Pod this long after it started (just past Gitea's 3 h limit for a task by default). Default: `3h 10m`.";
+  };
+  pod_automount_service_account_token = mkOption {
+    type = types.nullOr (types.bool);
+    default = null;
+    description = "Mount the service account token into executor Pods (jobs then hold a Kubernetes credential). Default: `false`.";
+  };
+  pod_executor_args = mkOption {
+    type = types.nullOr (types.either types.str (types.listOf types.str));
+    default = null;
+    description = "Arguments of the executor container (its image's entrypoint is the binary). Default: `executor`.";
+  };
+  pod_executor_env = mkOption {
+    type = types.nullOr (types.attrsOf types.anything);
+    default = null;
+    description = "Extra environment of the executor container (e.g. `GITEA_RUNNER_BINARY`); the `CI_*` variables and `SPIFFE_ENDPOINT_SOCKET` are the controller's and cannot be overridden. Default: `{}`.";
+  };
+  pod_spiffe_csi_driver = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "CSI driver of the SPIFFE Workload API volume of executor Pods. Default: `csi.spiffe.io`.";
+  };
+  pod_spiffe_socket_dir = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "Where the Workload API volume is mounted in the executor container. Default: `/run/spire/agent-sockets`.";
+  };
+  pod_spiffe_socket_name = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "The Workload API socket's file name in `pod_spiffe_socket_dir`. Default: `spire-agent.sock`.";
+  };
+  pod_resources = mkOption {
+    type = types.nullOr (types.attrsOf types.anything);
+    default = null;
+    description = "Requests and limits of executor Pods without a profile: `requests = { cpu = \"1\" }`, `limits = { memory = \"4Gi\" }` (quantities as Kubernetes writes them). Default: `{}`.";
+  };
+  pod_profiles = mkOption {
+    type = types.nullOr (types.attrsOf types.anything);
+    default = null;
+    description = "Per-label Pod profiles, `[pod_profiles.<label>]`: a job whose `runs-on` has the extra label gets `requests`, `limits`, `node_selector`, `tolerations`, `runtime_class_name`, `volumes` (`{ name, mount_path, read_only }` from `pod_volume_allow_list`) and `image`. Each label is declared to Gitea. A job with an unknown extra label, or two profiles, is failed with a log row naming them. Default: `{}`.";
+  };
+  pod_profile_max = mkOption {
+    type = types.nullOr (types.attrsOf types.anything);
+    default = null;
+    description = "Upper bounds of any profile's (and `pod_resources`') requests and limits, per resource: `{ cpu = \"8\", memory = \"32Gi\" }`. Default: `{}`.";
+  };
+  pod_volume_allow_list = mkOption {
+    type = types.nullOr (types.attrsOf types.anything);
+    default = null;
+    description = "Volumes profiles may mount, by name, each a Kubernetes volume source as in a Pod spec (`[pod_volume_allow_list.cache] persistentVolumeClaim = { claimName = \"ci-cache\" }`); nothing else is ever mounted. Default: `{}`.";
+  };
+  pod_orphan_secret_grace = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "A capability Secret with no Pod (a controller died between creating the two) is removed once it is this old. Default: `10m`.";
+  };
+  pod_identity_bind_deadline = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "How long an executor Pod waits for its SVID (its ClusterStaticEntry bound by SPIRE) and the facade before it gives up; the job is then failed with the executor's error as the reason. Default: `2m`.";
   };
   spire_cluster = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "SPIRE k8s_psat cluster name of the Pod cluster. Default: `homelab`.";
+    description = "SPIRE k8s_psat cluster name of the Pod cluster (the `<cluster>` in agent IDs `spiffe://<trust_domain>/spire/agent/k8s_psat/<cluster>/<Node UID>`). Default: `homelab`.";
   };
   spire_class = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "`className` of ClusterStaticEntries (must match the SPIRE controller manager). Default: `spire-mgmt-spire`.";
+    description = "`className` of ClusterStaticEntries (must match the SPIRE controller manager's class, else SPIRE ignores the entries). Default: `spire-mgmt-spire`.";
   };
   spire_agent_id = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "Parent SPIFFE ID of Pod entries.";
+    description = "Parent SPIFFE ID of every Pod entry (single-node clusters, node aliases). Unset: the agent ID of the node each Pod is scheduled on.";
   };
   opensandbox_api = mkOption {
     type = types.nullOr (types.str);

@@ -205,3 +205,58 @@ fn the_controller_runs_two_leader_elected_non_root_replicas_ready_only_as_leader
         "nothing may reach an executor"
     );
 }
+
+/// The pod-only overlay's configuration (its ConfigMap plus the container's environment,
+/// as the controller reads them) loads into typed settings with the Pod backend and its
+/// profile: a key the controller does not know, or a broken profile, fails here rather
+/// than in the operator's cluster.
+#[test]
+fn the_pod_only_configuration_loads_with_the_pod_backend_and_its_profile() {
+    use gdr_controller::settings::{KEYS, PodBackend, Settings, Sources};
+    let objects = render("deploy/kubernetes/overlays/pod-only");
+    let config = find(&objects, "ConfigMap", "gitea-dynamic-runner")["data"]["config.toml"]
+        .as_str()
+        .unwrap();
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), config).unwrap();
+    let d = find(&objects, "Deployment", "gitea-dynamic-runner");
+    let overrides: Vec<String> = d["spec"]["template"]["spec"]["containers"][0]["env"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| {
+            Some((
+                e["name"].as_str()?.to_ascii_lowercase(),
+                e["value"].as_str()?,
+            ))
+        })
+        .filter(|(k, _)| KEYS.iter().any(|key| key.name == k))
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    assert!(overrides.contains(&"components=scheduler,pod-worker".to_owned()));
+    let mut sources = Sources::overrides(&overrides).unwrap();
+    sources.file = Some(file.path().to_path_buf());
+    let settings = Settings::load(&sources).expect("the shipped configuration");
+    let pod = settings.pod.as_ref().expect("the pod backend is enabled");
+    let PodBackend::Kubernetes(k) = &pod.kind else {
+        panic!("the shipped pod backend is not kubernetes: {:?}", pod.kind);
+    };
+    assert_eq!(k.profiles["large"].resources.limits["memory"], "16Gi");
+    assert!(settings.declared_labels().contains(&"large".to_owned()));
+}
+
+/// The operator guide names every key of the Pod section, so a new key cannot ship
+/// undocumented there (the generated reference documents it anyway).
+#[test]
+fn the_pod_backend_guide_documents_every_pod_key() {
+    let guide =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/pod-backend.md"))
+            .expect("docs/pod-backend.md");
+    let missing: Vec<&str> = gdr_controller::settings::KEYS
+        .iter()
+        .map(|k| k.name)
+        .filter(|k| k.starts_with("pod_") || k.starts_with("spire_"))
+        .filter(|k| !guide.contains(&format!("| `{k}` |")))
+        .collect();
+    assert!(missing.is_empty(), "docs/pod-backend.md lacks {missing:?}");
+}

@@ -401,3 +401,87 @@ async fn an_executor_whose_task_gitea_no_longer_has_is_released_and_deleted_not_
         "another runner's task is left to that runner"
     );
 }
+
+/// DESIGN invariant 12: a claimed executor that is gone from the backend (a Pod deleted by
+/// someone else) is failed in Gitea, what is left of it deleted, and its slot released;
+/// nothing else would ever report it.
+#[tokio::test]
+async fn a_claimed_executor_gone_from_the_backend_is_failed_in_gitea_and_its_slot_released() {
+    let s = setup().await;
+    let gone = running_executor(&s, true).await;
+    let kept = running_executor(&s, true).await;
+    s.dispatch.restore(&s.backend.records());
+    assert_eq!(s.dispatch.pool_usage(Backend::Pod), (2, 2));
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE);
+    // Someone else deletes it.
+    s.backend.delete(gone.id()).await.expect("delete");
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            gone: 1,
+            ..Pass::default()
+        }
+    );
+    let task = s.mock.handle.task(gone.id().task_id()).expect("task");
+    assert_eq!(
+        task.result,
+        gdr_proto::runner::v1::TaskResult::RESULT_FAILURE as i32
+    );
+    assert!(
+        task.log_rows
+            .iter()
+            .any(|r| r.contains("is gone from the pod backend")),
+        "{:?}",
+        task.log_rows
+    );
+    assert_eq!(s.dispatch.pool_usage(Backend::Pod), (1, 2));
+    assert_eq!(
+        s.mock.handle.task(kept.id().task_id()).map(|t| t.status),
+        Some(Status::Running),
+        "the executor that is still there is left alone"
+    );
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass::default(),
+        "reported once"
+    );
+}
+
+/// A backend's change signal (the Pod watch) runs a pass at once: an executor that ended
+/// is reported without waiting for the timer.
+#[tokio::test]
+async fn a_wake_runs_a_pass_at_once_instead_of_at_the_next_interval() {
+    use gdr_controller::shutdown::shutdown_channel;
+    use gdr_controller::wake::Wake;
+    let s = setup().await;
+    let done = running_executor(&s, true).await;
+    let ending = running_executor(&s, true).await;
+    s.backend.mark_terminal(done.id()).await.expect("terminal");
+    s.backend.finish(done.id(), true);
+    s.dispatch.restore(&s.backend.records());
+    let (tx, rx) = tokio::sync::watch::channel(0u64);
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE)
+        .with_wake(Wake::from(rx));
+    let (stop, shutdown) = shutdown_channel();
+    // The timer alone would run the next pass in an hour.
+    let run = tokio::spawn(lifecycle.run(Duration::from_secs(3600), shutdown));
+    gdr_testkit::until(Duration::from_secs(20), "the first pass", || async {
+        s.backend.deleted() == 1
+    })
+    .await;
+    s.backend.finish(ending.id(), false);
+    tx.send_modify(|n| *n += 1);
+    s.mock
+        .handle
+        .wait_for(
+            |m| {
+                m.task(ending.id().task_id())
+                    .is_some_and(|t| t.status == Status::Failure)
+            },
+            Duration::from_secs(20),
+        )
+        .await
+        .expect("the woken pass reports the ended executor");
+    stop.trigger();
+    run.await.expect("stops");
+}

@@ -532,14 +532,14 @@ async fn an_executor_reaches_the_facade_with_the_jobs_identity_only_once_its_ent
 }
 
 /// DESIGN invariant 13: an executor whose entry is never bound gets no SVID, reaches
-/// nothing, and ends failed (reported with the container's exit) at its ready timeout.
+/// nothing, and ends failed at `identity_deadline`, reported with the container's exit
+/// and its error (the termination message falls back to the log's last line).
 #[tokio::test]
 async fn an_executor_whose_entry_is_never_bound_reaches_nothing_and_ends_failed() {
     let c = cluster().await;
     let f = facade(&c).await;
     let mut s = settings();
-    s.extra_env
-        .insert("CI_EXECUTOR_READY_TIMEOUT".into(), "2".into());
+    s.identity_deadline = Duration::from_secs(2);
     let b = backend(&c.fake, s);
     let spec = spec(22, "[self-hosted, pod]", &f.url);
     let record = b.create(&spec).await.unwrap();
@@ -552,6 +552,10 @@ async fn an_executor_whose_entry_is_never_bound_reaches_nothing_and_ends_failed(
     })
     .await;
     assert!(reason.contains("exit code"), "{reason}");
+    assert!(
+        reason.contains("gave no X.509-SVID"),
+        "the executor's error is the reason: {reason}"
+    );
     assert!(
         c.spire.fetches(&pod_uid(&record)) > 0,
         "it did ask for an SVID"
@@ -648,12 +652,19 @@ async fn a_pod_deleted_by_someone_else_mid_job_is_gone_and_its_entry_is_swept() 
     })
     .await;
     assert!(b.list().await.unwrap().is_empty());
+    assert_eq!(
+        b.sweep().await.unwrap(),
+        gdr_backends::kubernetes::Sweep {
+            entries: 1,
+            secrets: 0
+        }
+    );
     assert!(
         c.fake
             .handle
             .objects(&ResourceType::cluster_static_entries(), None)
             .is_empty(),
-        "list swept the entry of the gone Pod"
+        "the sweep removed the entry of the gone Pod"
     );
 }
 

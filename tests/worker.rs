@@ -13,6 +13,7 @@ use gdr_controller::dispatch::{ClaimState, Dispatch};
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::queue::{self, ConsumerSettings, StreamSettings};
 use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
+use gdr_controller::wake::Wake;
 use gdr_controller::worker::{EnvelopeTrust, Outcome, Worker, WorkerSettings};
 use gdr_core::assignment::{Assignment, AssignmentId, DerivationPolicy, encode_v1};
 use gdr_core::backend::{Backend, BackendLabels};
@@ -128,6 +129,19 @@ impl Harness {
         ack_wait: Duration,
         tweak: impl FnOnce(&mut WorkerSettings),
     ) {
+        self.start_woken_worker(backend, capacity, ack_wait, tweak, Wake::none())
+            .await;
+    }
+
+    /// A worker that `wake` wakes (a backend's change signal).
+    async fn start_woken_worker(
+        &mut self,
+        backend: Backend,
+        capacity: i64,
+        ack_wait: Duration,
+        tweak: impl FnOnce(&mut WorkerSettings),
+        wake: Wake,
+    ) {
         let consumer = self.consumer(backend, capacity, ack_wait).await;
         let mut settings = WorkerSettings {
             backend,
@@ -156,7 +170,8 @@ impl Harness {
             settings,
         )
         .expect("worker")
-        .with_outcomes(self.outcome_tx.clone());
+        .with_outcomes(self.outcome_tx.clone())
+        .with_wake(wake);
         let stop = self.stop.signal();
         self.workers.push(tokio::spawn(async move {
             worker.run(consumer, stop).await;
@@ -745,4 +760,55 @@ async fn a_consumer_that_keeps_failing_is_retried_with_backoff_not_in_a_spin() {
         .count();
     assert!(retries >= 1, "the broken consumer went unnoticed");
     assert!(retries <= 10, "{retries} retries in 4s: the worker spins");
+}
+
+/// The backend's change signal wakes a worker waiting for the claim: an executor that ends
+/// before its runner claimed is reported at once, not at the next progress tick.
+#[tokio::test]
+async fn a_wake_reports_an_executor_that_ended_before_claiming_without_waiting_for_a_tick() {
+    let mut h = Harness::new(1, 1).await;
+    let (tx, rx) = tokio::sync::watch::channel(0u64);
+    // Without the wake the worker would look again only after half an hour.
+    let slow = |s: &mut WorkerSettings| s.progress_interval = Duration::from_secs(1800);
+    h.start_woken_worker(
+        Backend::Pod,
+        1,
+        Duration::from_secs(3600),
+        slow,
+        Wake::from(rx),
+    )
+    .await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    h.wait_offered(a.id()).await;
+    h.pod.finish(a.id(), false);
+    tx.send_modify(|n| *n += 1);
+    h.wait_outcome(a.id().as_str(), Outcome::ExecutorFailed)
+        .await;
+    assert_eq!(h.pod.deleted(), 1);
+}
+
+/// With a change signal, an identity target that is not ready yet (a Pod not scheduled)
+/// is waited for within the delivery: no delivery is put back, and the job is offered as
+/// soon as it is ready.
+#[tokio::test]
+async fn with_a_wake_an_identity_target_that_is_not_ready_is_waited_for_not_put_back() {
+    let mut h = Harness::new(1, 1).await;
+    let (_tx, rx) = tokio::sync::watch::channel(0u64);
+    h.pod.set_not_ready_binds(3);
+    h.start_woken_worker(
+        Backend::Pod,
+        1,
+        Duration::from_secs(5),
+        |_| {},
+        Wake::from(rx),
+    )
+    .await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    h.wait_offered(a.id()).await;
+    assert!(h.claim(&a).await);
+    let seen = h.wait_outcome(a.id().as_str(), Outcome::Claimed).await;
+    assert!(
+        !seen.iter().any(|(_, o)| *o == Outcome::NotReady),
+        "put back while not ready: {seen:?}"
+    );
 }

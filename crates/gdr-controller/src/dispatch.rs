@@ -404,6 +404,16 @@ impl Dispatch {
         }
     }
 
+    /// The assignments of `backend` whose runner claimed its task and that have no
+    /// terminal result yet (their executor must exist until they do).
+    pub fn claimed(&self, backend: Backend) -> Vec<AssignmentId> {
+        lock(&self.entries)
+            .iter()
+            .filter(|(_, e)| e.backend == backend && *e.state.borrow() == ClaimState::Claimed)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
     /// The facade heard from `id`'s runner just now.
     pub fn heard_from(&self, id: &AssignmentId) {
         lock(&self.heard).insert(id.clone(), Instant::now());

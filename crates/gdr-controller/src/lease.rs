@@ -197,14 +197,9 @@ impl From<watch::Receiver<bool>> for Leadership {
 /// A kube client from in-cluster configuration or a kubeconfig (`KUBECONFIG`,
 /// `~/.kube/config`), with an error naming both when neither exists.
 pub async fn client_from_environment() -> Result<kube::Client, LeaseError> {
-    let config = kube::Config::infer().await.map_err(|e| {
-        LeaseError::Config(format!(
-            "no Kubernetes configuration: not running in a cluster (no service account / \
-             KUBERNETES_SERVICE_HOST) and no usable kubeconfig (KUBECONFIG or ~/.kube/config): {e}"
-        ))
-    })?;
-    kube::Client::try_from(config)
-        .map_err(|e| LeaseError::Config(format!("building the Kubernetes client: {e}")))
+    crate::kube_client::from_environment(crate::kube_client::Retries::Client)
+        .await
+        .map_err(|e| LeaseError::Config(e.to_string()))
 }
 
 /// Campaigns for, holds and releases one Lease.

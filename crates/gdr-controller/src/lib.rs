@@ -2,13 +2,15 @@
 //! through an executor backend, serving the RunnerService facade its runners talk to.
 //!
 //! - Adapters: [`gitea`] (Connect client for Gitea's RunnerService), [`queue`] (JetStream),
-//!   [`lease`] (Kubernetes Lease leader election).
+//!   [`lease`] (Kubernetes Lease leader election), [`kube_client`] (the Kubernetes API
+//!   client of the Lease and the Pod backend).
 //! - Components: [`scheduler`] (FetchTask pollers, heartbeats), [`worker`] (one per
 //!   backend), [`dispatch`] (admission and claims shared by workers and facade), [`facade`],
 //!   [`lifecycle`] (clean-up and failure reports), [`held`] (assignments sealed with an
 //!   unknown task key).
 //! - Wiring: [`settings`], [`cli`], [`register`], [`runtime`], [`logging`], [`limits`] (the
-//!   process's open-file limit).
+//!   process's open-file limit), [`shutdown`] (the one stop signal), [`wake`] (a backend's
+//!   change signal).
 //! - Operating it: [`metrics`], [`health`] (the health listener), [`status`] (what the
 //!   controller is doing, for `/status`, the status page and the `status` subcommand).
 
@@ -20,6 +22,7 @@ pub mod failpoint;
 pub mod gitea;
 pub mod health;
 pub mod held;
+pub mod kube_client;
 pub mod lease;
 pub mod lifecycle;
 pub mod limits;
@@ -32,6 +35,7 @@ pub mod scheduler;
 pub mod settings;
 pub mod shutdown;
 pub mod status;
+pub mod wake;
 pub mod worker;
 
 /// Version string reported to Gitea and by `version`.

@@ -8,12 +8,22 @@
 //! unavailable) is logged, counted and retried next pass, and never blocks the others.
 //!
 //! Executors that end before their runner claimed the task are the worker's to fail: the
-//! worker still holds their assignment.
+//! worker still holds their assignment. A claimed executor that is gone from the backend
+//! (a Pod deleted by someone else) is failed here: nothing else would ever report it.
+//!
+//! Passes run on a timer and whenever the backend's [`Wake`] fires (the Pod watch), so a
+//! Pod that ended is cleaned up or reported at once; a burst of changes gives one pass.
+//! The backend's [`Housekeeping`] (the Pod backend's sweep of identity entries and
+//! capability Secrets whose Pod is gone) runs at most once per timer interval.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
+use gdr_core::assignment::AssignmentId;
 use gdr_core::executor::{ExecutorBackend, ExecutorError, ExecutorRecord};
+use tokio::time::Instant;
 
 use crate::backoff::Backoff;
 use crate::dispatch::Dispatch;
@@ -21,10 +31,22 @@ use crate::gitea::{GiteaClient, Reported};
 use crate::metrics::FailureReason;
 use crate::shutdown::Shutdown;
 use crate::status::Observations;
+use crate::wake::Wake;
 
 /// One report per executor per pass; the next pass is the retry.
 const REPORT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(1));
 const REPORT_ATTEMPTS: u32 = 2;
+/// After a wake, how long further changes are gathered into the same pass (a Pod's phase,
+/// markers and deletion arrive as separate events within milliseconds).
+const WAKE_COALESCE: Duration = Duration::from_millis(200);
+
+/// Clean-up a backend needs beyond its executors, run by the lifecycle pass.
+#[async_trait]
+pub trait Housekeeping: Send + Sync {
+    /// Removes what is left over (identity entries, Secrets of gone Pods); returns how
+    /// many objects were removed.
+    async fn sweep(&self) -> Result<usize, ExecutorError>;
+}
 
 /// What one pass did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +57,8 @@ pub struct Pass {
     pub failed: usize,
     /// Claimed executors whose runner fell silent, failed in Gitea.
     pub idle: usize,
+    /// Claimed assignments whose executor is gone from the backend, failed in Gitea.
+    pub gone: usize,
     /// Executors that could not be handled this pass (retried next pass).
     pub errors: usize,
 }
@@ -58,6 +82,8 @@ pub struct Lifecycle {
     idle_timeout: Duration,
     metrics: Option<Arc<crate::metrics::Metrics>>,
     observations: Option<Arc<Observations>>,
+    wake: Wake,
+    housekeeping: Option<Arc<dyn Housekeeping>>,
 }
 
 impl Lifecycle {
@@ -76,7 +102,23 @@ impl Lifecycle {
             idle_timeout,
             metrics: None,
             observations: None,
+            wake: Wake::none(),
+            housekeeping: None,
         }
+    }
+
+    /// Runs a pass whenever `wake` fires, besides the timer.
+    #[must_use]
+    pub fn with_wake(mut self, wake: Wake) -> Self {
+        self.wake = wake;
+        self
+    }
+
+    /// Runs the backend's clean-up from the passes.
+    #[must_use]
+    pub fn with_housekeeping(mut self, housekeeping: Arc<dyn Housekeeping>) -> Self {
+        self.housekeeping = Some(housekeeping);
+        self
     }
 
     /// Counts errors and idle failures into `metrics`.
@@ -109,14 +151,58 @@ impl Lifecycle {
         if let Some(o) = &self.observations {
             o.listed(self.backend.backend(), &records);
         }
-        for record in records {
-            if let Err(e) = self.reconcile(&record, &mut pass).await {
+        for record in &records {
+            if let Err(e) = self.reconcile(record, &mut pass).await {
                 pass.errors += 1;
                 self.count(|m| &m.lifecycle_errors);
                 tracing::warn!(backend = %self.backend.backend(), assignment_id = %record.assignment.id(), executor = %record.name, error = %e, "lifecycle step failed; retrying next pass (the executor and its slot are kept until it succeeds)");
             }
         }
+        let listed: HashSet<&AssignmentId> = records.iter().map(|r| r.assignment.id()).collect();
+        for id in self.dispatch.claimed(self.backend.backend()) {
+            if listed.contains(&id) {
+                continue;
+            }
+            if let Err(e) = self.fail_gone(&id, &mut pass).await {
+                pass.errors += 1;
+                self.count(|m| &m.lifecycle_errors);
+                tracing::warn!(backend = %self.backend.backend(), assignment_id = %id, error = %e, "lifecycle step failed; retrying next pass");
+            }
+        }
         Ok(pass)
+    }
+
+    /// A claimed assignment missing from the list: if the backend confirms its executor is
+    /// gone (a direct read, not the list, which may predate a just-created executor), fail
+    /// the task in Gitea, delete what is left of the executor, and forget it.
+    async fn fail_gone(&self, id: &AssignmentId, pass: &mut Pass) -> Result<(), StepError> {
+        if self
+            .backend
+            .find(id)
+            .await
+            .map_err(StepError::Backend)?
+            .is_some()
+        {
+            return Ok(());
+        }
+        let kind = self.backend.backend();
+        let reason = format!(
+            "the job's executor {id} is gone from the {kind} backend (deleted by someone else, or its node was lost) before the job reported a result"
+        );
+        tracing::error!(backend = %kind, assignment_id = %id, %reason, "failing the task in Gitea");
+        match self
+            .gitea
+            .report_failure(id.task_id(), &reason, &REPORT_BACKOFF, REPORT_ATTEMPTS)
+            .await
+        {
+            Ok(Reported::Accepted | Reported::TaskGone) => {}
+            Err(e) => return Err(StepError::Report(e)),
+        }
+        // What the executor left (its identity entry) goes now, not at the next sweep.
+        self.backend.delete(id).await.map_err(StepError::Backend)?;
+        self.dispatch.forget(kind, id);
+        pass.gone += 1;
+        Ok(())
     }
 
     fn count(
@@ -236,15 +322,45 @@ impl Lifecycle {
         Ok(())
     }
 
-    /// Runs passes every `interval` until `shutdown`.
+    /// Runs the backend's housekeeping, logging what it removed or why it could not.
+    async fn housekeep(&self, housekeeping: &dyn Housekeeping) {
+        match housekeeping.sweep().await {
+            Ok(0) => {}
+            Ok(removed) => {
+                tracing::info!(backend = %self.backend.backend(), removed, "removed objects left over by gone executors");
+            }
+            Err(e) => {
+                self.count(|m| &m.lifecycle_errors);
+                tracing::warn!(backend = %self.backend.backend(), error = %e, "clean-up of left-over objects failed; retrying next interval");
+            }
+        }
+    }
+
+    /// Runs passes every `interval`, and after every wake, until `shutdown`.
     pub async fn run(self, interval: Duration, shutdown: Shutdown) {
+        let mut wake = self.wake.fresh();
+        let mut last_housekeeping: Option<Instant> = None;
         loop {
             if let Err(e) = self.reconcile_once().await {
                 self.count(|m| &m.lifecycle_errors);
                 tracing::warn!(backend = %self.backend.backend(), error = %e, "listing executors failed; nothing is cleaned up or failed until the next pass lists them");
             }
-            if !shutdown.sleep(interval).await {
-                return;
+            if let Some(h) = &self.housekeeping
+                && last_housekeeping.is_none_or(|t| t.elapsed() >= interval)
+            {
+                last_housekeeping = Some(Instant::now());
+                self.housekeep(h.as_ref()).await;
+            }
+            tokio::select! {
+                _ = shutdown.wait() => return,
+                _ = tokio::time::sleep(interval) => {}
+                _ = wake.changed() => {
+                    if !shutdown.sleep(WAKE_COALESCE).await {
+                        return;
+                    }
+                    // Changes during the pause are covered by the pass that follows.
+                    wake = wake.fresh();
+                }
             }
         }
     }

@@ -15,6 +15,11 @@
 //! One assignment is handled by at most one delivery at a time in this process: a
 //! redelivery that arrives while an earlier one still works (OpenSandbox's create blocks up
 //! to a minute) is put back instead of starting a second create.
+//!
+//! A backend with a watch (the Pod backend) gives the worker a [`Wake`]: while it waits
+//! for the identity target (the Pod's scheduling) or for the claim, every observed change
+//! makes it look at the executor at once, so a Pod that failed, or was deleted, before its
+//! runner claimed is reported without waiting for the next progress tick.
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -40,6 +45,7 @@ use crate::dispatch::{ClaimState, Dispatch};
 use crate::gitea::{GiteaClient, Reported};
 use crate::metrics::{BackendLabel, FailureReason, Metrics};
 use crate::shutdown::Shutdown;
+use crate::wake::Wake;
 
 /// Re-subscribing after a stream error: quick at first, never a spin.
 const RESUBSCRIBE: Backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
@@ -200,6 +206,8 @@ pub struct Worker {
     in_flight: Mutex<HashSet<AssignmentId>>,
     /// `Retry-After` hints of full backends, per assignment, for the NAK that follows.
     retry_hints: Mutex<std::collections::HashMap<String, Duration>>,
+    /// The backend's change signal.
+    wake: Wake,
 }
 
 /// Why a worker could not start.
@@ -274,7 +282,17 @@ impl Worker {
             metrics: None,
             in_flight: Mutex::new(HashSet::new()),
             retry_hints: Mutex::new(std::collections::HashMap::new()),
+            wake: Wake::none(),
         })
+    }
+
+    /// Looks at a waiting executor whenever `wake` fires. With a live signal, an identity
+    /// target that is not ready yet is waited for within the delivery instead of putting
+    /// the delivery back.
+    #[must_use]
+    pub fn with_wake(mut self, wake: Wake) -> Self {
+        self.wake = wake;
+        self
     }
 
     /// Reports every delivery's outcome (tests and metrics).
@@ -662,10 +680,13 @@ impl Worker {
                 }
             }
         };
-        if !record.identity_bound {
+        let mut wake = self.wake.fresh();
+        let mut bound = record.identity_bound;
+        while !bound {
             match self.backend.bind_identity(&record).await {
                 Ok(Binding::Bound) => {
                     tracing::info!(%backend, assignment_id = %id, event = "identity_bound", executor = %record.name, spiffe_id = %assignment.identity().spiffe_id(), "workload identity bound");
+                    bound = true;
                 }
                 Ok(Binding::NotReady(why)) => {
                     tracing::info!(%backend, assignment_id = %id, reason = %why, retry_in = ?self.settings.not_ready_delay, "identity target not ready; binding again later");
@@ -674,7 +695,21 @@ impl Worker {
                             .fail(&assignment, FailureReason::StartDeadline, &failure)
                             .await;
                     }
-                    return Outcome::NotReady;
+                    if !wake.is_live() {
+                        return Outcome::NotReady;
+                    }
+                    // The watch tells when the Pod is scheduled; the delay bounds a wait
+                    // for a change that never comes.
+                    let waited = self.keeping_alive(message, &id, async {
+                        tokio::select! {
+                            _ = wake.changed() => true,
+                            _ = tokio::time::sleep(self.settings.not_ready_delay) => true,
+                            _ = shutdown.wait() => false,
+                        }
+                    });
+                    if !waited.await {
+                        return Outcome::Interrupted;
+                    }
                 }
                 Err(ExecutorError::Permanent(cause)) => {
                     let reason = format!("the job's identity cannot be bound: {cause}");
@@ -689,6 +724,9 @@ impl Worker {
             }
         }
         let mut claim = self.dispatch.offer(&assignment);
+        let interval = self.settings.progress_interval;
+        // A deadline, not a sleep per turn: wakes must not postpone the progress acks.
+        let mut progress_due = tokio::time::Instant::now() + interval;
         loop {
             if matches!(*claim.borrow(), ClaimState::Claimed | ClaimState::Terminal) {
                 self.observe(|m| &m.start_latency, elapsed_since(record.created_at));
@@ -697,7 +735,9 @@ impl Worker {
             tokio::select! {
                 _ = claim.changed() => continue,
                 _ = shutdown.wait() => return Outcome::Interrupted,
-                _ = tokio::time::sleep(self.settings.progress_interval) => {
+                _ = wake.changed() => {}
+                _ = tokio::time::sleep_until(progress_due) => {
+                    progress_due = tokio::time::Instant::now() + interval;
                     // Keeps JetStream from redelivering while the executor starts.
                     if let Err(e) = message.ack_with(AckKind::Progress).await {
                         tracing::warn!(%backend, assignment_id = %id, error = %e, "extending the ack deadline failed; a redelivery meanwhile is put back while this one works");

@@ -26,6 +26,8 @@ pub enum Value {
     Int(i64),
     /// A boolean.
     Bool(bool),
+    /// A TOML inline table or array, written as given (`{ large = { limits = … } }`).
+    Inline(String),
 }
 
 impl fmt::Display for Value {
@@ -35,6 +37,7 @@ impl fmt::Display for Value {
             Value::Str(s) => write!(f, "{s:?}"),
             Value::Int(n) => write!(f, "{n}"),
             Value::Bool(b) => write!(f, "{b}"),
+            Value::Inline(t) => f.write_str(t),
         }
     }
 }
@@ -120,8 +123,13 @@ impl ControllerFixture {
     /// Sets `key` (a configuration key) to `value`.
     #[must_use]
     pub fn set(mut self, key: &str, value: impl Into<Value>) -> Self {
-        self.keys.insert(key.to_owned(), value.into());
+        self.replace(key, value);
         self
+    }
+
+    /// Sets `key` to `value` in place (between two controller processes of one test).
+    pub fn replace(&mut self, key: &str, value: impl Into<Value>) {
+        self.keys.insert(key.to_owned(), value.into());
     }
 
     /// The value set for `key`, if any.

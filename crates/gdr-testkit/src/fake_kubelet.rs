@@ -18,7 +18,8 @@
 //!   cannot see the mount paths, so every mount path appearing in an env value or argument
 //!   is rewritten to its directory (the fake's one visible deviation).
 //! - **Lifecycle**: `Pending` → `Running` → `Succeeded`/`Failed` with the container's exit
-//!   code (`Completed`/`Error`); a deleted Pod's process group is killed;
+//!   code (`Completed`/`Error`) and, with `terminationMessagePolicy: FallbackToLogsOnError`,
+//!   the tail of its log as the termination message; a deleted Pod's process group is killed;
 //!   [`FakeKubelet::oom_kill`] and [`FakeKubelet::evict`] end a Pod as the kernel or the
 //!   eviction manager would; [`FakeKubelet::lose_node`] leaves its Pods `Unknown`.
 
@@ -563,10 +564,13 @@ impl Shared {
             .collect();
         args.extend(container.args.clone().unwrap_or_default());
         let args: Vec<String> = args.iter().map(|a| rewrite(a, mounts)).collect();
+        let log_path = pod_dir.join("container.log");
+        let fallback_to_logs =
+            container.termination_message_policy.as_deref() == Some("FallbackToLogsOnError");
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
-            .open(pod_dir.join("container.log"));
+            .open(&log_path);
         let mut command = tokio::process::Command::new(program);
         command
             .args(&args)
@@ -641,10 +645,16 @@ impl Shared {
                 Some((reason, _)) => {
                     json!({ "phase": "Failed", "containerStatuses": container_status(&image, json!({ "terminated": { "exitCode": 137, "reason": reason, "finishedAt": finished } })) })
                 }
-                None => json!({
-                    "phase": if code == 0 { "Succeeded" } else { "Failed" },
-                    "containerStatuses": container_status(&image, json!({ "terminated": { "exitCode": code, "reason": if code == 0 { "Completed" } else { "Error" }, "finishedAt": finished } })),
-                }),
+                None => {
+                    let mut terminated = json!({ "exitCode": code, "reason": if code == 0 { "Completed" } else { "Error" }, "finishedAt": finished });
+                    if code != 0 && fallback_to_logs {
+                        terminated["message"] = json!(log_tail(&log_path));
+                    }
+                    json!({
+                        "phase": if code == 0 { "Succeeded" } else { "Failed" },
+                        "containerStatuses": container_status(&image, json!({ "terminated": terminated })),
+                    })
+                }
             };
             if let Err(e) = shared.status(&pod, status).await {
                 tracing::debug!(pod = %pod.name_any(), error = %e, "fake kubelet could not report the end");
@@ -652,6 +662,18 @@ impl Shared {
         });
         Ok(())
     }
+}
+
+/// The termination message `FallbackToLogsOnError` gives a container that failed without
+/// writing one: the end of its log, at most 80 lines and 2048 bytes, as the kubelet does.
+fn log_tail(path: &Path) -> String {
+    const MAX_BYTES: usize = 2048;
+    const MAX_LINES: usize = 80;
+    let log = std::fs::read(path).unwrap_or_default();
+    let tail = &log[log.len().saturating_sub(MAX_BYTES)..];
+    let text = String::from_utf8_lossy(tail);
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(MAX_LINES)..].join("\n")
 }
 
 /// Replaces every mount path in `value` (at a path boundary) with its directory.

@@ -34,6 +34,8 @@ pub const SPIFFE_VOLUME: &str = "spiffe-workload-api";
 /// Volume backing `/var/lib/docker`.
 pub const DOCKER_VOLUME: &str = "docker-storage";
 const DOCKER_PATH: &str = "/var/lib/docker";
+/// How long the executor waits for its SVID and the facade, in seconds.
+const READY_TIMEOUT_ENV: &str = "CI_EXECUTOR_READY_TIMEOUT";
 
 /// `app.kubernetes.io/name=…,app.kubernetes.io/component=<component>`.
 pub fn component_selector(component: &str) -> String {
@@ -116,6 +118,10 @@ fn environment(s: &KubernetesSettings, spec: &ExecutorSpec) -> Vec<EnvVar> {
         plain.insert(name.to_owned(), value);
     }
     plain.insert(env::SPIFFE_ENDPOINT_SOCKET.to_owned(), s.endpoint_socket());
+    plain.insert(
+        READY_TIMEOUT_ENV.to_owned(),
+        s.identity_deadline.as_secs().max(1).to_string(),
+    );
     let secret = secret_name(spec.assignment.id());
     plain
         .into_iter()
@@ -232,6 +238,11 @@ pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProf
                 volume_mounts: Some(mounts),
                 resources: resources(&s.default_resources, profile),
                 security_context: Some(security_context(s)),
+                // The executor writes no termination message file; its last error line
+                // on stderr becomes the container's termination message, which is the
+                // reason the job is failed with (an SVID that never came, a facade that
+                // never answered).
+                termination_message_policy: Some("FallbackToLogsOnError".into()),
                 ..Container::default()
             }],
             volumes: Some(volumes),

@@ -22,8 +22,8 @@
 //!   node's agent ID (`spiffe://<td>/spire/agent/k8s_psat/<cluster>/<Node UID>`, or the
 //!   configured `spire_agent_id`). An existing entry with another spec is an error, never
 //!   re-pointed. Entries are cluster-scoped and cannot be owned by a Pod: `delete` removes
-//!   the entry before the Pod, and [`KubernetesBackend::sweep`] (also run by `list`) removes
-//!   entries whose Pod is gone.
+//!   the entry before the Pod, and [`KubernetesBackend::sweep`] (run by the controller's
+//!   lifecycle pass) removes entries whose Pod is gone.
 //! - **Errors** map onto the contract: 409/429/5xx/transport → retry, 403 → permanent,
 //!   naming the RBAC verb and resource to grant, 422 → permanent with the server's message.
 //!   Every call the backend makes is listed in [`API_CALLS`].
@@ -111,6 +111,11 @@ impl KubernetesBackend {
         settings.validate()?;
         if !settings.image.contains("@sha256:") {
             tracing::warn!(image = %settings.image, "pod_executor_image is a mutable tag; pin a digest (image@sha256:…) so every job runs the executor you reviewed");
+        }
+        for (label, profile) in &settings.profiles {
+            if let Some(image) = profile.image.as_deref().filter(|i| !i.contains("@sha256:")) {
+                tracing::warn!(profile = %label, %image, "the image of Pod profile {label} is a mutable tag; pin a digest (image@sha256:…)");
+            }
         }
         let ns = settings.namespace.clone();
         let entry_resource = entry_resource();
@@ -610,9 +615,6 @@ impl Inner {
                     tracing::warn!(pod = %pod.name_any(), error = %e, "skipping a Pod with untrustworthy executor metadata");
                 }
             }
-        }
-        if let Err(e) = self.sweep(&entries, &pods).await {
-            tracing::warn!(error = %e, "sweeping identity entries and capability Secrets failed; retrying on the next list");
         }
         records.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(records)

@@ -43,8 +43,27 @@ fn waiting_reason(pod: &Pod) -> Option<String> {
     ))
 }
 
+/// Longest part of a container's termination message that goes into a reason.
+const MESSAGE_CHARS: usize = 512;
+
+/// The last non-empty line of a container's termination message, bounded. With
+/// `FallbackToLogsOnError` the kubelet puts the tail of the container's log there (up to
+/// 80 lines), whose last line is the executor's error (`error: …`).
+fn last_line(message: Option<&str>) -> Option<String> {
+    let line = message?
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| !l.is_empty())?;
+    Some(match line.char_indices().nth(MESSAGE_CHARS) {
+        Some((cut, _)) => format!("{}…", &line[..cut]),
+        None => line.to_owned(),
+    })
+}
+
 /// Why a Pod ended: eviction, deadline or node shutdown (`status.reason`), else the
-/// container's termination (`OOMKilled`, exit code).
+/// container's termination (`OOMKilled`, exit code, the last line of its termination
+/// message).
 fn end_reason(pod: &Pod) -> Option<String> {
     let status = pod.status.as_ref()?;
     if let Some(reason) = status.reason.as_deref().filter(|r| !r.is_empty()) {
@@ -55,7 +74,7 @@ fn end_reason(pod: &Pod) -> Option<String> {
         Some("OOMKilled") => {
             "OOMKilled: the executor container exceeded its memory limit".to_owned()
         }
-        Some(r) => with_message(r, t.message.as_deref()),
+        Some(r) => with_message(r, last_line(t.message.as_deref()).as_deref()),
         None => "the executor container ended".to_owned(),
     };
     Some(format!("{what} (exit code {})", t.exit_code))
@@ -149,6 +168,17 @@ mod tests {
         assert!(
             r.starts_with("OOMKilled") && r.ends_with("(exit code 137)"),
             "{r}"
+        );
+        // FallbackToLogsOnError: the message is the log's tail; its last line is the error.
+        let p = pod(
+            json!({ "phase": "Failed", "containerStatuses": [{ "name": "executor", "image": "i", "imageID": "", "ready": false, "restartCount": 0, "state": { "terminated": { "reason": "Error", "exitCode": 1, "message": "{\"level\":\"INFO\"}\nerror: no SVID\n\n" } } }] }),
+        );
+        assert_eq!(
+            phase(&p),
+            Phase::Finished {
+                success: false,
+                reason: Some("Error: error: no SVID (exit code 1)".into())
+            }
         );
         assert!(matches!(
             phase(&pod(json!({ "phase": "Unknown" }))),

@@ -73,6 +73,12 @@ pub struct KubernetesSettings {
     /// removes it (default 10 min; it only exists that way when a controller died between
     /// creating the Secret and the Pod).
     pub orphan_secret_grace: Duration,
+    /// How long the executor waits for its SVID and the facade before it gives up and
+    /// the Pod fails (`pod_identity_bind_deadline`, default 2 min; the executor's
+    /// `CI_EXECUTOR_READY_TIMEOUT`). An identity that is never bound (a wrong
+    /// `spire_cluster` or `spire_class`, SPIRE down) thus fails the job with the executor's
+    /// error instead of waiting for the start deadline.
+    pub identity_deadline: Duration,
 }
 
 impl KubernetesSettings {
@@ -107,6 +113,7 @@ impl KubernetesSettings {
             maxima: BTreeMap::new(),
             volume_allow_list: BTreeMap::new(),
             orphan_secret_grace: Duration::from_secs(600),
+            identity_deadline: Duration::from_secs(120),
         }
     }
 
@@ -149,6 +156,15 @@ impl KubernetesSettings {
             return bad(
                 "spire_agent_id",
                 format!("{id:?} is not a SPIFFE ID of the trust domain"),
+            );
+        }
+        if self.identity_deadline < Duration::from_secs(1) {
+            return bad("pod_identity_bind_deadline", "must be at least 1s".into());
+        }
+        if !self.privileged && self.executor_uid == 0 {
+            return bad(
+                "pod_executor_uid",
+                "must not be 0 with pod_privileged = false (the container runs as non-root)".into(),
             );
         }
         if parse_quantity(&self.docker_storage_limit).is_none() {
@@ -208,11 +224,36 @@ pub struct SettingsError {
 #[serde(deny_unknown_fields)]
 pub struct Resources {
     /// Requests.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "quantities")]
     pub requests: BTreeMap<String, String>,
     /// Limits.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "quantities")]
     pub limits: BTreeMap<String, String>,
+}
+
+/// Quantities as configuration writes them: `"500m"`, `"4Gi"`, or a plain number
+/// (`cpu = 2` in TOML).
+fn quantities<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<BTreeMap<String, String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Quantity {
+        Text(String),
+        Whole(u64),
+        Fraction(f64),
+    }
+    Ok(BTreeMap::<String, Quantity>::deserialize(d)?
+        .into_iter()
+        .map(|(resource, q)| {
+            let text = match q {
+                Quantity::Text(t) => t,
+                Quantity::Whole(n) => n.to_string(),
+                Quantity::Fraction(f) => f.to_string(),
+            };
+            (resource, text)
+        })
+        .collect())
 }
 
 impl Resources {
@@ -402,6 +443,14 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(p.resources.limits["memory"], "4Gi");
+        let whole: PodProfile = serde_json::from_value(
+            serde_json::json!({ "requests": { "cpu": 2, "memory": "1Gi" } }),
+        )
+        .unwrap();
+        assert_eq!(
+            whole.resources.requests["cpu"], "2",
+            "a plain number is a quantity"
+        );
         assert_eq!(p.node_selector["gpu"], "true");
         assert!(p.volumes[0].read_only, "read-only unless said otherwise");
         let typo = serde_json::json!({ "limit": { "memory": "4Gi" } });

@@ -8,6 +8,8 @@
 //! the process exits non-zero.
 
 mod embedded_nats;
+#[cfg(feature = "kubernetes")]
+mod kubernetes;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -33,7 +35,7 @@ use crate::gitea::{ClientOptions, Credentials, GiteaClient};
 use crate::health::Health;
 use crate::held::HeldAssignments;
 use crate::lease::{LeaderElector, Leadership, LeaseSettings};
-use crate::lifecycle::Lifecycle;
+use crate::lifecycle::{Housekeeping, Lifecycle};
 use crate::metrics::{BackendLabel, Metrics, OutcomeLabels};
 use crate::queue::{self, ConsumerSettings, StreamSettings};
 use crate::scheduler::{Heartbeater, Scheduler, SchedulerStats};
@@ -44,6 +46,7 @@ use crate::settings::{
 };
 use crate::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use crate::status::{Observations, Observed, QueueDepth};
+use crate::wake::Wake;
 use crate::worker::{EnvelopeTrust, Worker, WorkerSettings};
 
 /// JetStream drops a repeated message ID within this window (a retried publish). Two
@@ -141,6 +144,8 @@ pub async fn run(
     listeners: Listeners,
     shutdown: Shutdown,
 ) -> Result<(), RuntimeError> {
+    // The enabled backends' labels and the labels the Pod profiles add.
+    let labels = settings.declared_labels();
     let Settings {
         gitea,
         runner,
@@ -219,7 +224,7 @@ pub async fn run(
     // Backend state (executors, identities) is touched only by the leader: a standby must
     // not re-serve or re-adopt what the leader owns.
     let local = local_identity(&identity, &state_dir, &policy)?;
-    let backends = backends(
+    let (backends, mut extras) = backends(
         pod,
         vm,
         &Wiring {
@@ -228,7 +233,8 @@ pub async fn run(
             codec: &codec,
             local: local.as_ref(),
         },
-    )?;
+    )
+    .await?;
     let capacities: BTreeMap<Backend, usize> =
         backends.iter().map(|(b, c)| (b.backend(), *c)).collect();
     for backend in capacities.keys() {
@@ -245,7 +251,6 @@ pub async fn run(
     let mut tasks: JoinSet<(&'static str, Result<(), Source>)> = JoinSet::new();
     let stats = Arc::new(SchedulerStats::new());
     stats.observe_handoff_into(metrics.handoff_window.clone());
-    let labels = settings::declared_labels(&policy.labels, capacities.keys().copied());
     let facade_settings = scheduler.as_ref().map(|s| s.facade.clone());
     let facade_stats = Arc::new(FacadeStats::default());
     if let Some(scheduler) = scheduler {
@@ -302,6 +307,11 @@ pub async fn run(
         let Some(adapter) = dispatch.backend(*backend) else {
             continue;
         };
+        let Extras {
+            wake,
+            housekeeping,
+            resync,
+        } = extras.remove(backend).unwrap_or_default();
         let facade = facade_settings.as_ref();
         let settings = WorkerSettings {
             backend: *backend,
@@ -333,24 +343,29 @@ pub async fn run(
         )
         .map_err(setup("starting a worker"))?
         .with_outcomes(count_outcomes(&metrics, *backend))
-        .with_metrics(metrics.clone());
+        .with_metrics(metrics.clone())
+        .with_wake(wake.clone());
         queue.resume_adopted(&worker, *backend).await;
         let stop = work_shutdown.clone();
         tasks.spawn(async move {
             worker.run(consumer, stop).await;
             ("worker", Ok(()))
         });
-        let lifecycle = Lifecycle::new(
+        let mut lifecycle = Lifecycle::new(
             dispatch.clone(),
             adapter,
             gitea_client.clone(),
             executors.idle_timeout,
         )
         .with_metrics(metrics.clone())
-        .with_observations(observations.clone());
+        .with_observations(observations.clone())
+        .with_wake(wake);
+        if let Some(h) = housekeeping {
+            lifecycle = lifecycle.with_housekeeping(h);
+        }
         let stop = work_shutdown.clone();
         tasks.spawn(async move {
-            lifecycle.run(LIFECYCLE_INTERVAL, stop).await;
+            lifecycle.run(resync, stop).await;
             ("lifecycle", Ok(()))
         });
     }
@@ -910,24 +925,49 @@ struct NotSupported {
 /// Each enabled backend's adapter and capacity.
 type Backends = Vec<(Arc<dyn ExecutorBackend>, usize)>;
 
-fn backends(
+/// What a backend gives the worker and the lifecycle reconciler besides its adapter.
+struct Extras {
+    /// Its change signal (the Pod watch); none for backends without a watch.
+    wake: Wake,
+    /// Its clean-up beyond executors (the Pod backend's sweep).
+    housekeeping: Option<Arc<dyn Housekeeping>>,
+    /// Interval of lifecycle passes. With a wake signal passes follow the changes, and
+    /// the timer is only the resync against a watch that went quiet.
+    resync: Duration,
+}
+
+impl Default for Extras {
+    fn default() -> Self {
+        Extras {
+            wake: Wake::none(),
+            housekeeping: None,
+            resync: LIFECYCLE_INTERVAL,
+        }
+    }
+}
+
+async fn backends(
     pod: Option<BackendSettings<PodBackend>>,
     vm: Option<BackendSettings<VmBackend>>,
     wiring: &Wiring<'_>,
-) -> Result<Backends, RuntimeError> {
+) -> Result<(Backends, BTreeMap<Backend, Extras>), RuntimeError> {
     let mut out: Backends = Vec::new();
+    #[cfg_attr(not(feature = "kubernetes"), allow(unused_mut))]
+    let mut extras = BTreeMap::new();
     if let Some(pod) = pod {
         let slots = pod.slots();
         let adapter: Arc<dyn ExecutorBackend> = match pod.kind {
             PodBackend::Process(process) => {
                 Arc::new(process_backend(Backend::Pod, &process, wiring)?)
             }
-            PodBackend::Kubernetes(_) => {
-                return Err(setup("building the pod backend")(NotSupported {
-                    backend: Backend::Pod,
-                    kind: "kubernetes",
-                }));
+            #[cfg(feature = "kubernetes")]
+            PodBackend::Kubernetes(settings) => {
+                let (adapter, more) = kubernetes::pod_backend(*settings).await?;
+                extras.insert(Backend::Pod, more);
+                adapter
             }
+            #[cfg(not(feature = "kubernetes"))]
+            PodBackend::Kubernetes(settings) => match *settings {},
         };
         out.push((adapter, slots));
     }
@@ -946,7 +986,7 @@ fn backends(
         };
         out.push((adapter, slots));
     }
-    Ok(out)
+    Ok((out, extras))
 }
 
 fn process_backend(

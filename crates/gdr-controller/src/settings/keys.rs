@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use super::values::{Components, List, Secs};
+use super::values::{Components, List, Secs, Table};
 
 /// What kind of value a key takes, for the references (and the NixOS option types).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,6 +24,8 @@ pub enum Kind {
     Duration,
     /// A list: a TOML array or a comma-separated string.
     List,
+    /// A table: TOML tables (`[key.<name>]`), or `{name = value, …}` in the environment.
+    Table,
 }
 
 impl Kind {
@@ -36,6 +38,7 @@ impl Kind {
             Kind::Bool => "boolean",
             Kind::Duration => "duration",
             Kind::List => "list",
+            Kind::Table => "table",
         }
     }
 }
@@ -52,7 +55,7 @@ macro_rules! key_type {
     };
 }
 key_type!(String => Str, PathBuf => Path, u32 => Int, u64 => Int, bool => Bool,
-    Secs => Duration, List => List, Components => List);
+    Secs => Duration, List => List, Components => List, Table => Table);
 
 impl<T: KeyType> KeyType for Option<T> {
     const KIND: Kind = T::KIND;
@@ -264,20 +267,73 @@ keys! {
     /// How long a Lease holds without renewal; a standby takes over about this long after
     /// the leader dies (renewals every duration/7, given up after 2/3 of it).
     lease_duration: Secs = Secs::from_secs(15);
-    /// Namespace of executor Pods.
+    // --- The Pod backend (`pod_backend = "kubernetes"`); see docs/pod-backend.md. ---
+    /// Namespace of executor Pods and their capability Secrets.
     pod_namespace: String = "gitea-actions".into();
-    /// Executor image (required for the kubernetes pod backend).
+    /// Executor image (required for the kubernetes pod backend). Pin a digest
+    /// (`image@sha256:…`): every job runs it; a mutable tag is accepted with a warning.
     pod_executor_image: Option<String> = None;
     /// Service account of executor Pods.
     pod_service_account: String = "gitea-task-executor".into();
-    /// UID the executor runs as (also the SPIRE `unix:uid` selector).
+    /// UID and GID the executor container runs as (also the SPIRE `unix:uid` selector).
     pod_executor_uid: u32 = 2000;
-    /// SPIRE k8s_psat cluster name of the Pod cluster.
+    /// Run the executor container privileged, which Docker inside the Pod needs. `false`:
+    /// non-root, no privilege escalation, all capabilities dropped, the runtime's default
+    /// seccomp profile.
+    pod_privileged: bool = true;
+    /// Size limit of the `emptyDir` mounted at `/var/lib/docker` in executor Pods.
+    pod_docker_storage_limit: String = "20Gi".into();
+    /// `activeDeadlineSeconds` of executor Pods: Kubernetes ends a Pod this long after it
+    /// started (just past Gitea's 3 h limit for a task by default).
+    pod_active_deadline: Secs = Secs::from_secs(3 * 3600 + 600);
+    /// Mount the service account token into executor Pods (jobs then hold a Kubernetes
+    /// credential).
+    pod_automount_service_account_token: bool = false;
+    /// Arguments of the executor container (its image's entrypoint is the binary).
+    pod_executor_args: List = List::of(&["executor"]);
+    /// Extra environment of the executor container (e.g. `GITEA_RUNNER_BINARY`); the
+    /// `CI_*` variables and `SPIFFE_ENDPOINT_SOCKET` are the controller's and cannot be
+    /// overridden.
+    pod_executor_env: Table = Table::default();
+    /// CSI driver of the SPIFFE Workload API volume of executor Pods.
+    pod_spiffe_csi_driver: String = "csi.spiffe.io".into();
+    /// Where the Workload API volume is mounted in the executor container.
+    pod_spiffe_socket_dir: String = "/run/spire/agent-sockets".into();
+    /// The Workload API socket's file name in `pod_spiffe_socket_dir`.
+    pod_spiffe_socket_name: String = "spire-agent.sock".into();
+    /// Requests and limits of executor Pods without a profile: `requests = { cpu = "1" }`,
+    /// `limits = { memory = "4Gi" }` (quantities as Kubernetes writes them).
+    pod_resources: Table = Table::default();
+    /// Per-label Pod profiles, `[pod_profiles.<label>]`: a job whose `runs-on` has the
+    /// extra label gets `requests`, `limits`, `node_selector`, `tolerations`,
+    /// `runtime_class_name`, `volumes` (`{ name, mount_path, read_only }` from
+    /// `pod_volume_allow_list`) and `image`. Each label is declared to Gitea. A job with an
+    /// unknown extra label, or two profiles, is failed with a log row naming them.
+    pod_profiles: Table = Table::default();
+    /// Upper bounds of any profile's (and `pod_resources`') requests and limits, per
+    /// resource: `{ cpu = "8", memory = "32Gi" }`.
+    pod_profile_max: Table = Table::default();
+    /// Volumes profiles may mount, by name, each a Kubernetes volume source as in a Pod
+    /// spec (`[pod_volume_allow_list.cache] persistentVolumeClaim = { claimName = "ci-cache" }`);
+    /// nothing else is ever mounted.
+    pod_volume_allow_list: Table = Table::default();
+    /// A capability Secret with no Pod (a controller died between creating the two) is
+    /// removed once it is this old.
+    pod_orphan_secret_grace: Secs = Secs::from_secs(600);
+    /// How long an executor Pod waits for its SVID (its ClusterStaticEntry bound by SPIRE)
+    /// and the facade before it gives up; the job is then failed with the executor's
+    /// error as the reason.
+    pod_identity_bind_deadline: Secs = Secs::from_secs(120);
+    /// SPIRE k8s_psat cluster name of the Pod cluster (the `<cluster>` in agent IDs
+    /// `spiffe://<trust_domain>/spire/agent/k8s_psat/<cluster>/<Node UID>`).
     spire_cluster: String = "homelab".into();
-    /// `className` of ClusterStaticEntries (must match the SPIRE controller manager).
+    /// `className` of ClusterStaticEntries (must match the SPIRE controller manager's
+    /// class, else SPIRE ignores the entries).
     spire_class: String = "spire-mgmt-spire".into();
-    /// Parent SPIFFE ID of Pod entries.
+    /// Parent SPIFFE ID of every Pod entry (single-node clusters, node aliases). Unset:
+    /// the agent ID of the node each Pod is scheduled on.
     spire_agent_id: Option<String> = None;
+    // --- end of the Pod backend ---
     /// OpenSandbox Lifecycle API base URL (required for the opensandbox vm backend).
     opensandbox_api: Option<String> = None;
     /// File holding the OpenSandbox API key (required for the opensandbox vm backend).

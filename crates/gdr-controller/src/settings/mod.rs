@@ -12,6 +12,7 @@
 //! Secrets are never values: only paths to files that hold them (`*_file`).
 
 mod keys;
+mod pod;
 mod reference;
 mod secret;
 mod sources;
@@ -27,6 +28,7 @@ use gdr_core::identity::TrustDomain;
 use gdr_core::metadata::MetadataCodec;
 pub(crate) use keys::Raw;
 pub use keys::{KEYS, Key, Kind};
+pub use pod::KubernetesSettings;
 pub use reference::{Format, default_of, render as reference};
 pub use secret::{
     SecretFileError, SecretPermissions, check_secret_file_mode, read_secret_file,
@@ -323,8 +325,9 @@ pub struct BackendSettings<K> {
 pub enum PodBackend {
     /// Local child processes.
     Process(ProcessSettings),
-    /// Kubernetes Pods.
-    Kubernetes(KubernetesSettings),
+    /// Kubernetes Pods (the backend's own settings; none exist in a build without the
+    /// `kubernetes` feature).
+    Kubernetes(Box<KubernetesSettings>),
 }
 
 /// What runs vm jobs.
@@ -347,25 +350,6 @@ pub struct ProcessSettings {
     pub log_retention: Duration,
     /// How many ended executors' logs are kept at most.
     pub log_retention_count: u32,
-}
-
-/// The Kubernetes Pod backend.
-#[derive(Debug, Clone)]
-pub struct KubernetesSettings {
-    /// Namespace of executor Pods.
-    pub namespace: String,
-    /// Executor image.
-    pub image: String,
-    /// Service account of executor Pods.
-    pub service_account: String,
-    /// UID the executor runs as.
-    pub executor_uid: u32,
-    /// SPIRE k8s_psat cluster name.
-    pub spire_cluster: String,
-    /// `className` of ClusterStaticEntries.
-    pub spire_class: String,
-    /// Parent ID of entries, when not derived from the node.
-    pub spire_agent_id: Option<String>,
 }
 
 /// The OpenSandbox VM backend.
@@ -436,12 +420,26 @@ impl Settings {
     }
 
     /// The labels Gitea must know this runner by: `self-hosted` plus the label of every
-    /// enabled backend (and nothing for a disabled one, so Gitea never offers its jobs).
+    /// enabled backend (and nothing for a disabled one, so Gitea never offers its jobs),
+    /// then the labels the Pod profiles add (Gitea offers a job only to a runner that has
+    /// every one of its `runs-on` labels).
     pub fn declared_labels(&self) -> Vec<String> {
-        declared_labels(
+        let mut labels = declared_labels(
             &self.policy.labels,
             self.capacities().into_iter().map(|(b, _)| b),
-        )
+        );
+        labels.extend(self.pod_profile_labels());
+        labels
+    }
+
+    /// The `runs-on` labels the Pod profiles add (none unless the kubernetes pod backend
+    /// is enabled).
+    pub fn pod_profile_labels(&self) -> Vec<String> {
+        match self.pod.as_ref().map(|p| &p.kind) {
+            #[cfg(feature = "kubernetes")]
+            Some(PodBackend::Kubernetes(k)) => k.profiles.keys().cloned().collect(),
+            _ => Vec::new(),
+        }
     }
 }
 
@@ -572,6 +570,21 @@ impl TryFrom<Raw> for Settings {
             pod_executor_image,
             pod_service_account,
             pod_executor_uid,
+            pod_privileged,
+            pod_docker_storage_limit,
+            pod_active_deadline,
+            pod_automount_service_account_token,
+            pod_executor_args,
+            pod_executor_env,
+            pod_spiffe_csi_driver,
+            pod_spiffe_socket_dir,
+            pod_spiffe_socket_name,
+            pod_resources,
+            pod_profiles,
+            pod_profile_max,
+            pod_volume_allow_list,
+            pod_orphan_secret_grace,
+            pod_identity_bind_deadline,
             spire_cluster,
             spire_class,
             spire_agent_id,
@@ -744,23 +757,39 @@ impl TryFrom<Raw> for Settings {
         let vm_kind = vm_backend.unwrap_or_else(|| default_kind("process", "opensandbox").into());
         let pod = match pod_kind.as_str() {
             "process" => Some(PodBackend::Process(process.clone())),
-            "kubernetes" if pod_on => check
-                .required(
-                    "pod_executor_image",
-                    pod_executor_image,
-                    "with the kubernetes pod backend",
-                )
-                .map(|image| {
-                    PodBackend::Kubernetes(KubernetesSettings {
-                        namespace: pod_namespace,
-                        image,
-                        service_account: pod_service_account,
-                        executor_uid: pod_executor_uid,
-                        spire_cluster,
-                        spire_class,
-                        spire_agent_id,
-                    })
-                }),
+            "kubernetes" if pod_on => pod::kubernetes(
+                &mut check,
+                pod::PodKeys {
+                    namespace: pod_namespace,
+                    image: pod_executor_image,
+                    service_account: pod_service_account,
+                    executor_uid: pod_executor_uid,
+                    privileged: pod_privileged,
+                    docker_storage_limit: pod_docker_storage_limit,
+                    active_deadline: pod_active_deadline.0,
+                    automount_service_account_token: pod_automount_service_account_token,
+                    executor_args: pod_executor_args.0,
+                    executor_env: pod_executor_env,
+                    csi_driver: pod_spiffe_csi_driver,
+                    socket_dir: pod_spiffe_socket_dir,
+                    socket_name: pod_spiffe_socket_name,
+                    resources: pod_resources,
+                    profiles: pod_profiles,
+                    profile_max: pod_profile_max,
+                    volume_allow_list: pod_volume_allow_list,
+                    orphan_secret_grace: pod_orphan_secret_grace.0,
+                    identity_deadline: pod_identity_bind_deadline.0,
+                    spire_cluster,
+                    spire_class,
+                    spire_agent_id,
+                },
+                &pod::Context {
+                    trust_domain: trust_domain.as_ref(),
+                    codec: codec.as_ref(),
+                    labels: labels.as_ref(),
+                },
+            )
+            .map(|k| PodBackend::Kubernetes(Box::new(k))),
             "kubernetes" => None,
             other => {
                 check.problem(
@@ -1178,7 +1207,7 @@ pub struct RegisterSettings {
     pub gitea: GiteaSettings,
     /// Name and capabilities.
     pub runner: RunnerSettings,
-    /// Labels of the enabled backends, `self-hosted` first.
+    /// Labels of the enabled backends, `self-hosted` first, then the Pod profiles' labels.
     pub labels: Vec<String>,
 }
 
@@ -1200,6 +1229,21 @@ impl RegisterSettings {
             },
         );
         let labels = check.ok("vm_runner_label", BackendLabels::new(raw.vm_runner_label));
+        // The labels the Pod profiles add, as the controller declares them.
+        let pods_on = raw.components.contains(Component::PodWorker) && raw.pod_capacity > 0;
+        let kubernetes = raw
+            .pod_backend
+            .as_deref()
+            .map_or(raw.nats_url.is_some(), |k| k == "kubernetes");
+        let mut profile_labels = Vec::new();
+        if let (Some(l), true) = (&labels, pods_on && kubernetes) {
+            for label in raw.pod_profiles.0.keys() {
+                match pod::profile_label(l, label) {
+                    Ok(()) => profile_labels.push(label.clone()),
+                    Err(why) => check.problem("pod_profiles", format!("{label:?}: {why}")),
+                }
+            }
+        }
         match (gitea, labels) {
             (Some(gitea), Some(labels)) if check.problems.is_empty() => {
                 let enabled = [
@@ -1209,13 +1253,15 @@ impl RegisterSettings {
                 .into_iter()
                 .filter(|(_, c, n)| raw.components.contains(*c) && *n > 0)
                 .map(|(b, _, _)| b);
+                let mut labels = declared_labels(&labels, enabled);
+                labels.extend(profile_labels);
                 Ok(RegisterSettings {
                     gitea,
                     runner: RunnerSettings {
                         name: raw.runner_name,
                         capabilities: raw.runner_capabilities.0,
                     },
-                    labels: declared_labels(&labels, enabled),
+                    labels,
                 })
             }
             _ => Err(SettingsError::Invalid(check.problems)),
@@ -1325,10 +1371,39 @@ fn render(raw: &Raw) -> String {
             Some(serde_json::Value::String(s)) => {
                 out.push_str(&format!("{} = {:?}\n", key.name, redact_url_userinfo(s)));
             }
-            Some(other) => out.push_str(&format!("{} = {other}\n", key.name)),
+            Some(other) => out.push_str(&format!("{} = {}\n", key.name, inline_toml(other))),
         }
     }
     out
+}
+
+/// A value as TOML writes it inline (`{ large = { limits = { memory = "4Gi" } } }`).
+fn inline_toml(value: &serde_json::Value) -> String {
+    match value {
+        serde_json::Value::Object(map) if map.is_empty() => "{}".into(),
+        serde_json::Value::Object(map) => {
+            let fields: Vec<String> = map
+                .iter()
+                .map(|(k, v)| {
+                    let bare = !k.is_empty()
+                        && k.bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'));
+                    if bare {
+                        format!("{k} = {}", inline_toml(v))
+                    } else {
+                        format!("{k:?} = {}", inline_toml(v))
+                    }
+                })
+                .collect();
+            format!("{{ {} }}", fields.join(", "))
+        }
+        serde_json::Value::Array(items) => format!(
+            "[{}]",
+            items.iter().map(inline_toml).collect::<Vec<_>>().join(", ")
+        ),
+        serde_json::Value::String(s) => format!("{s:?}"),
+        other => other.to_string(),
+    }
 }
 
 /// Masks `user:password@` in URLs (e.g. a NATS URL with inline credentials).

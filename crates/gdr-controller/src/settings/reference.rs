@@ -81,7 +81,8 @@ fn markdown() -> String {
          `--set key=value`. Each key's environment variable is its upper-case form \
          (`pod_capacity` / `POD_CAPACITY`). Secrets are never values: only paths of files \
          that hold them. Durations are written `90s`, `5m`, `1h30m` or as plain seconds; \
-         lists as TOML arrays or comma-separated strings.\n\n\
+         lists as TOML arrays or comma-separated strings; tables as TOML tables \
+         (`[pod_profiles.large]`) or, in the environment, as `{name = value, …}`.\n\n\
          | key | environment | type | default | meaning |\n|---|---|---|---|---|\n",
     );
     for key in KEYS {
@@ -127,6 +128,8 @@ fn nix_type(kind: Kind) -> &'static str {
         Kind::Bool => "types.bool",
         Kind::Duration => "types.either types.str types.ints.unsigned",
         Kind::List => "types.either types.str (types.listOf types.str)",
+        // Nested tables (profiles, volumes) hold strings, numbers, lists and tables.
+        Kind::Table => "types.attrsOf types.anything",
     }
 }
 

@@ -242,6 +242,7 @@ fn without_a_nats_url_the_single_host_defaults_are_process_executors_local_ident
     assert_eq!(s.scheduler.unwrap().facade.listen, "127.0.0.1:8443");
 }
 
+#[cfg(feature = "kubernetes")]
 #[test]
 fn with_a_nats_url_the_defaults_are_the_cluster_backends_and_every_interface() {
     let p = problems(&["nats_url=nats://nats:4222", "local_identity=false"]);
@@ -482,4 +483,293 @@ fn the_executor_log_retention_reaches_the_process_backend() {
     };
     assert_eq!(process.log_retention, Duration::from_secs(3600));
     assert_eq!(process.log_retention_count, 3);
+}
+
+/// The Pod section: every key reaches the backend's settings; tables come from TOML or the
+/// environment; errors name the key and the entry.
+#[cfg(feature = "kubernetes")]
+mod pod_keys {
+    use super::*;
+
+    /// A cluster configuration with the kubernetes pod backend, from `toml` on top of
+    /// [`complete`].
+    fn cluster(toml: &str) -> Result<Settings, SettingsError> {
+        let f = file_with(toml);
+        let mut overrides = complete(&[
+            "nats_url=nats://nats:4222",
+            "components=scheduler,pod-worker",
+            "spiffe_endpoint_socket=unix:///run/spire.sock",
+        ]);
+        if !toml.contains("pod_executor_image") {
+            overrides.push("pod_executor_image=registry.example/executor@sha256:00".into());
+        }
+        let refs: Vec<&str> = overrides.iter().map(String::as_str).collect();
+        Settings::load(&sources(Some(f.path()), &refs))
+    }
+
+    fn kubernetes(s: &Settings) -> &KubernetesSettings {
+        match &s.pod.as_ref().expect("pod backend").kind {
+            PodBackend::Kubernetes(k) => k,
+            other => panic!("not kubernetes: {other:?}"),
+        }
+    }
+
+    fn pod_problems(toml: &str) -> Vec<String> {
+        match cluster(toml) {
+            Err(SettingsError::Invalid(p)) => p.iter().map(ToString::to_string).collect(),
+            other => panic!("expected problems, got {other:?}"),
+        }
+    }
+
+    const FULL: &str = r#"
+pod_namespace = "ci"
+pod_service_account = "runner"
+pod_executor_uid = 3000
+pod_privileged = false
+pod_docker_storage_limit = "50Gi"
+pod_active_deadline = "2h"
+pod_automount_service_account_token = true
+pod_executor_args = ["executor", "--verbose"]
+pod_spiffe_csi_driver = "csi.example.org"
+pod_spiffe_socket_dir = "/run/agent"
+pod_spiffe_socket_name = "agent.sock"
+pod_orphan_secret_grace = "20m"
+pod_identity_bind_deadline = "45s"
+spire_cluster = "c1"
+spire_class = "k1"
+spire_agent_id = "spiffe://example.org/spire/agent/fixed"
+
+[pod_executor_env]
+GITEA_RUNNER_BINARY = "/usr/local/bin/gitea-runner"
+
+[pod_resources]
+requests = { cpu = "500m", memory = "1Gi" }
+limits = { memory = "4Gi" }
+
+[pod_profile_max]
+cpu = 8
+memory = "32Gi"
+
+[pod_volume_allow_list.cache]
+persistentVolumeClaim = { claimName = "ci-cache" }
+
+[pod_profiles.large]
+requests = { cpu = 4 }
+limits = { memory = "16Gi" }
+node_selector = { "node.example.org/size" = "large" }
+tolerations = [{ key = "size", operator = "Equal", value = "large", effect = "NoSchedule" }]
+runtime_class_name = "kata"
+volumes = [{ name = "cache", mount_path = "/cache" }]
+image = "registry.example/executor-large@sha256:11"
+
+[pod_profiles.gpu]
+node_selector = { gpu = "true" }
+"#;
+
+    /// Every Pod key of a TOML file reaches the backend's settings (the runtime hands
+    /// them to the backend as they are).
+    #[test]
+    fn every_pod_key_of_the_file_reaches_the_backends_settings() {
+        let s = cluster(FULL).unwrap();
+        let k = kubernetes(&s);
+        assert_eq!(k.namespace, "ci");
+        assert_eq!(k.service_account, "runner");
+        assert_eq!(k.executor_uid, 3000);
+        assert!(!k.privileged && k.automount_service_account_token);
+        assert_eq!(k.docker_storage_limit, "50Gi");
+        assert_eq!(k.active_deadline, Duration::from_secs(7200));
+        assert_eq!(k.executor_args, ["executor", "--verbose"]);
+        assert_eq!(k.csi_driver, "csi.example.org");
+        assert_eq!(k.endpoint_socket(), "unix:///run/agent/agent.sock");
+        assert_eq!(k.orphan_secret_grace, Duration::from_secs(1200));
+        assert_eq!(k.identity_deadline, Duration::from_secs(45));
+        assert_eq!(
+            (k.spire_cluster.as_str(), k.spire_class.as_str()),
+            ("c1", "k1")
+        );
+        assert_eq!(
+            k.spire_agent_id.as_deref(),
+            Some("spiffe://example.org/spire/agent/fixed")
+        );
+        assert_eq!(
+            k.extra_env["GITEA_RUNNER_BINARY"],
+            "/usr/local/bin/gitea-runner"
+        );
+        assert_eq!(k.default_resources.requests["cpu"], "500m");
+        assert_eq!(k.default_resources.limits["memory"], "4Gi");
+        assert_eq!(k.maxima["cpu"], "8", "a plain number is a quantity");
+        let claim = k.volume_allow_list["cache"]
+            .persistent_volume_claim
+            .as_ref()
+            .unwrap();
+        assert_eq!(claim.claim_name, "ci-cache");
+        let large = &k.profiles["large"];
+        assert_eq!(large.resources.requests["cpu"], "4");
+        assert_eq!(large.node_selector["node.example.org/size"], "large");
+        assert_eq!(large.tolerations[0].effect.as_deref(), Some("NoSchedule"));
+        assert_eq!(large.runtime_class_name.as_deref(), Some("kata"));
+        assert_eq!(large.volumes[0].mount_path, "/cache");
+        assert!(large.volumes[0].read_only);
+        assert_eq!(
+            large.image.as_deref(),
+            Some("registry.example/executor-large@sha256:11")
+        );
+        assert_eq!(
+            s.declared_labels(),
+            ["self-hosted", "pod", "gpu", "large"],
+            "profile labels are declared to Gitea"
+        );
+        let full = file_with(FULL);
+        assert!(
+            check(&Sources::file(full.path()))
+                .unwrap()
+                .rendered
+                .contains("pod_profile_max = { cpu = 8, memory = \"32Gi\" }"),
+            "check-config renders tables as TOML"
+        );
+    }
+
+    #[test]
+    fn the_defaults_are_the_go_versions_pod_spec() {
+        let s = cluster("").unwrap();
+        let k = kubernetes(&s);
+        assert_eq!(k.namespace, "gitea-actions");
+        assert_eq!(k.service_account, "gitea-task-executor");
+        assert_eq!(k.executor_uid, 2000);
+        assert!(k.privileged && !k.automount_service_account_token);
+        assert_eq!(k.docker_storage_limit, "20Gi");
+        assert_eq!(k.active_deadline, Duration::from_secs(3 * 3600 + 600));
+        assert_eq!(k.executor_args, ["executor"]);
+        assert_eq!(
+            k.endpoint_socket(),
+            "unix:///run/spire/agent-sockets/spire-agent.sock"
+        );
+        assert_eq!(
+            (k.spire_cluster.as_str(), k.spire_class.as_str()),
+            ("homelab", "spire-mgmt-spire")
+        );
+        assert!(k.spire_agent_id.is_none() && k.profiles.is_empty());
+        assert_eq!(s.declared_labels(), ["self-hosted", "pod"]);
+    }
+
+    /// A table in the environment uses figment's `{key = value}` syntax.
+    #[test]
+    #[allow(clippy::result_large_err)] // figment::Jail's closure signature
+    fn profiles_can_come_from_the_environment() {
+        figment::Jail::expect_with(|jail| {
+            jail.set_env(
+                "POD_PROFILES",
+                r#"{large={limits={memory="8Gi"}, node_selector={"kubernetes.io/arch"="arm64"}}}"#,
+            );
+            let mut s = sources(None, &[]);
+            s.environment = true;
+            let r = s.load().map_err(|e| e.to_string())?;
+            let large = &r.pod_profiles.0["large"];
+            assert_eq!(large["limits"]["memory"], "8Gi");
+            assert_eq!(large["node_selector"]["kubernetes.io/arch"], "arm64");
+            Ok(())
+        });
+    }
+
+    /// Errors name the key (and its variable) and the entry: a misconfigured profile stops
+    /// the controller at start instead of failing jobs.
+    #[test]
+    fn broken_pod_tables_are_refused_naming_the_key_and_the_entry() {
+        for (toml, key, detail) in [
+            (
+                "[pod_profiles.large]\nlimit = { memory = \"4Gi\" }\n",
+                "pod_profiles (POD_PROFILES): large:",
+                "unknown field `limit`",
+            ),
+            (
+                "[pod_profile_max]\nmemory = \"8Gi\"\n[pod_profiles.large]\nlimits = { memory = \"16Gi\" }\n",
+                "pod_profiles (POD_PROFILES): large:",
+                "exceeds the operator maximum 8Gi",
+            ),
+            (
+                "[pod_profiles.large]\nvolumes = [{ name = \"host\", mount_path = \"/host\" }]\n",
+                "pod_profiles (POD_PROFILES): large.volumes:",
+                "\"host\" is not in pod_volume_allow_list",
+            ),
+            (
+                "[pod_volume_allow_list.cache]\npersistentVolumeclaim = { claimName = \"x\" }\n",
+                "pod_volume_allow_list (POD_VOLUME_ALLOW_LIST): cache:",
+                "unknown field \"persistentVolumeclaim\"",
+            ),
+            (
+                "[pod_profiles.vm]\nruntime_class_name = \"kata\"\n",
+                "pod_profiles (POD_PROFILES): \"vm\":",
+                "selects the runner or a backend",
+            ),
+            (
+                "[pod_executor_env]\nDEBUG = 1\n",
+                "pod_executor_env (POD_EXECUTOR_ENV): DEBUG:",
+                "must be a string",
+            ),
+            (
+                "[pod_resources]\nrequests = { cpu = \"lots\" }\n",
+                "pod_resources (POD_RESOURCES):",
+                "is not a quantity",
+            ),
+            (
+                "pod_docker_storage_limit = \"big\"\n",
+                "pod_docker_storage_limit (POD_DOCKER_STORAGE_LIMIT):",
+                "is not a quantity",
+            ),
+            (
+                "pod_executor_image = \"\"\n",
+                "pod_executor_image (POD_EXECUTOR_IMAGE):",
+                "is required",
+            ),
+            (
+                "pod_privileged = false\npod_executor_uid = 0\n",
+                "pod_executor_uid (POD_EXECUTOR_UID):",
+                "non-root",
+            ),
+        ] {
+            let problems = pod_problems(toml);
+            assert!(
+                problems
+                    .iter()
+                    .any(|p| p.starts_with(key) && p.contains(detail)),
+                "{toml}: expected {key} … {detail}, got {problems:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn register_declares_the_profile_labels_with_the_kubernetes_pod_backend_only() {
+        let f = file_with("[pod_profiles.large]\n[pod_profiles.gpu]\n");
+        let base = [
+            "gitea_instance_url=http://gitea.test",
+            "gitea_runner_uuid_file=/tmp/u",
+            "gitea_runner_token_file=/tmp/t",
+            "components=scheduler,pod-worker",
+        ];
+        let load = |extra: &str| {
+            let mut o = base.to_vec();
+            o.push(extra);
+            RegisterSettings::load(&sources(Some(f.path()), &o)).unwrap()
+        };
+        assert_eq!(
+            load("pod_backend=kubernetes").labels,
+            ["self-hosted", "pod", "gpu", "large"]
+        );
+        assert_eq!(load("pod_backend=process").labels, ["self-hosted", "pod"]);
+    }
+}
+
+#[cfg(not(feature = "kubernetes"))]
+#[test]
+fn without_the_kubernetes_feature_the_pod_backend_is_refused_naming_the_feature() {
+    let p = problems(&[
+        "pod_backend=kubernetes",
+        "pod_executor_image=i",
+        "vm_capacity=0",
+    ]);
+    assert!(
+        p.iter()
+            .any(|p| p.key == "pod_backend" && p.rule.contains("feature `kubernetes`")),
+        "{p:?}"
+    );
 }

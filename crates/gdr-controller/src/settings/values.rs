@@ -1,5 +1,5 @@
 //! The value types of configuration keys as they are written (TOML, environment, `--set`):
-//! durations, lists and the component list.
+//! durations, lists, tables and the component list.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -93,6 +93,13 @@ impl<'de> Deserialize<'de> for List {
         ))
     }
 }
+
+/// A table (`[key]` or `[key.<name>]` in TOML; `{name = value, …}` in the environment or
+/// `--set`, figment's dictionary syntax). Its shape is checked when the settings are
+/// converted, so errors name the entry (`pod_profiles.large: …`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Table(pub serde_json::Map<String, serde_json::Value>);
 
 /// A controller component.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]

@@ -1,0 +1,474 @@
+//! The whole chain through the Pod backend: mock Gitea → scheduler → JetStream (a real
+//! nats-server) → pod-worker → the fake Kubernetes API server (through the real `kube`
+//! client, found through a kubeconfig) → the fake kubelet, which runs each Pod's container
+//! as a local process: the real `gitea-dynamic-runner executor` → the stand-in runner →
+//! the facade (SPIFFE mTLS; the executor's SVID comes from the fake SPIRE agent only once
+//! the Pod's ClusterStaticEntry is bound) → mock Gitea.
+//!
+//! The controller is a real process (socket-activated listeners bound by the test), so it
+//! can be SIGKILLed and restarted; its own SVID comes from a Workload API of the same test
+//! CA, as a SPIRE agent would serve the controller's Pod.
+//!
+//! Peers' timeouts named here: the official runner (and the stand-in) give up a final
+//! report after 10 s, so a controller restart mid-job must be back well within that; Gitea
+//! fails an idle task after 10 min (not reached: every wait below ends far earlier).
+
+// A panic is how a test fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gdr_testkit::controller::{ControllerFixture, FACADE_SPIFFE_ID, Value, listener};
+use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
+use gdr_testkit::fake_spire::FakeSpireAgent;
+use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
+use gdr_testkit::nats_server::NatsServer;
+use gdr_testkit::spiffe::{FakeWorkloadApi, RunningWorkloadApi, TestCa};
+use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
+use kube::api::DeleteParams;
+
+/// Upper bound of every wait (reached only when the behaviour under test is broken).
+const WAIT: Duration = Duration::from_secs(90);
+const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
+const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
+const TRUST_DOMAIN: &str = "example.org";
+const NS: &str = "ci";
+const CLUSTER: &str = "test-cluster";
+const CLASS: &str = "spire-mgmt";
+const NODE: &str = "node-a";
+/// The executor image the fake kubelet maps to the real binary.
+const IMAGE: &str = "registry.example/gitea-dynamic-runner@sha256:0000000000000000000000000000000000000000000000000000000000000000";
+
+/// The cluster, NATS, Gitea and a controller configuration; the controller process is
+/// started (and killed) by the test.
+struct Chain {
+    mock: RunningMock,
+    fake: RunningFakeKube,
+    _kubelet: FakeKubelet,
+    fixture: ControllerFixture,
+    facade: std::net::TcpListener,
+    health: std::net::TcpListener,
+    kubeconfig: PathBuf,
+    _spire: Arc<FakeSpireAgent>,
+    _controller_identity: RunningWorkloadApi,
+    _nats: NatsServer,
+    _dir: tempfile::TempDir,
+}
+
+impl Chain {
+    /// Everything but the controller; `configure` adds keys to the controller's
+    /// configuration (profiles, deadlines).
+    async fn new(configure: impl FnOnce(ControllerFixture) -> ControllerFixture) -> Self {
+        let nats = NatsServer::start().await.expect("nats");
+        let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+        let fake = fake_kube::start().await.expect("fake API server");
+        let dir = tempfile::Builder::new().prefix("pc").tempdir().unwrap();
+        let ca = TestCa::new(TRUST_DOMAIN).unwrap();
+        let node_labels = BTreeMap::from([
+            ("kubernetes.io/hostname".to_owned(), NODE.to_owned()),
+            ("gdr.test/size".to_owned(), "large".to_owned()),
+        ]);
+        let node_uid = FakeKubelet::register_node(fake.client().unwrap(), NODE, &node_labels)
+            .await
+            .unwrap();
+        let agent_id = format!("spiffe://{TRUST_DOMAIN}/spire/agent/k8s_psat/{CLUSTER}/{node_uid}");
+        let spire = Arc::new(FakeSpireAgent::start(
+            fake.client().unwrap(),
+            ca.clone(),
+            &agent_id,
+            CLASS,
+            &dir.path().join("s"),
+        ));
+        let kubelet = FakeKubelet::start(
+            fake.client().unwrap(),
+            KubeletConfig {
+                node_name: NODE.into(),
+                node_labels,
+                images: BTreeMap::from([(IMAGE.to_owned(), PathBuf::from(BIN))]),
+                root: dir.path().join("p"),
+                spire: Some(spire.clone()),
+            },
+        )
+        .await
+        .unwrap();
+        let controller_identity = FakeWorkloadApi::start(dir.path(), ca, FACADE_SPIFFE_ID)
+            .await
+            .unwrap();
+        let (facade, health) = (listener(), listener());
+        let fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref())
+            .facade_at(facade.local_addr().unwrap())
+            .set("components", "scheduler,pod-worker")
+            .set("pod_capacity", 3u32)
+            .set("vm_capacity", 0u32)
+            .set("nats_url", nats.url())
+            .set("heartbeat_interval", "1s")
+            .set("nats_ack_wait", "6s")
+            // The cluster setup: SPIRE serves every identity, the controller's included.
+            .set("local_identity", false)
+            .set(
+                "spiffe_endpoint_socket",
+                controller_identity.endpoint().as_str(),
+            )
+            .set("pod_backend", "kubernetes")
+            .set("pod_namespace", NS)
+            .set("pod_executor_image", IMAGE)
+            .set("spire_cluster", CLUSTER)
+            .set("spire_class", CLASS)
+            .set(
+                "pod_executor_env",
+                Value::Inline(format!("{{ GITEA_RUNNER_BINARY = {STANDIN:?} }}")),
+            )
+            .set(
+                "pod_profiles",
+                Value::Inline(
+                    r#"{ large = { limits = { memory = "4Gi" }, node_selector = { "gdr.test/size" = "large" } }, gpu = { runtime_class_name = "nvidia" } }"#
+                        .into(),
+                ),
+            )
+            .set("pod_profile_max", Value::Inline(r#"{ memory = "8Gi" }"#.into()));
+        let fixture = configure(fixture);
+        let kubeconfig = fixture.file("kubeconfig", &fake.kubeconfig());
+        Chain {
+            mock,
+            fake,
+            _kubelet: kubelet,
+            fixture,
+            facade,
+            health,
+            kubeconfig,
+            _spire: spire,
+            _controller_identity: controller_identity,
+            _nats: nats,
+            _dir: dir,
+        }
+    }
+
+    /// A controller process (with `failpoint` armed, if given).
+    fn controller(&self, failpoint: Option<&str>) -> tokio::process::Child {
+        let kubeconfig = self.kubeconfig.display().to_string();
+        let mut env = vec![("KUBECONFIG", kubeconfig.as_str())];
+        if let Some(p) = failpoint {
+            env.push(("GDR_FAILPOINT", p));
+        }
+        self.fixture
+            .spawn(BIN.as_ref(), &self.facade, &self.health, &env)
+    }
+
+    async fn killed_at_its_fail_point(&self, child: &mut tokio::process::Child) {
+        use std::os::unix::process::ExitStatusExt;
+        let status = tokio::time::timeout(WAIT, child.wait())
+            .await
+            .expect("the fail point fires")
+            .unwrap();
+        assert_eq!(
+            status.signal(),
+            Some(9),
+            "the controller died at its fail point: {status:?}\n{}",
+            self.fixture.log()
+        );
+    }
+
+    fn queue(&self, name: &str, runs_on: &str, step: &str) -> JobId {
+        let yaml = format!(
+            "on: push\njobs:\n  {name}:\n    runs-on: {runs_on}\n    steps:\n      - run: {step}\n"
+        );
+        self.mock
+            .handle
+            .queue_workflow("owner/repo", &yaml)
+            .expect("queue")[0]
+    }
+
+    async fn status(&self, job: JobId, status: Status) {
+        if self
+            .mock
+            .handle
+            .wait_for(|m| m.job(job).is_some_and(|j| j.status == status), WAIT)
+            .await
+            .is_err()
+        {
+            let seen = self
+                .mock
+                .handle
+                .job(job)
+                .map(|j| (j.status, j.task.map(|t| t.log_rows)));
+            panic!(
+                "job {job:?} never reached {status:?} (is {seen:?})\ncontroller log:\n{}",
+                self.fixture.log()
+            );
+        }
+    }
+
+    /// Waits until the job's runner is running it (it has sent heartbeats).
+    async fn running(&self, job: JobId) -> i64 {
+        self.mock
+            .handle
+            .wait_for_value(
+                |m| {
+                    m.job(job)
+                        .and_then(|j| j.task)
+                        .filter(|t| t.heartbeats > 0)
+                        .map(|t| t.id)
+                },
+                WAIT,
+            )
+            .await
+            .unwrap_or_else(|_| panic!("job {job:?} never ran\n{}", self.fixture.log()))
+    }
+
+    fn log_rows(&self, job: JobId) -> Vec<String> {
+        self.mock
+            .handle
+            .job(job)
+            .and_then(|j| j.task)
+            .map(|t| t.log_rows)
+            .unwrap_or_default()
+    }
+
+    /// How many times the stand-in runner started the job's task.
+    fn runs_of(&self, job: JobId) -> usize {
+        self.log_rows(job)
+            .iter()
+            .filter(|r| r.contains("stand-in runner: task"))
+            .count()
+    }
+
+    fn objects(&self, rt: &ResourceType) -> usize {
+        self.fake.handle.objects(rt, None).len()
+    }
+
+    /// Waits until no Pod, capability Secret or identity entry is left on the cluster.
+    async fn nothing_left(&self) {
+        gdr_testkit::until(WAIT, "no Pod, Secret or entry left", || async {
+            self.objects(&ResourceType::pods()) == 0
+                && self.objects(&ResourceType::secrets()) == 0
+                && self.objects(&ResourceType::cluster_static_entries()) == 0
+        })
+        .await;
+    }
+
+    /// Pod creations the API server received (not the scheduler's `pods/<name>/binding`).
+    fn pod_creations(&self) -> usize {
+        let path = format!("POST /api/v1/namespaces/{NS}/pods");
+        self.fake
+            .handle
+            .requests()
+            .iter()
+            .filter(|r| *r == &path || r.starts_with(&format!("{path}?")))
+            .count()
+    }
+
+    fn pod(&self, job: JobId) -> Option<serde_json::Value> {
+        let task = self.mock.handle.job(job)?.task_id?;
+        self.fake
+            .handle
+            .object(&ResourceType::pods(), NS, &format!("gitea-task-{task}"))
+    }
+}
+
+/// DESIGN invariants 8–11 and 13: success, failure, a checkout (3 MB streamed through the
+/// facade's reverse proxy) and cancellation each run in a fresh Pod under its own SPIFFE identity,
+/// reach Gitea through the facade, and leave nothing behind; a profile label shapes its
+/// Pod; the profiles' labels are declared to Gitea.
+#[tokio::test(flavor = "multi_thread")]
+async fn jobs_run_in_fresh_pods_with_their_profile_and_every_result_reaches_gitea() {
+    let c = Chain::new(|f| f).await;
+    let mut controller = c.controller(None);
+    let ok = c.queue("ok", "[self-hosted, pod]", "standin:success");
+    let bad = c.queue("bad", "[self-hosted, pod]", "standin:failure");
+    let checkout = c.queue("checkout", "[self-hosted, pod]", "standin:checkout 3000000");
+    let hang = c.queue("hang", "[self-hosted, pod, large]", "standin:hang");
+    c.status(ok, Status::Success).await;
+    c.status(bad, Status::Failure).await;
+    c.status(checkout, Status::Success).await;
+    assert!(
+        c.log_rows(checkout)
+            .iter()
+            .any(|r| r == "checkout: received 3000000 bytes"),
+        "{:?}",
+        c.log_rows(checkout)
+    );
+    c.running(hang).await;
+    let pod = c.pod(hang).expect("the hanging job's Pod");
+    assert_eq!(pod["spec"]["nodeSelector"]["gdr.test/size"], "large");
+    assert_eq!(
+        pod["spec"]["containers"][0]["resources"]["limits"]["memory"],
+        "4Gi"
+    );
+    c.mock.handle.cancel_job(hang).unwrap();
+    c.status(hang, Status::Cancelled).await;
+    c.nothing_left().await;
+    assert_eq!(c.pod_creations(), 4, "one Pod per job");
+    let uuid = std::fs::read_to_string(c.fixture.path().join("secrets/uuid")).unwrap();
+    let runner = c.mock.handle.runner(uuid.trim()).unwrap();
+    assert_eq!(
+        runner.labels,
+        ["self-hosted", "pod", "gpu", "large"],
+        "the profiles' labels are declared"
+    );
+    let _ = controller.start_kill();
+}
+
+/// DESIGN invariant 12: a Pod that cannot pull its image is failed at the start deadline
+/// with `ImagePullBackOff` and the kubelet's message, in Gitea and in the controller's log;
+/// the mutable tag was warned about at start.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_image_that_cannot_be_pulled_fails_the_job_with_image_pull_back_off_and_its_message() {
+    let c = Chain::new(|f| {
+        f.set("executor_start_deadline", "4s").set(
+            "pod_profiles",
+            Value::Inline(r#"{ broken = { image = "registry.example/missing:latest" } }"#.into()),
+        )
+    })
+    .await;
+    let mut controller = c.controller(None);
+    let job = c.queue("pull", "[self-hosted, pod, broken]", "standin:success");
+    c.status(job, Status::Failure).await;
+    let rows = c.log_rows(job);
+    assert!(
+        rows.iter()
+            .any(|r| r.contains("did not start the job within 4s")
+                && r.contains(
+                    "ImagePullBackOff: Back-off pulling image \"registry.example/missing:latest\""
+                )),
+        "{rows:?}"
+    );
+    let log = c.fixture.log();
+    assert!(log.contains("ImagePullBackOff"), "{log}");
+    assert!(
+        log.contains("the image of Pod profile broken is a mutable tag"),
+        "{log}"
+    );
+    c.nothing_left().await;
+    let _ = controller.start_kill();
+}
+
+/// A job whose extra label selects no profile (the profile was removed while the job was
+/// queued), or two profiles, is failed in Gitea with a log row naming the labels, never
+/// left waiting; no Pod is created for either.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unknown_profile_label_or_two_profiles_fail_the_job_with_a_log_row_naming_them() {
+    let mut c = Chain::new(|f| {
+        f.set(
+            "pod_profiles",
+            Value::Inline(r#"{ retired = {}, large = {}, gpu = {} }"#.into()),
+        )
+    })
+    .await;
+    // The first controller knows profile `retired`, fetches and queues the job, and dies.
+    let mut first = c.controller(Some("after-publish"));
+    let retired = c.queue("old", "[self-hosted, pod, retired]", "standin:success");
+    c.killed_at_its_fail_point(&mut first).await;
+    c.fixture.replace(
+        "pod_profiles",
+        Value::Inline(r#"{ large = {}, gpu = {} }"#.into()),
+    );
+    let mut second = c.controller(None);
+    let both = c.queue("both", "[self-hosted, pod, large, gpu]", "standin:success");
+    c.status(retired, Status::Failure).await;
+    c.status(both, Status::Failure).await;
+    let rows = c.log_rows(retired);
+    assert!(
+        rows.iter()
+            .any(|r| r.contains("runs-on label \"retired\" selects no Pod profile")),
+        "{rows:?}"
+    );
+    let rows = c.log_rows(both);
+    assert!(
+        rows.iter()
+            .any(|r| r.contains("\"large\"") && r.contains("\"gpu\"")),
+        "{rows:?}"
+    );
+    assert_eq!(c.pod_creations(), 0);
+    assert_eq!(c.runs_of(retired) + c.runs_of(both), 0);
+    let _ = second.start_kill();
+}
+
+/// DESIGN invariant 12: a Pod deleted by someone else mid-job is failed in Gitea at once
+/// (the Pod watch wakes the lifecycle reconciler), not after an idle timeout, and its
+/// identity entry goes with it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_deleted_mid_job_fails_the_job_and_leaves_nothing() {
+    let c = Chain::new(|f| f).await;
+    let mut controller = c.controller(None);
+    let job = c.queue("victim", "[self-hosted, pod]", "standin:hang");
+    let task = c.running(job).await;
+    let pods: Api<Pod> = Api::namespaced(c.fake.client().unwrap(), NS);
+    pods.delete(&format!("gitea-task-{task}"), &DeleteParams::default())
+        .await
+        .unwrap();
+    c.status(job, Status::Failure).await;
+    let rows = c.log_rows(job);
+    assert!(
+        rows.iter()
+            .any(|r| r.contains("is gone from the pod backend (deleted by someone else")),
+        "{rows:?}"
+    );
+    c.nothing_left().await;
+    let _ = controller.start_kill();
+}
+
+/// DESIGN invariants 7 and 9: a controller SIGKILLed while a job runs, and again right
+/// after creating another job's Pod, adopts both Pods when it comes back (the claimed one
+/// from its labels, the unclaimed one by binding its identity): each job runs exactly
+/// once, in the one Pod created for it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_killed_controller_adopts_its_pods_on_restart_and_runs_nothing_twice() {
+    let c = Chain::new(|f| f).await;
+    let mut first = c.controller(None);
+    let long = c.queue("long", "[self-hosted, pod]", "standin:sleep 12000");
+    c.running(long).await;
+    first.start_kill().unwrap();
+    first.wait().await.unwrap();
+    assert_eq!(
+        c.objects(&ResourceType::pods()),
+        1,
+        "the Pod outlives the controller"
+    );
+
+    let mut second = c.controller(Some("after-create"));
+    let fresh = c.queue("fresh", "[self-hosted, pod]", "standin:success");
+    c.killed_at_its_fail_point(&mut second).await;
+    assert_eq!(c.objects(&ResourceType::pods()), 2);
+
+    let mut third = c.controller(None);
+    c.status(fresh, Status::Success).await;
+    c.status(long, Status::Success).await;
+    assert_eq!(c.runs_of(long), 1, "{:?}", c.log_rows(long));
+    assert_eq!(c.runs_of(fresh), 1, "{:?}", c.log_rows(fresh));
+    assert_eq!(c.pod_creations(), 2, "no job got a second Pod");
+    c.nothing_left().await;
+    let _ = third.start_kill();
+}
+
+/// DESIGN invariant 13: a job whose identity entry never binds (its parent is not the
+/// agent of the Pod's node) gets no SVID, reaches nothing, and is failed after
+/// `pod_identity_bind_deadline` with the executor's own error as the reason.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_job_whose_identity_is_never_bound_is_failed_with_the_executors_error() {
+    let c = Chain::new(|f| {
+        f.set(
+            "spire_agent_id",
+            format!("spiffe://{TRUST_DOMAIN}/spire/agent/k8s_psat/{CLUSTER}/another-node"),
+        )
+        .set("pod_identity_bind_deadline", "3s")
+    })
+    .await;
+    let mut controller = c.controller(None);
+    let job = c.queue("unbound", "[self-hosted, pod]", "standin:success");
+    c.status(job, Status::Failure).await;
+    let rows = c.log_rows(job);
+    assert!(
+        rows.iter()
+            .any(|r| r.contains("ended before its runner fetched the task")
+                && r.contains("gave no X.509-SVID")),
+        "{rows:?}"
+    );
+    assert_eq!(c.runs_of(job), 0);
+    c.nothing_left().await;
+    let _ = controller.start_kill();
+}
