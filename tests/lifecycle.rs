@@ -313,3 +313,55 @@ async fn a_failure_report_gitea_refuses_keeps_the_executor_for_the_next_pass() {
         }
     );
 }
+
+/// DESIGN invariant 12: a claimed executor that vanished from the backend (its Pod or
+/// sandbox deleted by someone else mid-job) is failed in Gitea with a reason saying so, and
+/// its slot is released; an unclaimed one that vanished is left to its worker, which still
+/// holds its assignment.
+#[tokio::test]
+async fn a_claimed_executor_deleted_by_someone_else_is_failed_in_gitea_and_its_slot_released() {
+    let s = setup().await;
+    let claimed = running_executor(&s, true).await;
+    let unclaimed = running_executor(&s, false).await;
+    s.dispatch.restore(&s.backend.records());
+    s.dispatch.offer(&unclaimed);
+    assert_eq!(s.dispatch.pool_usage(Backend::Pod), (2, 2));
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE);
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass::default()
+    );
+    // Someone else deletes both environments.
+    for a in [&claimed, &unclaimed] {
+        s.backend.delete(a.id()).await.expect("delete");
+    }
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            failed: 1,
+            ..Pass::default()
+        }
+    );
+    let task = s.mock.handle.task(claimed.id().task_id()).expect("task");
+    assert_eq!(
+        task.result,
+        gdr_proto::runner::v1::TaskResult::RESULT_FAILURE as i32
+    );
+    assert!(
+        task.log_rows.iter().any(|r| r.contains("environment is gone")),
+        "{:?}",
+        task.log_rows
+    );
+    assert_eq!(
+        s.dispatch.pool_usage(Backend::Pod),
+        (1, 2),
+        "the claimed executor's slot is released, the unclaimed one's is its worker's"
+    );
+    let other = s.mock.handle.task(unclaimed.id().task_id()).expect("task");
+    assert_eq!(other.result, 0, "the unclaimed task is not reported");
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass::default(),
+        "reported once"
+    );
+}

@@ -357,6 +357,16 @@ impl Dispatch {
         }
     }
 
+    /// The assignments of `backend` whose runner claimed its task and that are not
+    /// terminal, with their task IDs.
+    pub fn claimed(&self, backend: Backend) -> Vec<(AssignmentId, i64)> {
+        lock(&self.entries)
+            .iter()
+            .filter(|(_, e)| e.backend == backend && *e.state.borrow() == ClaimState::Claimed)
+            .map(|(id, e)| (id.clone(), e.task_id))
+            .collect()
+    }
+
     /// The facade heard from `id`'s runner just now.
     pub fn heard_from(&self, id: &AssignmentId) {
         lock(&self.heard).insert(id.clone(), Instant::now());

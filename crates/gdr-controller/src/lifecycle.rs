@@ -7,12 +7,18 @@
 //! Each pass looks at every executor; one that cannot be handled now (Gitea or the backend
 //! unavailable) is logged, counted and retried next pass, and never blocks the others.
 //!
+//! A claimed executor the backend does not have at all any more (a Pod or sandbox deleted
+//! by someone else, an expired sandbox) is failed as well: nothing else would ever report
+//! it, and its slot would stay taken.
+//!
 //! Executors that end before their runner claimed the task are the worker's to fail: the
 //! worker still holds their assignment.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use gdr_core::assignment::AssignmentId;
 use gdr_core::executor::{ExecutorBackend, ExecutorError, ExecutorRecord};
 
 use crate::backoff::Backoff;
@@ -84,14 +90,60 @@ impl Lifecycle {
     /// listed.
     pub async fn reconcile_once(&self) -> Result<Pass, ExecutorError> {
         let mut pass = Pass::default();
-        for record in self.backend.list().await? {
-            if let Err(e) = self.reconcile(&record, &mut pass).await {
+        let records = self.backend.list().await?;
+        for record in &records {
+            if let Err(e) = self.reconcile(record, &mut pass).await {
                 pass.errors += 1;
                 self.count(|m| &m.lifecycle_errors);
                 tracing::warn!(backend = %self.backend.backend(), assignment_id = %record.assignment.id(), executor = %record.name, error = %e, "lifecycle step failed; retrying next pass");
             }
         }
+        let listed: HashSet<&AssignmentId> = records.iter().map(|r| r.assignment.id()).collect();
+        for (id, task_id) in self.dispatch.claimed(self.backend.backend()) {
+            if listed.contains(&id) {
+                continue;
+            }
+            if let Err(e) = self.vanished(&id, task_id, &mut pass).await {
+                pass.errors += 1;
+                self.count(|m| &m.lifecycle_errors);
+                tracing::warn!(backend = %self.backend.backend(), assignment_id = %id, error = %e, "lifecycle step failed; retrying next pass");
+            }
+        }
         Ok(pass)
+    }
+
+    /// A claimed executor the backend no longer lists was deleted by someone else (a Pod
+    /// or sandbox removed by an operator, an expired sandbox) and will never report: fail
+    /// its task in Gitea (invariant 12), then forget it, releasing its slot.
+    async fn vanished(
+        &self,
+        id: &AssignmentId,
+        task_id: i64,
+        pass: &mut Pass,
+    ) -> Result<(), StepError> {
+        // A direct lookup confirms what the list said (a listing may lag a create).
+        if self
+            .backend
+            .find(id)
+            .await
+            .map_err(StepError::Backend)?
+            .is_some()
+        {
+            return Ok(());
+        }
+        let reason = "the job's environment is gone: it was deleted before the job reported a result";
+        tracing::error!(backend = %self.backend.backend(), assignment_id = %id, reason, "failing the task in Gitea");
+        match self
+            .gitea
+            .report_failure(task_id, reason, &REPORT_BACKOFF, REPORT_ATTEMPTS)
+            .await
+        {
+            Ok(Reported::Accepted | Reported::TaskGone) => {}
+            Err(e) => return Err(StepError::Report(e)),
+        }
+        self.dispatch.forget(self.backend.backend(), id);
+        pass.failed += 1;
+        Ok(())
     }
 
     fn count(
