@@ -220,6 +220,11 @@
     default = null;
     description = "An executor whose runner has not claimed its task by then is failed. Environment variable: EXECUTOR_START_DEADLINE. Default: 10m.";
   };
+  executor_idle_timeout = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "A claimed executor the facade has not heard from for this long is failed in Gitea (its runner died while its environment stayed up). Default: 5m. Environment variable: EXECUTOR_IDLE_TIMEOUT.";
+  };
   nats_server_binary = lib.mkOption {
     type = lib.types.nullOr lib.types.path;
     default = null;
@@ -310,9 +315,69 @@
     default = null;
     description = "OpenSandbox pool (extensions.poolRef) of VM executors. Environment variable: OPENSANDBOX_POOL. Default: ci-vm.";
   };
+  opensandbox_ca_file = lib.mkOption {
+    type = lib.types.nullOr lib.types.path;
+    default = null;
+    description = "PEM bundle of extra CAs trusted for an https OpenSandbox API (the system roots are always trusted). Default: unset. Environment variable: OPENSANDBOX_CA_FILE.";
+  };
+  opensandbox_request_timeout = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "Timeout of each OpenSandbox call except create. Default: 30s. Environment variable: OPENSANDBOX_REQUEST_TIMEOUT.";
+  };
+  opensandbox_create_timeout = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "Timeout of a sandbox create, which blocks until the VM runs; keep it above the server's sandbox_create_timeout_seconds (60s). Default: 1m 30s. Environment variable: OPENSANDBOX_CREATE_TIMEOUT.";
+  };
+  vm_entrypoint = lib.mkOption {
+    type = lib.types.nullOr (lib.types.listOf lib.types.str);
+    default = null;
+    description = "Command a VM sandbox runs (a path inside the pool's image, then its arguments). Default: /usr/local/bin/gitea-dynamic-runner,executor. Environment variable: VM_ENTRYPOINT.";
+  };
+  vm_executor_env = lib.mkOption {
+    type = lib.types.nullOr (lib.types.listOf lib.types.str);
+    default = null;
+    description = "Extra environment of VM executors as NAME=value items (e.g. SPIFFE_ENDPOINT_SOCKET of the SPIRE agent in the VM); the CI_* variables of the assignment cannot be set here. Default: none. Environment variable: VM_EXECUTOR_ENV.";
+  };
   vm_timeout_seconds = lib.mkOption {
     type = lib.types.nullOr lib.types.int;
     default = null;
     description = "Lifetime of a VM sandbox in seconds. Environment variable: VM_TIMEOUT_SECONDS. Default: 14400.";
+  };
+  vm_renew_before = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "Extend a running sandbox's expiry once it is closer than this; below vm_timeout_seconds. Default: 10m. Environment variable: VM_RENEW_BEFORE.";
+  };
+  spire_cluster_name = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "SPIRE k8s_psat cluster name of the sandbox cluster (sandbox-identity). Default: sandbox-kata. Environment variable: SPIRE_CLUSTER_NAME.";
+  };
+  spire_class_name = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "className of the ClusterStaticEntries sandbox-identity writes. Default: spire-mgmt-spire. Environment variable: SPIRE_CLASS_NAME.";
+  };
+  opensandbox_namespace = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "Namespace of the OpenSandbox BatchSandboxes and their Pods (sandbox-identity). Default: opensandbox. Environment variable: OPENSANDBOX_NAMESPACE.";
+  };
+  runner_uid = lib.mkOption {
+    type = lib.types.nullOr lib.types.int;
+    default = null;
+    description = "UID the executor runs as inside the VM: the unix:uid selector of sandbox-identity's entries. Default: 2000. Environment variable: RUNNER_UID.";
+  };
+  sandbox_identity_resync = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "sandbox-identity reconciles at least this often, besides on every watch event. Default: 30s. Environment variable: SANDBOX_IDENTITY_RESYNC.";
+  };
+  sandbox_identity_lease_name = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "Name of the Lease sandbox-identity replicas elect their leader with. Default: gitea-dynamic-runner-sandbox-identity. Environment variable: SANDBOX_IDENTITY_LEASE_NAME.";
   };
 }

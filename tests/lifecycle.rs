@@ -348,7 +348,9 @@ async fn a_claimed_executor_deleted_by_someone_else_is_failed_in_gitea_and_its_s
         gdr_proto::runner::v1::TaskResult::RESULT_FAILURE as i32
     );
     assert!(
-        task.log_rows.iter().any(|r| r.contains("environment is gone")),
+        task.log_rows
+            .iter()
+            .any(|r| r.contains("environment is gone")),
         "{:?}",
         task.log_rows
     );

@@ -131,7 +131,8 @@ impl Lifecycle {
         {
             return Ok(());
         }
-        let reason = "the job's environment is gone: it was deleted before the job reported a result";
+        let reason =
+            "the job's environment is gone: it was deleted before the job reported a result";
         tracing::error!(backend = %self.backend.backend(), assignment_id = %id, reason, "failing the task in Gitea");
         match self
             .gitea

@@ -152,8 +152,27 @@ impl Metrics {
 
     /// OpenMetrics text.
     pub fn encode(&self) -> String {
+        Exposition::encode(&self.registry)
+    }
+}
+
+/// What `/metrics` serves: the controller's [`Metrics`], or a plain [`Registry`] (the
+/// `sandbox-identity` subcommand's).
+pub trait Exposition: Send + Sync + 'static {
+    /// OpenMetrics text.
+    fn encode(&self) -> String;
+}
+
+impl Exposition for Metrics {
+    fn encode(&self) -> String {
+        Metrics::encode(self)
+    }
+}
+
+impl Exposition for Registry {
+    fn encode(&self) -> String {
         let mut out = String::new();
-        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+        if prometheus_client::encoding::text::encode(&mut out, self).is_err() {
             out.clear();
         }
         out
@@ -178,19 +197,27 @@ impl Readiness {
     }
 }
 
-#[derive(Clone)]
-struct HealthState {
-    metrics: Arc<Metrics>,
+struct HealthState<M> {
+    metrics: Arc<M>,
     readiness: Arc<Readiness>,
 }
 
+impl<M> Clone for HealthState<M> {
+    fn clone(&self) -> Self {
+        HealthState {
+            metrics: self.metrics.clone(),
+            readiness: self.readiness.clone(),
+        }
+    }
+}
+
 /// The health and metrics router.
-pub fn router(metrics: Arc<Metrics>, readiness: Arc<Readiness>) -> axum::Router {
+pub fn router<M: Exposition>(metrics: Arc<M>, readiness: Arc<Readiness>) -> axum::Router {
     axum::Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route(
             "/readyz",
-            get(|State(s): State<HealthState>| async move {
+            get(|State(s): State<HealthState<M>>| async move {
                 if s.readiness.get() {
                     (StatusCode::OK, "ready\n")
                 } else {
@@ -203,7 +230,7 @@ pub fn router(metrics: Arc<Metrics>, readiness: Arc<Readiness>) -> axum::Router 
         )
         .route(
             "/metrics",
-            get(|State(s): State<HealthState>| async move {
+            get(|State(s): State<HealthState<M>>| async move {
                 (
                     [(
                         header::CONTENT_TYPE,
@@ -218,9 +245,9 @@ pub fn router(metrics: Arc<Metrics>, readiness: Arc<Readiness>) -> axum::Router 
 }
 
 /// Serves the health router until `shutdown` resolves.
-pub async fn serve(
+pub async fn serve<M: Exposition>(
     listener: tokio::net::TcpListener,
-    metrics: Arc<Metrics>,
+    metrics: Arc<M>,
     readiness: Arc<Readiness>,
     shutdown: Shutdown,
 ) -> std::io::Result<()> {

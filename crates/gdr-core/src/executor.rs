@@ -37,6 +37,17 @@ pub mod env {
     pub const RUNNER_LABEL: &str = "CI_RUNNER_LABEL";
     /// The SPIFFE Workload API socket.
     pub const SPIFFE_ENDPOINT_SOCKET: &str = "SPIFFE_ENDPOINT_SOCKET";
+    /// The variables [`ExecutorSpec::environment`](super::ExecutorSpec::environment) sets
+    /// from the assignment; configuration may not set them.
+    pub const ASSIGNMENT: [&str; 7] = [
+        ASSIGNMENT_ID,
+        CAPABILITY,
+        FACADE_URL,
+        FACADE_SPIFFE_ID,
+        SPIFFE_ID,
+        BACKEND,
+        RUNNER_LABEL,
+    ];
 }
 
 /// Everything a backend needs to start one executor.
@@ -85,18 +96,17 @@ impl ExecutorSpec {
     /// The executor's `CI_*` environment (the capability included: it is what the
     /// executor authenticates with; it is never logged).
     pub fn environment(&self) -> BTreeMap<&'static str, String> {
-        BTreeMap::from([
-            (env::ASSIGNMENT_ID, self.assignment.id().as_str().to_owned()),
-            (env::CAPABILITY, self.capability.expose().to_owned()),
-            (env::FACADE_URL, self.facade_url.clone()),
-            (env::FACADE_SPIFFE_ID, self.facade_spiffe_id.clone()),
-            (
-                env::SPIFFE_ID,
-                self.assignment.identity().spiffe_id().to_owned(),
-            ),
-            (env::BACKEND, self.assignment.backend().as_str().to_owned()),
-            (env::RUNNER_LABEL, self.runner_label.clone()),
-        ])
+        // In the order of `env::ASSIGNMENT`, which configuration may therefore not set.
+        let values = [
+            self.assignment.id().as_str().to_owned(),
+            self.capability.expose().to_owned(),
+            self.facade_url.clone(),
+            self.facade_spiffe_id.clone(),
+            self.assignment.identity().spiffe_id().to_owned(),
+            self.assignment.backend().as_str().to_owned(),
+            self.runner_label.clone(),
+        ];
+        env::ASSIGNMENT.into_iter().zip(values).collect()
     }
 }
 

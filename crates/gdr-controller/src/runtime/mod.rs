@@ -8,6 +8,7 @@
 //! the process exits non-zero.
 
 mod embedded_nats;
+pub mod sandbox_identity;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -16,6 +17,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 pub use embedded_nats::EmbeddedNats;
+use gdr_backends::opensandbox::{ApiKey, ClientSettings, OpenSandboxBackend};
 use gdr_backends::process::{ProcessBackend, ProcessBackendSettings};
 use gdr_core::assignment::{DerivationPolicy, TaskKey, TaskKeyring};
 use gdr_core::backend::Backend;
@@ -36,7 +38,8 @@ use crate::queue::{self, ConsumerSettings, StreamSettings};
 use crate::scheduler::{Heartbeater, Scheduler, SchedulerStats};
 use crate::settings::{
     self, BackendSettings, GiteaSettings, IdentitySource, LeaderSettings, NatsAuth, NatsServer,
-    NatsSettings, PodBackend, ProcessSettings, Settings, TaskKeyFiles, VmBackend, read_secret_file,
+    NatsSettings, OpenSandboxSettings, PodBackend, ProcessSettings, Settings, TaskKeyFiles,
+    VmBackend, read_secret_file,
 };
 use crate::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use crate::worker::{Worker, WorkerSettings};
@@ -627,11 +630,8 @@ fn backends(
             VmBackend::Process(process) => {
                 Arc::new(process_backend(Backend::Vm, &process, wiring)?)
             }
-            VmBackend::OpenSandbox(_) => {
-                return Err(setup("building the vm backend")(NotSupported {
-                    backend: Backend::Vm,
-                    kind: "opensandbox",
-                }));
+            VmBackend::OpenSandbox(opensandbox) => {
+                Arc::new(opensandbox_backend(*opensandbox, wiring)?)
             }
         };
         out.push((adapter, slots));
@@ -667,6 +667,57 @@ fn process_backend(
         stop_grace: PROCESS_STOP_GRACE,
     };
     ProcessBackend::new(settings, identity).map_err(setup("building the process backend"))
+}
+
+/// The VM backend: the API key is read once, here; the TLS configuration is the shared one
+/// (system roots plus `opensandbox_ca_file`).
+fn opensandbox_backend(
+    settings: OpenSandboxSettings,
+    wiring: &Wiring<'_>,
+) -> Result<OpenSandboxBackend, RuntimeError> {
+    let OpenSandboxSettings {
+        api,
+        api_key_file,
+        ca_file,
+        pool,
+        request_timeout,
+        create_timeout,
+        entrypoint,
+        executor_env,
+        timeout,
+        renew_before,
+    } = settings;
+    let key = read_secret_file("opensandbox_api_key_file", &api_key_file)
+        .map_err(setup("reading the OpenSandbox API key"))?;
+    let key = ApiKey::from_file_contents(&key).map_err(|e| {
+        step("opensandbox_api_key_file")(format!("{}: {e}", api_key_file.display()).into())
+    })?;
+    let extra_ca = match &ca_file {
+        Some(p) => Some(std::fs::read(p).map_err(|e| {
+            step("opensandbox_ca_file")(format!("cannot read {}: {e}", p.display()).into())
+        })?),
+        None => None,
+    };
+    let tls = crate::client_tls::client_config(
+        "opensandbox_ca_file",
+        extra_ca.as_deref(),
+        api.scheme() == "https",
+    )
+    .map_err(setup("building the OpenSandbox TLS configuration"))?;
+    let mut client = ClientSettings::new(api);
+    client.request_timeout = request_timeout;
+    client.create_timeout = create_timeout;
+    let mut backend = gdr_backends::opensandbox::OpenSandboxSettings::new(
+        client,
+        pool,
+        wiring.codec.clone(),
+        wiring.policy.trust_domain.clone(),
+    );
+    backend.entrypoint = entrypoint;
+    backend.extra_env = executor_env;
+    backend.timeout = timeout;
+    backend.renew_before = renew_before;
+    OpenSandboxBackend::connect(backend, &key, tls).map_err(setup("building the vm backend"))
 }
 
 async fn restore(
