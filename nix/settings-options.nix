@@ -350,6 +350,11 @@
     default = null;
     description = "Extend a running sandbox's expiry once it is closer than this; below vm_timeout_seconds. Default: 10m. Environment variable: VM_RENEW_BEFORE.";
   };
+  vm_terminal_grace = lib.mkOption {
+    type = lib.types.nullOr lib.types.str;
+    default = null;
+    description = "A VM sandbox whose job's result Gitea accepted is deleted this long after the controller saw its terminal marker (OpenSandbox keeps an exited sandbox Running). Environment variable: VM_TERMINAL_GRACE. Default: 15s.";
+  };
   spire_cluster_name = lib.mkOption {
     type = lib.types.nullOr lib.types.str;
     default = null;

@@ -14,9 +14,9 @@
 //! Executors that end before their runner claimed the task are the worker's to fail: the
 //! worker still holds their assignment.
 
-use std::collections::HashSet;
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use gdr_core::assignment::AssignmentId;
 use gdr_core::executor::{ExecutorBackend, ExecutorError, ExecutorRecord};
@@ -52,6 +52,11 @@ enum StepError {
     Backend(#[source] ExecutorError),
 }
 
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Plain data updated in single steps: a poisoned lock is still consistent.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Reconciles one backend's executors.
 pub struct Lifecycle {
     dispatch: Arc<Dispatch>,
@@ -59,6 +64,9 @@ pub struct Lifecycle {
     gitea: GiteaClient,
     idle_timeout: Duration,
     metrics: Option<Arc<crate::metrics::Metrics>>,
+    terminal_grace: Option<Duration>,
+    /// When each terminal, still running executor was first seen (for `terminal_grace`).
+    terminal_since: Mutex<HashMap<AssignmentId, Instant>>,
 }
 
 impl Lifecycle {
@@ -76,7 +84,20 @@ impl Lifecycle {
             gitea,
             idle_timeout,
             metrics: None,
+            terminal_grace: None,
+            terminal_since: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// For a backend that cannot see its executor exit (OpenSandbox keeps a sandbox
+    /// `Running` after its process ended): a terminal executor still running `grace` after
+    /// this reconciler first saw it terminal is deleted anyway. Its runner had its answer
+    /// before the marker was written (invariant 10), so this only bounds how long the
+    /// environment outlives its job.
+    #[must_use]
+    pub fn with_terminal_grace(mut self, grace: Duration) -> Self {
+        self.terminal_grace = Some(grace);
+        self
     }
 
     /// Counts errors and idle failures into `metrics`.
@@ -99,6 +120,7 @@ impl Lifecycle {
             }
         }
         let listed: HashSet<&AssignmentId> = records.iter().map(|r| r.assignment.id()).collect();
+        lock(&self.terminal_since).retain(|id, _| listed.contains(id));
         for (id, task_id) in self.dispatch.claimed(self.backend.backend()) {
             if listed.contains(&id) {
                 continue;
@@ -172,7 +194,7 @@ impl Lifecycle {
         if record.terminal {
             // Invariant 10: the result is in Gitea; delete once the runner has its answer
             // (it has finished) — or at once if it never claimed (failed by the worker).
-            if finished || !record.claimed {
+            if finished || !record.claimed || self.grace_over(id) {
                 self.delete(record).await?;
                 pass.deleted += 1;
             }
@@ -236,9 +258,26 @@ impl Lifecycle {
         Ok(())
     }
 
+    /// Whether the terminal executor `id` has outlived the terminal grace.
+    fn grace_over(&self, id: &AssignmentId) -> bool {
+        let Some(grace) = self.terminal_grace else {
+            return false;
+        };
+        let over = lock(&self.terminal_since)
+            .entry(id.clone())
+            .or_insert_with(Instant::now)
+            .elapsed()
+            >= grace;
+        if over {
+            tracing::info!(backend = %self.backend.backend(), assignment_id = %id, ?grace, "the job's result is in Gitea and its environment is still up after the terminal grace; deleting it");
+        }
+        over
+    }
+
     async fn delete(&self, record: &ExecutorRecord) -> Result<(), StepError> {
         let id = record.assignment.id();
         self.backend.delete(id).await.map_err(StepError::Backend)?;
+        lock(&self.terminal_since).remove(id);
         self.dispatch.forget(self.backend.backend(), id);
         tracing::info!(backend = %self.backend.backend(), assignment_id = %id, executor = %record.name, "executor deleted");
         Ok(())

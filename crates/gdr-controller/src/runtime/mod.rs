@@ -179,6 +179,7 @@ pub async fn run(
     // Backend state (executors, identities) is touched only by the leader: a standby must
     // not re-serve or re-adopt what the leader owns.
     let local = local_identity(&identity, &state_dir, &policy)?;
+    let vm_terminal_grace = vm.as_ref().and_then(terminal_grace);
     let backends = backends(
         pod,
         vm,
@@ -279,13 +280,16 @@ pub async fn run(
             worker.run(consumer, stop).await;
             ("worker", Ok(()))
         });
-        let lifecycle = Lifecycle::new(
+        let mut lifecycle = Lifecycle::new(
             dispatch.clone(),
             adapter,
             gitea_client.clone(),
             executors.idle_timeout,
         )
         .with_metrics(metrics.clone());
+        if let (Backend::Vm, Some(grace)) = (backend, vm_terminal_grace) {
+            lifecycle = lifecycle.with_terminal_grace(grace);
+        }
         let stop = work_shutdown.clone();
         tasks.spawn(async move {
             lifecycle.run(LIFECYCLE_INTERVAL, stop).await;
@@ -669,6 +673,14 @@ fn process_backend(
     ProcessBackend::new(settings, identity).map_err(setup("building the process backend"))
 }
 
+/// How long a terminal VM may keep running: only OpenSandbox cannot see its executor exit.
+fn terminal_grace(vm: &BackendSettings<VmBackend>) -> Option<Duration> {
+    match &vm.kind {
+        VmBackend::OpenSandbox(o) => Some(o.terminal_grace),
+        VmBackend::Process(_) => None,
+    }
+}
+
 /// The VM backend: the API key is read once, here; the TLS configuration is the shared one
 /// (system roots plus `opensandbox_ca_file`).
 fn opensandbox_backend(
@@ -686,6 +698,8 @@ fn opensandbox_backend(
         executor_env,
         timeout,
         renew_before,
+        // Read by the lifecycle reconciler ([`terminal_grace`]).
+        terminal_grace: _,
     } = settings;
     let key = read_secret_file("opensandbox_api_key_file", &api_key_file)
         .map_err(setup("reading the OpenSandbox API key"))?;

@@ -288,6 +288,11 @@ keys! {
     /// Extend a running sandbox's expiry (by `vm_timeout_seconds`) once it is closer than
     /// this; below `vm_timeout_seconds`.
     vm_renew_before: Secs = Secs::from_secs(600);
+    /// A VM sandbox whose job's result Gitea accepted is deleted this long after the
+    /// controller saw its terminal marker: OpenSandbox keeps a sandbox `Running` after its
+    /// executor exited, so the exit cannot be waited for. The runner has its answer before
+    /// the marker is written; this only gives the executor time to exit cleanly.
+    vm_terminal_grace: Secs = Secs::from_secs(15);
 
     // --- spire ---
     /// SPIRE k8s_psat cluster name of the sandbox cluster: the in-VM agents' parent ID is

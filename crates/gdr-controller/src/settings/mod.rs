@@ -339,6 +339,8 @@ pub struct OpenSandboxSettings {
     pub timeout: Duration,
     /// Renew an expiry closer than this (`vm_renew_before`).
     pub renew_before: Duration,
+    /// Delete a terminal sandbox this long after its marker was seen (`vm_terminal_grace`).
+    pub terminal_grace: Duration,
 }
 
 /// The server's lower bound on a sandbox lifetime.
@@ -564,6 +566,7 @@ impl TryFrom<Raw> for Settings {
             vm_executor_env,
             vm_timeout_seconds,
             vm_renew_before,
+            vm_terminal_grace,
             // Read by `sandbox-identity` only ([`SandboxIdentitySettings::load`]).
             spire_cluster_name: _,
             spire_class_name: _,
@@ -747,6 +750,7 @@ impl TryFrom<Raw> for Settings {
                     executor_env: vm_executor_env.0,
                     timeout_seconds: vm_timeout_seconds,
                     renew_before: vm_renew_before.0,
+                    terminal_grace: vm_terminal_grace.0,
                 },
             )
             .map(|o| VmBackend::OpenSandbox(Box::new(o))),
@@ -925,6 +929,7 @@ struct OpenSandboxKeys {
     executor_env: Vec<String>,
     timeout_seconds: u64,
     renew_before: Duration,
+    terminal_grace: Duration,
 }
 
 fn opensandbox_settings(check: &mut Check, keys: OpenSandboxKeys) -> Option<OpenSandboxSettings> {
@@ -940,6 +945,7 @@ fn opensandbox_settings(check: &mut Check, keys: OpenSandboxKeys) -> Option<Open
         executor_env,
         timeout_seconds,
         renew_before,
+        terminal_grace,
     } = keys;
     let api = check
         .required("opensandbox_api", api, WHY)
@@ -1014,6 +1020,7 @@ fn opensandbox_settings(check: &mut Check, keys: OpenSandboxKeys) -> Option<Open
         executor_env: env,
         timeout,
         renew_before,
+        terminal_grace,
     })
 }
 

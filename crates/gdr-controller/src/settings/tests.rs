@@ -454,6 +454,7 @@ fn the_vm_backend_keys_reach_the_opensandbox_settings_with_their_defaults() {
     assert!(o.executor_env.is_empty());
     assert_eq!(o.timeout, Duration::from_secs(4 * 3600));
     assert_eq!(o.renew_before, Duration::from_secs(600));
+    assert_eq!(o.terminal_grace, Duration::from_secs(15));
     let o = opensandbox_settings(&[
         "opensandbox_pool=kata-small",
         "opensandbox_ca_file=/etc/osb-ca.pem",
@@ -462,6 +463,7 @@ fn the_vm_backend_keys_reach_the_opensandbox_settings_with_their_defaults() {
         "vm_executor_env=SPIFFE_ENDPOINT_SOCKET=unix:///run/spire/agent.sock,GITEA_RUNNER_BINARY=/opt/runner",
         "vm_timeout_seconds=3600",
         "vm_renew_before=5m",
+        "vm_terminal_grace=1s",
     ])
     .unwrap();
     assert_eq!(o.pool, "kata-small");
@@ -478,6 +480,7 @@ fn the_vm_backend_keys_reach_the_opensandbox_settings_with_their_defaults() {
     assert_eq!(o.executor_env["GITEA_RUNNER_BINARY"], "/opt/runner");
     assert_eq!(o.timeout, Duration::from_secs(3600));
     assert_eq!(o.renew_before, Duration::from_secs(300));
+    assert_eq!(o.terminal_grace, Duration::from_secs(1));
 }
 
 #[test]
