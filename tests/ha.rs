@@ -88,13 +88,7 @@ async fn exactly_one_replica_leads_and_killing_it_hands_over_without_losing_or_r
         .set("leader_election", true)
         .set("lease_duration", "3s")
         .set("nats_ack_wait", "5s");
-    let kubeconfig = fixture.file(
-        "kubeconfig",
-        &format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: gitea-actions\ncurrent-context: fake\nusers:\n- name: fake\n  user: {{}}\n",
-            kube.url
-        ),
-    );
+    let kubeconfig = fixture.file("kubeconfig", &kube.kubeconfig("gitea-actions"));
     let kubeconfig = kubeconfig.display().to_string();
     let mut replicas = Vec::new();
     for name in ["replica-a", "replica-b"] {

@@ -409,6 +409,15 @@ impl RunningFakeKube {
         kube::Client::try_from(kube::Config::new(url))
     }
 
+    /// A kubeconfig for this server (default namespace `namespace`), for a process that
+    /// finds the cluster through `KUBECONFIG`.
+    pub fn kubeconfig(&self, namespace: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: {namespace}\ncurrent-context: fake\nusers:\n- name: fake\n  user: {{}}\n",
+            self.url
+        )
+    }
+
     /// Makes the server unreachable: the listener closes (new connections are refused) and
     /// every open connection is reset, as when a client loses the network to the API server.
     pub async fn stop(&mut self) {
