@@ -32,7 +32,7 @@ use crate::fake_kubelet::kill_group;
 use crate::opensandbox::{Control, SandboxInfo};
 
 /// How often the host looks at the cluster (the Python cluster has no watch API).
-const POLL: Duration = Duration::from_millis(50);
+const POLL: Duration = Duration::from_millis(100);
 /// The bootstrap the server wraps every entrypoint in (`exec bootstrap.sh <entrypoint…>`);
 /// execd is not here, so the entrypoint is run directly.
 const BOOTSTRAP: &str = "exec /opt/opensandbox/bootstrap.sh ";
