@@ -18,7 +18,7 @@ validate() { python3 -c 'import sys; from kubernetes_validate.__main__ import ma
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 status=0
-for dir in deploy/kubernetes/base deploy/kubernetes/overlays/*/; do
+for dir in deploy/kubernetes/base deploy/kubernetes/overlays/*/ deploy/kubernetes/sandbox-identity; do
   dir="${dir%/}"
   name="$(echo "$dir" | tr / -)"
   kubectl kustomize "$dir" > "$out/$name.yaml"

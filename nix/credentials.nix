@@ -28,5 +28,6 @@
     "gitea_runner_uuid_file"
     "gitea_ca_file"
     "nats_ca_file"
+    "opensandbox_ca_file"
   ];
 }

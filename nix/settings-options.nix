@@ -184,7 +184,7 @@ in
   health_listen = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "Listen address of the health listener: `/healthz`, `/readyz`, `/metrics`, the `/status` JSON and the status page at `/` (read-only; shows repository and job names). Default: `127.0.0.1:9090 without nats_url (single host), else 0.0.0.0:9090`.";
+    description = "Listen address of the health listener: `/healthz`, `/readyz`, `/metrics`, the `/status` JSON and the status page at `/` (read-only; shows repository and job names). Default: `127.0.0.1:9090 without nats_url (single host), else 0.0.0.0:9090; sandbox-identity: 0.0.0.0:9090`.";
   };
   state_dir = mkOption {
     type = types.nullOr (types.str);
@@ -384,22 +384,87 @@ in
   opensandbox_api = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "OpenSandbox Lifecycle API base URL (required for the opensandbox vm backend).";
+    description = "OpenSandbox Lifecycle API base URL including the version, e.g. `https://opensandbox.example.org/v1` (required for the opensandbox vm backend).";
   };
   opensandbox_api_key_file = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "File holding the OpenSandbox API key (required for the opensandbox vm backend). Use the matching credential option instead of setting it here.";
+    description = "File holding the OpenSandbox API key, sent as `OPEN-SANDBOX-API-KEY` (required for the opensandbox vm backend; read once at start). Use the matching credential option instead of setting it here.";
   };
   opensandbox_pool = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "OpenSandbox pool (`extensions.poolRef`) of VM executors. Default: `ci-vm`.";
+    description = "OpenSandbox pool (`extensions.poolRef`) every VM executor comes from; its image must hold `vm_entrypoint`. Default: `ci-vm`.";
+  };
+  opensandbox_ca_file = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "PEM bundle of extra CAs trusted for an https OpenSandbox API (the system roots are always trusted).";
+  };
+  opensandbox_request_timeout = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "Timeout of each OpenSandbox call except create (get, list, patch, renew, delete). Default: `30s`.";
+  };
+  opensandbox_create_timeout = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "Timeout of a sandbox create, which blocks until the VM runs: keep it above the server's `sandbox_create_timeout_seconds` (60s by default) so the server's own answer arrives (504: it gave up and deleted the sandbox; 429: the pool is full). Default: `1m 30s`.";
+  };
+  vm_entrypoint = mkOption {
+    type = types.nullOr (types.either types.str (types.listOf types.str));
+    default = null;
+    description = "Command a VM sandbox runs (a path inside the pool's image, then its arguments). Default: `/usr/local/bin/gitea-dynamic-runner,executor`.";
+  };
+  vm_executor_env = mkOption {
+    type = types.nullOr (types.either types.str (types.listOf types.str));
+    default = null;
+    description = "Extra environment of VM executors as `NAME=value` items, e.g. `SPIFFE_ENDPOINT_SOCKET=unix:///run/spire/agent.sock` (the SPIRE agent in the VM) and `GITEA_RUNNER_BINARY=…`. The `CI_*` variables of the assignment cannot be set here. In the environment or `--set`, items are separated by commas. Default: ``.";
   };
   vm_timeout_seconds = mkOption {
     type = types.nullOr (types.ints.unsigned);
     default = null;
-    description = "Lifetime of a VM sandbox in seconds. Default: `14400`.";
+    description = "Lifetime of a VM sandbox in seconds (at least 60); renewed while its job runs. Default: `14400`.";
+  };
+  vm_renew_before = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "Extend a running sandbox's expiry (by `vm_timeout_seconds`) once it is closer than this; below `vm_timeout_seconds`. Default: `10m`.";
+  };
+  vm_terminal_grace = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "A VM sandbox whose job's result Gitea accepted is deleted this long after the controller saw its terminal marker: OpenSandbox keeps a sandbox `Running` after its executor exited, so the exit cannot be waited for. The runner has its answer before the marker is written; this only gives the executor time to exit cleanly. Default: `15s`.";
+  };
+  spire_cluster_name = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "SPIRE k8s_psat cluster name of the sandbox cluster: the in-VM agents' parent ID is `spiffe://<trust_domain>/spire/agent/k8s_psat/<cluster>/pod/<Pod UID>` (`sandbox-identity`). Default: `sandbox-kata`.";
+  };
+  spire_class_name = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "`className` of the ClusterStaticEntries `sandbox-identity` writes (must match the sandbox cluster's SPIRE controller manager, which ignores other classes). Default: `spire-mgmt-spire`.";
+  };
+  opensandbox_namespace = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "Namespace of the OpenSandbox BatchSandboxes and their Pods (`sandbox-identity`). Default: `opensandbox`.";
+  };
+  runner_uid = mkOption {
+    type = types.nullOr (types.ints.unsigned);
+    default = null;
+    description = "UID the executor runs as inside the VM: the `unix:uid` selector of the entries `sandbox-identity` writes. Default: `2000`.";
+  };
+  sandbox_identity_resync = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "`sandbox-identity` reconciles at least this often, besides on every watch event. Default: `30s`.";
+  };
+  sandbox_identity_lease_name = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "Name of the Lease `sandbox-identity` replicas elect their leader with (in `lease_namespace`, with `leader_election`). Default: `gitea-dynamic-runner-sandbox-identity`.";
   };
   runner_facade_max_connections = mkOption {
     type = types.nullOr (types.ints.unsigned);

@@ -26,10 +26,7 @@ fn main() -> ExitCode {
         Command::Controller(args) => controller(&args),
         Command::Executor => executor(),
         Command::ExecBoundToParent(args) => cli::exec_bound_to_parent(args),
-        Command::SandboxIdentity => {
-            eprintln!("gitea-dynamic-runner sandbox-identity: not implemented yet");
-            ExitCode::from(2)
-        }
+        Command::SandboxIdentity(args) => sandbox_identity(&args),
     }
 }
 
@@ -38,39 +35,61 @@ fn controller(args: &ConfigArgs) -> ExitCode {
         Ok(s) => s,
         Err(code) => return code,
     };
-    let tokio = match tokio::runtime::Runtime::new() {
-        Ok(r) => r,
-        Err(e) => return cli::fail(e),
-    };
-    tokio.block_on(async move {
+    block_on(async move {
         let facade_addr = settings.scheduler.as_ref().map_or_else(
             // No scheduler, no facade: an ephemeral loopback port nothing dials.
             || "127.0.0.1:0".to_owned(),
             |s| s.facade.listen.clone(),
         );
         let mut inherited = listenfd::ListenFd::from_env();
-        let listeners = match (
-            listen(&mut inherited, "facade", &facade_addr).await,
-            listen(&mut inherited, "health", &settings.health_listen).await,
-        ) {
-            (Ok(facade), Ok(health)) => Listeners { facade, health },
-            (Err(e), _) | (_, Err(e)) => return cli::fail(e),
+        let listeners = Listeners {
+            facade: listen(&mut inherited, "facade:health", "facade", &facade_addr).await?,
+            health: listen(
+                &mut inherited,
+                "facade:health",
+                "health",
+                &settings.health_listen,
+            )
+            .await?,
         };
-        match runtime::run(settings, listeners, signalled()).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => cli::fail(e),
-        }
+        runtime::run(settings, listeners, signalled())
+            .await
+            .map_err(|e| e.to_string())
     })
 }
 
+fn sandbox_identity(args: &ConfigArgs) -> ExitCode {
+    let settings = match cli::sandbox_identity_settings(args) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    block_on(async move {
+        let mut inherited = listenfd::ListenFd::from_env();
+        let health = listen(&mut inherited, "health", "health", &settings.health_listen).await?;
+        runtime::sandbox_identity::run(settings, health, signalled())
+            .await
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// Runs `work` on a new tokio runtime; an error is printed and fails.
+fn block_on(work: impl Future<Output = Result<(), String>>) -> ExitCode {
+    match tokio::runtime::Runtime::new().map(|tokio| tokio.block_on(work)) {
+        Ok(Ok(())) => ExitCode::SUCCESS,
+        Ok(Err(e)) => cli::fail(e),
+        Err(e) => cli::fail(e),
+    }
+}
+
 /// The listener named `name` handed over by socket activation (`LISTEN_FDS`, named by
-/// `LISTEN_FDNAMES`, else facade then health), or a new one bound on `addr`.
+/// `LISTEN_FDNAMES`, else by `default_names`), or a new one bound on `addr`.
 async fn listen(
     inherited: &mut listenfd::ListenFd,
+    default_names: &str,
     name: &str,
     addr: &str,
 ) -> Result<tokio::net::TcpListener, String> {
-    let names = std::env::var("LISTEN_FDNAMES").unwrap_or_else(|_| "facade:health".into());
+    let names = std::env::var("LISTEN_FDNAMES").unwrap_or_else(|_| default_names.into());
     if let Some(index) = names.split(':').position(|n| n == name)
         && let Some(std) = inherited
             .take_tcp_listener(index)

@@ -130,12 +130,26 @@ fn status_against_something_that_is_not_a_controller_names_the_url_and_fails() {
 /// No DESIGN invariant (operator interface): a subcommand that is not implemented yet says so
 /// and exits 2 instead of pretending to work.
 #[test]
-fn a_subcommand_that_has_not_landed_says_so_and_fails() {
-    let out = run(&["sandbox-identity"]);
-    assert_eq!(out.status.code(), Some(2));
-    assert_eq!(
-        text(&out.stderr).trim(),
-        "gitea-dynamic-runner sandbox-identity: not implemented yet"
+fn sandbox_identity_without_its_settings_names_the_missing_key_and_fails() {
+    let out = run(&[
+        "sandbox-identity",
+        "--set",
+        "opensandbox_namespace=Bad_Name",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("trust_domain (TRUST_DOMAIN): is required"),
+        "{err}"
+    );
+    assert!(
+        err.contains("opensandbox_namespace (OPENSANDBOX_NAMESPACE)"),
+        "{err}"
+    );
+    let help = text(&run(&["sandbox-identity", "--help"]).stdout);
+    assert!(
+        help.contains("spire_cluster_name / SPIRE_CLUSTER_NAME"),
+        "{help}"
     );
 }
 

@@ -255,8 +255,134 @@ fn the_pod_backend_guide_documents_every_pod_key() {
     let missing: Vec<&str> = gdr_controller::settings::KEYS
         .iter()
         .map(|k| k.name)
-        .filter(|k| k.starts_with("pod_") || k.starts_with("spire_"))
+        // `spire_cluster_name` and `spire_class_name` are sandbox-identity's
+        // (docs/vm-backend.md).
+        .filter(|k| k.starts_with("pod_") || (k.starts_with("spire_") && !k.ends_with("_name")))
         .filter(|k| !guide.contains(&format!("| `{k}` |")))
         .collect();
     assert!(missing.is_empty(), "docs/pod-backend.md lacks {missing:?}");
+}
+
+/// The `config.toml` of a rendered ConfigMap, written to a file under `dir`.
+fn config_file(objects: &[Value], name: &str, dir: &Path) -> std::path::PathBuf {
+    let text = find(objects, "ConfigMap", name)["data"]["config.toml"]
+        .as_str()
+        .unwrap();
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn sources(file: std::path::PathBuf) -> gdr_controller::settings::Sources {
+    gdr_controller::settings::Sources {
+        file: Some(file),
+        overrides: Vec::new(),
+        environment: false,
+    }
+}
+
+/// The base configuration is one the controller starts with (every backend it enables is
+/// configured, the VM backend included), and every secret it names is a file of the
+/// Secret the Deployment mounts.
+#[test]
+fn the_base_configuration_is_a_complete_controller_configuration() {
+    let objects = render("deploy/kubernetes/base");
+    let dir = tempfile::tempdir().unwrap();
+    let settings = gdr_controller::settings::Settings::load(&sources(config_file(
+        &objects,
+        "gitea-dynamic-runner",
+        dir.path(),
+    )))
+    .unwrap_or_else(|e| panic!("the base config.toml does not load:\n{e}"));
+    match settings.vm.map(|vm| vm.kind) {
+        Some(gdr_controller::settings::VmBackend::OpenSandbox(o)) => {
+            assert!(
+                o.api_key_file
+                    .starts_with("/run/secrets/gitea-dynamic-runner")
+            );
+            assert!(
+                o.executor_env.contains_key("SPIFFE_ENDPOINT_SOCKET"),
+                "the executor in the VM is told where its SPIRE agent is"
+            );
+        }
+        other => panic!("the base runs the OpenSandbox vm backend, not {other:?}"),
+    }
+    let np = find(&objects, "NetworkPolicy", "controller");
+    assert!(
+        np["spec"]["egress"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|rule| rule["ports"][0]["port"] == 443
+                && rule["to"][0]["ipBlock"]["cidr"] == "192.0.2.20/32"),
+        "the controller may reach the OpenSandbox API"
+    );
+}
+
+/// DESIGN (components, sandbox-identity): it runs in the sandbox cluster with two
+/// leader-elected replicas, ready only as leader, with its own service account granted
+/// exactly what the reconciler calls and no Secret, and a configuration it starts with.
+#[test]
+fn sandbox_identity_runs_leader_elected_with_its_own_least_privilege_and_no_secret() {
+    let objects = render("deploy/kubernetes/sandbox-identity");
+    let d = find(&objects, "Deployment", "sandbox-identity");
+    assert_eq!(d["metadata"]["namespace"], "opensandbox");
+    assert_eq!(d["spec"]["replicas"], 2);
+    let pod = &d["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], "sandbox-identity");
+    let c = &pod["containers"][0];
+    assert_eq!(strings(&c["args"])[0], "sandbox-identity");
+    assert!(
+        c["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["name"] == "LEADER_ELECTION" && e["value"] == "true")
+    );
+    assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(c["securityContext"]["readOnlyRootFilesystem"], true);
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    // No credential besides the service account token.
+    let text = serde_json::to_string(&objects).unwrap();
+    assert!(!text.contains("secretKeyRef") && !text.contains("\"secretName\""));
+    assert!(objects.iter().all(|o| o["kind"] != "Secret"));
+
+    let role = find(&objects, "Role", "sandbox-identity");
+    let cluster_role = find(
+        &objects,
+        "ClusterRole",
+        "gitea-dynamic-runner-sandbox-identity",
+    );
+    let t = |g: &str, r: &str, v: &str| (g.to_owned(), r.to_owned(), v.to_owned());
+    let mut want: BTreeSet<_> = ["get", "list", "watch"]
+        .iter()
+        .map(|v| t("sandbox.opensandbox.io", "batchsandboxes", v))
+        .collect();
+    want.insert(t("", "pods", "get"));
+    for v in ["get", "create", "update", "patch"] {
+        want.insert(t("coordination.k8s.io", "leases", v));
+    }
+    assert_eq!(grants(role), want, "the namespaced grants");
+    let want: BTreeSet<_> = ["get", "list", "watch", "create", "patch", "delete"]
+        .iter()
+        .map(|v| t("spire.spiffe.io", "clusterstaticentries", v))
+        .collect();
+    assert_eq!(grants(cluster_role), want, "the cluster-scoped grants");
+
+    let dir = tempfile::tempdir().unwrap();
+    let settings = gdr_controller::settings::SandboxIdentitySettings::load(&sources(config_file(
+        &objects,
+        "sandbox-identity",
+        dir.path(),
+    )))
+    .unwrap_or_else(|e| panic!("sandbox-identity's config.toml does not load:\n{e}"));
+    assert_eq!(settings.reconciler.namespace, role["metadata"]["namespace"]);
+    // Leader election comes from the Deployment's environment.
+    assert!(settings.leader.is_none());
+    let lease_namespace = find(&objects, "ConfigMap", "sandbox-identity")["data"]["config.toml"]
+        .as_str()
+        .unwrap()
+        .lines()
+        .any(|l| l == "lease_namespace = \"opensandbox\"");
+    assert!(lease_namespace, "the Lease lives where the Role grants it");
 }

@@ -53,7 +53,7 @@ async fn exactly_one_replica_leads_and_killing_it_hands_over_without_losing_or_r
         .set("leader_election", true)
         .set("lease_duration", "3s")
         .set("nats_ack_wait", "5s");
-    let kubeconfig = fixture.file("kubeconfig", &kube.kubeconfig());
+    let kubeconfig = fixture.file("kubeconfig", &kube.kubeconfig("gitea-actions"));
     let kubeconfig = kubeconfig.display().to_string();
     let mut replicas = Vec::new();
     for name in ["replica-a", "replica-b"] {

@@ -485,3 +485,37 @@ async fn a_wake_runs_a_pass_at_once_instead_of_at_the_next_interval() {
     stop.trigger();
     run.await.expect("stops");
 }
+
+/// DESIGN invariant 10 for a backend that cannot see its executor exit (OpenSandbox keeps a
+/// sandbox Running after its process ended): a terminal executor that still runs is
+/// deleted once the terminal grace has passed, never before; without a grace it waits
+/// for the exit.
+#[tokio::test]
+async fn a_terminal_executor_that_keeps_running_is_deleted_after_the_terminal_grace() {
+    let s = setup().await;
+    let a = running_executor(&s, true).await;
+    s.backend.mark_terminal(a.id()).await.expect("terminal");
+    let waiting = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE);
+    let grace = Duration::from_millis(300);
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE)
+        .with_terminal_grace(grace);
+    let started = std::time::Instant::now();
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass").deleted,
+        0,
+        "kept within the grace"
+    );
+    let pass = gdr_testkit::eventually(
+        Duration::from_secs(20),
+        "the terminal executor to be deleted",
+        || async {
+            assert_eq!(waiting.reconcile_once().await.expect("pass").deleted, 0);
+            let pass = lifecycle.reconcile_once().await.expect("pass");
+            (pass.deleted == 1).then_some(pass)
+        },
+    )
+    .await;
+    assert!(started.elapsed() >= grace, "not before the grace");
+    assert_eq!(pass.failed, 0, "nothing reported: Gitea has the result");
+    assert!(s.backend.records().is_empty());
+}

@@ -132,7 +132,7 @@ impl Chain {
             )
             .set("pod_profile_max", Value::Inline(r#"{ memory = "8Gi" }"#.into()));
         let fixture = configure(fixture);
-        let kubeconfig = fixture.file("kubeconfig", &fake.kubeconfig());
+        let kubeconfig = fixture.file("kubeconfig", &fake.kubeconfig("gitea-actions"));
         Chain {
             mock,
             fake,

@@ -529,3 +529,138 @@ async fn the_run_loop_converges_without_being_asked_and_stops_on_shutdown() {
         .expect("the loop stops")
         .unwrap();
 }
+
+/// `gitea-dynamic-runner sandbox-identity` as a process against the fake API server.
+struct Process {
+    child: tokio::process::Child,
+    health: std::net::TcpListener,
+    log: std::path::PathBuf,
+}
+
+impl Process {
+    fn spawn(dir: &std::path::Path, kubeconfig: &std::path::Path, name: &str) -> Self {
+        let health = gdr_testkit::controller::listener();
+        let log = dir.join(format!("{name}.log"));
+        let child = gdr_testkit::controller::spawn_activated(
+            env!("CARGO_BIN_EXE_gitea-dynamic-runner").as_ref(),
+            &[
+                "sandbox-identity",
+                "--set",
+                "trust_domain=example.org",
+                "--set",
+                "leader_election=true",
+                "--set",
+                &format!("lease_namespace={NS}"),
+                "--set",
+                "lease_duration=3s",
+                "--set",
+                &format!("leader_identity={name}"),
+                "--set",
+                "sandbox_identity_resync=1s",
+            ],
+            &[("health", &health)],
+            &[("KUBECONFIG", &kubeconfig.display().to_string())],
+            &log,
+        );
+        Process { child, health, log }
+    }
+
+    async fn get(&self, path: &str) -> Option<(u16, String)> {
+        let url = format!("http://{}{path}", self.health.local_addr().ok()?);
+        let response = tokio::time::timeout(Duration::from_secs(2), reqwest::get(url))
+            .await
+            .ok()?
+            .ok()?;
+        let status = response.status().as_u16();
+        Some((status, response.text().await.ok()?))
+    }
+
+    async fn ready(&self) -> bool {
+        matches!(self.get("/readyz").await, Some((200, _)))
+    }
+
+    /// SIGTERM, then its exit status.
+    async fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = rustix::process::Pid::from_raw(self.child.id().unwrap() as i32).unwrap();
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+        tokio::time::timeout(DEADLINE, self.child.wait())
+            .await
+            .expect("it stops on SIGTERM")
+            .unwrap()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+/// DESIGN (components, sandbox-identity) and invariant 18: the subcommand, with nothing but
+/// a kubeconfig, campaigns for its Lease, reports ready only while leading and after a
+/// first pass, writes the entry of a runner sandbox's Pod, exports its metrics, and on
+/// SIGTERM stops cleanly and releases the Lease, so the standby takes over and keeps the
+/// entries in step.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_subcommand_leads_reconciles_and_hands_over_on_sigterm() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let cluster = Cluster::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(&kubeconfig, cluster.fake.kubeconfig(NS)).unwrap();
+    let holder = || async {
+        let leases: Api<Lease> = Api::namespaced(cluster.client.clone(), NS);
+        leases
+            .get_opt("gitea-dynamic-runner-sandbox-identity")
+            .await
+            .unwrap()
+            .and_then(|l| l.spec?.holder_identity)
+            .filter(|h| !h.is_empty())
+    };
+
+    let mut first = Process::spawn(dir.path(), &kubeconfig, "si-a");
+    eventually(DEADLINE, "the first replica is ready", || async {
+        first.ready().await.then_some(())
+    })
+    .await;
+    assert_eq!(holder().await.as_deref(), Some("si-a"));
+    let mut second = Process::spawn(dir.path(), &kubeconfig, "si-b");
+    eventually(DEADLINE, "the second replica serves its health", || async {
+        matches!(second.get("/healthz").await, Some((200, _))).then_some(())
+    })
+    .await;
+    assert!(!second.ready().await, "a standby is not ready");
+
+    let uid = cluster.pod("ci-vm-1").await;
+    cluster.sandbox("sb-a", &["ci-vm-1"], Some(JOB_A)).await;
+    eventually(DEADLINE, "the leader writes the entry", || async {
+        (cluster.bindings().await == vec![(parent(&uid), JOB_A.to_owned())]).then_some(())
+    })
+    .await;
+    let entry = cluster.entries().await.into_values().next().unwrap();
+    assert_eq!(entry.data["spec"]["selectors"], json!(["unix:uid:2000"]));
+    let (_, metrics) = first.get("/metrics").await.unwrap();
+    for line in [
+        "gitea_dynamic_runner_sandbox_identity_entries_created_total 1",
+        "gitea_dynamic_runner_leader 1",
+    ] {
+        assert!(metrics.contains(line), "{line} in\n{metrics}");
+    }
+
+    let status = first.terminate().await;
+    assert!(status.success(), "{status:?}\n{}", first.log());
+    eventually(DEADLINE, "the standby takes over", || async {
+        (second.ready().await && holder().await.as_deref() == Some("si-b")).then_some(())
+    })
+    .await;
+    cluster
+        .sandboxes()
+        .delete("sb-a", &DeleteParams::default())
+        .await
+        .unwrap();
+    eventually(DEADLINE, "the new leader removes the entry", || async {
+        cluster.entries().await.is_empty().then_some(())
+    })
+    .await;
+    let status = second.terminate().await;
+    assert!(status.success(), "{status:?}\n{}", second.log());
+    assert_eq!(holder().await, None, "the Lease is released");
+}

@@ -5,7 +5,9 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::settings::{self, Format, RegisterSettings, Settings, SettingsError, Sources};
+use crate::settings::{
+    self, Format, RegisterSettings, SandboxIdentitySettings, Settings, SettingsError, Sources,
+};
 
 /// Claims Gitea Actions jobs through Gitea's runner protocol, queues each one in NATS
 /// JetStream and runs it in a fresh Kubernetes Pod or Kata microVM with a SPIFFE
@@ -35,8 +37,13 @@ pub enum Command {
     /// official runner once (`daemon --once`).
     Executor,
     /// Run in the sandbox cluster: keep SPIRE ClusterStaticEntries in step with
-    /// OpenSandbox runner sandboxes.
-    SandboxIdentity,
+    /// OpenSandbox runner sandboxes (keys: trust_domain, metadata_prefix,
+    /// opensandbox_namespace, spire_cluster_name, spire_class_name, runner_uid,
+    /// sandbox_identity_resync, health_listen and the leader election keys with
+    /// sandbox_identity_lease_name). Needs a kube client (in-cluster or KUBECONFIG) and no
+    /// other credential.
+    #[command(after_long_help = reference())]
+    SandboxIdentity(ConfigArgs),
     /// Register the controller's own runner in Gitea (once), writing the UUID and
     /// token files named by gitea_runner_uuid_file and gitea_runner_token_file.
     #[command(after_long_help = reference())]
@@ -268,12 +275,22 @@ pub fn register(args: RegisterArgs) -> ExitCode {
 /// The controller's settings from its flags (and the environment); prints the problems and
 /// fails when they are unusable.
 pub fn controller_settings(args: &ConfigArgs) -> Result<Settings, ExitCode> {
-    args.sources()
-        .and_then(|s| Settings::load(&s))
-        .map_err(|e| {
-            eprintln!("configuration error:\n{e}");
-            ExitCode::FAILURE
-        })
+    load(args, Settings::load)
+}
+
+/// `sandbox-identity`'s settings, as [`controller_settings`].
+pub fn sandbox_identity_settings(args: &ConfigArgs) -> Result<SandboxIdentitySettings, ExitCode> {
+    load(args, SandboxIdentitySettings::load)
+}
+
+fn load<T>(
+    args: &ConfigArgs,
+    load: impl FnOnce(&Sources) -> Result<T, SettingsError>,
+) -> Result<T, ExitCode> {
+    args.sources().and_then(|s| load(&s)).map_err(|e| {
+        eprintln!("configuration error:\n{e}");
+        ExitCode::FAILURE
+    })
 }
 
 /// Prints `error: …` and fails.

@@ -14,7 +14,7 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
 
-use crate::metrics::Metrics;
+use crate::metrics::{Exposition, Metrics};
 use crate::shutdown::Shutdown;
 use crate::status::{StatusReport, StatusSource};
 
@@ -96,14 +96,15 @@ impl Default for Health {
     }
 }
 
-/// The health router.
-pub fn router(health: Health) -> axum::Router {
+/// `/healthz`, `/readyz` and `/metrics` of any registry: what the health listener of every
+/// long-running subcommand serves.
+pub fn probes<M: Exposition>(metrics: Arc<M>, readiness: Arc<Readiness>) -> axum::Router {
     axum::Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route(
             "/readyz",
-            get(|State(h): State<Health>| async move {
-                if h.readiness.get() {
+            get(|State(r): State<Arc<Readiness>>| async move {
+                if r.get() {
                     (StatusCode::OK, "ready\n")
                 } else {
                     (
@@ -111,32 +112,53 @@ pub fn router(health: Health) -> axum::Router {
                         "not ready (standby or starting)\n",
                     )
                 }
-            }),
+            })
+            .with_state(readiness),
         )
         .route(
             "/metrics",
-            get(|State(h): State<Health>| async move {
+            get(|State(m): State<Arc<M>>| async move {
                 (
                     [(
                         header::CONTENT_TYPE,
                         "application/openmetrics-text; version=1.0.0; charset=utf-8",
                     )],
-                    h.metrics.encode(),
+                    m.encode(),
                 )
                     .into_response()
-            }),
+            })
+            .with_state(metrics),
         )
-        .route(
-            "/status",
-            get(|State(h): State<Health>| async move { axum::Json(h.report().await) }),
-        )
-        .route(
-            "/",
-            get(|State(h): State<Health>| async move {
-                axum::response::Html(crate::status::page::render(&h.report().await))
-            }),
-        )
-        .with_state(health)
+}
+
+/// Serves [`probes`] until `shutdown` resolves.
+pub async fn serve_probes<M: Exposition>(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<M>,
+    readiness: Arc<Readiness>,
+    shutdown: Shutdown,
+) -> std::io::Result<()> {
+    axum::serve(listener, probes(metrics, readiness))
+        .with_graceful_shutdown(async move { shutdown.wait().await })
+        .await
+}
+
+/// The controller's health router: the probes, `/status` and the status page.
+pub fn router(health: Health) -> axum::Router {
+    probes(health.metrics.clone(), health.readiness.clone()).merge(
+        axum::Router::new()
+            .route(
+                "/status",
+                get(|State(h): State<Health>| async move { axum::Json(h.report().await) }),
+            )
+            .route(
+                "/",
+                get(|State(h): State<Health>| async move {
+                    axum::response::Html(crate::status::page::render(&h.report().await))
+                }),
+            )
+            .with_state(health),
+    )
 }
 
 /// Serves the health router until `shutdown` resolves.

@@ -16,6 +16,7 @@
 
 pub mod backoff;
 pub mod cli;
+pub(crate) mod client_tls;
 pub mod dispatch;
 pub mod facade;
 pub mod failpoint;

@@ -7,6 +7,10 @@
 //! Each pass looks at every executor; one that cannot be handled now (Gitea or the backend
 //! unavailable) is logged, counted and retried next pass, and never blocks the others.
 //!
+//! A claimed executor the backend does not have at all any more (a Pod or sandbox deleted
+//! by someone else, an expired sandbox) is failed as well: nothing else would ever report
+//! it, and its slot would stay taken.
+//!
 //! Executors that end before their runner claimed the task are the worker's to fail: the
 //! worker still holds their assignment. A claimed executor that is gone from the backend
 //! (a Pod deleted by someone else) is failed here: nothing else would ever report it.
@@ -16,8 +20,8 @@
 //! The backend's [`Housekeeping`] (the Pod backend's sweep of identity entries and
 //! capability Secrets whose Pod is gone) runs at most once per timer interval.
 
-use std::collections::HashSet;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -74,6 +78,11 @@ enum StepError {
     Record(#[source] crate::queue::QueueError),
 }
 
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Plain data updated in single steps: a poisoned lock is still consistent.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Reconciles one backend's executors.
 pub struct Lifecycle {
     dispatch: Arc<Dispatch>,
@@ -84,6 +93,9 @@ pub struct Lifecycle {
     observations: Option<Arc<Observations>>,
     wake: Wake,
     housekeeping: Option<Arc<dyn Housekeeping>>,
+    terminal_grace: Option<Duration>,
+    /// When each terminal, still running executor was first seen (for `terminal_grace`).
+    terminal_since: Mutex<HashMap<AssignmentId, Instant>>,
 }
 
 impl Lifecycle {
@@ -104,6 +116,8 @@ impl Lifecycle {
             observations: None,
             wake: Wake::none(),
             housekeeping: None,
+            terminal_grace: None,
+            terminal_since: Mutex::new(HashMap::new()),
         }
     }
 
@@ -118,6 +132,17 @@ impl Lifecycle {
     #[must_use]
     pub fn with_housekeeping(mut self, housekeeping: Arc<dyn Housekeeping>) -> Self {
         self.housekeeping = Some(housekeeping);
+        self
+    }
+
+    /// For a backend that cannot see its executor exit (OpenSandbox keeps a sandbox
+    /// `Running` after its process ended): a terminal executor still running `grace` after
+    /// this reconciler first saw it terminal is deleted anyway. Its runner had its answer
+    /// before the marker was written (invariant 10), so this only bounds how long the
+    /// environment outlives its job.
+    #[must_use]
+    pub fn with_terminal_grace(mut self, grace: Duration) -> Self {
+        self.terminal_grace = Some(grace);
         self
     }
 
@@ -159,6 +184,7 @@ impl Lifecycle {
             }
         }
         let listed: HashSet<&AssignmentId> = records.iter().map(|r| r.assignment.id()).collect();
+        lock(&self.terminal_since).retain(|id, _| listed.contains(id));
         for id in self.dispatch.claimed(self.backend.backend()) {
             if listed.contains(&id) {
                 continue;
@@ -230,7 +256,7 @@ impl Lifecycle {
         if record.terminal {
             // Invariant 10: the result is in Gitea; delete once the runner has its answer
             // (it has finished) — or at once if it never claimed (failed by the worker).
-            if finished || !record.claimed {
+            if finished || !record.claimed || self.grace_over(id) {
                 self.delete(record).await?;
                 pass.deleted += 1;
             }
@@ -308,6 +334,22 @@ impl Lifecycle {
         Ok(())
     }
 
+    /// Whether the terminal executor `id` has outlived the terminal grace.
+    fn grace_over(&self, id: &AssignmentId) -> bool {
+        let Some(grace) = self.terminal_grace else {
+            return false;
+        };
+        let over = lock(&self.terminal_since)
+            .entry(id.clone())
+            .or_insert_with(Instant::now)
+            .elapsed()
+            >= grace;
+        if over {
+            tracing::info!(backend = %self.backend.backend(), assignment_id = %id, ?grace, "the job's result is in Gitea and its environment is still up after the terminal grace; deleting it");
+        }
+        over
+    }
+
     async fn delete(&self, record: &ExecutorRecord) -> Result<(), StepError> {
         let id = record.assignment.id();
         // Invariant 20: once the executor is gone, only this record stops a replayed
@@ -317,6 +359,7 @@ impl Lifecycle {
             .await
             .map_err(StepError::Record)?;
         self.backend.delete(id).await.map_err(StepError::Backend)?;
+        lock(&self.terminal_since).remove(id);
         self.dispatch.forget(self.backend.backend(), id);
         tracing::info!(backend = %self.backend.backend(), assignment_id = %id, event = "cleaned", executor = %record.name, "executor deleted; its slot is free");
         Ok(())

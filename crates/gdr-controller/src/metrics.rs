@@ -652,8 +652,27 @@ impl Metrics {
 
     /// OpenMetrics text.
     pub fn encode(&self) -> String {
+        Exposition::encode(&self.registry)
+    }
+}
+
+/// What `/metrics` serves: the controller's [`Metrics`], or a plain [`Registry`] (the
+/// `sandbox-identity` subcommand's).
+pub trait Exposition: Send + Sync + 'static {
+    /// OpenMetrics text.
+    fn encode(&self) -> String;
+}
+
+impl Exposition for Metrics {
+    fn encode(&self) -> String {
+        Metrics::encode(self)
+    }
+}
+
+impl Exposition for Registry {
+    fn encode(&self) -> String {
         let mut out = String::new();
-        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+        if prometheus_client::encoding::text::encode(&mut out, self).is_err() {
             out.clear();
         }
         out

@@ -40,6 +40,17 @@ pub mod env {
     /// How long (seconds) the executor holds its runner's reports while the facade is
     /// unreachable (`executor_report_outage_tolerance`).
     pub const REPORT_OUTAGE_TOLERANCE: &str = "CI_EXECUTOR_REPORT_OUTAGE_TOLERANCE";
+    /// The variables [`ExecutorSpec::environment`](super::ExecutorSpec::environment) sets
+    /// from the assignment; configuration may not set them.
+    pub const ASSIGNMENT: [&str; 7] = [
+        ASSIGNMENT_ID,
+        CAPABILITY,
+        FACADE_URL,
+        FACADE_SPIFFE_ID,
+        SPIFFE_ID,
+        BACKEND,
+        RUNNER_LABEL,
+    ];
 }
 
 /// Everything a backend needs to start one executor.
@@ -99,18 +110,18 @@ impl ExecutorSpec {
     /// The executor's `CI_*` environment (the capability included: it is what the
     /// executor authenticates with; it is never logged).
     pub fn environment(&self) -> BTreeMap<&'static str, String> {
-        let mut env = BTreeMap::from([
-            (env::ASSIGNMENT_ID, self.assignment.id().as_str().to_owned()),
-            (env::CAPABILITY, self.capability.expose().to_owned()),
-            (env::FACADE_URL, self.facade_url.clone()),
-            (env::FACADE_SPIFFE_ID, self.facade_spiffe_id.clone()),
-            (
-                env::SPIFFE_ID,
-                self.assignment.identity().spiffe_id().to_owned(),
-            ),
-            (env::BACKEND, self.assignment.backend().as_str().to_owned()),
-            (env::RUNNER_LABEL, self.runner_label.clone()),
-        ]);
+        // In the order of `env::ASSIGNMENT`, which configuration may therefore not set.
+        let values = [
+            self.assignment.id().as_str().to_owned(),
+            self.capability.expose().to_owned(),
+            self.facade_url.clone(),
+            self.facade_spiffe_id.clone(),
+            self.assignment.identity().spiffe_id().to_owned(),
+            self.assignment.backend().as_str().to_owned(),
+            self.runner_label.clone(),
+        ];
+        let mut env: BTreeMap<&'static str, String> =
+            env::ASSIGNMENT.into_iter().zip(values).collect();
         if let Some(tolerance) = self.report_outage_tolerance {
             env.insert(
                 env::REPORT_OUTAGE_TOLERANCE,

@@ -313,6 +313,16 @@ class PoolController:
             pod = self.pods.get(name)
             return {"batchsandbox": obj, "pod": pod.describe() if pod else None}
 
+    def describe_all(self, pool: Optional[str]) -> List[Dict[str, Any]]:
+        with STORE.lock:
+            names = [
+                key[4]
+                for key, obj in sorted(STORE.objects.items())
+                if key[:4] == (GROUP, VERSION, "batchsandboxes", self.namespace)
+                and pool in (None, obj["spec"].get("poolRef"))
+            ]
+            return [d for d in (self.describe(n) for n in names) if d is not None]
+
     # -- the controller loop -------------------------------------------------------------
 
     def _starting_in(self, pool: str):

@@ -15,6 +15,7 @@ Control API (JSON, no auth, loopback only), for what a test drives on the "clust
 - `DELETE /pools/<name>`
 - `POST /sandboxes/<id>/fail`: the sandbox's task fails (state `Failed`, `TASK_FAILED`)
 - `GET /sandboxes/<id>`: `{"batchsandbox": {...}, "pod": {name, uid, pid, exit_code, env, log, …}|null}`
+- `GET /sandboxes?pool=<name>`: every sandbox of the pool (all without `pool`), described as above
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import socket
 import sys
 import threading
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -126,7 +128,11 @@ def control_server(controller: fake_k8s.PoolController) -> ThreadingHTTPServer:
             self._reply(404, {"error": "unknown path"})
 
         def do_GET(self):
-            parts = self.path.strip("/").split("/")
+            url = urllib.parse.urlsplit(self.path)
+            parts = url.path.strip("/").split("/")
+            if parts == ["sandboxes"]:
+                pool = urllib.parse.parse_qs(url.query).get("pool", [None])[0]
+                return self._reply(200, controller.describe_all(pool))
             if len(parts) == 2 and parts[0] == "sandboxes":
                 described = controller.describe(parts[1])
                 return self._reply(200 if described else 404, described)

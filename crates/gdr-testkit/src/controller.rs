@@ -213,57 +213,73 @@ impl ControllerFixture {
         env: &[(&str, &str)],
     ) -> tokio::process::Child {
         let config = self.write();
-        let log = self.path().join("controller.log");
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .unwrap_or_else(|e| panic!("cannot open {}: {e}", log.display()));
-        let err = out
-            .try_clone()
-            .unwrap_or_else(|e| panic!("cannot open {}: {e}", log.display()));
-        let dup = |l: &std::net::TcpListener| -> OwnedFd {
-            OwnedFd::from(
-                l.try_clone()
-                    .unwrap_or_else(|e| panic!("cannot duplicate a listener: {e}")),
-            )
-        };
-        let mut command = tokio::process::Command::new(binary);
-        command
-            .args(["controller", "--config"])
-            .arg(&config)
-            .env("LISTEN_FDS", "2")
-            .env("LISTEN_FDNAMES", "facade:health")
-            .env_remove("LISTEN_PID")
-            .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(out))
-            .stderr(Stdio::from(err))
-            .kill_on_drop(true);
-        for (k, v) in env {
-            command.env(k, v);
-        }
-        command
-            .fd_mappings(vec![
-                FdMapping {
-                    parent_fd: dup(facade),
-                    child_fd: 3,
-                },
-                FdMapping {
-                    parent_fd: dup(health),
-                    child_fd: 4,
-                },
-            ])
-            .unwrap_or_else(|e| panic!("cannot hand over the listeners: {e}"));
-        command
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()))
+        let config = config.display().to_string();
+        spawn_activated(
+            binary,
+            &["controller", "--config", &config],
+            &[("facade", facade), ("health", health)],
+            env,
+            &self.path().join("controller.log"),
+        )
     }
 
     /// What the controller processes of this fixture logged so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.path().join("controller.log")).unwrap_or_default()
     }
+}
+
+/// A process of `binary` with `args`, handed `listeners` by socket activation (file
+/// descriptors 3, 4, … named by `LISTEN_FDNAMES`, as systemd does) and `env`, logging to
+/// `log` (appended). The caller keeps its own copies of the listeners, so a restarted
+/// process gets the same ports. Killed when the handle is dropped.
+pub fn spawn_activated(
+    binary: &Path,
+    args: &[&str],
+    listeners: &[(&str, &std::net::TcpListener)],
+    env: &[(&str, &str)],
+    log: &Path,
+) -> tokio::process::Child {
+    let out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .unwrap_or_else(|e| panic!("cannot open {}: {e}", log.display()));
+    let err = out
+        .try_clone()
+        .unwrap_or_else(|e| panic!("cannot open {}: {e}", log.display()));
+    let names: Vec<&str> = listeners.iter().map(|(name, _)| *name).collect();
+    let mut command = tokio::process::Command::new(binary);
+    command
+        .args(args)
+        .env("LISTEN_FDS", listeners.len().to_string())
+        .env("LISTEN_FDNAMES", names.join(":"))
+        .env_remove("LISTEN_PID")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(out))
+        .stderr(Stdio::from(err))
+        .kill_on_drop(true);
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let mappings = listeners
+        .iter()
+        .zip(3..)
+        .map(|((_, l), child_fd)| FdMapping {
+            parent_fd: OwnedFd::from(
+                l.try_clone()
+                    .unwrap_or_else(|e| panic!("cannot duplicate a listener: {e}")),
+            ),
+            child_fd,
+        })
+        .collect();
+    command
+        .fd_mappings(mappings)
+        .unwrap_or_else(|e| panic!("cannot hand over the listeners: {e}"));
+    command
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()))
 }
 
 /// A loopback listener for a facade or health server, bound by the test.

@@ -99,7 +99,8 @@ impl Drop for FakeKubelet {
     }
 }
 
-fn kill_group(pid: u32) {
+/// SIGKILLs the process group `pid` leads (a Pod's or VM's whole process tree).
+pub(crate) fn kill_group(pid: u32) {
     if let Some(pid) = i32::try_from(pid)
         .ok()
         .filter(|p| *p > 1)

@@ -9,6 +9,8 @@
 //! - [`backend_contract`]: the executor-backend contract suite every backend passes.
 //! - [`nats_server`]: a real `nats-server` child process with a temporary store.
 //! - [`opensandbox`]: the real OpenSandbox server on an in-memory cluster.
+//! - [`vm_host`]: runs the sandboxes of an OpenSandbox pool as local processes (the VMs),
+//!   each with the identity `sandbox-identity` would grant it.
 //! - [`spiffe`]: a fake SPIFFE Workload API with a test CA.
 //! - [`backend_contract`]: the executor-backend contract as a suite any backend runs.
 //! - [`memory_backend`]: an in-memory executor backend.
@@ -34,6 +36,7 @@ pub mod service;
 pub mod spiffe;
 pub mod standin_runner;
 pub mod tasks;
+pub mod vm_host;
 mod wait;
 
 pub use wait::{eventually, until, until_sync};

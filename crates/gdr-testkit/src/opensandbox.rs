@@ -312,6 +312,26 @@ impl Control {
         Ok(status == 200)
     }
 
+    /// Every sandbox of `pool` as the cluster holds it.
+    pub async fn sandboxes(&self, pool: &str) -> std::io::Result<Vec<SandboxInfo>> {
+        let query: String = url::form_urlencoded::Serializer::new(String::new())
+            .append_pair("pool", pool)
+            .finish();
+        match self
+            .call(
+                http::Method::GET,
+                &format!("/sandboxes?{query}"),
+                serde_json::Value::Null,
+            )
+            .await?
+        {
+            (200, value) => serde_json::from_value(value).map_err(std::io::Error::other),
+            (status, body) => Err(std::io::Error::other(format!(
+                "list sandboxes: {status} {body}"
+            ))),
+        }
+    }
+
     /// The sandbox as the cluster holds it, `None` once it is gone.
     pub async fn sandbox(&self, id: &str) -> std::io::Result<Option<SandboxInfo>> {
         match self

@@ -51,7 +51,7 @@ use super::client::{
 /// Configuration of the VM backend. Every field is one documented setting.
 #[derive(Debug, Clone)]
 pub struct OpenSandboxSettings {
-    /// The Lifecycle API (`opensandbox_url`, base including `/v1`) and its timeouts
+    /// The Lifecycle API (`opensandbox_api`, base including `/v1`) and its timeouts
     /// (`opensandbox_request_timeout`, `opensandbox_create_timeout`).
     pub api: ClientSettings,
     /// The pool every sandbox comes from (`opensandbox_pool`, `extensions.poolRef`).

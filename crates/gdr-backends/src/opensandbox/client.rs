@@ -502,13 +502,13 @@ impl LifecycleClient {
             "http" | "https" => {}
             other => {
                 return Err(ClientError::Config(format!(
-                    "opensandbox_url must be http or https, not {other:?}"
+                    "opensandbox_api must be http or https, not {other:?}"
                 )));
             }
         }
         if settings.base_url.cannot_be_a_base() {
             return Err(ClientError::Config(format!(
-                "opensandbox_url {} cannot be a base URL",
+                "opensandbox_api {} cannot be a base URL",
                 settings.base_url
             )));
         }

@@ -387,41 +387,6 @@ impl GiteaClient {
 
 /// rustls configuration for an https Gitea: system roots plus optional extra CAs.
 pub(crate) fn tls_config(extra_ca_pem: Option<&[u8]>) -> Result<rustls::ClientConfig, GiteaError> {
-    use rustls::pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    let native = rustls_native_certs::load_native_certs();
-    for cert in native.certs {
-        // A single unparsable system certificate must not disable TLS altogether.
-        let _ = roots.add(cert);
-    }
-    if let Some(pem) = extra_ca_pem {
-        let mut added = 0;
-        for cert in rustls::pki_types::CertificateDer::pem_slice_iter(pem) {
-            let cert = cert.map_err(|e| {
-                GiteaError::config(format!("gitea_ca_file is not a PEM bundle: {e}"))
-            })?;
-            roots.add(cert).map_err(|e| {
-                GiteaError::config(format!("gitea_ca_file has an unusable certificate: {e}"))
-            })?;
-            added += 1;
-        }
-        if added == 0 {
-            return Err(GiteaError::config(
-                "gitea_ca_file holds no PEM certificate".into(),
-            ));
-        }
-    }
-    if roots.is_empty() {
-        return Err(GiteaError::config(
-            "no trusted CA certificates: the system store is empty and gitea_ca_file is not set"
-                .into(),
-        ));
-    }
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| GiteaError::config(format!("TLS setup failed: {e}")))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    Ok(config)
+    crate::client_tls::client_config("gitea_ca_file", extra_ca_pem, true)
+        .map_err(|e| GiteaError::config(e.to_string()))
 }

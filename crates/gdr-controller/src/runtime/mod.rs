@@ -10,6 +10,7 @@
 mod embedded_nats;
 #[cfg(feature = "kubernetes")]
 mod kubernetes;
+pub mod sandbox_identity;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -18,6 +19,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 pub use embedded_nats::{EmbeddedNats, EmbeddedNatsError, Launch, exec_bound_to_parent};
+use gdr_backends::opensandbox::{ApiKey, ClientSettings, OpenSandboxBackend};
 use gdr_backends::process::{LogRetention, ProcessBackend, ProcessBackendSettings};
 use gdr_core::assignment::{DerivationPolicy, TaskKey, TaskKeyring};
 use gdr_core::backend::Backend;
@@ -41,8 +43,8 @@ use crate::queue::{self, ConsumerSettings, StreamSettings};
 use crate::scheduler::{Heartbeater, Scheduler, SchedulerStats};
 use crate::settings::{
     self, BackendSettings, FacadeLimits, GiteaSettings, IdentitySource, LeaderSettings, NatsAuth,
-    NatsServer, NatsSettings, PodBackend, ProcessSettings, SecretPermissions, Settings,
-    TaskKeyFiles, VmBackend, check_secret_file_mode, read_secret_file_with,
+    NatsServer, NatsSettings, OpenSandboxSettings, PodBackend, ProcessSettings, SecretPermissions,
+    Settings, TaskKeyFiles, VmBackend, check_secret_file_mode, read_secret_file_with,
 };
 use crate::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use crate::status::{Observations, Observed, QueueDepth};
@@ -224,6 +226,7 @@ pub async fn run(
     // Backend state (executors, identities) is touched only by the leader: a standby must
     // not re-serve or re-adopt what the leader owns.
     let local = local_identity(&identity, &state_dir, &policy)?;
+    let vm_terminal_grace = vm.as_ref().and_then(terminal_grace);
     let (backends, mut extras) = backends(
         pod,
         vm,
@@ -232,6 +235,7 @@ pub async fn run(
             policy: &policy,
             codec: &codec,
             local: local.as_ref(),
+            secrets,
         },
     )
     .await?;
@@ -362,6 +366,9 @@ pub async fn run(
         .with_wake(wake);
         if let Some(h) = housekeeping {
             lifecycle = lifecycle.with_housekeeping(h);
+        }
+        if let (Backend::Vm, Some(grace)) = (backend, vm_terminal_grace) {
+            lifecycle = lifecycle.with_terminal_grace(grace);
         }
         let stop = work_shutdown.clone();
         tasks.spawn(async move {
@@ -910,16 +917,7 @@ struct Wiring<'a> {
     policy: &'a DerivationPolicy,
     codec: &'a MetadataCodec,
     local: Option<&'a Arc<LocalIdentity>>,
-}
-
-/// The error of a backend kind this build cannot run yet.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "the {backend} backend {kind:?} is not supported yet; set {backend}_backend = \"process\" for single-host mode"
-)]
-struct NotSupported {
-    backend: Backend,
-    kind: &'static str,
+    secrets: SecretPermissions,
 }
 
 /// Each enabled backend's adapter and capacity.
@@ -977,11 +975,8 @@ async fn backends(
             VmBackend::Process(process) => {
                 Arc::new(process_backend(Backend::Vm, &process, wiring)?)
             }
-            VmBackend::OpenSandbox(_) => {
-                return Err(setup("building the vm backend")(NotSupported {
-                    backend: Backend::Vm,
-                    kind: "opensandbox",
-                }));
+            VmBackend::OpenSandbox(opensandbox) => {
+                Arc::new(opensandbox_backend(*opensandbox, wiring)?)
             }
         };
         out.push((adapter, slots));
@@ -1023,6 +1018,67 @@ fn process_backend(
         },
     };
     ProcessBackend::new(settings, identity).map_err(setup("building the process backend"))
+}
+
+/// How long a terminal VM may keep running: only OpenSandbox cannot see its executor exit.
+fn terminal_grace(vm: &BackendSettings<VmBackend>) -> Option<Duration> {
+    match &vm.kind {
+        VmBackend::OpenSandbox(o) => Some(o.terminal_grace),
+        VmBackend::Process(_) => None,
+    }
+}
+
+/// The VM backend: the API key is read once, here; the TLS configuration is the shared one
+/// (system roots plus `opensandbox_ca_file`).
+fn opensandbox_backend(
+    settings: OpenSandboxSettings,
+    wiring: &Wiring<'_>,
+) -> Result<OpenSandboxBackend, RuntimeError> {
+    let OpenSandboxSettings {
+        api,
+        api_key_file,
+        ca_file,
+        pool,
+        request_timeout,
+        create_timeout,
+        entrypoint,
+        executor_env,
+        timeout,
+        renew_before,
+        // Read by the lifecycle reconciler ([`terminal_grace`]).
+        terminal_grace: _,
+    } = settings;
+    let key = read_secret_file_with("opensandbox_api_key_file", &api_key_file, wiring.secrets)
+        .map_err(setup("reading the OpenSandbox API key"))?;
+    let key = ApiKey::from_file_contents(&key).map_err(|e| {
+        step("opensandbox_api_key_file")(format!("{}: {e}", api_key_file.display()).into())
+    })?;
+    let extra_ca = match &ca_file {
+        Some(p) => Some(std::fs::read(p).map_err(|e| {
+            step("opensandbox_ca_file")(format!("cannot read {}: {e}", p.display()).into())
+        })?),
+        None => None,
+    };
+    let tls = crate::client_tls::client_config(
+        "opensandbox_ca_file",
+        extra_ca.as_deref(),
+        api.scheme() == "https",
+    )
+    .map_err(setup("building the OpenSandbox TLS configuration"))?;
+    let mut client = ClientSettings::new(api);
+    client.request_timeout = request_timeout;
+    client.create_timeout = create_timeout;
+    let mut backend = gdr_backends::opensandbox::OpenSandboxSettings::new(
+        client,
+        pool,
+        wiring.codec.clone(),
+        wiring.policy.trust_domain.clone(),
+    );
+    backend.entrypoint = entrypoint;
+    backend.extra_env = executor_env;
+    backend.timeout = timeout;
+    backend.renew_before = renew_before;
+    OpenSandboxBackend::connect(backend, &key, tls).map_err(setup("building the vm backend"))
 }
 
 async fn restore(

@@ -215,7 +215,7 @@ keys! {
     /// Listen address of the health listener: `/healthz`, `/readyz`, `/metrics`, the
     /// `/status` JSON and the status page at `/` (read-only; shows repository and job names).
     health_listen: Option<String> = None,
-        shown "127.0.0.1:9090 without nats_url (single host), else 0.0.0.0:9090";
+        shown "127.0.0.1:9090 without nats_url (single host), else 0.0.0.0:9090; sandbox-identity: 0.0.0.0:9090";
     /// Directory for local state: the embedded NATS store, the local CA and process
     /// executors.
     state_dir: PathBuf = PathBuf::from("/var/lib/gitea-dynamic-runner");
@@ -333,15 +333,63 @@ keys! {
     /// Parent SPIFFE ID of every Pod entry (single-node clusters, node aliases). Unset:
     /// the agent ID of the node each Pod is scheduled on.
     spire_agent_id: Option<String> = None;
-    // --- end of the Pod backend ---
-    /// OpenSandbox Lifecycle API base URL (required for the opensandbox vm backend).
+    // --- the VM backend (OpenSandbox) ---
+    /// OpenSandbox Lifecycle API base URL including the version, e.g.
+    /// `https://opensandbox.example.org/v1` (required for the opensandbox vm backend).
     opensandbox_api: Option<String> = None;
-    /// File holding the OpenSandbox API key (required for the opensandbox vm backend).
+    /// File holding the OpenSandbox API key, sent as `OPEN-SANDBOX-API-KEY` (required for
+    /// the opensandbox vm backend; read once at start).
     opensandbox_api_key_file: Option<PathBuf> = None => secret;
-    /// OpenSandbox pool (`extensions.poolRef`) of VM executors.
+    /// OpenSandbox pool (`extensions.poolRef`) every VM executor comes from; its image
+    /// must hold `vm_entrypoint`.
     opensandbox_pool: String = "ci-vm".into();
-    /// Lifetime of a VM sandbox in seconds.
+    /// PEM bundle of extra CAs trusted for an https OpenSandbox API (the system roots are
+    /// always trusted).
+    opensandbox_ca_file: Option<PathBuf> = None;
+    /// Timeout of each OpenSandbox call except create (get, list, patch, renew, delete).
+    opensandbox_request_timeout: Secs = Secs::from_secs(30);
+    /// Timeout of a sandbox create, which blocks until the VM runs: keep it above the
+    /// server's `sandbox_create_timeout_seconds` (60s by default) so the server's own
+    /// answer arrives (504: it gave up and deleted the sandbox; 429: the pool is full).
+    opensandbox_create_timeout: Secs = Secs::from_secs(90);
+    /// Command a VM sandbox runs (a path inside the pool's image, then its arguments).
+    vm_entrypoint: List = List::of(&["/usr/local/bin/gitea-dynamic-runner", "executor"]);
+    /// Extra environment of VM executors as `NAME=value` items, e.g.
+    /// `SPIFFE_ENDPOINT_SOCKET=unix:///run/spire/agent.sock` (the SPIRE agent in the VM)
+    /// and `GITEA_RUNNER_BINARY=…`. The `CI_*` variables of the assignment cannot be set
+    /// here. In the environment or `--set`, items are separated by commas.
+    vm_executor_env: List = List::default();
+    /// Lifetime of a VM sandbox in seconds (at least 60); renewed while its job runs.
     vm_timeout_seconds: u64 = 14_400;
+    /// Extend a running sandbox's expiry (by `vm_timeout_seconds`) once it is closer than
+    /// this; below `vm_timeout_seconds`.
+    vm_renew_before: Secs = Secs::from_secs(600);
+    /// A VM sandbox whose job's result Gitea accepted is deleted this long after the
+    /// controller saw its terminal marker: OpenSandbox keeps a sandbox `Running` after its
+    /// executor exited, so the exit cannot be waited for. The runner has its answer before
+    /// the marker is written; this only gives the executor time to exit cleanly.
+    vm_terminal_grace: Secs = Secs::from_secs(15);
+
+    // --- spire ---
+    /// SPIRE k8s_psat cluster name of the sandbox cluster: the in-VM agents' parent ID is
+    /// `spiffe://<trust_domain>/spire/agent/k8s_psat/<cluster>/pod/<Pod UID>`
+    /// (`sandbox-identity`).
+    spire_cluster_name: String = "sandbox-kata".into();
+    /// `className` of the ClusterStaticEntries `sandbox-identity` writes (must match the
+    /// sandbox cluster's SPIRE controller manager, which ignores other classes).
+    spire_class_name: String = "spire-mgmt-spire".into();
+
+    // --- sandbox-identity ---
+    /// Namespace of the OpenSandbox BatchSandboxes and their Pods (`sandbox-identity`).
+    opensandbox_namespace: String = "opensandbox".into();
+    /// UID the executor runs as inside the VM: the `unix:uid` selector of the entries
+    /// `sandbox-identity` writes.
+    runner_uid: u32 = 2000;
+    /// `sandbox-identity` reconciles at least this often, besides on every watch event.
+    sandbox_identity_resync: Secs = Secs::from_secs(30);
+    /// Name of the Lease `sandbox-identity` replicas elect their leader with (in
+    /// `lease_namespace`, with `leader_election`).
+    sandbox_identity_lease_name: String = "gitea-dynamic-runner-sandbox-identity".into();
 
     // === Facade limits: what one peer can hold of the facade (docs/security.md) ===
 

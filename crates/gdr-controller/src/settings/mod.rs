@@ -18,6 +18,7 @@ mod secret;
 mod sources;
 mod values;
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -336,7 +337,7 @@ pub enum VmBackend {
     /// Local child processes.
     Process(ProcessSettings),
     /// OpenSandbox Kata VMs.
-    OpenSandbox(OpenSandboxSettings),
+    OpenSandbox(Box<OpenSandboxSettings>),
 }
 
 /// The process backend.
@@ -355,15 +356,32 @@ pub struct ProcessSettings {
 /// The OpenSandbox VM backend.
 #[derive(Debug, Clone)]
 pub struct OpenSandboxSettings {
-    /// Lifecycle API base URL.
+    /// Lifecycle API base URL, version included (`opensandbox_api`).
     pub api: url::Url,
-    /// API key file.
+    /// API key file (`opensandbox_api_key_file`).
     pub api_key_file: PathBuf,
-    /// Pool of VM executors.
+    /// Extra CAs for an https API (`opensandbox_ca_file`).
+    pub ca_file: Option<PathBuf>,
+    /// Pool of VM executors (`opensandbox_pool`).
     pub pool: String,
-    /// Sandbox lifetime.
+    /// Timeout of every call but create (`opensandbox_request_timeout`).
+    pub request_timeout: Duration,
+    /// Timeout of a (blocking) create (`opensandbox_create_timeout`).
+    pub create_timeout: Duration,
+    /// Command of the sandbox (`vm_entrypoint`).
+    pub entrypoint: Vec<String>,
+    /// Extra executor environment (`vm_executor_env`).
+    pub executor_env: BTreeMap<String, String>,
+    /// Sandbox lifetime (`vm_timeout_seconds`).
     pub timeout: Duration,
+    /// Renew an expiry closer than this (`vm_renew_before`).
+    pub renew_before: Duration,
+    /// Delete a terminal sandbox this long after its marker was seen (`vm_terminal_grace`).
+    pub terminal_grace: Duration,
 }
+
+/// The server's lower bound on a sandbox lifetime.
+const MIN_SANDBOX_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Executor deadlines.
 #[derive(Debug, Clone, Copy)]
@@ -476,6 +494,27 @@ impl Check {
 
     fn ok<T, E: fmt::Display>(&mut self, key: &'static str, result: Result<T, E>) -> Option<T> {
         result.map_err(|e| self.problem(key, e.to_string())).ok()
+    }
+
+    /// `trust_domain`, required and valid.
+    fn trust_domain(&mut self, value: Option<String>) -> Option<TrustDomain> {
+        self.required(
+            "trust_domain",
+            value,
+            "(SPIFFE trust domain of job identities)",
+        )
+        .and_then(|td| self.ok("trust_domain", TrustDomain::new(td.trim())))
+    }
+
+    /// The leader settings when `enabled` (the lease duration is checked either way).
+    fn leader(&mut self, enabled: bool, settings: LeaderSettings) -> Option<LeaderSettings> {
+        if settings.lease_duration < Duration::from_secs(3) {
+            self.problem(
+                "lease_duration",
+                "must be at least 3s (renewals run every duration/7 and must beat the API's latency)",
+            );
+        }
+        enabled.then_some(settings)
     }
 }
 
@@ -591,6 +630,11 @@ impl TryFrom<Raw> for Settings {
             opensandbox_api,
             opensandbox_api_key_file,
             opensandbox_pool,
+            opensandbox_ca_file,
+            opensandbox_request_timeout,
+            opensandbox_create_timeout,
+            vm_entrypoint,
+            vm_executor_env,
             vm_timeout_seconds,
             runner_facade_max_connections,
             runner_facade_max_connections_per_peer,
@@ -603,6 +647,15 @@ impl TryFrom<Raw> for Settings {
             nats_finished_bucket,
             held_assignment_timeout,
             secret_file_permissions,
+            vm_renew_before,
+            vm_terminal_grace,
+            // Read by `sandbox-identity` only ([`SandboxIdentitySettings::load`]).
+            spire_cluster_name: _,
+            spire_class_name: _,
+            opensandbox_namespace: _,
+            runner_uid: _,
+            sandbox_identity_resync: _,
+            sandbox_identity_lease_name: _,
         } = raw;
         let mut check = Check::default();
         let single_host = nats_url.is_none();
@@ -626,13 +679,7 @@ impl TryFrom<Raw> for Settings {
         };
 
         // Policy and identity.
-        let trust_domain = check
-            .required(
-                "trust_domain",
-                trust_domain,
-                "(SPIFFE trust domain of job identities)",
-            )
-            .and_then(|td| check.ok("trust_domain", TrustDomain::new(td.trim())));
+        let trust_domain = check.trust_domain(trust_domain);
         let labels = check.ok("vm_runner_label", BackendLabels::new(vm_runner_label));
         let codec = check.ok("metadata_prefix", MetadataCodec::new(metadata_prefix));
         let capability_key_file = check.required(
@@ -801,30 +848,23 @@ impl TryFrom<Raw> for Settings {
         };
         let vm = match vm_kind.as_str() {
             "process" => Some(VmBackend::Process(process)),
-            "opensandbox" if vm_on => {
-                let api = check
-                    .required(
-                        "opensandbox_api",
-                        opensandbox_api,
-                        "with the opensandbox vm backend",
-                    )
-                    .and_then(|api| {
-                        check.ok("opensandbox_api", http_url(&api, &["http", "https"]))
-                    });
-                let key = check.required(
-                    "opensandbox_api_key_file",
-                    opensandbox_api_key_file,
-                    "with the opensandbox vm backend",
-                );
-                api.zip(key).map(|(api, api_key_file)| {
-                    VmBackend::OpenSandbox(OpenSandboxSettings {
-                        api,
-                        api_key_file,
-                        pool: opensandbox_pool,
-                        timeout: Duration::from_secs(vm_timeout_seconds),
-                    })
-                })
-            }
+            "opensandbox" if vm_on => opensandbox_settings(
+                &mut check,
+                OpenSandboxKeys {
+                    api: opensandbox_api,
+                    api_key_file: opensandbox_api_key_file,
+                    pool: opensandbox_pool,
+                    ca_file: opensandbox_ca_file,
+                    request_timeout: opensandbox_request_timeout.0,
+                    create_timeout: opensandbox_create_timeout.0,
+                    entrypoint: vm_entrypoint.0,
+                    executor_env: vm_executor_env.0,
+                    timeout_seconds: vm_timeout_seconds,
+                    renew_before: vm_renew_before.0,
+                    terminal_grace: vm_terminal_grace.0,
+                },
+            )
+            .map(|o| VmBackend::OpenSandbox(Box::new(o))),
             "opensandbox" => None,
             other => {
                 check.problem(
@@ -950,18 +990,15 @@ impl TryFrom<Raw> for Settings {
         };
 
         // Leader election.
-        if lease_duration.0 < Duration::from_secs(3) {
-            check.problem(
-                "lease_duration",
-                "must be at least 3s (renewals run every duration/7 and must beat the API's latency)",
-            );
-        }
-        let leader = leader_election.then_some(LeaderSettings {
-            namespace: lease_namespace,
-            name: lease_name,
-            identity: leader_identity,
-            lease_duration: lease_duration.0,
-        });
+        let leader = check.leader(
+            leader_election,
+            LeaderSettings {
+                namespace: lease_namespace,
+                name: lease_name,
+                identity: leader_identity,
+                lease_duration: lease_duration.0,
+            },
+        );
 
         let executors = ExecutorTimings {
             start_deadline: executor_start_deadline.0,
@@ -1139,6 +1176,113 @@ fn queue_security(check: &mut Check, keys: QueueSecurityKeys) -> QueueSecurity {
     }
 }
 
+/// The VM backend's keys, for [`opensandbox_settings`].
+struct OpenSandboxKeys {
+    api: Option<String>,
+    api_key_file: Option<PathBuf>,
+    pool: String,
+    ca_file: Option<PathBuf>,
+    request_timeout: Duration,
+    create_timeout: Duration,
+    entrypoint: Vec<String>,
+    executor_env: Vec<String>,
+    timeout_seconds: u64,
+    renew_before: Duration,
+    terminal_grace: Duration,
+}
+
+fn opensandbox_settings(check: &mut Check, keys: OpenSandboxKeys) -> Option<OpenSandboxSettings> {
+    const WHY: &str = "with the opensandbox vm backend";
+    let OpenSandboxKeys {
+        api,
+        api_key_file,
+        pool,
+        ca_file,
+        request_timeout,
+        create_timeout,
+        entrypoint,
+        executor_env,
+        timeout_seconds,
+        renew_before,
+        terminal_grace,
+    } = keys;
+    let api = check
+        .required("opensandbox_api", api, WHY)
+        .and_then(|api| check.ok("opensandbox_api", http_url(&api, &["http", "https"])));
+    let api_key_file = check.required("opensandbox_api_key_file", api_key_file, WHY);
+    if pool.is_empty() || pool.contains(|c: char| c.is_whitespace() || c == '/') {
+        check.problem(
+            "opensandbox_pool",
+            format!("{pool:?} must be a non-empty pool name without spaces or '/'"),
+        );
+    }
+    for (key, timeout) in [
+        ("opensandbox_request_timeout", request_timeout),
+        ("opensandbox_create_timeout", create_timeout),
+    ] {
+        if timeout < Duration::from_secs(1) {
+            check.problem(key, "must be at least 1s");
+        }
+    }
+    if entrypoint.first().is_none_or(|program| program.is_empty()) {
+        check.problem(
+            "vm_entrypoint",
+            "must name the program to run (a path inside the pool's image)",
+        );
+    }
+    let mut env = BTreeMap::new();
+    for item in executor_env {
+        let Some((name, value)) = item.split_once('=') else {
+            check.problem("vm_executor_env", format!("{item:?} must be NAME=value"));
+            continue;
+        };
+        let valid = name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            check.problem(
+                "vm_executor_env",
+                format!("{name:?} is not an environment variable name"),
+            );
+        } else if gdr_core::executor::env::ASSIGNMENT.contains(&name) {
+            check.problem(
+                "vm_executor_env",
+                format!("{name} comes from the assignment and cannot be configured"),
+            );
+        } else if env.insert(name.to_owned(), value.to_owned()).is_some() {
+            check.problem("vm_executor_env", format!("{name} is given twice"));
+        }
+    }
+    let timeout = Duration::from_secs(timeout_seconds);
+    if timeout < MIN_SANDBOX_TIMEOUT {
+        check.problem(
+            "vm_timeout_seconds",
+            format!(
+                "{timeout_seconds} is below OpenSandbox's minimum of {}",
+                MIN_SANDBOX_TIMEOUT.as_secs()
+            ),
+        );
+    }
+    if renew_before.is_zero() || renew_before >= timeout {
+        check.problem(
+            "vm_renew_before",
+            "must be above 0 and below vm_timeout_seconds (a renewal extends the expiry by vm_timeout_seconds)",
+        );
+    }
+    Some(OpenSandboxSettings {
+        api: api?,
+        api_key_file: api_key_file?,
+        ca_file,
+        pool,
+        request_timeout,
+        create_timeout,
+        entrypoint,
+        executor_env: env,
+        timeout,
+        renew_before,
+        terminal_grace,
+    })
+}
+
 /// The Gitea keys, for [`gitea_settings`].
 struct GiteaKeys {
     url: Option<String>,
@@ -1267,6 +1411,88 @@ impl RegisterSettings {
             _ => Err(SettingsError::Invalid(check.problems)),
         }
     }
+}
+
+// === sandbox-identity ===
+
+/// What `sandbox-identity` runs with: only the keys of the sandbox cluster (no Gitea, NATS,
+/// OpenSandbox or secret-store credential).
+#[derive(Debug, Clone)]
+pub struct SandboxIdentitySettings {
+    /// The reconciler.
+    pub reconciler: gdr_sandbox_identity::Settings,
+    /// Listen address of `/healthz`, `/readyz`, `/metrics`.
+    pub health_listen: String,
+    /// Leader election; present when enabled.
+    pub leader: Option<LeaderSettings>,
+}
+
+impl SandboxIdentitySettings {
+    /// Loads the layers and checks only what `sandbox-identity` needs.
+    pub fn load(sources: &Sources) -> Result<Self, SettingsError> {
+        let raw = sources.load()?;
+        let mut check = Check::default();
+        let trust_domain = check.trust_domain(raw.trust_domain);
+        let codec = check.ok("metadata_prefix", MetadataCodec::new(raw.metadata_prefix));
+        let namespace = raw.opensandbox_namespace;
+        if !is_dns_label(&namespace) {
+            check.problem(
+                "opensandbox_namespace",
+                format!("{namespace:?} is not a Kubernetes namespace name"),
+            );
+        }
+        for (key, value) in [
+            ("spire_cluster_name", &raw.spire_cluster_name),
+            ("spire_class_name", &raw.spire_class_name),
+        ] {
+            if value.is_empty() || value.contains(|c: char| c.is_whitespace() || c == '/') {
+                check.problem(
+                    key,
+                    format!("{value:?} must be non-empty without spaces or '/'"),
+                );
+            }
+        }
+        if raw.sandbox_identity_resync.0 < Duration::from_secs(1) {
+            check.problem("sandbox_identity_resync", "must be at least 1s");
+        }
+        let leader = check.leader(
+            raw.leader_election,
+            LeaderSettings {
+                namespace: raw.lease_namespace,
+                name: raw.sandbox_identity_lease_name,
+                identity: raw.leader_identity,
+                lease_duration: raw.lease_duration.0,
+            },
+        );
+        match (trust_domain, codec) {
+            (Some(trust_domain), Some(codec)) if check.problems.is_empty() => {
+                Ok(SandboxIdentitySettings {
+                    reconciler: gdr_sandbox_identity::Settings {
+                        namespace,
+                        trust_domain,
+                        cluster: raw.spire_cluster_name,
+                        class_name: raw.spire_class_name,
+                        runner_uid: raw.runner_uid,
+                        codec,
+                        resync: raw.sandbox_identity_resync.0,
+                    },
+                    health_listen: raw.health_listen.unwrap_or_else(|| "0.0.0.0:9090".into()),
+                    leader,
+                })
+            }
+            _ => Err(SettingsError::Invalid(check.problems)),
+        }
+    }
+}
+
+/// A Kubernetes namespace name (an RFC 1123 label).
+fn is_dns_label(name: &str) -> bool {
+    (1..=63).contains(&name.len())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !name.starts_with('-')
+        && !name.ends_with('-')
 }
 
 // === check-config ===

@@ -773,3 +773,207 @@ fn without_the_kubernetes_feature_the_pod_backend_is_refused_naming_the_feature(
         "{p:?}"
     );
 }
+
+/// The VM backend's configuration, as a cluster deployment gives it.
+fn opensandbox(extra: &[&str]) -> Vec<String> {
+    let mut out: Vec<String> = [
+        "nats_url=nats://nats:4222",
+        "local_identity=false",
+        "spiffe_endpoint_socket=unix:///run/spire.sock",
+        "components=scheduler,vm-worker",
+        "opensandbox_api=https://osb.example/v1",
+        "opensandbox_api_key_file=/run/secrets/osb",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    out.extend(extra.iter().map(|s| (*s).to_owned()));
+    out
+}
+
+fn opensandbox_settings(extra: &[&str]) -> Result<OpenSandboxSettings, SettingsError> {
+    let keys = opensandbox(extra);
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    settings(&keys).map(|s| match s.vm.map(|vm| vm.kind) {
+        Some(VmBackend::OpenSandbox(o)) => *o,
+        other => panic!("expected the opensandbox backend, got {other:?}"),
+    })
+}
+
+#[test]
+fn the_vm_backend_keys_reach_the_opensandbox_settings_with_their_defaults() {
+    let o = opensandbox_settings(&[]).unwrap();
+    assert_eq!(o.api.as_str(), "https://osb.example/v1");
+    assert_eq!(o.pool, "ci-vm");
+    assert_eq!(o.request_timeout, Duration::from_secs(30));
+    assert_eq!(o.create_timeout, Duration::from_secs(90));
+    assert_eq!(
+        o.entrypoint,
+        ["/usr/local/bin/gitea-dynamic-runner", "executor"]
+    );
+    assert!(o.executor_env.is_empty());
+    assert_eq!(o.timeout, Duration::from_secs(4 * 3600));
+    assert_eq!(o.renew_before, Duration::from_secs(600));
+    assert_eq!(o.terminal_grace, Duration::from_secs(15));
+    let o = opensandbox_settings(&[
+        "opensandbox_pool=kata-small",
+        "opensandbox_ca_file=/etc/osb-ca.pem",
+        "opensandbox_create_timeout=2m",
+        "vm_entrypoint=/opt/gdr/bin/gitea-dynamic-runner,executor",
+        "vm_executor_env=SPIFFE_ENDPOINT_SOCKET=unix:///run/spire/agent.sock,GITEA_RUNNER_BINARY=/opt/runner",
+        "vm_timeout_seconds=3600",
+        "vm_renew_before=5m",
+        "vm_terminal_grace=1s",
+    ])
+    .unwrap();
+    assert_eq!(o.pool, "kata-small");
+    assert_eq!(o.ca_file.unwrap(), Path::new("/etc/osb-ca.pem"));
+    assert_eq!(o.create_timeout, Duration::from_secs(120));
+    assert_eq!(
+        o.entrypoint,
+        ["/opt/gdr/bin/gitea-dynamic-runner", "executor"]
+    );
+    assert_eq!(
+        o.executor_env["SPIFFE_ENDPOINT_SOCKET"],
+        "unix:///run/spire/agent.sock"
+    );
+    assert_eq!(o.executor_env["GITEA_RUNNER_BINARY"], "/opt/runner");
+    assert_eq!(o.timeout, Duration::from_secs(3600));
+    assert_eq!(o.renew_before, Duration::from_secs(300));
+    assert_eq!(o.terminal_grace, Duration::from_secs(1));
+}
+
+#[test]
+fn vm_backend_values_the_server_or_the_executor_would_refuse_are_refused_naming_their_key() {
+    let keys = opensandbox(&[
+        "opensandbox_api=ftp://osb.example/v1",
+        "opensandbox_pool=two words",
+        "opensandbox_request_timeout=0s",
+        "opensandbox_create_timeout=0s",
+        "vm_executor_env=CI_SPIFFE_ID=spiffe://evil.example/x,NO_VALUE,1BAD=x,A=1,A=2",
+        "vm_timeout_seconds=59",
+        "vm_renew_before=10m",
+    ]);
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let p = problems(&keys);
+    let text = |key: &str| -> Vec<String> {
+        p.iter()
+            .filter(|p| p.key == key)
+            .map(ToString::to_string)
+            .collect()
+    };
+    assert_eq!(text("opensandbox_api").len(), 1, "{p:?}");
+    assert_eq!(text("opensandbox_pool").len(), 1, "{p:?}");
+    assert_eq!(text("opensandbox_request_timeout").len(), 1, "{p:?}");
+    assert_eq!(text("opensandbox_create_timeout").len(), 1, "{p:?}");
+    let env = text("vm_executor_env").join("\n");
+    for expected in [
+        "CI_SPIFFE_ID comes from the assignment",
+        "\"NO_VALUE\" must be NAME=value",
+        "\"1BAD\" is not an environment variable name",
+        "A is given twice",
+    ] {
+        assert!(env.contains(expected), "{expected}: {env}");
+    }
+    assert!(
+        text("vm_timeout_seconds")[0].contains("below OpenSandbox's minimum of 60"),
+        "{p:?}"
+    );
+    assert!(
+        text("vm_renew_before")[0].contains("below vm_timeout_seconds"),
+        "{p:?}"
+    );
+    let empty = opensandbox(&["vm_entrypoint="]);
+    let empty: Vec<&str> = empty.iter().map(String::as_str).collect();
+    assert!(
+        problems(&empty).iter().any(|p| p.key == "vm_entrypoint"),
+        "an empty entrypoint is refused"
+    );
+    let missing = problems(&[
+        "nats_url=nats://nats:4222",
+        "local_identity=false",
+        "spiffe_endpoint_socket=unix:///run/spire.sock",
+        "components=scheduler,vm-worker",
+    ]);
+    let keys: Vec<_> = missing.iter().map(|p| p.key).collect();
+    assert!(keys.contains(&"opensandbox_api"), "{missing:?}");
+    assert!(keys.contains(&"opensandbox_api_key_file"), "{missing:?}");
+}
+
+fn sandbox_identity(overrides: &[&str]) -> Result<SandboxIdentitySettings, SettingsError> {
+    SandboxIdentitySettings::load(&Sources::overrides(overrides).unwrap())
+}
+
+#[test]
+fn sandbox_identity_needs_only_the_trust_domain_and_has_the_python_versions_defaults() {
+    let s = sandbox_identity(&["trust_domain=example.org"]).unwrap();
+    let r = &s.reconciler;
+    assert_eq!(r.trust_domain.as_str(), "example.org");
+    assert_eq!(r.namespace, "opensandbox");
+    assert_eq!(r.cluster, "sandbox-kata");
+    assert_eq!(r.class_name, "spire-mgmt-spire");
+    assert_eq!(r.runner_uid, 2000);
+    assert_eq!(r.resync, Duration::from_secs(30));
+    assert_eq!(r.codec.key("runner"), "ci.ddupan.top/runner");
+    assert_eq!(s.health_listen, "0.0.0.0:9090");
+    assert!(s.leader.is_none());
+    let s = sandbox_identity(&[
+        "trust_domain=example.org",
+        "opensandbox_namespace=sandboxes",
+        "spire_cluster_name=kata-east",
+        "spire_class_name=other-class",
+        "runner_uid=1001",
+        "sandbox_identity_resync=10s",
+        "metadata_prefix=ci.example.org/",
+        "health_listen=127.0.0.1:0",
+        "leader_election=true",
+        "lease_namespace=sandboxes",
+        "lease_duration=6s",
+    ])
+    .unwrap();
+    let r = &s.reconciler;
+    assert_eq!(
+        (
+            r.namespace.as_str(),
+            r.cluster.as_str(),
+            r.class_name.as_str()
+        ),
+        ("sandboxes", "kata-east", "other-class")
+    );
+    assert_eq!(r.runner_uid, 1001);
+    assert_eq!(r.resync, Duration::from_secs(10));
+    assert_eq!(r.codec.key("runner"), "ci.example.org/runner");
+    assert_eq!(s.health_listen, "127.0.0.1:0");
+    let leader = s.leader.unwrap();
+    assert_eq!(leader.name, "gitea-dynamic-runner-sandbox-identity");
+    assert_eq!(leader.namespace, "sandboxes");
+    assert_eq!(leader.lease_duration, Duration::from_secs(6));
+}
+
+#[test]
+fn sandbox_identity_settings_report_every_problem_naming_the_key() {
+    let err = sandbox_identity(&[
+        "opensandbox_namespace=Not_A_Namespace",
+        "spire_cluster_name=a/b",
+        "spire_class_name=",
+        "sandbox_identity_resync=0s",
+        "lease_duration=1s",
+    ])
+    .unwrap_err();
+    let SettingsError::Invalid(problems) = err else {
+        panic!("expected problems, got {err:?}");
+    };
+    let keys: Vec<_> = problems.iter().map(|p| p.key).collect();
+    assert_eq!(
+        keys,
+        [
+            "trust_domain",
+            "opensandbox_namespace",
+            "spire_cluster_name",
+            "spire_class_name",
+            "sandbox_identity_resync",
+            "lease_duration",
+        ],
+        "{problems:?}"
+    );
+}

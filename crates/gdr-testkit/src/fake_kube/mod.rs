@@ -409,11 +409,11 @@ impl RunningFakeKube {
         kube::Client::try_from(kube::Config::new(url))
     }
 
-    /// A kubeconfig naming this server (plain http on loopback, no credentials), for a
-    /// controller process that finds its cluster through `KUBECONFIG`.
-    pub fn kubeconfig(&self) -> String {
+    /// A kubeconfig for this server (default namespace `namespace`), for a process that
+    /// finds the cluster through `KUBECONFIG`.
+    pub fn kubeconfig(&self, namespace: &str) -> String {
         format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: gitea-actions\ncurrent-context: fake\nusers:\n- name: fake\n  user: {{}}\n",
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: {namespace}\ncurrent-context: fake\nusers:\n- name: fake\n  user: {{}}\n",
             self.url
         )
     }
