@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream;
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::queue::{self, StreamSettings};
-use gdr_controller::scheduler::{Backoff, Scheduler, SchedulerSettings};
+use gdr_controller::scheduler::{Scheduler, SchedulerSettings};
 use gdr_controller::shutdown::shutdown_channel;
 use gdr_core::assignment::DerivationPolicy;
 use gdr_core::backend::BackendLabels;
@@ -63,7 +63,7 @@ async fn main() {
         u64::MAX,
     );
     sched_settings.backlog_refresh = Duration::from_millis(50);
-    sched_settings.idle_backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(20));
+    sched_settings.idle_interval = Duration::from_millis(20);
     let scheduler = Scheduler::new(gitea, js.clone(), settings.clone(), policy, sched_settings);
     let stats = scheduler.stats();
     let (trigger, shutdown) = shutdown_channel();

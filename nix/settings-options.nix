@@ -161,6 +161,11 @@ in
     default = null;
     description = "Stop fetching while this many assignments wait unclaimed in the stream. Default: `the sum of the enabled capacities`.";
   };
+  fetch_pollers_max = mkOption {
+    type = types.nullOr (types.ints.unsigned);
+    default = null;
+    description = "Most concurrent FetchTask pollers (at least 1); there are as many as the enabled capacity up to this bound. Gitea serialises task picks per instance (`MAX_CONCURRENT_TASK_PICKS`, default 16), so more only cost. While Gitea has nothing, one poller calls FetchTask every 2s and the others wait, whatever the bound. Default: `8`.";
+  };
   runner_facade_listen = mkOption {
     type = types.nullOr (types.str);
     default = null;

@@ -2,8 +2,10 @@
 //! (DESIGN invariants 5, 6, 8, 9, 12).
 //!
 //! For every delivered assignment: decode and re-derive (poison or tampered → TERM); skip
-//! if the backend shows it claimed already; take an admission slot or NAK with a delay (the
-//! assignment stays pending, nothing is created beyond capacity); reconcile the executor
+//! if the backend shows it claimed already; take an admission slot, waiting in line while
+//! the pool is full (the slot a finishing executor frees goes to the first waiter at once;
+//! beyond `capacity` waiters the delivery is NAKed with a delay; nothing is created beyond
+//! capacity either way); reconcile the executor
 //! through the backend (find → create → bind identity); offer the task to the facade and
 //! wait, extending the ack deadline, until the runner claims it; then double-ack. A failing
 //! or full backend only delays its own consumer.
@@ -31,7 +33,7 @@ use gdr_core::executor::{
 use gdr_core::metadata::MetadataCodec;
 
 use crate::backoff::Backoff;
-use crate::dispatch::{ClaimState, Dispatch};
+use crate::dispatch::{ClaimState, Dispatch, Waited};
 use crate::gitea::{GiteaClient, Reported};
 use crate::shutdown::Shutdown;
 
@@ -47,7 +49,8 @@ const REPORT_ATTEMPTS: u32 = 4;
 pub struct WorkerSettings {
     /// Backend this worker serves.
     pub backend: Backend,
-    /// NAK delay while the pool is full (and the backend gave no retry hint).
+    /// NAK delay while the pool is full and as many deliveries wait in line as it has
+    /// slots, or the backend itself is full without a retry hint.
     pub full_delay: Duration,
     /// NAK delay while the identity target does not exist yet.
     pub not_ready_delay: Duration,
@@ -137,6 +140,9 @@ pub struct Worker {
     in_flight: Mutex<HashSet<AssignmentId>>,
     /// `Retry-After` hints of full backends, per assignment, for the NAK that follows.
     retry_hints: Mutex<std::collections::HashMap<String, Duration>>,
+    /// Notified when a settled delivery left the stream (the scheduler's backlog gate
+    /// re-reads the stream at once).
+    settled: Option<Arc<tokio::sync::Notify>>,
 }
 
 /// Why a worker could not start.
@@ -184,7 +190,14 @@ impl Worker {
             outcomes: None,
             in_flight: Mutex::new(HashSet::new()),
             retry_hints: Mutex::new(std::collections::HashMap::new()),
+            settled: None,
         })
+    }
+
+    /// Notifies `signal` whenever an acknowledged or terminated delivery leaves the stream.
+    pub fn with_backlog_signal(mut self, signal: Arc<tokio::sync::Notify>) -> Self {
+        self.settled = Some(signal);
+        self
     }
 
     /// Reports every delivery's outcome (tests and metrics).
@@ -252,11 +265,19 @@ impl Worker {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&label);
-        let settle = match self.settlement(outcome, hint) {
+        let settlement = self.settlement(outcome, hint);
+        let leaves = matches!(settlement, Settle::Ack | Settle::Term);
+        let settle = match settlement {
             Settle::Ack => message.double_ack().await,
             Settle::Term => message.double_ack_with(AckKind::Term).await,
             Settle::Nak(delay) => message.ack_with(AckKind::Nak(delay)).await,
         };
+        if leaves
+            && settle.is_ok()
+            && let Some(signal) = &self.settled
+        {
+            signal.notify_one();
+        }
         if let Err(e) = settle {
             // JetStream redelivers after the ack wait; every step is idempotent.
             tracing::warn!(%backend, assignment_id = %label, outcome = outcome.as_str(), error = %e, "settling the delivery failed");
@@ -376,9 +397,14 @@ impl Worker {
         if existing.as_ref().is_some_and(|r| r.claimed || r.terminal) {
             return Outcome::AlreadyClaimed;
         }
-        match self.dispatch.admit(backend, &id) {
-            Admission::Full => return Outcome::Full,
-            Admission::Admitted | Admission::AlreadyAdmitted => {}
+        if self.dispatch.admit(backend, &id) == Admission::Full {
+            tracing::debug!(%backend, assignment_id = %id, "the pool is full; waiting in line for a slot");
+            let waited = self.dispatch.admit_when_free(backend, &id, &shutdown);
+            match self.keeping_alive(message, &id, waited).await {
+                Waited::Admitted => {}
+                Waited::LineFull => return Outcome::Full,
+                Waited::Stopped => return Outcome::Interrupted,
+            }
         }
         let record = match existing {
             Some(r) => r,

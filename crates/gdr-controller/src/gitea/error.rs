@@ -84,6 +84,12 @@ impl GiteaError {
         self.kind == ErrorKind::Unavailable
     }
 
+    /// The call ran into the client's own deadline (or a proxy's 408): for a FetchTask
+    /// that Gitea holds open until a task arrives, the normal end of an idle poll.
+    pub fn timed_out(&self) -> bool {
+        self.code == ErrorCode::DeadlineExceeded.as_str()
+    }
+
     /// Gitea itself says the task does not exist (any more): its handler answered
     /// `NotFound`. A plain HTTP 404 (wrong URL, Actions disabled) does not count, so a
     /// misconfiguration never makes the controller treat running jobs as gone.

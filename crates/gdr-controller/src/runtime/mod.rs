@@ -198,6 +198,9 @@ pub async fn run(
     let stats = Arc::new(SchedulerStats::new());
     let labels = settings::declared_labels(&policy.labels, capacities.keys().copied());
     let facade_settings = scheduler.as_ref().map(|s| s.facade.clone());
+    // Workers poke it when an assignment leaves the stream, so the backlog gate lets the
+    // next fetch through at once.
+    let backlog_changed = Arc::new(tokio::sync::Notify::new());
     if let Some(scheduler) = scheduler {
         let facade = Arc::new(Facade::new(
             dispatch.clone(),
@@ -211,7 +214,12 @@ pub async fn run(
                 settings: &scheduler,
                 labels,
                 capabilities: runner.capabilities.clone(),
-                pollers: capacities.values().sum::<usize>().max(1),
+                pollers: capacities
+                    .values()
+                    .sum::<usize>()
+                    .min(scheduler.fetch_pollers_max)
+                    .max(1),
+                backlog_changed: &backlog_changed,
                 gitea: &gitea_client,
                 queue: &queue,
                 policy: &policy,
@@ -270,7 +278,8 @@ pub async fn run(
             settings,
         )
         .map_err(setup("starting a worker"))?
-        .with_outcomes(count_outcomes(&metrics, *backend));
+        .with_outcomes(count_outcomes(&metrics, *backend))
+        .with_backlog_signal(backlog_changed.clone());
         let stop = work_shutdown.clone();
         tasks.spawn(async move {
             worker.run(consumer, stop).await;
@@ -693,6 +702,7 @@ struct SchedulerWiring<'a> {
     labels: Vec<String>,
     capabilities: Vec<String>,
     pollers: usize,
+    backlog_changed: &'a Arc<tokio::sync::Notify>,
     gitea: &'a GiteaClient,
     queue: &'a Queue,
     policy: &'a DerivationPolicy,
@@ -720,7 +730,8 @@ fn spawn_scheduler(
         w.policy.clone(),
         poller_settings,
     )
-    .with_stats(w.stats.clone());
+    .with_stats(w.stats.clone())
+    .with_backlog_signal(w.backlog_changed.clone());
     if let Some(k) = w.keyring {
         scheduler = scheduler.with_keyring(Arc::new(k.clone()));
     }

@@ -213,6 +213,10 @@ pub(crate) struct State {
     pub faults: HashMap<RpcMethod, VecDeque<MockFault>>,
     /// Calls received per method (faulted ones included).
     pub calls: HashMap<RpcMethod, u64>,
+    /// Calls being answered right now, per method.
+    pub in_flight: HashMap<RpcMethod, u64>,
+    /// The most calls of a method answered at once (since the last reset).
+    pub in_flight_peak: HashMap<RpcMethod, u64>,
     pub seen_requests: Vec<String>,
     /// Gitea's AppURL, with the trailing slash Gitea keeps.
     pub server_url: String,
@@ -273,6 +277,8 @@ impl State {
             vars: HashMap::new(),
             faults: HashMap::new(),
             calls: HashMap::new(),
+            in_flight: HashMap::new(),
+            in_flight_peak: HashMap::new(),
             seen_requests: Vec::new(),
             server_url,
             default_actions_url,
