@@ -191,8 +191,26 @@ impl Harness {
         assignment
     }
 
-    /// Plays the executor's runner: authorise as the facade would and fetch the task.
+    /// Plays the executor's runner, which can reach the facade once its executor exists
+    /// and its identity is bound: authorise as the facade would and fetch the task.
     async fn claim(&self, assignment: &Assignment) -> bool {
+        let backend = match assignment.backend() {
+            Backend::Pod => &self.pod,
+            Backend::Vm => &self.vm,
+        };
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while !backend
+            .records()
+            .iter()
+            .any(|r| r.assignment.id() == assignment.id() && r.identity_bound)
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the executor of {} was never created and bound",
+                assignment.id()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let capability = self.dispatch.capability_key().issue(assignment.id());
         let auth = self
             .dispatch
@@ -574,6 +592,22 @@ fn spec_of(h: &Harness, assignment: &Assignment) -> gdr_core::executor::Executor
         "spiffe://example.org/controller",
         "pod",
     )
+}
+
+/// The task is offered before its executor is created, so a runner that starts the moment
+/// its environment exists finds it on its first FetchTask (an empty answer would cost it
+/// its poll interval).
+#[tokio::test]
+async fn the_task_is_offered_before_its_executor_is_created() {
+    let mut h = Harness::new(1, 1).await;
+    h.pod.set_create_delay(Duration::from_secs(3));
+    h.start_worker(Backend::Pod, 1).await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    h.wait_offered(a.id()).await;
+    assert_eq!(h.pod.create_calls(), 1, "the create is under way");
+    assert_eq!(h.pod.created(), 0, "offered before the executor exists");
+    assert!(h.claim(&a).await);
+    h.wait_outcome(a.id().as_str(), Outcome::Claimed).await;
 }
 
 /// DESIGN invariants 6 and 8: OpenSandbox's create blocks up to a minute, as long as an ack

@@ -5,10 +5,10 @@
 //! if the backend shows it claimed already; take an admission slot, waiting in line while
 //! the pool is full (the slot a finishing executor frees goes to the first waiter at once;
 //! beyond `capacity` waiters the delivery is NAKed with a delay; nothing is created beyond
-//! capacity either way); reconcile the executor
-//! through the backend (find → create → bind identity); offer the task to the facade and
-//! wait, extending the ack deadline, until the runner claims it; then double-ack. A failing
-//! or full backend only delays its own consumer.
+//! capacity either way); offer the task to the facade; reconcile the executor through the
+//! backend (find → create → bind identity) and wait, extending the ack deadline, until the
+//! runner claims it; then double-ack. A failing or full backend only delays its own
+//! consumer.
 //!
 //! One assignment is handled by at most one delivery at a time in this process: a
 //! redelivery that arrives while an earlier one still works (OpenSandbox's create blocks up
@@ -406,6 +406,11 @@ impl Worker {
                 Waited::Stopped => return Outcome::Interrupted,
             }
         }
+        tracing::debug!(%backend, assignment_id = %id, "admitted");
+        // Offered before the executor exists, so its runner's first FetchTask finds the task
+        // however fast the executor starts (an empty answer would cost the runner its 2 s
+        // poll interval). Only the workload with the assignment's SVID can fetch it.
+        let mut claim = self.dispatch.offer(&assignment);
         let record = match existing {
             Some(r) => r,
             None => {
@@ -420,8 +425,8 @@ impl Worker {
                         r
                     }
                     Err(e) => {
-                        // Nothing was created, so the slot goes back.
-                        self.dispatch.release(backend, &id);
+                        // Nothing was created, so the slot and the offer go back.
+                        self.dispatch.forget(backend, &id);
                         return match e {
                             ExecutorError::Full {
                                 retry_after,
@@ -471,7 +476,6 @@ impl Worker {
                 }
             }
         }
-        let mut claim = self.dispatch.offer(&assignment);
         loop {
             if matches!(*claim.borrow(), ClaimState::Claimed | ClaimState::Terminal) {
                 return Outcome::Claimed;
