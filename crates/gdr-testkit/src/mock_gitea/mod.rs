@@ -108,6 +108,8 @@ pub struct TaskSnapshot {
     pub heartbeats: u64,
     /// Stored log rows (contents only), in order.
     pub log_rows: Vec<String>,
+    /// When the first log row was stored (how long a job took to start, seen from Gitea).
+    pub first_log: Option<SystemTime>,
     pub log_archived: bool,
     pub outputs: BTreeMap<String, String>,
     pub steps: Vec<StepSnapshot>,

@@ -162,6 +162,8 @@ pub(crate) struct TaskRec {
     pub updated_at: Instant,
     pub heartbeats: u64,
     pub log_rows: Vec<String>,
+    /// When the first log row was stored.
+    pub first_log: Option<SystemTime>,
     pub log_archived: bool,
     pub outputs: BTreeMap<String, String>,
     pub steps: BTreeMap<i64, StepSnapshot>,
@@ -187,6 +189,7 @@ impl TaskRec {
             updated: self.updated,
             heartbeats: self.heartbeats,
             log_rows: self.log_rows.clone(),
+            first_log: self.first_log,
             log_archived: self.log_archived,
             outputs: self.outputs.clone(),
             steps: self.steps.values().cloned().collect(),
@@ -683,6 +686,7 @@ impl State {
                 updated_at: Instant::now(),
                 heartbeats: 0,
                 log_rows: Vec::new(),
+                first_log: None,
                 log_archived: false,
                 outputs: BTreeMap::new(),
                 steps: BTreeMap::new(),
@@ -876,6 +880,7 @@ impl State {
                 ));
             }
             let skip = usize::try_from(ack - req.index).unwrap_or(usize::MAX);
+            task.first_log.get_or_insert_with(SystemTime::now);
             task.log_rows
                 .extend(req.rows.iter().skip(skip).map(|r| r.content.clone()));
             task.touch();
