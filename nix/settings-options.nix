@@ -161,6 +161,11 @@ in
     default = null;
     description = "Stop fetching a backend's jobs while this many of its assignments wait unclaimed on its subject (each backend is counted alone, so a full or dead one never stops the other). Default: `the backend's capacity`.";
   };
+  fetch_pollers_max = mkOption {
+    type = types.nullOr (types.ints.unsigned);
+    default = null;
+    description = "Most concurrent FetchTask pollers (at least 1); there are as many as the enabled capacity up to this bound. Gitea serialises task picks per instance (`MAX_CONCURRENT_TASK_PICKS`, default 16), so more only cost. While Gitea has nothing, one poller calls FetchTask every 2s and the others wait, whatever the bound. Default: `8`.";
+  };
   runner_facade_listen = mkOption {
     type = types.nullOr (types.str);
     default = null;

@@ -109,7 +109,12 @@ fn executor() -> ExitCode {
         Ok(c) => c,
         Err(e) => return cli::fail(e),
     };
-    let tokio = match tokio::runtime::Runtime::new() {
+    // One thread: the executor is a proxy next to one runner, and a single-threaded
+    // runtime keeps its memory small (no per-thread allocator arenas).
+    let tokio = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
         Ok(r) => r,
         Err(e) => return cli::fail(e),
     };

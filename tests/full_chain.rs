@@ -38,7 +38,25 @@ impl Controller {
         nats_url: Option<String>,
         extra: &[(&str, &str)],
     ) -> Self {
-        let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+        Self::start_on(
+            MockConfig::default(),
+            pod_capacity,
+            vm_capacity,
+            nats_url,
+            extra,
+        )
+        .await
+    }
+
+    /// [`Controller::start_with`] against a mock Gitea configured as `mock`.
+    async fn start_on(
+        mock: MockConfig,
+        pod_capacity: u32,
+        vm_capacity: u32,
+        nats_url: Option<String>,
+        extra: &[(&str, &str)],
+    ) -> Self {
+        let mock = MockGitea::start(mock).await.expect("mock");
         let facade = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -427,6 +445,35 @@ async fn a_disabled_backend_is_neither_declared_nor_fetched() {
         c.mock.handle.job(pod).map(|j| j.status),
         Some(Status::Waiting),
         "a pod job was handed to a controller without a pod worker"
+    );
+    c.stop().await;
+}
+
+/// DESIGN invariant 1: the pollers are as many as the enabled capacity, bounded by
+/// `fetch_pollers_max` (Gitea serialises task picks; more concurrent pollers only cost).
+/// A burst against a slow Gitea shows every poller at work and never more.
+#[tokio::test(flavor = "multi_thread")]
+async fn fetch_pollers_max_bounds_the_concurrent_fetch_task_calls() {
+    use gdr_testkit::mock_gitea::RpcMethod;
+    let slow = MockConfig::default().with_fetch_delay(Duration::from_millis(200));
+    let mut c = Controller::start_on(
+        slow,
+        4,
+        0,
+        None,
+        &[("fetch_pollers_max", "2"), ("backlog_limit", "20")],
+    )
+    .await;
+    let jobs: Vec<JobId> = (0..8)
+        .map(|i| c.queue(&format!("job{i}"), "[self-hosted, pod]", "standin:success"))
+        .collect();
+    for job in &jobs {
+        c.wait_status(*job, Status::Success).await;
+    }
+    assert_eq!(
+        c.mock.handle.in_flight_peak(RpcMethod::FetchTask),
+        2,
+        "as many concurrent FetchTask calls as fetch_pollers_max allows"
     );
     c.stop().await;
 }

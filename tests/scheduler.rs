@@ -28,6 +28,8 @@ use gdr_testkit::until;
 use tokio::task::JoinHandle;
 
 const WAIT: Duration = Duration::from_secs(30);
+/// The idle poller's pace in these tests (production: 2 s).
+const IDLE: Duration = Duration::from_millis(100);
 
 fn stream_settings() -> StreamSettings {
     StreamSettings {
@@ -54,6 +56,11 @@ struct Env {
 
 impl Env {
     async fn start(config: MockConfig) -> Env {
+        Self::start_with(config, ClientOptions::new("").fetch_timeout).await
+    }
+
+    /// With the controller's FetchTask deadline set to `fetch_timeout`.
+    async fn start_with(config: MockConfig, fetch_timeout: Duration) -> Env {
         let nats = NatsServer::start().await.expect("nats-server");
         let client = async_nats::connect(nats.url()).await.expect("connect");
         let js = jetstream::new(client);
@@ -62,11 +69,10 @@ impl Env {
             .expect("stream");
         let mock = MockGitea::start(config).await.expect("mock");
         let (uuid, token) = mock.handle.create_runner("controller", &[], false);
-        let gitea = GiteaClient::new(
-            ClientOptions::new(mock.url.clone()),
-            Some(&Credentials::new(uuid, token)),
-        )
-        .expect("client");
+        let mut options = ClientOptions::new(mock.url.clone());
+        options.fetch_timeout = fetch_timeout;
+        let gitea =
+            GiteaClient::new(options, Some(&Credentials::new(uuid, token))).expect("client");
         Env {
             mock,
             nats,
@@ -100,7 +106,7 @@ impl Env {
             backlog_limit,
         );
         settings.backlog_refresh = Duration::from_millis(50);
-        settings.idle_backoff = Backoff::new(Duration::from_millis(10), Duration::from_millis(50));
+        settings.idle_interval = IDLE;
         settings.error_backoff =
             Backoff::new(Duration::from_millis(20), Duration::from_millis(200));
         settings.publish_backoff =
@@ -677,4 +683,131 @@ async fn a_task_that_cannot_be_stored_within_the_shutdown_bound_is_reported_lost
     assert_eq!(report.tasks_published, 0);
     assert_eq!(report.lost_task_ids, vec![task_id]);
     assert_eq!(count(&stats.tasks_lost), 1);
+}
+
+/// DESIGN invariant 1 (idle load): an idle controller costs Gitea one FetchTask per idle
+/// interval whatever its number of pollers: after the first round every poller but one
+/// parks. Counted against the mock over a window measured as it passes: the bound grows
+/// with the elapsed time, so a slow machine only makes fewer calls.
+#[tokio::test]
+async fn an_idle_controller_calls_fetch_task_once_per_idle_interval_whatever_its_pollers() {
+    use gdr_testkit::mock_gitea::RpcMethod;
+    let env = Env::start(MockConfig::default()).await;
+    let pollers = 8;
+    let running = Running::start(env.scheduler(pollers, 100));
+    let stats = running.stats.clone();
+    // A burst first, so every poller has been woken and has found Gitea empty since.
+    env.queue_jobs(12);
+    until(WAIT, "the burst is fetched", || async {
+        env.unclaimed().await == 12
+    })
+    .await;
+    until(WAIT, "all but the idle poller parked again", || async {
+        count(&stats.pollers_parked) == pollers as u64 - 1
+    })
+    .await;
+    let started = tokio::time::Instant::now();
+    let before = env.gitea_mock().calls(RpcMethod::FetchTask);
+    let idle_rounds = 15;
+    until(WAIT, "the idle poller has polled for a while", || async {
+        env.gitea_mock().calls(RpcMethod::FetchTask) >= before + idle_rounds
+    })
+    .await;
+    let calls = env.gitea_mock().calls(RpcMethod::FetchTask) - before;
+    let elapsed = started.elapsed();
+    assert_eq!(
+        count(&stats.pollers_parked),
+        pollers as u64 - 1,
+        "all but the idle poller park"
+    );
+    running.stop().await;
+    // One call per interval, counted start to start, plus calls of pollers that were
+    // still finding Gitea empty when the window opened.
+    let bound = (elapsed.as_millis() / IDLE.as_millis()) as u64 + pollers as u64;
+    assert!(
+        calls <= bound,
+        "{calls} FetchTask calls in {elapsed:?} from an idle controller (bound {bound})"
+    );
+}
+
+/// DESIGN invariant 1 (burst): the task the idle poller gets wakes the parked pollers, so
+/// a burst is fetched by every poller at once, and never by more.
+#[tokio::test]
+async fn a_task_wakes_the_parked_pollers_and_every_poller_fetches_the_burst() {
+    use gdr_testkit::mock_gitea::RpcMethod;
+    let env = Env::start(MockConfig::default().with_fetch_delay(Duration::from_millis(150))).await;
+    let pollers = 4;
+    let running = Running::start(env.scheduler(pollers, 100));
+    let stats = running.stats.clone();
+    until(WAIT, "every poller but one parked", || async {
+        count(&stats.pollers_parked) == pollers as u64 - 1
+    })
+    .await;
+    env.gitea_mock().reset_in_flight_peaks();
+    env.queue_jobs(24);
+    until(WAIT, "the burst is fetched", || async {
+        env.unclaimed().await == 24
+    })
+    .await;
+    let peak = env.gitea_mock().in_flight_peak(RpcMethod::FetchTask);
+    running.stop().await;
+    assert_eq!(
+        peak, pollers as u64,
+        "every poller (and no more) fetched the burst at once"
+    );
+}
+
+/// Gitea's long polling (go-gitea/gitea#37482): a FetchTask held open until the client's
+/// deadline is an empty answer, neither an error nor a reason to back off. The error
+/// backoff here is a minute, so a poller that took the timeout for an error would stop.
+#[tokio::test]
+async fn a_fetch_task_held_until_the_deadline_is_neither_an_error_nor_backed_off() {
+    let mock = MockConfig::default().with_long_poll(Duration::from_secs(3600));
+    let env = Env::start_with(mock, Duration::from_millis(300)).await;
+    let mut settings = env.settings(3, 100);
+    settings.error_backoff = Backoff::new(Duration::from_secs(60), Duration::from_secs(60));
+    let running = Running::start(env.scheduler_with(settings));
+    let stats = running.stats.clone();
+    until(WAIT, "several held polls ran into the deadline", || async {
+        count(&stats.fetch_held) >= 5
+    })
+    .await;
+    assert_eq!(stats.fetch_errors_total(), 0, "a held poll is no error");
+    env.queue_jobs(1);
+    until(WAIT, "a job queued meanwhile is fetched", || async {
+        env.unclaimed().await == 1
+    })
+    .await;
+    running.stop().await;
+    assert_eq!(stats.fetch_errors_total(), 0);
+}
+
+/// With long polling the held request itself picks up the job the moment it is queued:
+/// the idle poller's open FetchTask answers with it.
+#[tokio::test]
+async fn a_held_fetch_task_answers_with_the_job_queued_while_it_is_held() {
+    use gdr_testkit::mock_gitea::RpcMethod;
+    let mock = MockConfig::default().with_long_poll(Duration::from_secs(3600));
+    let env = Env::start_with(mock, Duration::from_secs(60)).await;
+    let pollers = 3;
+    let running = Running::start(env.scheduler(pollers, 100));
+    let stats = running.stats.clone();
+    until(WAIT, "one poll held, every other poller parked", || async {
+        count(&stats.pollers_parked) == pollers as u64 - 1
+            && env.gitea_mock().calls(RpcMethod::FetchTask) == 1
+    })
+    .await;
+    env.queue_jobs(1);
+    until(WAIT, "the job is fetched", || async {
+        env.unclaimed().await == 1
+    })
+    .await;
+    assert_eq!(stats.fetch_errors_total(), 0);
+    assert_eq!(
+        count(&stats.fetch_held),
+        0,
+        "Gitea answered before the deadline"
+    );
+    // The next poll is held again; a graceful stop would wait out its deadline.
+    running.join.abort();
 }

@@ -212,8 +212,26 @@ impl Harness {
         assignment
     }
 
-    /// Plays the executor's runner: authorise as the facade would and fetch the task.
+    /// Plays the executor's runner, which can reach the facade once its executor exists
+    /// and its identity is bound: authorise as the facade would and fetch the task.
     async fn claim(&self, assignment: &Assignment) -> bool {
+        let backend = match assignment.backend() {
+            Backend::Pod => &self.pod,
+            Backend::Vm => &self.vm,
+        };
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while !backend
+            .records()
+            .iter()
+            .any(|r| r.assignment.id() == assignment.id() && r.identity_bound)
+        {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the executor of {} was never created and bound",
+                assignment.id()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let capability = self.dispatch.capability_key().issue(assignment.id());
         let auth = self
             .dispatch
@@ -266,6 +284,17 @@ impl Harness {
         }
     }
 
+    async fn wait_waiting(&self, backend: Backend, n: usize) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while self.dispatch.waiting(backend) != n {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "never {n} waiting for a {backend} slot"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     async fn wait_offered(&self, id: &AssignmentId) {
         let deadline = tokio::time::Instant::now() + WAIT;
         while self.dispatch.claim_state(id) != Some(ClaimState::Pending) {
@@ -293,13 +322,10 @@ async fn a_full_pod_pool_creates_nothing_beyond_capacity_and_runs_the_assignment
         h.wait_offered(x.id()).await;
         assert!(h.claim(x).await);
     }
-    // Both claimed and acknowledged: the third is delivered but the pool is full.
-    let seen = h.wait_outcome(c.id().as_str(), Outcome::Full).await;
-    assert!(
-        seen.iter()
-            .any(|(id, o)| id == a.id().as_str() && *o == Outcome::Claimed)
-    );
-    h.wait_outcome(c.id().as_str(), Outcome::Full).await;
+    // Both claimed and acknowledged: the third is delivered but the pool is full, so it
+    // waits in line for a slot.
+    h.wait_outcome(a.id().as_str(), Outcome::Claimed).await;
+    h.wait_waiting(Backend::Pod, 1).await;
     assert_eq!(h.pod.created(), 2, "no executor beyond capacity");
     assert_eq!(h.dispatch.pool_usage(Backend::Pod), (2, 2));
 
@@ -309,6 +335,35 @@ async fn a_full_pod_pool_creates_nothing_beyond_capacity_and_runs_the_assignment
     assert!(h.claim(&c).await);
     h.wait_outcome(c.id().as_str(), Outcome::Claimed).await;
     assert_eq!(h.dispatch.pool_usage(Backend::Pod), (2, 2));
+}
+
+/// DESIGN invariant 6: a slot freed by a finishing executor admits the first assignment
+/// waiting in line at once; it does not wait out a NAK delay (an hour here), and one that
+/// came later does not jump the line. The line is as long as the pool: a delivery beyond
+/// it is put back.
+#[tokio::test]
+async fn a_freed_slot_admits_the_first_waiting_assignment_at_once_not_after_a_nak_delay() {
+    let mut h = Harness::new(1, 1).await;
+    // Three deliveries at once: one running, one in line, one beyond the line.
+    h.start_worker_with(Backend::Pod, 3, Duration::from_secs(5), |s| {
+        s.full_delay = Duration::from_secs(3600);
+    })
+    .await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    h.wait_offered(a.id()).await;
+    assert!(h.claim(&a).await);
+    h.wait_outcome(a.id().as_str(), Outcome::Claimed).await;
+    let b = h.publish_job("[self-hosted, pod]").await;
+    h.wait_waiting(Backend::Pod, 1).await;
+    let c = h.publish_job("[self-hosted, pod]").await;
+    h.wait_outcome(c.id().as_str(), Outcome::Full).await;
+
+    h.finish(&a).await;
+    h.wait_offered(b.id()).await;
+    assert_eq!(h.dispatch.claim_state(c.id()), None, "c jumped the line");
+    assert_eq!(h.pod.created(), 2);
+    assert_eq!(h.dispatch.pool_usage(Backend::Pod), (1, 1));
+    assert_eq!(h.dispatch.waiting(Backend::Pod), 0);
 }
 
 #[tokio::test]
@@ -574,6 +629,22 @@ fn spec_of(h: &Harness, assignment: &Assignment) -> gdr_core::executor::Executor
         "spiffe://example.org/controller",
         "pod",
     )
+}
+
+/// The task is offered before its executor is created, so a runner that starts the moment
+/// its environment exists finds it on its first FetchTask (an empty answer would cost it
+/// its poll interval).
+#[tokio::test]
+async fn the_task_is_offered_before_its_executor_is_created() {
+    let mut h = Harness::new(1, 1).await;
+    h.pod.set_create_delay(Duration::from_secs(3));
+    h.start_worker(Backend::Pod, 1).await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    h.wait_offered(a.id()).await;
+    assert_eq!(h.pod.create_calls(), 1, "the create is under way");
+    assert_eq!(h.pod.created(), 0, "offered before the executor exists");
+    assert!(h.claim(&a).await);
+    h.wait_outcome(a.id().as_str(), Outcome::Claimed).await;
 }
 
 /// DESIGN invariants 6 and 8: OpenSandbox's create blocks up to a minute, as long as an ack

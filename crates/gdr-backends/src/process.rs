@@ -4,7 +4,11 @@
 //! Layout: `<state_root>/executors/<assignment-id>/` holds
 //! - `metadata.json`: the backend's authority on the executor, as Pod labels are for
 //!   Kubernetes (assignment labels/annotations, claimed/terminal/identity markers, pid,
-//!   pid start time, exit code). Written atomically (temp file, fsync, rename, fsync dir).
+//!   pid start time, exit code). Written atomically (temp file, rename); writes of the
+//!   claimed and terminal markers are also durable (fsync of file and directory before
+//!   the rename counts), because they must survive a power loss (DESIGN invariants 9,
+//!   10). The rest (creation, pid, identity bound, exit code) describes processes that
+//!   a power loss ends anyway, so it costs no fsync on the way to a job's start.
 //! - `work/`: the executor's working directory (`CI_RUNNER_WORKDIR`).
 //! - `executor.log`: the child's stdout and stderr, appended. When the executor is deleted
 //!   the log moves to `<state_root>/logs/<assignment-id>.log` and is kept as long as the
@@ -412,11 +416,16 @@ impl Inner {
         Ok(Load::Valid(Box::new(Loaded { meta, assignment })))
     }
 
-    async fn write(&self, name: &str, meta: &Metadata) -> Result<(), ExecutorError> {
+    async fn write(
+        &self,
+        name: &str,
+        meta: &Metadata,
+        durability: Durability,
+    ) -> Result<(), ExecutorError> {
         let dir = self.dir(name);
         let meta = meta.clone();
         let target = dir.clone();
-        tokio::task::spawn_blocking(move || write_metadata_sync(&target, &meta))
+        tokio::task::spawn_blocking(move || write_metadata_sync(&target, &meta, durability))
             .await
             .map_err(|e| io::Error::other(e.to_string()))
             .and_then(|r| r)
@@ -503,6 +512,7 @@ impl Inner {
     async fn update(
         &self,
         id: &AssignmentId,
+        durability: Durability,
         change: impl FnOnce(&mut Metadata) -> bool,
     ) -> Result<bool, ExecutorError> {
         let name = id.as_str();
@@ -512,7 +522,7 @@ impl Inner {
             Load::Absent | Load::Incomplete => Ok(false),
             Load::Valid(mut loaded) => {
                 if change(&mut loaded.meta) {
-                    self.write(name, &loaded.meta).await?;
+                    self.write(name, &loaded.meta, durability).await?;
                 }
                 Ok(true)
             }
@@ -602,7 +612,8 @@ impl Inner {
         };
         // Recorded before the spawn: a redelivery after a crash finds the directory and
         // never starts a second executor.
-        self.write(&name, &meta).await?;
+        self.write(&name, &meta, Durability::CrashConsistent)
+            .await?;
         self.live().spawning.insert(name.clone());
         let spawned = self.spawn_child(spec, &dir, &endpoint);
         let (mut child, log_path) = match spawned {
@@ -622,7 +633,7 @@ impl Inner {
         };
         meta.pid = Some(pid);
         meta.pid_start_time = proc_stat(pid).map(|s| s.start_time);
-        if let Err(e) = self.write(&name, &meta).await {
+        if let Err(e) = self.write(&name, &meta, Durability::CrashConsistent).await {
             // Without a durable pid a later delete could not stop it; nothing may run
             // that the backend does not record.
             if let Some(pgid) = signal_target(pid) {
@@ -735,7 +746,7 @@ impl Inner {
 
     async fn record_exit(&self, ctx: &ReaperCtx, code: Option<i32>) {
         let result = self
-            .update(&ctx.assignment_id, |meta| {
+            .update(&ctx.assignment_id, Durability::CrashConsistent, |meta| {
                 if meta.pid != Some(ctx.pid) || meta.exit_code.is_some() {
                     return false;
                 }
@@ -807,7 +818,7 @@ impl ExecutorBackend for ProcessBackend {
         // `find` served the identity again if this instance did not yet.
         if !current.identity_bound {
             self.inner
-                .update(id, |meta| {
+                .update(id, Durability::CrashConsistent, |meta| {
                     let changed = !meta.identity_bound;
                     meta.identity_bound = true;
                     changed
@@ -820,7 +831,7 @@ impl ExecutorBackend for ProcessBackend {
     async fn record_claimed(&self, id: &AssignmentId) -> Result<(), ExecutorError> {
         let found = self
             .inner
-            .update(id, |meta| {
+            .update(id, Durability::Durable, |meta| {
                 let changed = !meta.claimed;
                 meta.claimed = true;
                 changed
@@ -837,7 +848,7 @@ impl ExecutorBackend for ProcessBackend {
 
     async fn mark_terminal(&self, id: &AssignmentId) -> Result<(), ExecutorError> {
         self.inner
-            .update(id, |meta| {
+            .update(id, Durability::Durable, |meta| {
                 let changed = !meta.terminal;
                 meta.terminal = true;
                 changed
@@ -960,7 +971,17 @@ impl ExecutorBackend for ProcessBackend {
     }
 }
 
-fn write_metadata_sync(dir: &Path, meta: &Metadata) -> io::Result<()> {
+/// How far a metadata write must get before it counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Durability {
+    /// On disk: survives a power loss (claimed and terminal markers).
+    Durable,
+    /// Atomic for every reader and across a controller crash (the page cache keeps it),
+    /// not across a power loss.
+    CrashConsistent,
+}
+
+fn write_metadata_sync(dir: &Path, meta: &Metadata, durability: Durability) -> io::Result<()> {
     let bytes = serde_json::to_vec_pretty(meta).map_err(io::Error::other)?;
     let temp = dir.join(METADATA_TEMP);
     {
@@ -971,11 +992,16 @@ fn write_metadata_sync(dir: &Path, meta: &Metadata) -> io::Result<()> {
             .mode(0o600)
             .open(&temp)?;
         file.write_all(&bytes)?;
-        file.sync_all()?;
+        if durability == Durability::Durable {
+            file.sync_all()?;
+        }
     }
     std::fs::rename(&temp, dir.join(METADATA_FILE))?;
-    // The rename is durable only once the directory entry is.
-    std::fs::File::open(dir)?.sync_all()
+    if durability == Durability::Durable {
+        // The rename is durable only once the directory entry is.
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
 }
 
 /// The parts of `/proc/<pid>/stat` we need.

@@ -22,6 +22,8 @@ use gdr_proto::runner::v1::Task;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::shutdown::Shutdown;
+
 /// Where an offered assignment stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClaimState {
@@ -44,6 +46,25 @@ struct Entry {
     /// When this process handed the task out (unknown for claims restored after a restart).
     claimed_at: Option<Instant>,
     state: watch::Sender<ClaimState>,
+}
+
+/// Takes an assignment out of its pool's line however its wait ends.
+struct InLine<'a> {
+    dispatch: &'a Dispatch,
+    backend: Backend,
+    id: &'a AssignmentId,
+}
+
+impl Drop for InLine<'_> {
+    fn drop(&mut self) {
+        if let Some(pool) = lock(&self.dispatch.pools).get_mut(&self.backend) {
+            pool.stop_waiting(self.id);
+        }
+        // Whoever was behind this waiter may be first now.
+        self.dispatch
+            .pools_changed
+            .send_modify(|v| *v = v.wrapping_add(1));
+    }
 }
 
 /// An assignment the facade has authenticated.
@@ -86,11 +107,24 @@ pub enum ClaimError {
     NoBackend(Backend),
 }
 
+/// How waiting for a slot ended ([`Dispatch::admit_when_free`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waited {
+    /// The assignment holds a slot (now or already).
+    Admitted,
+    /// As many assignments wait already as the pool has slots: put this one back.
+    LineFull,
+    /// Shutdown was requested while waiting.
+    Stopped,
+}
+
 /// Shared dispatch state.
 pub struct Dispatch {
     backends: BTreeMap<Backend, Arc<dyn ExecutorBackend>>,
     capability_key: CapabilityKey,
     pools: Mutex<BTreeMap<Backend, Pool>>,
+    /// Bumped whenever a slot may have become free.
+    pools_changed: watch::Sender<u64>,
     entries: Mutex<HashMap<AssignmentId, Entry>>,
     /// When the facade last heard from each claimed assignment's runner (invariant 12: a
     /// claimed executor that falls silent is failed after the idle timeout).
@@ -122,6 +156,7 @@ impl Dispatch {
             backends: map,
             capability_key,
             pools: Mutex::new(pools),
+            pools_changed: watch::Sender::new(0),
             entries: Mutex::new(HashMap::new()),
             heard: Mutex::new(HashMap::new()),
             finished: None,
@@ -200,6 +235,7 @@ impl Dispatch {
                 *pool = Pool::restore(pool.capacity(), ids);
             }
         }
+        self.pools_changed.send_modify(|v| *v = v.wrapping_add(1));
         // Silence is counted from now for executors this process has never heard from.
         let now = Instant::now();
         let mut heard = lock(&self.heard);
@@ -216,11 +252,53 @@ impl Dispatch {
             .map_or(Admission::Full, |p| p.admit(id))
     }
 
+    /// Admits an assignment, waiting in line while the pool is full: the slot a finishing
+    /// executor frees goes at once to the first waiter (invariant 6), instead of staying
+    /// free until a put-back delivery returns. At most `capacity` assignments wait.
+    pub async fn admit_when_free(
+        &self,
+        backend: Backend,
+        id: &AssignmentId,
+        shutdown: &Shutdown,
+    ) -> Waited {
+        let mut changed = self.pools_changed.subscribe();
+        match self.admit(backend, id) {
+            Admission::Admitted | Admission::AlreadyAdmitted => return Waited::Admitted,
+            Admission::Full => {}
+        }
+        let queued = lock(&self.pools)
+            .get_mut(&backend)
+            .is_some_and(|p| p.wait(id));
+        if !queued {
+            return Waited::LineFull;
+        }
+        let _in_line = InLine {
+            dispatch: self,
+            backend,
+            id,
+        };
+        loop {
+            changed.mark_unchanged();
+            match self.admit(backend, id) {
+                Admission::Admitted | Admission::AlreadyAdmitted => return Waited::Admitted,
+                Admission::Full => {}
+            }
+            tokio::select! {
+                _ = changed.changed() => {}
+                _ = shutdown.wait() => return Waited::Stopped,
+            }
+        }
+    }
+
     /// Releases an assignment's slot (idempotent).
     pub fn release(&self, backend: Backend, id: &AssignmentId) -> bool {
-        lock(&self.pools)
+        let released = lock(&self.pools)
             .get_mut(&backend)
-            .is_some_and(|p| p.release(id))
+            .is_some_and(|p| p.release(id));
+        if released {
+            self.pools_changed.send_modify(|v| *v = v.wrapping_add(1));
+        }
+        released
     }
 
     /// `(in use, capacity)` of a backend's pool.
@@ -228,6 +306,11 @@ impl Dispatch {
         lock(&self.pools)
             .get(&backend)
             .map_or((0, 0), |p| (p.in_use(), p.capacity()))
+    }
+
+    /// Assignments waiting for a slot of a backend's pool.
+    pub fn waiting(&self, backend: Backend) -> usize {
+        lock(&self.pools).get(&backend).map_or(0, Pool::waiting)
     }
 
     /// Offers an assignment to its runner. Idempotent: a redelivered assignment keeps

@@ -6,11 +6,13 @@
 //! configured, or one fetched longer ago than a task may live → TERM); set aside one
 //! sealed with a key this controller lacks (moved to the held subject, so it holds no
 //! admission slot); skip if the backend shows it claimed already, or if it finished before
-//! (invariant 20: a replay → TERM); take an admission slot or NAK with a delay (the
-//! assignment stays pending, nothing is created beyond capacity); reconcile the executor
-//! through the backend (find → create → bind identity); offer the task to the facade and
-//! wait, extending the ack deadline, until the runner claims it; then double-ack. A failing
-//! or full backend only delays its own consumer.
+//! (invariant 20: a replay → TERM); take an admission slot, waiting in line while the pool
+//! is full (the slot a finishing executor frees goes to the first waiter at once; beyond
+//! `capacity` waiters the delivery is NAKed with a delay; nothing is created beyond
+//! capacity either way); offer the task to the facade; reconcile the executor through the
+//! backend (find → create → bind identity) and wait, extending the ack deadline, until the
+//! runner claims it; then double-ack. A failing or full backend only delays its own
+//! consumer.
 //!
 //! One assignment is handled by at most one delivery at a time in this process: a
 //! redelivery that arrives while an earlier one still works (OpenSandbox's create blocks up
@@ -41,7 +43,7 @@ use gdr_core::executor::{
 use gdr_core::metadata::MetadataCodec;
 
 use crate::backoff::Backoff;
-use crate::dispatch::{ClaimState, Dispatch};
+use crate::dispatch::{ClaimState, Dispatch, Waited};
 use crate::gitea::{GiteaClient, Reported};
 use crate::metrics::{BackendLabel, FailureReason, Metrics};
 use crate::shutdown::Shutdown;
@@ -59,7 +61,8 @@ const REPORT_ATTEMPTS: u32 = 4;
 pub struct WorkerSettings {
     /// Backend this worker serves.
     pub backend: Backend,
-    /// NAK delay while the pool is full (and the backend gave no retry hint).
+    /// NAK delay while the pool is full and as many deliveries wait in line as it has
+    /// slots, or the backend itself is full without a retry hint.
     pub full_delay: Duration,
     /// NAK delay while the identity target does not exist yet.
     pub not_ready_delay: Duration,
@@ -208,6 +211,9 @@ pub struct Worker {
     retry_hints: Mutex<std::collections::HashMap<String, Duration>>,
     /// The backend's change signal.
     wake: Wake,
+    /// Notified when a settled delivery left the stream (the scheduler's backlog gate
+    /// re-reads the stream at once).
+    settled: Option<Arc<tokio::sync::Notify>>,
 }
 
 /// Why a worker could not start.
@@ -283,6 +289,7 @@ impl Worker {
             in_flight: Mutex::new(HashSet::new()),
             retry_hints: Mutex::new(std::collections::HashMap::new()),
             wake: Wake::none(),
+            settled: None,
         })
     }
 
@@ -292,6 +299,12 @@ impl Worker {
     #[must_use]
     pub fn with_wake(mut self, wake: Wake) -> Self {
         self.wake = wake;
+        self
+    }
+
+    /// Notifies `signal` whenever an acknowledged or terminated delivery leaves the stream.
+    pub fn with_backlog_signal(mut self, signal: Arc<tokio::sync::Notify>) -> Self {
+        self.settled = Some(signal);
         self
     }
 
@@ -434,11 +447,19 @@ impl Worker {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&label);
-        let settle = match self.settlement(outcome, hint) {
+        let settlement = self.settlement(outcome, hint);
+        let leaves = matches!(settlement, Settle::Ack | Settle::Term);
+        let settle = match settlement {
             Settle::Ack => message.double_ack().await,
             Settle::Term => message.double_ack_with(AckKind::Term).await,
             Settle::Nak(delay) => message.ack_with(AckKind::Nak(delay)).await,
         };
+        if leaves
+            && settle.is_ok()
+            && let Some(signal) = &self.settled
+        {
+            signal.notify_one();
+        }
         if let Err(e) = settle {
             // JetStream redelivers after the ack wait; every step is idempotent.
             tracing::warn!(%backend, assignment_id = %label, outcome = outcome.as_str(), error = %e, "settling the delivery failed; JetStream redelivers it after the ack wait (every step is idempotent)");
@@ -625,15 +646,24 @@ impl Worker {
         match self.dispatch.admit(backend, &id) {
             Admission::Full => {
                 let (in_use, capacity) = self.dispatch.pool_usage(backend);
-                tracing::info!(%backend, assignment_id = %id, event = "queued", in_use, capacity, retry_in = ?self.settings.full_delay, "pool full: the job stays queued in JetStream and is offered again when a slot frees");
-                return Outcome::Full;
+                tracing::info!(%backend, assignment_id = %id, event = "queued", in_use, capacity, "pool full: the job waits in line for a slot");
+                let waited = self.dispatch.admit_when_free(backend, &id, &shutdown);
+                match self.keeping_alive(message, &id, waited).await {
+                    Waited::Admitted => self.admitted(message, &id),
+                    Waited::LineFull => {
+                        tracing::info!(%backend, assignment_id = %id, event = "queued", retry_in = ?self.settings.full_delay, "pool and its line full: the job stays queued in JetStream and is offered again later");
+                        return Outcome::Full;
+                    }
+                    Waited::Stopped => return Outcome::Interrupted,
+                }
             }
-            Admission::Admitted => {
-                let waited = self.queue_wait(message);
-                tracing::info!(%backend, assignment_id = %id, event = "admitted", queue_wait = waited.map(tracing::field::debug), "admitted into the pool");
-            }
+            Admission::Admitted => self.admitted(message, &id),
             Admission::AlreadyAdmitted => {}
         }
+        // Offered before the executor exists, so its runner's first FetchTask finds the task
+        // however fast the executor starts (an empty answer would cost the runner its 2 s
+        // poll interval). Only the workload with the assignment's SVID can fetch it.
+        let mut claim = self.dispatch.offer(&assignment);
         let record = match existing {
             Some(r) => r,
             None => {
@@ -648,8 +678,8 @@ impl Worker {
                         r
                     }
                     Err(e) => {
-                        // Nothing was created, so the slot goes back.
-                        self.dispatch.release(backend, &id);
+                        // Nothing was created, so the slot and the offer go back.
+                        self.dispatch.forget(backend, &id);
                         return match e {
                             ExecutorError::Full {
                                 retry_after,
@@ -723,7 +753,6 @@ impl Worker {
                 }
             }
         }
-        let mut claim = self.dispatch.offer(&assignment);
         let interval = self.settings.progress_interval;
         // A deadline, not a sleep per turn: wakes must not postpone the progress acks.
         let mut progress_due = tokio::time::Instant::now() + interval;
@@ -872,6 +901,13 @@ impl Worker {
                 Outcome::BackendError
             }
         }
+    }
+
+    /// Logs (and observes) that `id` took a slot.
+    fn admitted(&self, message: &jetstream::Message, id: &AssignmentId) {
+        let backend = self.settings.backend;
+        let waited = self.queue_wait(message);
+        tracing::info!(%backend, assignment_id = %id, event = "admitted", queue_wait = waited.map(tracing::field::debug), "admitted into the pool");
     }
 
     /// Fetched → admitted: from the moment JetStream stored the assignment (the fetch is

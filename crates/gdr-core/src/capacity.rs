@@ -5,8 +5,12 @@
 //! the executor is failed and cleaned. Admission is idempotent per assignment, so a
 //! redelivered assignment that already holds a slot is admitted again without taking
 //! a second one.
+//!
+//! Assignments that found the pool full may wait in line (at most `capacity` of them): a
+//! freed slot goes to the first in line, and nobody who is not in line takes a slot a
+//! waiter is owed.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, VecDeque};
 
 use super::assignment::AssignmentId;
 
@@ -26,6 +30,8 @@ pub enum Admission {
 pub struct Pool {
     capacity: usize,
     admitted: BTreeSet<AssignmentId>,
+    /// Assignments waiting for a slot, first come first served.
+    waiting: VecDeque<AssignmentId>,
 }
 
 impl Pool {
@@ -34,6 +40,7 @@ impl Pool {
         Pool {
             capacity,
             admitted: BTreeSet::new(),
+            waiting: VecDeque::new(),
         }
     }
 
@@ -44,19 +51,49 @@ impl Pool {
         Pool {
             capacity,
             admitted: live.into_iter().collect(),
+            waiting: VecDeque::new(),
         }
     }
 
-    /// Admits an assignment if it holds a slot already or one is free.
+    /// Admits an assignment if it holds a slot already, or if a slot is free that no
+    /// waiter ahead of it is owed (a waiter leaves the line when admitted).
     pub fn admit(&mut self, id: &AssignmentId) -> Admission {
         if self.admitted.contains(id) {
-            Admission::AlreadyAdmitted
-        } else if self.admitted.len() >= self.capacity {
-            Admission::Full
-        } else {
-            self.admitted.insert(id.clone());
-            Admission::Admitted
+            return Admission::AlreadyAdmitted;
         }
+        let position = self.waiting.iter().position(|w| w == id);
+        let ahead = position.unwrap_or(self.waiting.len());
+        if self.admitted.len().saturating_add(ahead) >= self.capacity {
+            return Admission::Full;
+        }
+        if let Some(p) = position {
+            self.waiting.remove(p);
+        }
+        self.admitted.insert(id.clone());
+        Admission::Admitted
+    }
+
+    /// Puts an assignment in line for the next free slot (idempotent); `false` when
+    /// `capacity` assignments wait already.
+    pub fn wait(&mut self, id: &AssignmentId) -> bool {
+        if self.waiting.contains(id) {
+            return true;
+        }
+        if self.waiting.len() >= self.capacity {
+            return false;
+        }
+        self.waiting.push_back(id.clone());
+        true
+    }
+
+    /// Takes an assignment out of the line (it gave up waiting).
+    pub fn stop_waiting(&mut self, id: &AssignmentId) {
+        self.waiting.retain(|w| w != id);
+    }
+
+    /// Assignments in line.
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
     }
 
     /// Frees the assignment's slot; `false` when it held none (idempotent).
@@ -112,6 +149,40 @@ mod tests {
         assert!(pool.release(&id(1)));
         assert!(!pool.release(&id(1)));
         assert_eq!(pool.admit(&id(2)), Admission::Admitted);
+    }
+
+    /// DESIGN invariant 6: a freed slot goes to the first assignment in line, never to
+    /// one that arrives later, and the line holds at most `capacity` assignments.
+    #[test]
+    fn a_freed_slot_goes_to_the_first_waiter_and_latecomers_queue_behind() {
+        let mut pool = Pool::new(2);
+        pool.admit(&id(1));
+        pool.admit(&id(2));
+        assert_eq!(pool.admit(&id(3)), Admission::Full);
+        assert!(pool.wait(&id(3)));
+        assert!(pool.wait(&id(4)));
+        assert!(pool.wait(&id(3)), "waiting again keeps the place");
+        assert!(!pool.wait(&id(5)), "the line is as long as the pool");
+        assert_eq!(pool.waiting(), 2);
+
+        pool.release(&id(1));
+        assert_eq!(
+            pool.admit(&id(5)),
+            Admission::Full,
+            "a latecomer jumps no line"
+        );
+        assert_eq!(pool.admit(&id(4)), Admission::Full, "4 waits behind 3");
+        assert_eq!(pool.admit(&id(3)), Admission::Admitted);
+        assert_eq!(pool.waiting(), 1);
+
+        pool.release(&id(2));
+        pool.stop_waiting(&id(4));
+        assert_eq!(pool.waiting(), 0);
+        assert_eq!(
+            pool.admit(&id(5)),
+            Admission::Admitted,
+            "4 gave up its place"
+        );
     }
 
     #[test]

@@ -396,9 +396,20 @@ impl WorkloadApi {
         ca: LocalCa,
         initial_spiffe_id: &str,
     ) -> Result<RunningWorkloadApi, WorkloadApiError> {
+        Self::start_with_ttl(socket_path, ca, initial_spiffe_id, DEFAULT_SVID_TTL).await
+    }
+
+    /// Like [`Self::start_at`], with SVIDs valid for `ttl` from the first one on (one
+    /// issuance at start, on the path of every new executor).
+    pub async fn start_with_ttl(
+        socket_path: PathBuf,
+        ca: LocalCa,
+        initial_spiffe_id: &str,
+        ttl: Duration,
+    ) -> Result<RunningWorkloadApi, WorkloadApiError> {
         let shared = Arc::new(Shared {
             ca,
-            ttl: std::sync::Mutex::new(DEFAULT_SVID_TTL),
+            ttl: std::sync::Mutex::new(ttl),
             current: watch::Sender::new(None),
             fetches: AtomicU64::new(0),
         });
@@ -669,9 +680,9 @@ impl LocalIdentity {
             return Ok(running.endpoint());
         }
         let _ = std::fs::remove_file(&socket);
-        let mut running = WorkloadApi::start_at(socket.clone(), self.ca.clone(), spiffe_id).await?;
-        running.set_ttl(self.ttl);
-        running.set_identity(spiffe_id)?;
+        let mut running =
+            WorkloadApi::start_with_ttl(socket.clone(), self.ca.clone(), spiffe_id, self.ttl)
+                .await?;
         running.rotate_every(self.ttl / 2);
         let endpoint = running.endpoint();
         servers.insert(socket, running);

@@ -90,6 +90,12 @@ impl GiteaError {
         self.kind == ErrorKind::Unavailable
     }
 
+    /// The call ran into the client's own deadline (or a proxy's 408): for a FetchTask
+    /// that Gitea holds open until a task arrives, the normal end of an idle poll.
+    pub fn timed_out(&self) -> bool {
+        self.code == ErrorCode::DeadlineExceeded.as_str()
+    }
+
     /// Gitea itself says it no longer has this task for this runner: the task does not
     /// exist (any more), or it belongs to another runner. Real Gitea answers both as
     /// `Internal` with `update task: resource does not exist` (`get task: …` from UpdateLog)

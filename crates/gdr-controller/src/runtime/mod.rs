@@ -76,10 +76,6 @@ const LOCAL_SVID_TTL: Duration = Duration::from_secs(3600);
 const PROCESS_STOP_GRACE: Duration = Duration::from_secs(10);
 /// How often pool and scheduler counters are copied into the metrics.
 const METRICS_INTERVAL: Duration = Duration::from_secs(1);
-/// Most FetchTask pollers, whatever the capacities: Gitea serialises task picks per
-/// instance (`MAX_CONCURRENT_TASK_PICKS`, 16 by default), so more concurrent pollers only
-/// add idle load on Gitea.
-pub const MAX_POLLERS: usize = 8;
 /// Finished assignments are remembered this much longer than a task may live, so clock
 /// skew between replicas never opens a gap between the record expiring and the envelope
 /// counting as too old.
@@ -257,6 +253,9 @@ pub async fn run(
     stats.observe_handoff_into(metrics.handoff_window.clone());
     let facade_settings = scheduler.as_ref().map(|s| s.facade.clone());
     let facade_stats = Arc::new(FacadeStats::default());
+    // Workers poke it when an assignment leaves the stream, so the backlog gate lets the
+    // next fetch through at once.
+    let backlog_changed = Arc::new(tokio::sync::Notify::new());
     if let Some(scheduler) = scheduler {
         let facade = Arc::new(
             Facade::new(
@@ -273,8 +272,9 @@ pub async fn run(
                 settings: &scheduler,
                 labels,
                 capabilities: runner.capabilities.clone(),
-                pollers: pollers(&capacities),
+                pollers: pollers(&capacities, scheduler.fetch_pollers_max),
                 capacities: &capacities,
+                backlog_changed: &backlog_changed,
                 gitea: &gitea_client,
                 queue: &queue,
                 policy: &policy,
@@ -348,7 +348,8 @@ pub async fn run(
         .map_err(setup("starting a worker"))?
         .with_outcomes(count_outcomes(&metrics, *backend))
         .with_metrics(metrics.clone())
-        .with_wake(wake.clone());
+        .with_wake(wake.clone())
+        .with_backlog_signal(backlog_changed.clone());
         queue.resume_adopted(&worker, *backend).await;
         let stop = work_shutdown.clone();
         tasks.spawn(async move {
@@ -491,9 +492,11 @@ fn facade_limits(mut limits: FacadeLimits, open_files: &crate::limits::OpenFiles
     limits
 }
 
-/// The FetchTask pollers: one per slot, at most [`MAX_POLLERS`].
-pub fn pollers(capacities: &BTreeMap<Backend, usize>) -> usize {
-    capacities.values().sum::<usize>().clamp(1, MAX_POLLERS)
+/// The FetchTask pollers: one per slot, at least one, at most `fetch_pollers_max` (Gitea
+/// serialises task picks per instance, `MAX_CONCURRENT_TASK_PICKS`, so more pollers only
+/// add load on Gitea).
+pub fn pollers(capacities: &BTreeMap<Backend, usize>, max: usize) -> usize {
+    capacities.values().sum::<usize>().clamp(1, max.max(1))
 }
 
 /// Whether anything of this configuration keeps state under `state_dir`.
@@ -1106,6 +1109,7 @@ struct SchedulerWiring<'a> {
     capabilities: Vec<String>,
     pollers: usize,
     capacities: &'a BTreeMap<Backend, usize>,
+    backlog_changed: &'a Arc<tokio::sync::Notify>,
     gitea: &'a GiteaClient,
     queue: &'a Queue,
     policy: &'a DerivationPolicy,
@@ -1142,7 +1146,8 @@ fn spawn_scheduler(
         w.policy.clone(),
         poller_settings,
     )
-    .with_stats(w.stats.clone());
+    .with_stats(w.stats.clone())
+    .with_backlog_signal(w.backlog_changed.clone());
     if let Some(k) = w.keyring {
         scheduler = scheduler.with_keyring(Arc::new(k.clone()));
     }

@@ -1,7 +1,13 @@
 //! The scheduler: claims tasks from Gitea and hands them to JetStream.
 //!
 //! - One `Declare`, then N concurrent FetchTask pollers sharing one
-//!   [`TasksVersion`] (invariant 1).
+//!   [`TasksVersion`] (invariant 1). N is the enabled capacity bounded by
+//!   `fetch_pollers_max`: Gitea serialises task picks per instance
+//!   (`MAX_CONCURRENT_TASK_PICKS`), so more concurrent pollers only cost.
+//! - While Gitea has nothing, one idle poller calls FetchTask once per idle interval
+//!   (counted start to start) and the others park; the first task wakes them all, so a
+//!   burst is fetched by every poller. A FetchTask Gitea holds open (long polling) that
+//!   runs into the client deadline is an empty answer, not an error: no backoff.
 //! - A poller holding a task publishes that assignment until JetStream acknowledges
 //!   it and fetches nothing else meanwhile (invariant 2); the message ID is the
 //!   assignment ID (invariant 3).
@@ -17,6 +23,7 @@
 
 mod gate;
 mod heartbeat;
+mod idle;
 mod stats;
 mod version;
 
@@ -30,6 +37,7 @@ use gdr_core::assignment::{Assignment, DerivationPolicy, TaskKeyring, encode_v1,
 use gdr_core::backend::Backend;
 use gdr_proto::runner::v1 as pb;
 pub use heartbeat::{HeartbeatRound, Heartbeater};
+use idle::{IdleControl, Parked, Waker};
 pub use stats::{ERROR_KINDS, SchedulerStats};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -46,6 +54,10 @@ const INVALID_TASK_REASON: &str = "cannot run this job: ";
 /// Prefix of the log row written when a task cannot run.
 pub const INVALID_TASK_LOG_PREFIX: &str = "gitea-dynamic-runner: cannot run this job: ";
 
+/// The idle poller's pace: the official runner's default `fetch_interval`, so an idle
+/// controller costs Gitea what one idle runner does.
+pub const IDLE_INTERVAL: Duration = Duration::from_secs(2);
+
 /// Tunables of the pollers.
 #[derive(Debug, Clone)]
 pub struct SchedulerSettings {
@@ -53,7 +65,7 @@ pub struct SchedulerSettings {
     pub labels: Vec<String>,
     /// Capabilities sent with `Declare` (e.g. `cancelling`).
     pub capabilities: Vec<String>,
-    /// Concurrent FetchTask pollers (bounded by the runtime, not by the capacities).
+    /// Concurrent FetchTask pollers: the enabled capacity, bounded by `fetch_pollers_max`.
     pub pollers: usize,
     /// No fetch of a backend's jobs while its subject holds this many unclaimed
     /// assignments (≥ 1), unless `backlog_limits` names the backend.
@@ -62,8 +74,9 @@ pub struct SchedulerSettings {
     pub backlog_limits: BTreeMap<Backend, u64>,
     /// How often the stream's message count is refreshed.
     pub backlog_refresh: Duration,
-    /// Pause after empty FetchTask answers (grows with consecutive empty answers).
-    pub idle_backoff: Backoff,
+    /// While Gitea has nothing, the idle poller starts one FetchTask per this interval
+    /// (start to start, so a request Gitea held open is followed by the next at once).
+    pub idle_interval: Duration,
     /// Pause after failed Gitea calls or an unreadable stream.
     pub error_backoff: Backoff,
     /// Pause between publish attempts of one assignment.
@@ -73,7 +86,8 @@ pub struct SchedulerSettings {
 }
 
 impl SchedulerSettings {
-    /// Settings with production defaults: 1–5 s idle backoff, 1–30 s error backoff,
+    /// Settings with production defaults: a 2 s idle interval (the official runner's
+    /// `fetch_interval`), 1–30 s error backoff,
     /// 100 ms–5 s publish backoff, 500 ms backlog refresh, 30 s publish bound at shutdown.
     pub fn new(
         labels: Vec<String>,
@@ -88,7 +102,7 @@ impl SchedulerSettings {
             backlog_limit,
             backlog_limits: BTreeMap::new(),
             backlog_refresh: Duration::from_millis(500),
-            idle_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(5)),
+            idle_interval: IDLE_INTERVAL,
             error_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
             publish_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
             shutdown_publish_timeout: Duration::from_secs(30),
@@ -142,6 +156,10 @@ struct Shared {
     stats: Arc<SchedulerStats>,
     version: Arc<TasksVersion>,
     gate: BacklogGate,
+    idle: IdleControl,
+    /// Poked when the stream's count may have dropped (a worker settled a delivery), so
+    /// the gate re-reads it at once instead of at the next refresh.
+    backlog_changed: Arc<tokio::sync::Notify>,
     declared: tokio::sync::watch::Sender<Option<crate::gitea::Declared>>,
 }
 
@@ -171,6 +189,7 @@ impl Scheduler {
         settings: SchedulerSettings,
     ) -> Self {
         let gate = BacklogGate::new(Self::backend_limits(&settings, &policy));
+        let idle = IdleControl::new();
         Scheduler {
             shared: Shared {
                 gitea,
@@ -182,6 +201,8 @@ impl Scheduler {
                 stats: Arc::new(SchedulerStats::new()),
                 version: Arc::new(TasksVersion::new()),
                 gate,
+                idle,
+                backlog_changed: Arc::new(tokio::sync::Notify::new()),
                 declared: tokio::sync::watch::Sender::new(None),
             },
         }
@@ -198,6 +219,14 @@ impl Scheduler {
     #[must_use]
     pub fn with_stats(mut self, stats: Arc<SchedulerStats>) -> Self {
         self.shared.stats = stats;
+        self
+    }
+
+    /// Re-reads the backlog whenever `signal` is notified (the workers notify it when they
+    /// settle a delivery), besides the periodic refresh.
+    #[must_use]
+    pub fn with_backlog_signal(mut self, signal: Arc<tokio::sync::Notify>) -> Self {
+        self.shared.backlog_changed = signal;
         self
     }
 
@@ -255,8 +284,10 @@ impl Scheduler {
         let watcher = tokio::spawn(watch_backlog(shared.clone(), watcher_stop.clone()));
         let declarer = tokio::spawn(keep_declared(shared.clone(), watcher_stop));
         let mut pollers = JoinSet::new();
+        // One poller starts active; the others start parked and join on the first task.
         for index in 0..shared.settings.pollers {
-            pollers.spawn(poll(shared.clone(), index, shutdown.clone()));
+            let parked = (index > 0).then(|| shared.idle.parked());
+            pollers.spawn(poll(shared.clone(), index, parked, shutdown.clone()));
         }
         let mut report = Report::default();
         let mut failure = None;
@@ -361,8 +392,10 @@ async fn watch_backlog(shared: Arc<Shared>, stop: Shutdown) {
                 shared.gate.unknown();
             }
         }
-        if !stop.sleep(shared.settings.backlog_refresh).await {
-            return;
+        tokio::select! {
+            _ = tokio::time::sleep(shared.settings.backlog_refresh) => {}
+            _ = shared.backlog_changed.notified() => {}
+            _ = stop.wait() => return,
         }
     }
 }
@@ -436,20 +469,61 @@ async fn keep_declared(shared: Arc<Shared>, stop: Shutdown) {
     }
 }
 
-/// One poller: gate, fetch, hand off; until shutdown.
-async fn poll(shared: Arc<Shared>, index: usize, shutdown: Shutdown) -> Report {
+/// One poller: gate, fetch, hand off; until shutdown. After an empty answer it parks
+/// unless it is the idle poller, which waits out the idle interval instead.
+async fn poll(
+    shared: Arc<Shared>,
+    index: usize,
+    parked: Option<Waker>,
+    shutdown: Shutdown,
+) -> Report {
     let mut report = Report::default();
-    let mut idle = 0u32;
     let mut errors = 0u32;
+    if let Some(waker) = parked {
+        SchedulerStats::inc(&shared.stats.pollers_parked);
+        let woken = shared.idle.wait(waker, &shutdown).await;
+        SchedulerStats::dec(&shared.stats.pollers_parked);
+        if woken == Parked::Stopped {
+            return report;
+        }
+    }
     loop {
         let waiting = &shared.stats.pollers_waiting_for_backlog;
         let Some(slot) = shared.gate.admit(&shutdown, waiting).await else {
             break;
         };
         let sent = shared.version.current();
+        let started = Instant::now();
         SchedulerStats::inc(&shared.stats.fetch_calls);
         // Not raced against shutdown: a task Gitea hands out must reach the stream.
-        match shared.gitea.fetch_task(sent).await {
+        let fetched = shared.gitea.fetch_task(sent).await;
+        let pause = match fetched {
+            Ok(answer) => match answer.task.into_option() {
+                Some(task) => {
+                    errors = 0;
+                    shared.version.task_received();
+                    // More may be waiting: every poller fetches until Gitea runs dry.
+                    shared.idle.wake_all();
+                    SchedulerStats::inc(&shared.stats.tasks_fetched);
+                    report.tasks_fetched += 1;
+                    crate::failpoint::hit(crate::failpoint::points::AFTER_FETCH);
+                    hand_off(&shared, task, slot, &shutdown, &mut report).await;
+                    continue;
+                }
+                None => {
+                    errors = 0;
+                    shared.gate.release(slot);
+                    shared.version.empty_answer(sent, answer.tasks_version);
+                    Pause::Idle
+                }
+            },
+            // Gitea held the request open until our deadline (long polling): nothing came.
+            Err(e) if e.timed_out() => {
+                errors = 0;
+                shared.gate.release(slot);
+                SchedulerStats::inc(&shared.stats.fetch_held);
+                Pause::Idle
+            }
             Err(e) => {
                 shared.gate.release(slot);
                 shared.stats.fetch_error(e.kind());
@@ -460,35 +534,38 @@ async fn poll(shared: Arc<Shared>, index: usize, shutdown: Shutdown) -> Report {
                 }
                 let delay = shared.settings.error_backoff.delay(errors);
                 errors = errors.saturating_add(1);
-                if !shutdown.sleep(delay).await {
-                    break;
-                }
+                Pause::Error(delay)
             }
-            Ok(answer) => {
-                errors = 0;
-                match answer.task.into_option() {
-                    None => {
-                        shared.gate.release(slot);
-                        shared.version.empty_answer(sent, answer.tasks_version);
-                        let delay = shared.settings.idle_backoff.delay(idle);
-                        idle = idle.saturating_add(1);
-                        if !shutdown.sleep(delay).await {
-                            break;
-                        }
-                    }
-                    Some(task) => {
-                        shared.version.task_received();
-                        idle = 0;
-                        SchedulerStats::inc(&shared.stats.tasks_fetched);
-                        report.tasks_fetched += 1;
-                        crate::failpoint::hit(crate::failpoint::points::AFTER_FETCH);
-                        hand_off(&shared, task, slot, &shutdown, &mut report).await;
-                    }
+        };
+        SchedulerStats::inc(&shared.stats.pollers_parked);
+        let parked = shared.idle.park(&shutdown).await;
+        SchedulerStats::dec(&shared.stats.pollers_parked);
+        match parked {
+            Parked::Woken => {}
+            Parked::Stopped => break,
+            Parked::IdlePoller => {
+                let until = match pause {
+                    Pause::Idle => started + shared.settings.idle_interval,
+                    Pause::Error(delay) => Instant::now() + delay,
+                };
+                if !shutdown
+                    .sleep(until.saturating_duration_since(Instant::now()))
+                    .await
+                {
+                    break;
                 }
             }
         }
     }
     report
+}
+
+/// Why a poller stopped fetching for now.
+enum Pause {
+    /// Gitea had nothing: the idle pace.
+    Idle,
+    /// The call failed: back off this long.
+    Error(Duration),
 }
 
 /// Turns a fetched task into a stored assignment, or fails it in Gitea.

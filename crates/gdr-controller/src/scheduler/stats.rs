@@ -9,6 +9,11 @@ use crate::gitea::ErrorKind;
 pub struct SchedulerStats {
     /// FetchTask calls sent.
     pub fetch_calls: AtomicU64,
+    /// FetchTask calls Gitea held open until the client deadline (long polling), counted
+    /// as empty answers, not errors.
+    pub fetch_held: AtomicU64,
+    /// Pollers parked while another one polls an idle Gitea (a gauge).
+    pub pollers_parked: AtomicU64,
     /// Pollers currently waiting for the backlog to drop below its limit (a gauge).
     pub pollers_waiting_for_backlog: AtomicU64,
     /// FetchTask answers that carried a task.
@@ -95,8 +100,17 @@ impl SchedulerStats {
         self.fetch_errors[kind_index(kind)].load(Ordering::Relaxed)
     }
 
+    /// Failed FetchTask calls of any kind.
+    pub fn fetch_errors_total(&self) -> u64 {
+        ERROR_KINDS.iter().map(|k| self.fetch_errors(*k)).sum()
+    }
+
     pub(crate) fn inc(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn dec(gauge: &AtomicU64) {
+        gauge.fetch_sub(1, Ordering::Relaxed);
     }
 
     /// Reads a counter.

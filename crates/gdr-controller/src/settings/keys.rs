@@ -202,6 +202,12 @@ keys! {
     /// its subject (each backend is counted alone, so a full or dead one never stops the
     /// other).
     backlog_limit: Option<u32> = None, shown "the backend's capacity";
+    /// Most concurrent FetchTask pollers (at least 1); there are as many as the enabled
+    /// capacity up to this bound. Gitea serialises task picks per instance
+    /// (`MAX_CONCURRENT_TASK_PICKS`, default 16), so more only cost. While Gitea has
+    /// nothing, one poller calls FetchTask every 2s and the others wait, whatever the
+    /// bound.
+    fetch_pollers_max: u32 = 8;
     /// Listen address of the RunnerService facade (SPIFFE mTLS).
     runner_facade_listen: Option<String> = None,
         shown "127.0.0.1:8443 without nats_url (single host), else 0.0.0.0:8443";

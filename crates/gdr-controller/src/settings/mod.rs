@@ -278,6 +278,8 @@ pub struct SchedulerSettings {
     /// No fetch of a backend's jobs while this many of its assignments wait unclaimed
     /// (`None`: the backend's capacity).
     pub backlog_limit: Option<u64>,
+    /// Most concurrent FetchTask pollers.
+    pub fetch_pollers_max: usize,
     /// The facade.
     pub facade: FacadeSettings,
 }
@@ -583,6 +585,7 @@ impl TryFrom<Raw> for Settings {
             nats_ack_wait,
             heartbeat_interval,
             backlog_limit,
+            fetch_pollers_max,
             runner_facade_listen,
             runner_facade_url,
             runner_facade_spiffe_id,
@@ -918,6 +921,9 @@ impl TryFrom<Raw> for Settings {
         if backlog_limit == Some(0) {
             check.problem("backlog_limit", "must be at least 1");
         }
+        if fetch_pollers_max == 0 {
+            check.problem("fetch_pollers_max", "must be at least 1");
+        }
         let listen_default = |port: u16| {
             if single_host {
                 format!("127.0.0.1:{port}")
@@ -978,6 +984,7 @@ impl TryFrom<Raw> for Settings {
                 .map(|(url, spiffe_id)| SchedulerSettings {
                     heartbeat_interval: heartbeat_interval.0,
                     backlog_limit: backlog_limit.map(u64::from),
+                    fetch_pollers_max: usize::try_from(fetch_pollers_max).unwrap_or(usize::MAX),
                     facade: FacadeSettings {
                         listen: facade_listen,
                         url,

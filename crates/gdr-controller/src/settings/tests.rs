@@ -281,6 +281,17 @@ fn a_disabled_backend_has_no_section_and_no_label() {
     assert_eq!(s.capacities(), [(Backend::Pod, 4), (Backend::Vm, 1)]);
 }
 
+/// `fetch_pollers_max` defaults to a modest bound and refuses zero, naming the key.
+#[test]
+fn fetch_pollers_max_defaults_to_eight_and_must_be_at_least_one() {
+    let s = settings(&[]).unwrap();
+    assert_eq!(s.scheduler.unwrap().fetch_pollers_max, 8);
+    let s = settings(&["fetch_pollers_max=2"]).unwrap();
+    assert_eq!(s.scheduler.unwrap().fetch_pollers_max, 2);
+    let e = settings(&["fetch_pollers_max=0"]).unwrap_err().to_string();
+    assert!(e.contains("fetch_pollers_max"), "{e}");
+}
+
 #[test]
 fn register_settings_need_only_gitea_and_declare_the_enabled_labels() {
     let s = RegisterSettings::load(

@@ -108,6 +108,8 @@ pub struct TaskSnapshot {
     pub heartbeats: u64,
     /// Stored log rows (contents only), in order.
     pub log_rows: Vec<String>,
+    /// When the first log row was stored (how long a job took to start, seen from Gitea).
+    pub first_log: Option<SystemTime>,
     pub log_archived: bool,
     pub outputs: BTreeMap<String, String>,
     pub steps: Vec<StepSnapshot>,
@@ -200,6 +202,11 @@ pub struct MockConfig {
     pub sweep_interval: Option<Duration>,
     /// Extra latency added to every `FetchTask`.
     pub fetch_delay: Option<Duration>,
+    /// Long polling (go-gitea/gitea#37482): a `FetchTask` that finds no task is held
+    /// until the tasks version moves (then it picks again) or this long has passed (then
+    /// it answers no task). The client's own deadline is not consulted, so a hold longer
+    /// than it ends in the client's timeout.
+    pub long_poll: Option<Duration>,
     /// Gitea's AppURL as put into task contexts; `None` = the listening address.
     pub public_url: Option<String>,
     /// Registration tokens accepted from the start.
@@ -214,6 +221,7 @@ impl Default for MockConfig {
             zombie_timeout: Duration::from_secs(600),
             sweep_interval: None,
             fetch_delay: None,
+            long_poll: None,
             public_url: None,
             registration_tokens: Vec::new(),
             default_actions_url: "https://github.com".to_owned(),
@@ -237,6 +245,12 @@ impl MockConfig {
     #[must_use]
     pub fn with_fetch_delay(mut self, delay: Duration) -> Self {
         self.fetch_delay = Some(delay);
+        self
+    }
+
+    #[must_use]
+    pub fn with_long_poll(mut self, hold: Duration) -> Self {
+        self.long_poll = Some(hold);
         self
     }
 
@@ -439,6 +453,18 @@ impl MockGitea {
     /// How many calls of `method` arrived (including faulted ones).
     pub fn calls(&self, method: RpcMethod) -> u64 {
         self.read(|s| s.calls.get(&method).copied().unwrap_or(0))
+    }
+
+    /// The most calls of `method` that were being answered at once since the start (or
+    /// the last [`MockGitea::reset_in_flight_peaks`]).
+    pub fn in_flight_peak(&self, method: RpcMethod) -> u64 {
+        self.read(|s| s.in_flight_peak.get(&method).copied().unwrap_or(0))
+    }
+
+    /// Starts counting [`MockGitea::in_flight_peak`] afresh from the calls in flight now.
+    pub fn reset_in_flight_peaks(&self) {
+        let mut s = self.lock();
+        s.in_flight_peak = s.in_flight.clone();
     }
 
     /// Paths (with query) of every request outside `/api/actions`, in arrival order.

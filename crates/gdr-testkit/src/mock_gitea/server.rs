@@ -53,6 +53,34 @@ impl MockGitea {
         *s.calls.entry(method).or_default() += 1;
         s.faults.get_mut(&method).and_then(|q| q.pop_front())
     }
+
+    /// Counts a call in flight until the returned guard is dropped (the answer is sent or
+    /// the client went away).
+    fn enter(&self, method: RpcMethod) -> InFlight {
+        let mut s = self.lock();
+        let now = s.in_flight.entry(method).or_default();
+        *now += 1;
+        let now = *now;
+        let peak = s.in_flight_peak.entry(method).or_default();
+        *peak = (*peak).max(now);
+        InFlight {
+            mock: self.clone(),
+            method,
+        }
+    }
+}
+
+struct InFlight {
+    mock: MockGitea,
+    method: RpcMethod,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if let Some(n) = self.mock.lock().in_flight.get_mut(&self.method) {
+            *n = n.saturating_sub(1);
+        }
+    }
 }
 
 /// Runs before routing: records non-API paths, applies injected faults and the fetch delay.
@@ -79,6 +107,7 @@ async fn front(State(mock): State<MockGitea>, req: Request, next: Next) -> HttpR
         });
         return next.run(req).await;
     };
+    let _in_flight = RpcMethod::from_procedure(procedure).map(|m| mock.enter(m));
     if let Some(method) = RpcMethod::from_procedure(procedure) {
         if let Some(fault) = mock.take_fault(method) {
             tracing::info!(?method, ?fault, "injecting fault");
@@ -172,10 +201,35 @@ impl pb::RunnerService for RunnerSvc {
     ) -> ServiceResult<pb::FetchTaskResponse> {
         let (uuid, token) = credentials(&ctx);
         let version = req.to_owned_message().tasks_version;
-        let (task, latest) = self
+        let held_until = self
             .mock
-            .mutate(|s| s.fetch_task(&uuid, &token, version))
-            .map_err(|e| log_err("FetchTask", &uuid, e))?;
+            .inner
+            .config
+            .long_poll
+            .map(|hold| tokio::time::Instant::now() + hold);
+        let (task, latest) = loop {
+            let mut changes = self.mock.subscribe();
+            let (task, latest) = self
+                .mock
+                .mutate(|s| s.fetch_task(&uuid, &token, version))
+                .map_err(|e| log_err("FetchTask", &uuid, e))?;
+            let Some(until) = held_until.filter(|_| task.is_none()) else {
+                break (task, latest);
+            };
+            // Held: wait for the version to move past this answer (a new job), then pick.
+            let moved = loop {
+                if self.mock.tasks_version() != latest {
+                    break true;
+                }
+                match tokio::time::timeout_at(until, changes.changed()).await {
+                    Ok(Ok(())) => {}
+                    _ => break false,
+                }
+            };
+            if !moved {
+                break (None, latest);
+            }
+        };
         tracing::info!(rpc = "FetchTask", runner = %uuid, version, latest, task = task.as_ref().map(|t| t.id), "fetch");
         Response::ok(pb::FetchTaskResponse {
             task: task.map_or_else(buffa::MessageField::none, buffa::MessageField::some),

@@ -162,6 +162,8 @@ pub(crate) struct TaskRec {
     pub updated_at: Instant,
     pub heartbeats: u64,
     pub log_rows: Vec<String>,
+    /// When the first log row was stored.
+    pub first_log: Option<SystemTime>,
     pub log_archived: bool,
     pub outputs: BTreeMap<String, String>,
     pub steps: BTreeMap<i64, StepSnapshot>,
@@ -187,6 +189,7 @@ impl TaskRec {
             updated: self.updated,
             heartbeats: self.heartbeats,
             log_rows: self.log_rows.clone(),
+            first_log: self.first_log,
             log_archived: self.log_archived,
             outputs: self.outputs.clone(),
             steps: self.steps.values().cloned().collect(),
@@ -213,6 +216,10 @@ pub(crate) struct State {
     pub faults: HashMap<RpcMethod, VecDeque<MockFault>>,
     /// Calls received per method (faulted ones included).
     pub calls: HashMap<RpcMethod, u64>,
+    /// Calls being answered right now, per method.
+    pub in_flight: HashMap<RpcMethod, u64>,
+    /// The most calls of a method answered at once (since the last reset).
+    pub in_flight_peak: HashMap<RpcMethod, u64>,
     pub seen_requests: Vec<String>,
     /// The headers of each of `seen_requests`, in order.
     pub seen_request_headers: Vec<(String, Vec<(String, String)>)>,
@@ -275,6 +282,8 @@ impl State {
             vars: HashMap::new(),
             faults: HashMap::new(),
             calls: HashMap::new(),
+            in_flight: HashMap::new(),
+            in_flight_peak: HashMap::new(),
             seen_requests: Vec::new(),
             seen_request_headers: Vec::new(),
             server_url,
@@ -680,6 +689,7 @@ impl State {
                 updated_at: Instant::now(),
                 heartbeats: 0,
                 log_rows: Vec::new(),
+                first_log: None,
                 log_archived: false,
                 outputs: BTreeMap::new(),
                 steps: BTreeMap::new(),
@@ -884,6 +894,7 @@ impl State {
                 ));
             }
             let skip = usize::try_from(ack - req.index).unwrap_or(usize::MAX);
+            task.first_log.get_or_insert_with(SystemTime::now);
             task.log_rows
                 .extend(req.rows.iter().skip(skip).map(|r| r.content.clone()));
             task.touch();

@@ -1,0 +1,762 @@
+//! The whole chain against plain runners: K stand-in runners registered directly with the
+//! mock Gitea (a fresh `daemon --once` process per job, the official runner's 2 s poll)
+//! next to the controller binary with `pod_capacity = K` on the process backend (a fresh
+//! executor and stand-in runner per job). Both sides: idle FetchTask rate, idle pickup
+//! (queued → first log row), and N jobs queued at once. Then the controller's memory idle
+//! and with 1,000 assignments queued, and the executor's peak RSS through a 50 MiB
+//! checkout.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use gdr_core::assignment::AssignmentId;
+use gdr_testkit::controller::{ControllerFixture, Value, listener};
+use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RpcMethod, RunningMock, Status};
+use gdr_testkit::nats_server::NatsServer;
+use rand::Rng;
+
+use crate::facade::CHECKOUT;
+use crate::table::{Table, mean, mib, millis, proc_status_kib, quantile, secs};
+
+const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
+const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
+/// Capacity on our side, plain runners on the other.
+const K: u32 = 3;
+/// Jobs queued at once.
+const N: usize = 30;
+/// Idle-load window per side.
+const IDLE_WINDOW: Duration = Duration::from_secs(12);
+/// Idle pickups per side, each queued at a random moment.
+const IDLE_SAMPLES: usize = 8;
+/// Assignments queued in JetStream for the memory figure.
+const QUEUED: usize = 1000;
+const WAIT: Duration = Duration::from_secs(300);
+
+/// What one side measured.
+struct Side {
+    idle_calls_per_s: f64,
+    idle_pickups: Vec<Duration>,
+    makespan: Duration,
+    burst_pickups: Vec<Duration>,
+    burst_tasks: Vec<i64>,
+}
+
+fn workflow(jobs: usize, step: &str) -> String {
+    let mut yaml = String::from("on: push\njobs:\n");
+    for i in 0..jobs {
+        yaml.push_str(&format!(
+            "  job_{i}:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: {step}\n"
+        ));
+    }
+    yaml
+}
+
+async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !done() {
+        assert!(Instant::now() < deadline, "not reached in {WAIT:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn since(earlier: SystemTime, later: SystemTime) -> Duration {
+    later.duration_since(earlier).unwrap_or_default()
+}
+
+/// Idle FetchTask rate, idle pickups and (with `burst`) a burst of `N`, against whatever
+/// polls `mock`.
+async fn measure(mock: &MockGitea, burst: bool) -> Side {
+    // Let start-up polling settle into the idle pace first.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = mock.calls(RpcMethod::FetchTask);
+    tokio::time::sleep(IDLE_WINDOW).await;
+    let idle_calls_per_s =
+        (mock.calls(RpcMethod::FetchTask) - before) as f64 / IDLE_WINDOW.as_secs_f64();
+    eprintln!("  idle FetchTask rate {idle_calls_per_s:.2}/s");
+
+    let mut idle_pickups = Vec::new();
+    for _ in 0..IDLE_SAMPLES {
+        let jitter = rand::rng().random_range(0..2000u64);
+        tokio::time::sleep(Duration::from_millis(jitter)).await;
+        let queued = SystemTime::now();
+        let job = mock
+            .queue_workflow("owner/idle", &workflow(1, "standin:success"))
+            .expect("queue")[0];
+        wait_until("the idle job ends", || {
+            mock.job(job).is_some_and(|j| j.status == Status::Success)
+        })
+        .await;
+        let first = mock
+            .job(job)
+            .and_then(|j| j.task)
+            .and_then(|t| t.first_log)
+            .expect("a log row");
+        idle_pickups.push(since(queued, first));
+    }
+    eprintln!("  idle pickups {idle_pickups:?}");
+    if !burst {
+        return Side {
+            idle_calls_per_s,
+            idle_pickups,
+            makespan: Duration::ZERO,
+            burst_pickups: Vec::new(),
+            burst_tasks: Vec::new(),
+        };
+    }
+
+    let queued = SystemTime::now();
+    let jobs = mock
+        .queue_workflow("owner/burst", &workflow(N, "standin:success"))
+        .expect("queue");
+    let all_done = |m: &MockGitea, jobs: &[JobId]| {
+        jobs.iter()
+            .all(|j| m.job(*j).is_some_and(|s| s.status.is_done()))
+    };
+    wait_until("the burst ends", || all_done(mock, &jobs)).await;
+    let tasks: Vec<_> = jobs
+        .iter()
+        .map(|j| {
+            let job = mock.job(*j).expect("job");
+            assert_eq!(job.status, Status::Success, "a burst job failed");
+            job.task.expect("task")
+        })
+        .collect();
+    let makespan = tasks
+        .iter()
+        .filter_map(|t| t.stopped)
+        .map(|s| since(queued, s))
+        .max()
+        .unwrap_or_default();
+    let burst_pickups = tasks
+        .iter()
+        .filter_map(|t| t.first_log)
+        .map(|f| since(queued, f))
+        .collect();
+    eprintln!("  burst of {N}: makespan {makespan:?}");
+    Side {
+        idle_calls_per_s,
+        idle_pickups,
+        makespan,
+        burst_pickups,
+        burst_tasks: tasks.iter().map(|t| t.id).collect(),
+    }
+}
+
+// === plain runners ===
+
+/// K plain runners, each a loop of fresh `daemon --once` processes in its own directory.
+struct PlainRunners {
+    stop: Arc<AtomicBool>,
+    running: Arc<Mutex<Vec<Option<u32>>>>,
+    loops: tokio::task::JoinSet<()>,
+    _dir: tempfile::TempDir,
+}
+
+impl PlainRunners {
+    fn start(mock: &RunningMock) -> Self {
+        let dir = tempfile::tempdir().expect("dir");
+        let stop = Arc::new(AtomicBool::new(false));
+        let running = Arc::new(Mutex::new(vec![None; K as usize]));
+        let mut loops = tokio::task::JoinSet::new();
+        for i in 0..K as usize {
+            let work = dir.path().join(format!("runner-{i}"));
+            std::fs::create_dir_all(&work).expect("runner dir");
+            let (uuid, token) =
+                mock.handle
+                    .create_runner(&format!("plain-{i}"), &["self-hosted", "pod"], false);
+            let registration = serde_json::json!({
+                "WARNING": "benchmark runner",
+                "id": i,
+                "uuid": uuid,
+                "name": format!("plain-{i}"),
+                "token": token,
+                "address": mock.url,
+                "labels": ["self-hosted", "pod"],
+                "ephemeral": false,
+            });
+            std::fs::write(work.join(".runner"), registration.to_string()).expect(".runner");
+            let (stop, running) = (stop.clone(), running.clone());
+            loops.spawn(async move {
+                while !stop.load(Ordering::Acquire) {
+                    let mut child = tokio::process::Command::new(STANDIN)
+                        .args(["daemon", "--once"])
+                        .current_dir(&work)
+                        .env("RUST_LOG", "warn")
+                        .stdin(Stdio::null())
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null())
+                        .kill_on_drop(true)
+                        .spawn()
+                        .expect("stand-in runner");
+                    running.lock().expect("lock")[i] = child.id();
+                    let _ = child.wait().await;
+                    running.lock().expect("lock")[i] = None;
+                }
+            });
+        }
+        PlainRunners {
+            stop,
+            running,
+            loops,
+            _dir: dir,
+        }
+    }
+
+    /// Lets each waiting runner exit (SIGINT: no task taken) and ends the loops.
+    async fn stop(mut self) {
+        self.stop.store(true, Ordering::Release);
+        while !self.loops.is_empty() {
+            for pid in self.running.lock().expect("lock").iter().flatten() {
+                signal(*pid, rustix::process::Signal::INT);
+            }
+            if tokio::time::timeout(Duration::from_millis(200), self.loops.join_next())
+                .await
+                .is_ok_and(|j| j.is_some())
+            {
+                continue;
+            }
+        }
+    }
+}
+
+fn signal(pid: u32, signal: rustix::process::Signal) {
+    if let Some(pid) = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+    {
+        let _ = rustix::process::kill_process(pid, signal);
+    }
+}
+
+fn kill_group(pgid: u32) {
+    if let Some(pid) = i32::try_from(pgid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+    {
+        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+    }
+}
+
+// === the controller ===
+
+struct Controller {
+    child: tokio::process::Child,
+    pid: u32,
+    fixture: ControllerFixture,
+    _listeners: (std::net::TcpListener, std::net::TcpListener),
+}
+
+impl Controller {
+    async fn start(mock: &RunningMock, capacity: u32, extra: &[(&str, Value)]) -> Self {
+        let facade = listener();
+        let health = listener();
+        let health_addr = health.local_addr().expect("addr");
+        let mut fixture = ControllerFixture::new(mock, Path::new(BIN), Path::new(STANDIN))
+            .facade_at(facade.local_addr().expect("addr"))
+            .set("pod_capacity", capacity)
+            .set("vm_capacity", 0u32)
+            .set("nats_server_binary", NatsServer::binary().as_path());
+        for (k, v) in extra {
+            fixture = fixture.set(k, v.clone());
+        }
+        let mut child = fixture.spawn(
+            Path::new(BIN),
+            &facade,
+            &health,
+            &[("RUST_LOG", "info,gdr_controller::worker=debug")],
+        );
+        let pid = child.id().expect("controller pid");
+        let ready = format!("http://{health_addr}/readyz");
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(5))
+            .build()
+            .expect("http client");
+        let deadline = Instant::now() + WAIT;
+        loop {
+            if http
+                .get(&ready)
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+            {
+                break;
+            }
+            let exited = child.try_wait().ok().flatten();
+            assert!(
+                exited.is_none() && Instant::now() < deadline,
+                "the controller never became ready ({exited:?}):\n{}",
+                fixture.log()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Controller {
+            child,
+            pid,
+            fixture,
+            _listeners: (facade, health),
+        }
+    }
+
+    /// SIGTERM, then kill the process groups of the executors it left (they outlive a
+    /// controller by design).
+    async fn stop(mut self, executors: &[u32]) {
+        signal(self.pid, rustix::process::Signal::TERM);
+        let _ = tokio::time::timeout(Duration::from_secs(60), self.child.wait()).await;
+        for pgid in executors {
+            kill_group(*pgid);
+        }
+    }
+}
+
+/// Live executor processes of `controller`: its children running `<bin> executor`.
+fn executors_of(controller: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                return false;
+            };
+            // Fields after the parenthesised command: state, ppid, …
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
+            ppid == Some(controller)
+                && std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| c.split(|b| *b == 0).nth(1) == Some(b"executor"))
+        })
+        .collect()
+}
+
+/// Samples the peak RSS of every executor of `controller` until stopped.
+struct ExecutorSampler {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<HashMap<u32, u64>>,
+}
+
+impl ExecutorSampler {
+    fn start(controller: u32) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut peaks: HashMap<u32, u64> = HashMap::new();
+            while !flag.load(Ordering::Acquire) {
+                for pid in executors_of(controller) {
+                    if let Some(hwm) = proc_status_kib(pid, "VmHWM") {
+                        let peak = peaks.entry(pid).or_default();
+                        *peak = (*peak).max(hwm);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            peaks
+        });
+        ExecutorSampler { stop, thread }
+    }
+
+    fn finish(self) -> HashMap<u32, u64> {
+        self.stop.store(true, Ordering::Release);
+        self.thread.join().expect("sampler")
+    }
+}
+
+/// Seconds since midnight of an RFC 3339 UTC timestamp (the run stays within a day or
+/// the differences are corrected for the wrap).
+fn time_of_day(stamp: &str) -> Option<f64> {
+    let clock = stamp.split_once('T')?.1.trim_end_matches('Z');
+    let mut parts = clock.split(':');
+    let h: f64 = parts.next()?.parse().ok()?;
+    let m: f64 = parts.next()?.parse().ok()?;
+    let s: f64 = parts.next()?.parse().ok()?;
+    Some(h * 3600.0 + m * 60.0 + s)
+}
+
+/// Where the time of a job goes, from the controller's own log lines.
+struct Breakdown {
+    rows: Vec<(&'static str, Duration)>,
+}
+
+fn breakdown(log: &str, tasks: &[i64]) -> Breakdown {
+    const EVENTS: [&str; 6] = [
+        "assignment queued",
+        "admitted",
+        "executor created",
+        "executor runner declared",
+        "task claimed by its executor",
+        "task finished",
+    ];
+    let wanted: BTreeMap<String, ()> = tasks
+        .iter()
+        .map(|t| (AssignmentId::from_task_id(*t).expect("id").to_string(), ()))
+        .collect();
+    let mut at: HashMap<(String, &str), f64> = HashMap::new();
+    let mut admissions = Vec::new();
+    for line in log.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let (Some(message), Some(id), Some(t)) = (
+            v["message"].as_str(),
+            v["assignment_id"].as_str(),
+            v["timestamp"].as_str().and_then(time_of_day),
+        ) else {
+            continue;
+        };
+        let Some(event) = EVENTS.iter().find(|e| **e == message) else {
+            continue;
+        };
+        if !wanted.contains_key(id) {
+            continue;
+        }
+        if *event == "admitted" {
+            admissions.push(t);
+        }
+        at.entry((id.to_owned(), event)).or_insert(t);
+    }
+    let span = |from: &str, to: &str| -> Duration {
+        let spans: Vec<Duration> = wanted
+            .keys()
+            .filter_map(|id| {
+                let a = at.get(&(id.clone(), from))?;
+                let b = at.get(&(id.clone(), to))?;
+                let mut d = b - a;
+                if d < 0.0 {
+                    d += 86_400.0;
+                }
+                Some(Duration::from_secs_f64(d.max(0.0)))
+            })
+            .collect();
+        mean(&spans)
+    };
+    // Slot release → next admission: from each finish to the first admission after it.
+    admissions.sort_by(f64::total_cmp);
+    let handovers: Vec<Duration> = wanted
+        .keys()
+        .filter_map(|id| at.get(&(id.clone(), "task finished")))
+        .filter_map(|f| {
+            admissions
+                .iter()
+                .find(|a| **a >= *f)
+                .map(|a| Duration::from_secs_f64(a - f))
+        })
+        .collect();
+    Breakdown {
+        rows: vec![
+            (
+                "create: directories, identity socket and SVID, durable metadata, spawn",
+                span("admitted", "executor created"),
+            ),
+            (
+                "executor start: process, SVID fetch, proxy, facade probe, runner start, Declare",
+                span("executor created", "executor runner declared"),
+            ),
+            (
+                "runner FetchTask through the facade, durable claim marker",
+                span("executor runner declared", "task claimed by its executor"),
+            ),
+            (
+                "job: log rows and updates forwarded to Gitea, durable terminal marker",
+                span("task claimed by its executor", "task finished"),
+            ),
+            ("slot release → next admission", mean(&handovers)),
+        ],
+    }
+}
+
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+}
+
+pub async fn run(table: &mut Table) {
+    // Plain runners.
+    let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+    let plain_runners = PlainRunners::start(&mock);
+    eprintln!("{K} plain runners:");
+    let plain = measure(&mock.handle, true).await;
+    plain_runners.stop().await;
+    drop(mock);
+
+    // This controller.
+    let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+    let controller = Controller::start(&mock, K, &[]).await;
+    eprintln!("this controller, pod_capacity {K}:");
+    let ours = measure(&mock.handle, true).await;
+    let idle_rss = proc_status_kib(controller.pid, "VmRSS").unwrap_or(0);
+    let sampler = ExecutorSampler::start(controller.pid);
+    let job = mock
+        .handle
+        .queue_workflow(
+            "owner/checkout",
+            &workflow(1, &format!("standin:checkout {CHECKOUT}")),
+        )
+        .expect("queue")[0];
+    wait_until("the checkout job ends", || {
+        mock.handle.job(job).is_some_and(|j| j.status.is_done())
+    })
+    .await;
+    let checkout_ok = mock
+        .handle
+        .job(job)
+        .is_some_and(|j| j.status == Status::Success);
+    // The executor exits right after its runner: wait for that, then read the peaks.
+    wait_until("the checkout executor exits", || {
+        executors_of(controller.pid).is_empty()
+    })
+    .await;
+    let executor_peak = sampler.finish().values().copied().max().unwrap_or(0);
+    let parts = breakdown(&controller.fixture.log(), &ours.burst_tasks);
+    controller.stop(&[]).await;
+    drop(mock);
+
+    // The controller with QUEUED assignments waiting in JetStream behind one running job.
+    let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+    let controller = Controller::start(
+        &mock,
+        1,
+        &[
+            ("backlog_limit", Value::Int(QUEUED as i64 + 1)),
+            ("heartbeat_interval", Value::from("5s")),
+        ],
+    )
+    .await;
+    let running = mock
+        .handle
+        .queue_workflow("owner/hang", &workflow(1, "standin:hang"))
+        .expect("queue")[0];
+    wait_until("the blocking job runs", || {
+        mock.handle
+            .job(running)
+            .and_then(|j| j.task)
+            .is_some_and(|t| t.first_log.is_some())
+    })
+    .await;
+    let executors = executors_of(controller.pid);
+    let queued = mock
+        .handle
+        .queue_workflow("owner/queued", &workflow(QUEUED, "standin:success"))
+        .expect("queue");
+    wait_until("every job is fetched into JetStream", || {
+        queued.iter().all(|j| {
+            mock.handle
+                .job(*j)
+                .is_some_and(|s| s.status == Status::Running)
+        })
+    })
+    .await;
+    // At least one heartbeat round over the whole backlog.
+    let heartbeats_before = mock
+        .handle
+        .jobs()
+        .iter()
+        .filter_map(|j| j.task.as_ref().map(|t| t.heartbeats))
+        .sum::<u64>();
+    wait_until("a heartbeat round over the queued tasks", || {
+        mock.handle
+            .jobs()
+            .iter()
+            .filter_map(|j| j.task.as_ref().map(|t| t.heartbeats))
+            .sum::<u64>()
+            >= heartbeats_before + QUEUED as u64
+    })
+    .await;
+    let queued_rss = proc_status_kib(controller.pid, "VmRSS").unwrap_or(0);
+    let queued_hwm = proc_status_kib(controller.pid, "VmHWM").unwrap_or(0);
+    let fetched = reqwest::get(format!(
+        "http://{}/metrics",
+        controller._listeners.1.local_addr().expect("addr")
+    ))
+    .await
+    .ok();
+    let fetched = match fetched {
+        Some(r) => r
+            .text()
+            .await
+            .ok()
+            .and_then(|t| metric(&t, "gitea_dynamic_runner_tasks_fetched_total")),
+        None => None,
+    };
+    controller.stop(&executors).await;
+
+    // Gitea with long polling (go-gitea/gitea#37482, 50 s hold by default): the controller's
+    // 5 s FetchTask deadline ends each held poll.
+    let mock = MockGitea::start(MockConfig::default().with_long_poll(Duration::from_secs(50)))
+        .await
+        .expect("mock");
+    let controller = Controller::start(&mock, K, &[]).await;
+    eprintln!("this controller, Gitea with long polling:");
+    let held = measure(&mock.handle, false).await;
+    controller.stop(&[]).await;
+    drop(mock);
+
+    report(
+        table,
+        &plain,
+        &ours,
+        &held,
+        &parts,
+        Memory {
+            idle_rss,
+            queued_rss,
+            queued_hwm,
+            fetched,
+            executor_peak,
+            checkout_ok,
+        },
+    );
+}
+
+struct Memory {
+    idle_rss: u64,
+    queued_rss: u64,
+    queued_hwm: u64,
+    fetched: Option<f64>,
+    executor_peak: u64,
+    checkout_ok: bool,
+}
+
+fn report(
+    table: &mut Table,
+    plain: &Side,
+    ours: &Side,
+    held: &Side,
+    parts: &Breakdown,
+    memory: Memory,
+) {
+    table.ratio(
+        &format!("{N} jobs queued at once, capacity {K}: makespan"),
+        (ours.makespan.as_secs_f64(), secs(ours.makespan)),
+        (
+            plain.makespan.as_secs_f64(),
+            format!(
+                "{} on {K} plain runners (fresh process per job)",
+                secs(plain.makespan)
+            ),
+        ),
+        "≤ 1.3×",
+    );
+    let per_job = |side: &Side| side.makespan * K / N as u32;
+    let overhead = per_job(ours).saturating_sub(per_job(plain));
+    table.row(
+        "per-job time (makespan × K / N)",
+        millis(per_job(ours), 0),
+        millis(per_job(plain), 0),
+        format!("+{} per job", millis(overhead, 0)),
+        "–",
+    );
+    for (what, d) in &parts.rows {
+        table.row(
+            &format!("  breakdown: {what}"),
+            millis(*d, 1),
+            "–".into(),
+            "–".into(),
+            "–",
+        );
+    }
+    table.row(
+        &format!("{N} jobs queued at once: pickup p50 / p90 (queued → first log row)"),
+        format!(
+            "{} / {}",
+            secs(quantile(&ours.burst_pickups, 0.5)),
+            secs(quantile(&ours.burst_pickups, 0.9))
+        ),
+        format!(
+            "{} / {}",
+            secs(quantile(&plain.burst_pickups, 0.5)),
+            secs(quantile(&plain.burst_pickups, 0.9))
+        ),
+        format!(
+            "{:.2}× (p50)",
+            quantile(&ours.burst_pickups, 0.5).as_secs_f64()
+                / quantile(&plain.burst_pickups, 0.5).as_secs_f64().max(1e-9)
+        ),
+        "–",
+    );
+    table.ratio(
+        &format!(
+            "FetchTask calls per second against an idle Gitea ({}s window)",
+            IDLE_WINDOW.as_secs()
+        ),
+        (
+            ours.idle_calls_per_s,
+            format!("{:.2}/s (pod_capacity {K})", ours.idle_calls_per_s),
+        ),
+        (
+            0.5,
+            format!(
+                "0.50/s (one runner's 2 s poll); {K} plain runners measured {:.2}/s",
+                plain.idle_calls_per_s
+            ),
+        ),
+        "≤ 1×",
+    );
+    table.row(
+        &format!("idle pickup p50 / max of {IDLE_SAMPLES} (queued → first log row)"),
+        format!(
+            "{} / {}",
+            secs(quantile(&ours.idle_pickups, 0.5)),
+            secs(quantile(&ours.idle_pickups, 1.0))
+        ),
+        format!(
+            "{} / {} on {K} plain runners",
+            secs(quantile(&plain.idle_pickups, 0.5)),
+            secs(quantile(&plain.idle_pickups, 1.0))
+        ),
+        format!(
+            "{:.2}× (p50)",
+            quantile(&ours.idle_pickups, 0.5).as_secs_f64()
+                / quantile(&plain.idle_pickups, 0.5).as_secs_f64().max(1e-9)
+        ),
+        "p50 ≤ 1 s",
+    );
+    table.row(
+        "with Gitea long polling: idle FetchTask calls per second; idle pickup p50 / max",
+        format!(
+            "{:.2}/s; {} / {}",
+            held.idle_calls_per_s,
+            secs(quantile(&held.idle_pickups, 0.5)),
+            secs(quantile(&held.idle_pickups, 1.0))
+        ),
+        "–".into(),
+        "–".into(),
+        "held polls are not errors",
+    );
+    table.ratio(
+        "controller RSS, idle",
+        (memory.idle_rss as f64, mib(memory.idle_rss)),
+        (20.0 * 1024.0, "20 MiB (goal)".into()),
+        "≤ 1×",
+    );
+    table.ratio(
+        &format!(
+            "controller RSS, {QUEUED} assignments queued in JetStream (peak {}; fetched {})",
+            mib(memory.queued_hwm),
+            memory
+                .fetched
+                .map_or_else(|| "?".to_owned(), |f| format!("{f:.0}"))
+        ),
+        (memory.queued_rss as f64, mib(memory.queued_rss)),
+        (64.0 * 1024.0, "64 MiB (goal)".into()),
+        "≤ 1×",
+    );
+    table.ratio(
+        &format!(
+            "executor peak RSS through a job with a 50 MiB checkout{}",
+            if memory.checkout_ok {
+                ""
+            } else {
+                " (THE CHECKOUT FAILED)"
+            }
+        ),
+        (memory.executor_peak as f64, mib(memory.executor_peak)),
+        (10.0 * 1024.0, "10 MiB (goal)".into()),
+        "≤ 1×",
+    );
+}
