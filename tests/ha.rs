@@ -136,6 +136,12 @@ async fn exactly_one_replica_leads_and_killing_it_hands_over_without_losing_or_r
         )
         .await
         .expect("the leader's executors run jobs");
+    // Every job fetched is stored too: with two slots and a backlog of two the leader
+    // fetches nothing more, so the kill cannot land in the fetch→store window.
+    gdr_testkit::until(WAIT, "every job stored in JetStream", || async {
+        fixture.log().matches("\"event\":\"stored\"").count() >= jobs.len()
+    })
+    .await;
     assert!(
         !replicas[standby].ready().await,
         "the standby stays not ready"
