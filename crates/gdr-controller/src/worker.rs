@@ -152,7 +152,7 @@ pub enum Outcome {
 
 impl Outcome {
     /// Every outcome (the metrics reference lists them).
-    pub const ALL: [Outcome; 11] = [
+    pub const ALL: [Outcome; 15] = [
         Outcome::Claimed,
         Outcome::AlreadyClaimed,
         Outcome::Full,
@@ -164,6 +164,10 @@ impl Outcome {
         Outcome::InFlight,
         Outcome::Interrupted,
         Outcome::MissingKey,
+        Outcome::Held,
+        Outcome::Plaintext,
+        Outcome::Expired,
+        Outcome::Replayed,
     ];
 
     /// Metric/log label.
