@@ -1047,16 +1047,16 @@ async fn the_runner_starts_once_the_jobs_docker_daemon_answers_with_docker_host_
     env.job_status(&a, Status::Success).await;
 
     let host = format!("unix://{}", docker.socket().display());
-    assert_eq!(
-        docker.dockerd.args(),
-        Some(vec!["--host".to_string(), host.clone()]),
-        "the daemon serves the configured socket"
-    );
     let start = docker.runner_start().expect("the runner started");
     assert_eq!(start.docker_host, host, "the runner's DOCKER_HOST");
     assert!(
         start.socket_existed,
         "the daemon listened before the runner started"
+    );
+    assert_eq!(
+        docker.dockerd.args(),
+        Some(vec!["--host".to_string(), host.clone()]),
+        "the daemon serves the configured socket"
     );
     docker.assert_stopped();
 }
