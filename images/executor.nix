@@ -15,8 +15,10 @@
 #   configuration file at /etc/gitea-runner/config.yaml.
 #
 # The Go image's job-started hook (wait for the job's SVID, then start a job-local dockerd)
-# is not a script here: the executor does it before it starts the runner, switched on by
-# CI_RUNNER_START_DOCKER and pointed at the runner configuration by CI_RUNNER_CONFIG.
+# is not a script here: once it holds its SVID the executor starts CI_DOCKERD, waits until
+# it answers on its socket (CI_DOCKER_READY_TIMEOUT), runs the runner with DOCKER_HOST
+# pointing at it and stops it after the job; switched on by CI_RUNNER_START_DOCKER. The
+# runner reads its configuration from CI_RUNNER_CONFIG (passed as `--config`).
 {
   lib,
   pkgs,
@@ -123,8 +125,9 @@ pkgs.dockerTools.streamLayeredImage {
   '';
 
   config = {
-    # As in the Go image. Starting dockerd needs root: see the report on
-    # CI_RUNNER_START_DOCKER for how the executor is expected to get it.
+    # As in the Go image. dockerd needs root: with this user the executor's daemon start
+    # fails (dockerd exits, the executor says so) unless the Pod runs the executor as uid 0
+    # (pod_executor_uid = 0, privileged), or CI_RUNNER_START_DOCKER is set to false.
     User = "${toString uid}:${toString uid}";
     Entrypoint = [ (lib.getExe package) ];
     Cmd = [ "executor" ];
@@ -136,6 +139,7 @@ pkgs.dockerTools.streamLayeredImage {
       "GITEA_RUNNER_BINARY=${lib.getExe runner}"
       "CI_RUNNER_CONFIG=/etc/gitea-runner/config.yaml"
       "CI_RUNNER_START_DOCKER=true"
+      "CI_DOCKERD=${lib.getExe' pkgs.docker "dockerd"}"
       "SSL_CERT_FILE=${certs}"
       "NIX_SSL_CERT_FILE=${certs}"
       "GIT_SSL_CAINFO=${certs}"

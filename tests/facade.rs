@@ -33,6 +33,9 @@ use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::spiffe::{
     FakeWorkloadApi, RunningWorkloadApi, TestCa, any_server_client_config, raw_tls_get,
 };
+use gdr_testkit::standin_dockerd::{
+    Readiness, RunnerStart, StandinDockerd, recording_runner, runner_start,
+};
 
 const WAIT: Duration = Duration::from_secs(30);
 /// No signal ever reaches these executors.
@@ -184,7 +187,33 @@ impl Env {
         assignment: &Assignment,
         workload: &RunningWorkloadApi,
     ) -> ExecutorConfig {
-        ExecutorConfig::from_env(|name| match name {
+        self.executor_config_with(assignment, workload, &[])
+    }
+
+    /// [`Self::executor_config`] with `extra` variables set (or overridden; the first of a
+    /// name wins).
+    fn executor_config_with(
+        &self,
+        assignment: &Assignment,
+        workload: &RunningWorkloadApi,
+        extra: &[(&str, String)],
+    ) -> ExecutorConfig {
+        ExecutorConfig::from_env(|name| {
+            if let Some((_, value)) = extra.iter().find(|(k, _)| *k == name) {
+                return Some(value.clone());
+            }
+            self.executor_variable(assignment, workload, name)
+        })
+        .expect("executor config")
+    }
+
+    fn executor_variable(
+        &self,
+        assignment: &Assignment,
+        workload: &RunningWorkloadApi,
+        name: &str,
+    ) -> Option<String> {
+        match name {
             "CI_ASSIGNMENT_ID" => Some(assignment.id().as_str().to_string()),
             "CI_RUNNER_CAPABILITY" => Some(
                 self.dispatch
@@ -200,8 +229,7 @@ impl Env {
             "GITEA_RUNNER_BINARY" => Some(STANDIN.into()),
             "CI_EXECUTOR_READY_TIMEOUT" => Some("20".into()),
             _ => None,
-        })
-        .expect("executor config")
+        }
     }
 
     /// A Connect client that reaches the facade the way a runner in an executor does:
@@ -952,4 +980,241 @@ async fn idle_connections_are_closed_and_one_identity_holds_only_its_share() {
         status_line(&mut other).await.as_deref(),
         Some("HTTP/1.1 200 OK")
     );
+}
+
+// === the job's Docker daemon and the runner configuration ===
+
+/// A stand-in dockerd and a recording runner in one directory, and the variables that
+/// make the executor start that daemon.
+struct DockerJob {
+    dir: tempfile::TempDir,
+    dockerd: StandinDockerd,
+    runner: std::path::PathBuf,
+}
+
+impl DockerJob {
+    fn new(readiness: Readiness) -> Self {
+        let dir = tempfile::Builder::new().prefix("d").tempdir().expect("dir");
+        let dockerd = StandinDockerd::install(dir.path(), readiness).expect("stand-in dockerd");
+        let runner = recording_runner(dir.path(), std::path::Path::new(STANDIN)).expect("runner");
+        DockerJob {
+            dir,
+            dockerd,
+            runner,
+        }
+    }
+
+    fn socket(&self) -> std::path::PathBuf {
+        self.dir.path().join("docker.sock")
+    }
+
+    fn variables(&self, ready_timeout_secs: u64) -> Vec<(&'static str, String)> {
+        vec![
+            ("CI_RUNNER_START_DOCKER", "true".into()),
+            ("CI_DOCKERD", self.dockerd.program().display().to_string()),
+            ("CI_DOCKER_SOCKET", self.socket().display().to_string()),
+            ("CI_DOCKER_READY_TIMEOUT", ready_timeout_secs.to_string()),
+            ("GITEA_RUNNER_BINARY", self.runner.display().to_string()),
+        ]
+    }
+
+    fn runner_start(&self) -> Option<RunnerStart> {
+        runner_start(self.dir.path())
+    }
+
+    /// The daemon got SIGTERM and its process is gone (waited for, not a zombie).
+    fn assert_stopped(&self) {
+        assert!(self.dockerd.pid().is_some(), "the daemon was started");
+        assert!(self.dockerd.terminated(), "the daemon got SIGTERM");
+        assert!(!self.dockerd.running(), "the daemon's process is gone");
+    }
+}
+
+/// DESIGN invariant 16: with `CI_RUNNER_START_DOCKER` the executor starts the job's Docker
+/// daemon after it holds its SVID, starts the runner only once the daemon answers on its
+/// socket, with `DOCKER_HOST` pointing at it, and stops the daemon after the job.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_runner_starts_once_the_jobs_docker_daemon_answers_with_docker_host_pointing_at_it_and_the_daemon_stops_after_the_job()
+ {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    // The daemon binds its socket only after a while: the runner must not race it.
+    let docker = DockerJob::new(Readiness::After(Duration::from_millis(700)));
+    let config = env.executor_config_with(&a, &workload, &docker.variables(30));
+    let status = run(config, no_signals()).await.expect("executor runs");
+    assert!(status.success(), "the runner exits 0");
+    env.job_status(&a, Status::Success).await;
+
+    let host = format!("unix://{}", docker.socket().display());
+    let start = docker.runner_start().expect("the runner started");
+    assert_eq!(start.docker_host, host, "the runner's DOCKER_HOST");
+    assert!(
+        start.socket_existed,
+        "the daemon listened before the runner started"
+    );
+    assert_eq!(
+        docker.dockerd.args(),
+        Some(vec!["--host".to_string(), host.clone()]),
+        "the daemon serves the configured socket"
+    );
+    docker.assert_stopped();
+}
+
+/// DESIGN invariant 16: a daemon that does not answer within `CI_DOCKER_READY_TIMEOUT`
+/// fails the executor with an error naming the variable and the program; no runner
+/// starts (no job runs without the Docker it was promised) and the daemon is stopped.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_docker_daemon_that_never_answers_fails_the_executor_naming_ci_docker_ready_timeout_and_no_runner_starts()
+ {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let docker = DockerJob::new(Readiness::Never);
+    let config = env.executor_config_with(&a, &workload, &docker.variables(1));
+    let error = run(config, no_signals())
+        .await
+        .expect_err("the daemon never answers")
+        .to_string();
+    assert!(
+        error.contains("CI_DOCKER_READY_TIMEOUT")
+            && error.contains(&docker.dockerd.program().display().to_string()),
+        "{error}"
+    );
+    assert_eq!(docker.runner_start(), None, "no runner started");
+    docker.assert_stopped();
+}
+
+/// DESIGN invariant 16: a daemon that exits during its start-up fails the executor with
+/// its status, naming `CI_DOCKERD`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_docker_daemon_that_exits_during_start_up_fails_the_executor_with_its_status() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let docker = DockerJob::new(Readiness::Exits(3));
+    let config = env.executor_config_with(&a, &workload, &docker.variables(30));
+    let error = run(config, no_signals())
+        .await
+        .expect_err("the daemon exits")
+        .to_string();
+    assert!(
+        error.contains("CI_DOCKERD") && error.contains("exit status: 3"),
+        "{error}"
+    );
+    assert_eq!(docker.runner_start(), None, "no runner started");
+}
+
+/// DESIGN invariant 16: a signal passed on to the runner ends the job; the daemon is
+/// stopped after the runner exits, as after a finished job.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_jobs_docker_daemon_is_stopped_after_a_runner_cancelled_by_a_signal() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:hang").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let docker = DockerJob::new(Readiness::After(Duration::ZERO));
+    let config = env.executor_config_with(&a, &workload, &docker.variables(30));
+    let (signal, signals) = tokio::sync::mpsc::channel(1);
+    let executor = tokio::spawn(run(config, signals));
+    let task_id = a.id().task_id();
+    env.mock
+        .handle
+        .wait_for(|m| m.task(task_id).is_some_and(|t| t.heartbeats > 0), WAIT)
+        .await
+        .expect("the runner is heartbeating");
+    assert!(
+        docker.dockerd.running() && !docker.dockerd.terminated(),
+        "the daemon runs with the job"
+    );
+    signal.send(Forward::Terminate).await.expect("send");
+    tokio::time::timeout(WAIT, executor)
+        .await
+        .expect("executor ends")
+        .expect("join")
+        .expect("ran");
+    env.job_status(&a, Status::Cancelled).await;
+    docker.assert_stopped();
+}
+
+/// DESIGN invariant 16: a runner that cannot even start is an executor error; the daemon
+/// started for it is stopped all the same.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_jobs_docker_daemon_is_stopped_when_the_runner_cannot_start() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let docker = DockerJob::new(Readiness::After(Duration::ZERO));
+    // The first of a name wins.
+    let mut variables = vec![("GITEA_RUNNER_BINARY", "/nonexistent/gitea-runner".into())];
+    variables.extend(docker.variables(30));
+    let config = env.executor_config_with(&a, &workload, &variables);
+    let error = run(config, no_signals())
+        .await
+        .expect_err("no runner")
+        .to_string();
+    assert!(error.contains("/nonexistent/gitea-runner"), "{error}");
+    docker.assert_stopped();
+}
+
+/// DESIGN invariant 16: `CI_RUNNER_CONFIG` reaches the official runner as its
+/// `--config` flag (a persistent flag of its root command), as an absolute path.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_runner_configuration_reaches_the_runner_as_its_config_flag() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let docker = DockerJob::new(Readiness::Never);
+    let config_file = docker.dir.path().join("config.yaml");
+    std::fs::write(&config_file, "log:\n  level: info\n").expect("config");
+    let config = env.executor_config_with(
+        &a,
+        &workload,
+        &[
+            ("GITEA_RUNNER_BINARY", docker.runner.display().to_string()),
+            ("CI_RUNNER_CONFIG", config_file.display().to_string()),
+        ],
+    );
+    let status = run(config, no_signals()).await.expect("executor runs");
+    assert!(status.success());
+    env.job_status(&a, Status::Success).await;
+    let start = docker.runner_start().expect("the runner started");
+    assert_eq!(
+        start.args,
+        vec![
+            "--config".to_string(),
+            config_file.display().to_string(),
+            "daemon".to_string(),
+            "--once".to_string()
+        ]
+    );
+    assert_eq!(start.docker_host, "", "no daemon was asked for");
+    assert_eq!(docker.dockerd.pid(), None, "no daemon was started");
+}
+
+/// DESIGN invariant 16: a `CI_RUNNER_CONFIG` naming no file fails the executor at once,
+/// naming the variable and the path, before any runner starts.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_missing_runner_configuration_fails_the_executor_naming_ci_runner_config() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let docker = DockerJob::new(Readiness::Never);
+    let missing = docker.dir.path().join("missing.yaml");
+    let config = env.executor_config_with(
+        &a,
+        &workload,
+        &[
+            ("GITEA_RUNNER_BINARY", docker.runner.display().to_string()),
+            ("CI_RUNNER_CONFIG", missing.display().to_string()),
+        ],
+    );
+    let error = run(config, no_signals())
+        .await
+        .expect_err("no configuration")
+        .to_string();
+    assert!(
+        error.starts_with("CI_RUNNER_CONFIG:") && error.contains(&missing.display().to_string()),
+        "{error}"
+    );
+    assert_eq!(docker.runner_start(), None, "no runner started");
 }

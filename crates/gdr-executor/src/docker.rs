@@ -1,8 +1,12 @@
 //! A Docker daemon for the job, started by the executor when `CI_RUNNER_START_DOCKER` is
 //! set (the executor image's Pods and VMs run Docker inside the environment so jobs can
 //! build images). The job's runner starts only once the daemon answers `/_ping` on its
-//! socket, so the first `docker` step never races the daemon's start-up; the daemon is
-//! stopped after the runner, with the environment.
+//! socket, so the first `docker` step never races the daemon's start-up; the runner gets
+//! `DOCKER_HOST` pointing at that socket. The daemon is stopped after the runner, however
+//! the runner ended (SIGTERM, so it stops its containers; SIGKILL after a grace).
+//!
+//! It replaces the Go image's job-started hook (wait for the job's SVID, start dockerd,
+//! wait for `docker info`): the executor starts the daemon only once it holds its SVID.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitStatus;
@@ -56,16 +60,25 @@ pub enum DockerError {
         source: std::io::Error,
     },
     /// The daemon exited before it answered.
-    #[error("the Docker daemon exited before it answered on {socket}: {status}")]
+    #[error(
+        "the Docker daemon {program} ({DOCKERD}) exited before it answered on {socket}: {status}"
+    )]
     Exited {
+        /// The program.
+        program: PathBuf,
         /// Its socket.
         socket: PathBuf,
         /// Its exit status.
         status: ExitStatus,
     },
-    /// The daemon did not answer in time.
-    #[error("the Docker daemon did not answer on {socket} within {timeout:?}")]
+    /// The daemon did not answer in time (it is stopped).
+    #[error(
+        "the Docker daemon {program} ({DOCKERD}) did not answer on {socket} within {timeout:?} \
+         ({DOCKER_READY_TIMEOUT})"
+    )]
     NotReady {
+        /// The program.
+        program: PathBuf,
         /// Its socket.
         socket: PathBuf,
         /// The deadline.
@@ -114,7 +127,7 @@ fn parse_bool(v: &str) -> Option<bool> {
     }
 }
 
-/// A running daemon; killed if dropped without [`Dockerd::stop`].
+/// A running daemon; killed (SIGKILL) if dropped without [`Dockerd::stop`].
 #[derive(Debug)]
 pub struct Dockerd {
     child: tokio::process::Child,
@@ -122,7 +135,8 @@ pub struct Dockerd {
 }
 
 impl Dockerd {
-    /// Starts the daemon and waits until it answers `/_ping`.
+    /// Starts the daemon and waits until it answers `/_ping`, for at most
+    /// `settings.ready_timeout`; a daemon that did not answer by then is stopped.
     pub async fn start(settings: &DockerSettings) -> Result<Self, DockerError> {
         let mut child = tokio::process::Command::new(&settings.program)
             .arg("--host")
@@ -134,15 +148,20 @@ impl Dockerd {
                 program: settings.program.clone(),
                 source,
             })?;
+        tracing::info!(program = %settings.program.display(), socket = %settings.socket.display(), "starting the Docker daemon");
         let deadline = tokio::time::Instant::now() + settings.ready_timeout;
         loop {
             if let Some(status) = child.try_wait().map_err(DockerError::Wait)? {
                 return Err(DockerError::Exited {
+                    program: settings.program.clone(),
                     socket: settings.socket.clone(),
                     status,
                 });
             }
-            if pings(&settings.socket).await {
+            let answered = tokio::time::timeout_at(deadline, pings(&settings.socket))
+                .await
+                .unwrap_or(false);
+            if answered {
                 tracing::info!(socket = %settings.socket.display(), "the Docker daemon answers");
                 return Ok(Dockerd {
                     child,
@@ -150,7 +169,15 @@ impl Dockerd {
                 });
             }
             if tokio::time::Instant::now() >= deadline {
+                // It may have started containerd already: an orderly stop, not a SIGKILL.
+                Dockerd {
+                    child,
+                    socket: settings.socket.clone(),
+                }
+                .stop()
+                .await;
                 return Err(DockerError::NotReady {
+                    program: settings.program.clone(),
                     socket: settings.socket.clone(),
                     timeout: settings.ready_timeout,
                 });
@@ -175,7 +202,9 @@ impl Dockerd {
             let _ = rustix::process::kill_process(pid, Signal::TERM);
         }
         match tokio::time::timeout(STOP_GRACE, self.child.wait()).await {
-            Ok(_) => {}
+            Ok(_) => {
+                tracing::info!(socket = %self.socket.display(), "the Docker daemon stopped");
+            }
             Err(_) => {
                 tracing::warn!(socket = %self.socket.display(), "the Docker daemon ignored SIGTERM; killing it");
                 let _ = self.child.kill().await;
@@ -222,37 +251,6 @@ mod tests {
         })
     }
 
-    /// A stand-in daemon: answers `/_ping` on the `--host` socket after `delay` seconds
-    /// (or exits with status 3 when `delay` is negative), and records SIGTERM.
-    fn fake_dockerd(dir: &Path, delay: f64) -> PathBuf {
-        let script = dir.join("dockerd");
-        let body = format!(
-            r#"#!/usr/bin/env python3
-import os, signal, socket, sys, time
-path = sys.argv[sys.argv.index("--host") + 1].removeprefix("unix://")
-def term(*_):
-    open(path + ".terminated", "w").close()
-    sys.exit(0)
-signal.signal(signal.SIGTERM, term)
-if {delay} < 0:
-    sys.exit(3)
-time.sleep({delay})
-s = socket.socket(socket.AF_UNIX)
-s.bind(path)
-s.listen(8)
-while True:
-    c, _ = s.accept()
-    c.recv(1024)
-    c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nOK")
-    c.close()
-"#
-        );
-        std::fs::write(&script, body).unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-        script
-    }
-
     #[test]
     fn no_daemon_is_started_unless_asked_for() {
         assert_eq!(settings(&[]).unwrap(), None);
@@ -270,57 +268,8 @@ while True:
         assert!(e.to_string().starts_with("CI_DOCKER_READY_TIMEOUT:"), "{e}");
     }
 
-    #[tokio::test]
-    async fn the_runner_waits_until_the_daemon_answers_and_the_daemon_is_stopped_after() {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("docker.sock");
-        let settings = DockerSettings {
-            program: fake_dockerd(dir.path(), 0.5),
-            socket: socket.clone(),
-            ready_timeout: Duration::from_secs(30),
-        };
-        let daemon = Dockerd::start(&settings).await.unwrap();
-        assert!(
-            std::os::unix::net::UnixStream::connect(&socket).is_ok(),
-            "start returns only once the daemon listens"
-        );
-        assert_eq!(daemon.docker_host(), format!("unix://{}", socket.display()));
-        daemon.stop().await;
-        assert!(
-            dir.path().join("docker.sock.terminated").exists(),
-            "the daemon got SIGTERM"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_daemon_that_exits_early_is_reported_with_its_status() {
-        let dir = tempfile::tempdir().unwrap();
-        let settings = DockerSettings {
-            program: fake_dockerd(dir.path(), -1.0),
-            socket: dir.path().join("docker.sock"),
-            ready_timeout: Duration::from_secs(30),
-        };
-        match Dockerd::start(&settings).await {
-            Err(DockerError::Exited { status, .. }) => assert_eq!(status.code(), Some(3)),
-            other => panic!("expected Exited, got {other:?}"),
-        }
-    }
-
-    #[tokio::test]
-    async fn a_daemon_that_never_answers_fails_at_the_deadline() {
-        let dir = tempfile::tempdir().unwrap();
-        let settings = DockerSettings {
-            program: fake_dockerd(dir.path(), 3600.0),
-            socket: dir.path().join("docker.sock"),
-            ready_timeout: Duration::from_millis(500),
-        };
-        match Dockerd::start(&settings).await {
-            Err(DockerError::NotReady { timeout, .. }) => {
-                assert_eq!(timeout, Duration::from_millis(500))
-            }
-            other => panic!("expected NotReady, got {other:?}"),
-        }
-    }
+    // The daemon's start, readiness and stop are tested with a stand-in dockerd from the
+    // test kit, through the executor, in the root package's tests/facade.rs.
 
     #[tokio::test]
     async fn a_missing_program_is_named() {

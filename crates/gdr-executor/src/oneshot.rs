@@ -3,6 +3,10 @@
 //! one-shot `.runner`, waits until the facade answers, then runs the unmodified official
 //! runner as `daemon --once` and exits with its status.
 //!
+//! With `CI_RUNNER_START_DOCKER` it also starts the job's Docker daemon once it holds its
+//! SVID, starts the runner only after the daemon answers (with `DOCKER_HOST` pointing at
+//! it), and stops the daemon after the runner, however the runner ended ([`crate::docker`]).
+//!
 //! Restarts of the controller cost no job (DESIGN invariant 19): a runner that exits before
 //! its task was claimed (its `Declare` failed while the facade was away) is started again,
 //! with backoff, for as long as the outage tolerance; and the executor does not exit before
@@ -25,7 +29,11 @@ use gdr_core::executor::env;
 use rustix::process::{Pid, Signal};
 use serde::Serialize;
 
+use crate::docker::{DockerError, DockerSettings, Dockerd};
 use crate::relay::{Claim, Relay, Settled};
+
+/// `CI_RUNNER_CONFIG`: the official runner's configuration file, passed as `--config`.
+pub const RUNNER_CONFIG: &str = "CI_RUNNER_CONFIG";
 
 /// Default of `CI_EXECUTOR_REPORT_OUTAGE_TOLERANCE` (the controller's
 /// `executor_report_outage_tolerance` default).
@@ -54,6 +62,16 @@ pub struct ExecutorConfig {
     pub runner_binary: PathBuf,
     /// `CI_RUNNER_WORKDIR` (default: a new temporary directory, removed afterwards).
     pub work_dir: Option<PathBuf>,
+    /// `CI_RUNNER_CONFIG`: the official runner's configuration file, passed to it as
+    /// `--config <path>`; it must exist (default: none, the runner's built-in defaults).
+    pub runner_config: Option<PathBuf>,
+    /// The job's Docker daemon, started before the runner, which gets `DOCKER_HOST`
+    /// pointing at it (`None`: no daemon). `CI_RUNNER_START_DOCKER` (`true`/`false`,
+    /// `1`/`0`, `yes`/`no`; default false) switches it on; `CI_DOCKERD` is the program
+    /// (default `dockerd` on `PATH`), `CI_DOCKER_SOCKET` its Unix socket (default
+    /// `/var/run/docker.sock`), `CI_DOCKER_READY_TIMEOUT` how many seconds it may take to
+    /// answer (default 60) before the executor fails.
+    pub docker: Option<DockerSettings>,
     /// How long to wait for the SVID and the facade (`CI_EXECUTOR_READY_TIMEOUT` seconds, default 120).
     pub ready_timeout: Duration,
     /// How long the runner's reports are held while the facade is unreachable, and how
@@ -70,6 +88,8 @@ impl std::fmt::Debug for ExecutorConfig {
             .field("facade_url", &self.facade_url)
             .field("facade_spiffe_id", &self.facade_spiffe_id)
             .field("runner_binary", &self.runner_binary)
+            .field("runner_config", &self.runner_config)
+            .field("docker", &self.docker)
             .field("report_outage_tolerance", &self.report_outage_tolerance)
             .finish_non_exhaustive()
     }
@@ -100,6 +120,18 @@ pub enum RunError {
         /// Cause.
         source: std::io::Error,
     },
+    /// `CI_RUNNER_CONFIG` names no readable file.
+    #[error("{RUNNER_CONFIG}: the runner configuration {path} cannot be used: {source}")]
+    RunnerConfig {
+        /// The path.
+        path: PathBuf,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The job's Docker daemon could not be started.
+    #[error(transparent)]
+    Docker(#[from] DockerError),
     /// The facade never answered.
     #[error("the facade at {0} did not answer in time")]
     FacadeUnreachable(String),
@@ -174,6 +206,10 @@ impl ExecutorConfig {
             runner_binary: get("GITEA_RUNNER_BINARY")
                 .map_or_else(|| PathBuf::from("gitea-runner"), PathBuf::from),
             work_dir: get("CI_RUNNER_WORKDIR").map(PathBuf::from),
+            runner_config: get(RUNNER_CONFIG)
+                .filter(|v| !v.trim().is_empty())
+                .map(PathBuf::from),
+            docker: DockerSettings::from_env(&get)?,
             ready_timeout,
             report_outage_tolerance,
         })
@@ -263,9 +299,12 @@ impl Drop for Cleanup {
 /// Runs the executor until the runner exits; returns the runner's exit status. `signals`
 /// are passed on to the runner (the caller owns the signal handlers).
 pub async fn run(
-    config: ExecutorConfig,
+    mut config: ExecutorConfig,
     mut signals: tokio::sync::mpsc::Receiver<Forward>,
 ) -> Result<ExitStatus, RunError> {
+    if let Some(path) = &config.runner_config {
+        config.runner_config = Some(check_runner_config(path)?);
+    }
     let source =
         gdr_identity::tls::x509_source_with_timeout(&config.workload_api, config.ready_timeout)
             .await?;
@@ -312,12 +351,39 @@ pub async fn run(
     };
     cleanup.runner_file = Some(work_dir.join(RUNNER_FILE));
     write_runner_file(&work_dir, &config, &proxy_url)?;
-    wait_for_facade(&proxy_url, config.ready_timeout).await?;
+    // The SVID is here: the daemon starts while the facade is probed.
+    let (facade, dockerd) = tokio::join!(
+        wait_for_facade(&proxy_url, config.ready_timeout),
+        start_dockerd(config.docker.as_ref()),
+    );
+    let dockerd = dockerd?;
+    if let Err(e) = facade {
+        stop_dockerd(dockerd).await;
+        return Err(e);
+    }
 
-    let status = run_runner(&config, &work_dir, &proxy_url, &relay, &mut signals).await?;
+    let ran = run_runner(
+        &config,
+        &work_dir,
+        &proxy_url,
+        dockerd.as_ref().map(Dockerd::docker_host).as_deref(),
+        &relay,
+        &mut signals,
+    )
+    .await;
+    // The job's daemon ends with its runner, however the runner ended (a forwarded signal
+    // included), while the reports may still be on their way.
+    let stopping = stop_dockerd(dockerd);
+    let status = match ran {
+        Ok(status) => status,
+        Err(e) => {
+            stopping.await;
+            return Err(e);
+        }
+    };
     // Invariant 19: the runner may have been answered by the relay; nothing leaves
     // before the facade has it.
-    let settled = relay.settled().await;
+    let (settled, ()) = tokio::join!(relay.settled(), stopping);
     let _ = stop_proxy.send(());
     let _ = proxy.await;
     drop(cleanup);
@@ -336,14 +402,44 @@ pub async fn run(
     }
 }
 
+/// The runner configuration must be a readable file: the runner would otherwise fail
+/// only after the executor waited for its SVID, the facade and the Docker daemon.
+/// Returns it absolute (the runner runs in the work directory).
+fn check_runner_config(path: &Path) -> Result<PathBuf, RunError> {
+    let error = |source| RunError::RunnerConfig {
+        path: path.to_path_buf(),
+        source,
+    };
+    let metadata = std::fs::metadata(path).map_err(error)?;
+    if !metadata.is_file() {
+        return Err(error(std::io::Error::other("not a regular file")));
+    }
+    std::fs::File::open(path).map_err(error)?;
+    std::path::absolute(path).map_err(error)
+}
+
+async fn start_dockerd(settings: Option<&DockerSettings>) -> Result<Option<Dockerd>, RunError> {
+    match settings {
+        Some(settings) => Ok(Some(Dockerd::start(settings).await?)),
+        None => Ok(None),
+    }
+}
+
+async fn stop_dockerd(dockerd: Option<Dockerd>) {
+    if let Some(dockerd) = dockerd {
+        dockerd.stop().await;
+    }
+}
+
 /// Runs the runner until it has claimed its task (or cannot), starting it again when it
 /// exits before the claim — a restart of the controller during its `Declare` must not
 /// cost the job — with backoff, for as long as the outage tolerance. Returns the last
-/// runner's exit status.
+/// runner's exit status. `docker_host` is the job's Docker daemon, for `DOCKER_HOST`.
 async fn run_runner(
     config: &ExecutorConfig,
     work_dir: &Path,
     proxy_url: &str,
+    docker_host: Option<&str>,
     relay: &Relay,
     signals: &mut tokio::sync::mpsc::Receiver<Forward>,
 ) -> Result<ExitStatus, RunError> {
@@ -352,7 +448,15 @@ async fn run_runner(
     let mut first_early_exit: Option<tokio::time::Instant> = None;
     loop {
         tracing::info!(assignment_id = %id, proxy = %proxy_url, runner = %config.runner_binary.display(), restarts, "starting the one-shot runner");
-        let mut child = tokio::process::Command::new(&config.runner_binary)
+        let mut command = tokio::process::Command::new(&config.runner_binary);
+        if let Some(path) = &config.runner_config {
+            // A persistent flag of the runner's root command.
+            command.arg("--config").arg(path);
+        }
+        if let Some(host) = docker_host {
+            command.env("DOCKER_HOST", host);
+        }
+        let mut child = command
             .args(["daemon", "--once"])
             .current_dir(work_dir)
             // The runner gets no CI_RUNNER_CAPABILITY: it reads its token from .runner.

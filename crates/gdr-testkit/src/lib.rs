@@ -3,6 +3,8 @@
 //!
 //! - [`mock_gitea`]: Gitea's RunnerService with Gitea's semantics, over real Connect.
 //! - [`standin_runner`]: the official runner's side of the protocol, for executors to run.
+//! - [`standin_dockerd`]: a stand-in `dockerd` for the executor's job Docker daemon, and a
+//!   recording wrapper around the stand-in runner.
 //! - [`fake_kube`]: an in-process Kubernetes API server for the real `kube` client.
 //! - [`fake_kubelet`]: runs the Pods of one fake Node as local processes.
 //! - [`fake_spire`]: a SPIRE agent issuing SVIDs only to Pods a ClusterStaticEntry selects.
@@ -34,6 +36,7 @@ pub mod nats_server;
 pub mod opensandbox;
 pub mod service;
 pub mod spiffe;
+pub mod standin_dockerd;
 pub mod standin_runner;
 pub mod tasks;
 pub mod vm_host;
