@@ -125,9 +125,9 @@ pkgs.dockerTools.streamLayeredImage {
   '';
 
   config = {
-    # As in the Go image. dockerd needs root: with this user the executor's daemon start
-    # fails (dockerd exits, the executor says so) unless the Pod runs the executor as uid 0
-    # (pod_executor_uid = 0, privileged), or CI_RUNNER_START_DOCKER is set to false.
+    # As in the Go image. dockerd needs root, and this user is not: the job's Docker daemon
+    # is off by default; a deployment that runs the executor as uid 0 (pod_executor_uid = 0,
+    # privileged) switches it on with CI_RUNNER_START_DOCKER=true in pod_executor_env.
     User = "${toString uid}:${toString uid}";
     Entrypoint = [ (lib.getExe package) ];
     Cmd = [ "executor" ];
@@ -138,7 +138,6 @@ pkgs.dockerTools.streamLayeredImage {
       "HOME=/home/runner"
       "GITEA_RUNNER_BINARY=${lib.getExe runner}"
       "CI_RUNNER_CONFIG=/etc/gitea-runner/config.yaml"
-      "CI_RUNNER_START_DOCKER=true"
       "CI_DOCKERD=${lib.getExe' pkgs.docker "dockerd"}"
       "SSL_CERT_FILE=${certs}"
       "NIX_SSL_CERT_FILE=${certs}"
