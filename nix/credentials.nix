@@ -20,6 +20,7 @@
     { key = "nats_worker_password_file"; option = "natsWorkerPasswordFile"; credential = "nats-worker-password"; list = false; }
     { key = "nats_worker_creds_file"; option = "natsWorkerCredsFile"; credential = "nats-worker-creds"; list = false; }
     { key = "opensandbox_api_key_file"; option = "opensandboxApiKeyFile"; credential = "opensandbox-api-key"; list = false; }
+    { key = "gitea_runner_registration_token_file"; option = "firstStartRegistrationTokenFile"; credential = "first-start-registration-token"; list = false; }
   ];
 
   # Files that are not secret (CA bundles, the runner UUID): ordinary settings, which may

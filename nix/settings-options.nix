@@ -19,12 +19,12 @@ in
   gitea_runner_uuid_file = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "File holding the controller's runner UUID (written by `register`).";
+    description = "File holding the controller's runner UUID (written by `register`, or by the controller's first start with `gitea_runner_registration_token_file`). Default: `<state_dir>/runner-uuid without nats_url, else required`.";
   };
   gitea_runner_token_file = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "File holding the controller's runner token (written by `register`, mode 0600). Use the matching credential option instead of setting it here.";
+    description = "File holding the controller's runner token (written by `register`, or by the controller's first start with `gitea_runner_registration_token_file`; mode 0600). Default: `<state_dir>/runner-token without nats_url, else required`. Use the matching credential option instead of setting it here.";
   };
   gitea_ca_file = mkOption {
     type = types.nullOr (types.str);
@@ -69,7 +69,7 @@ in
   trust_domain = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "SPIFFE trust domain of job identities (`spiffe://<trust_domain>/ci/<owner>/<repo>/<job>`). The Go version defaulted to `ddupan.top`.";
+    description = "SPIFFE trust domain of job identities (`spiffe://<trust_domain>/ci/<owner>/<repo>/<job>`). The Go version defaulted to `ddupan.top`. Default: `gitea-dynamic-runner.local with local_identity, else required`.";
   };
   metadata_prefix = mkOption {
     type = types.nullOr (types.str);
@@ -79,7 +79,7 @@ in
   runner_facade_capability_key_file = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "File holding the >= 32-byte key that derives assignment capabilities (HMAC-SHA256); whitespace around it is trimmed. Use the matching credential option instead of setting it here.";
+    description = "File holding the >= 32-byte key that derives assignment capabilities (HMAC-SHA256); whitespace around it is trimmed. Unset in single-host mode: a key is generated as `<state_dir>/capability-key` (mode 0600) on first start and reused. Default: `generated under state_dir without nats_url, else required`. Use the matching credential option instead of setting it here.";
   };
   task_encryption_key_file = mkOption {
     type = types.nullOr (types.str);
@@ -174,12 +174,12 @@ in
   runner_facade_url = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "URL executors use to reach the facade (https only).";
+    description = "URL executors use to reach the facade (https only). Default: `https://<the facade listener's address> without nats_url, else required`.";
   };
   runner_facade_spiffe_id = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "The facade's SPIFFE ID, which executors verify exactly.";
+    description = "The facade's SPIFFE ID, which executors verify exactly. Default: `spiffe://<trust_domain>/gitea-dynamic-runner/facade with local_identity, else required`.";
   };
   spiffe_endpoint_socket = mkOption {
     type = types.nullOr (types.str);
@@ -194,7 +194,7 @@ in
   state_dir = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "Directory for local state: the embedded NATS store, the local CA and process executors. Default: `/var/lib/gitea-dynamic-runner`.";
+    description = "Directory for local state: the embedded NATS store, the local CA, process executors, and in single-host mode the runner credential, capability key and task key the first start writes. Unset: systemd's `\$STATE_DIRECTORY` (`StateDirectory=`); else `/var/lib/gitea-dynamic-runner` when running as root; else `\$XDG_STATE_HOME/gitea-dynamic-runner`, or `~/.local/state/gitea-dynamic-runner` without `XDG_STATE_HOME`. Default: `\$STATE_DIRECTORY, /var/lib/gitea-dynamic-runner as root, else \$XDG_STATE_HOME/gitea-dynamic-runner (~/.local/state/gitea-dynamic-runner)`.";
   };
   pod_backend = mkOption {
     type = types.nullOr (types.str);
@@ -219,7 +219,7 @@ in
   runner_binary = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "The official runner binary executors run as `daemon --once`. Default: `gitea-runner`.";
+    description = "The official runner binary executors run as `daemon --once`. Unset: `gitea-runner`, else `act_runner`, found on `PATH` when the controller starts (a process backend without either fails to start, saying what to install). Default: `gitea-runner or act_runner on PATH`.";
   };
   executor_start_deadline = mkOption {
     type = types.nullOr (types.either types.str types.ints.unsigned);
@@ -525,5 +525,10 @@ in
     type = types.nullOr (types.str);
     default = null;
     description = "Which permissions a secret file may have: `owner-only` (no group or other access, as ssh requires of private keys), `group-readable` (also read by the file's group: Kubernetes Secret volumes with `fsGroup` are 0440), or `unchecked`. Default: `owner-only`.";
+  };
+  gitea_runner_registration_token_file = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "File holding a registration token from Gitea's runner settings (`controller --registration-token-file`). While `gitea_runner_uuid_file` and `gitea_runner_token_file` do not exist, the controller registers itself with it at start (labels of the enabled backends) and writes them (mode 0600, never overwritten); later starts use them and never register again. Use the matching credential option instead of setting it here.";
   };
 }

@@ -4,7 +4,7 @@
 
 use std::process::ExitCode;
 
-use gdr_controller::cli::{self, Cli, Command, ConfigArgs};
+use gdr_controller::cli::{self, Cli, Command, ConfigArgs, ControllerArgs};
 use gdr_controller::runtime::{self, Listeners};
 use gdr_controller::shutdown::{Shutdown, shutdown_channel};
 use gdr_executor::oneshot::{self, ExecutorConfig, Forward};
@@ -30,7 +30,7 @@ fn main() -> ExitCode {
     }
 }
 
-fn controller(args: &ConfigArgs) -> ExitCode {
+fn controller(args: &ControllerArgs) -> ExitCode {
     let settings = match cli::controller_settings(args) {
         Ok(s) => s,
         Err(code) => return code,

@@ -206,6 +206,9 @@ fn check_config_lists_every_problem_and_unreadable_secret_files() {
         "gitea_instance_url=http://gitea.local",
         "--set",
         "gitea_runner_token_file=/nonexistent/token",
+        // The cluster mode: single-host mode defaults the trust domain (issue 14).
+        "--set",
+        "nats_url=nats://127.0.0.1:4222",
     ]);
     assert!(!out.status.success());
     let err = text(&out.stderr);

@@ -315,14 +315,7 @@ async fn stop(child: &mut tokio::process::Child, how: Stop) {
         Stop::Kill => {
             let _ = child.start_kill();
         }
-        Stop::Term => {
-            let pid = child
-                .id()
-                .and_then(|p| i32::try_from(p).ok())
-                .and_then(rustix::process::Pid::from_raw)
-                .expect("a running controller");
-            rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
-        }
+        Stop::Term => gdr_testkit::controller::terminate(child),
     }
     tokio::time::timeout(WAIT, child.wait())
         .await

@@ -31,8 +31,12 @@ impl Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Run the controller components (scheduler with facade, pod-worker, vm-worker).
+    ///
+    /// On one host `controller --gitea-url URL --registration-token-file FILE` is the whole
+    /// set-up: the first start registers the runner and writes its credential and keys
+    /// under state_dir (mode 0600); later starts reuse them.
     #[command(after_long_help = reference())]
-    Controller(ConfigArgs),
+    Controller(ControllerArgs),
     /// Run inside a Pod or VM: serve the loopback proxy to the facade and run the
     /// official runner once (`daemon --once`).
     Executor,
@@ -108,6 +112,42 @@ impl ConfigArgs {
                 .collect::<Result<_, _>>()?,
             environment: true,
         })
+    }
+}
+
+/// `controller` flags.
+#[derive(Debug, Clone, Args)]
+pub struct ControllerArgs {
+    /// Configuration sources.
+    #[command(flatten)]
+    pub config: ConfigArgs,
+    /// Base URL of the Gitea instance (sets gitea_instance_url, as --set would).
+    #[arg(long, value_name = "URL")]
+    pub gitea_url: Option<String>,
+    /// File holding a registration token from Gitea's runner settings page: registers on
+    /// the first start (sets gitea_runner_registration_token_file, as --set would).
+    #[arg(long, value_name = "FILE")]
+    pub registration_token_file: Option<PathBuf>,
+}
+
+impl ControllerArgs {
+    /// The configuration sources: the flags are overrides, before any `--set`.
+    pub fn sources(&self) -> Result<Sources, SettingsError> {
+        let mut sources = self.config.sources()?;
+        let flags = [
+            ("gitea_instance_url", self.gitea_url.clone()),
+            (
+                "gitea_runner_registration_token_file",
+                self.registration_token_file
+                    .as_ref()
+                    .map(|p| p.display().to_string()),
+            ),
+        ];
+        let flags = flags
+            .into_iter()
+            .filter_map(|(key, value)| value.map(|v| (key.to_owned(), v)));
+        sources.overrides = flags.chain(sources.overrides).collect();
+        Ok(sources)
     }
 }
 
@@ -274,20 +314,20 @@ pub fn register(args: RegisterArgs) -> ExitCode {
 
 /// The controller's settings from its flags (and the environment); prints the problems and
 /// fails when they are unusable.
-pub fn controller_settings(args: &ConfigArgs) -> Result<Settings, ExitCode> {
-    load(args, Settings::load)
+pub fn controller_settings(args: &ControllerArgs) -> Result<Settings, ExitCode> {
+    load(args.sources(), Settings::load)
 }
 
 /// `sandbox-identity`'s settings, as [`controller_settings`].
 pub fn sandbox_identity_settings(args: &ConfigArgs) -> Result<SandboxIdentitySettings, ExitCode> {
-    load(args, SandboxIdentitySettings::load)
+    load(args.sources(), SandboxIdentitySettings::load)
 }
 
 fn load<T>(
-    args: &ConfigArgs,
+    sources: Result<Sources, SettingsError>,
     load: impl FnOnce(&Sources) -> Result<T, SettingsError>,
 ) -> Result<T, ExitCode> {
-    args.sources().and_then(|s| load(&s)).map_err(|e| {
+    sources.and_then(|s| load(&s)).map_err(|e| {
         eprintln!("configuration error:\n{e}");
         ExitCode::FAILURE
     })

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use gdr_proto::runner::v1::RegisterRequest;
 
 use crate::gitea::{ClientOptions, GiteaClient, GiteaError};
-use crate::settings::{RegisterSettings, read_secret_file};
+use crate::settings::{GiteaSettings, RegisterSettings, read_secret_file};
 
 /// What to register and where to write the result.
 #[derive(Debug, Clone)]
@@ -88,16 +88,8 @@ pub fn prepare(
         labels: default_labels,
     } = settings;
     let registration_token = read_secret_file("registration_token_file", registration_token_file)?;
-    let mut client = ClientOptions::new(gitea.url.as_str().trim_end_matches('/'));
-    client.request_timeout = gitea.request_timeout;
-    if let Some(ca) = &gitea.ca_file {
-        client.extra_ca_pem = Some(std::fs::read(ca).map_err(|source| RegisterError::ReadCa {
-            path: ca.clone(),
-            source,
-        })?);
-    }
     Ok(Registration {
-        client,
+        client: client_options(&gitea)?,
         registration_token,
         name: name.unwrap_or(runner.name),
         labels: labels.unwrap_or(default_labels),
@@ -108,7 +100,21 @@ pub fn prepare(
     })
 }
 
-/// Registers and writes the UUID and token files (mode 0600).
+/// The options of the (credential-less) client that registers.
+pub fn client_options(gitea: &GiteaSettings) -> Result<ClientOptions, RegisterError> {
+    let mut client = ClientOptions::new(gitea.url.as_str().trim_end_matches('/'));
+    client.request_timeout = gitea.request_timeout;
+    if let Some(ca) = &gitea.ca_file {
+        client.extra_ca_pem = Some(std::fs::read(ca).map_err(|source| RegisterError::ReadCa {
+            path: ca.clone(),
+            source,
+        })?);
+    }
+    Ok(client)
+}
+
+/// Registers and writes the UUID and token files (mode 0600). Without `force` an existing
+/// file is never replaced, even one that appears while Gitea answers.
 pub async fn run(registration: &Registration) -> Result<Registered, RegisterError> {
     if !registration.force {
         for path in [&registration.uuid_file, &registration.token_file] {
@@ -132,8 +138,8 @@ pub async fn run(registration: &Registration) -> Result<Registered, RegisterErro
     // Both files are staged first so a failure never leaves a UUID without its token.
     let uuid_tmp = stage(&registration.uuid_file, &runner.uuid)?;
     let token_tmp = stage(&registration.token_file, &runner.token)?;
-    publish(&token_tmp, &registration.token_file)?;
-    publish(&uuid_tmp, &registration.uuid_file)?;
+    publish(&token_tmp, &registration.token_file, registration.force)?;
+    publish(&uuid_tmp, &registration.uuid_file, registration.force)?;
     tracing::info!(runner_id = runner.id, runner_uuid = %runner.uuid, name = %runner.name, "registered runner");
     Ok(Registered {
         id: runner.id,
@@ -165,10 +171,22 @@ fn stage(target: &Path, content: &str) -> Result<PathBuf, RegisterError> {
     Ok(tmp)
 }
 
-fn publish(tmp: &Path, target: &Path) -> Result<(), RegisterError> {
-    std::fs::rename(tmp, target).map_err(|source| RegisterError::Write {
-        path: target.to_path_buf(),
-        source,
+/// Moves the staged file into place: a rename with `force`, else a link that fails when
+/// `target` exists (so nothing is overwritten).
+fn publish(tmp: &Path, target: &Path, force: bool) -> Result<(), RegisterError> {
+    let moved = if force {
+        std::fs::rename(tmp, target)
+    } else {
+        let linked = std::fs::hard_link(tmp, target);
+        let _ = std::fs::remove_file(tmp);
+        linked
+    };
+    moved.map_err(|source| match source.kind() {
+        std::io::ErrorKind::AlreadyExists => RegisterError::Exists(target.to_path_buf()),
+        _ => RegisterError::Write {
+            path: target.to_path_buf(),
+            source,
+        },
     })
 }
 

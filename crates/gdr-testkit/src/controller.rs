@@ -282,6 +282,17 @@ pub fn spawn_activated(
         .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()))
 }
 
+/// Sends SIGTERM to `child` (a controller drains and exits on it).
+pub fn terminate(child: &tokio::process::Child) {
+    let pid = child
+        .id()
+        .and_then(|p| i32::try_from(p).ok())
+        .and_then(rustix::process::Pid::from_raw)
+        .unwrap_or_else(|| panic!("the process has exited already"));
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM)
+        .unwrap_or_else(|e| panic!("cannot send SIGTERM: {e}"));
+}
+
 /// A loopback listener for a facade or health server, bound by the test.
 pub fn listener() -> std::net::TcpListener {
     let l = std::net::TcpListener::bind("127.0.0.1:0")

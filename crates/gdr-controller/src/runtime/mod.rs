@@ -8,6 +8,7 @@
 //! the process exits non-zero.
 
 mod embedded_nats;
+pub mod first_start;
 #[cfg(feature = "kubernetes")]
 mod kubernetes;
 pub mod sandbox_identity;
@@ -42,9 +43,10 @@ use crate::metrics::{BackendLabel, Metrics, OutcomeLabels};
 use crate::queue::{self, ConsumerSettings, StreamSettings};
 use crate::scheduler::{Heartbeater, Scheduler, SchedulerStats};
 use crate::settings::{
-    self, BackendSettings, FacadeLimits, GiteaSettings, IdentitySource, LeaderSettings, NatsAuth,
-    NatsServer, NatsSettings, OpenSandboxSettings, PodBackend, ProcessSettings, SecretPermissions,
-    Settings, TaskKeyFiles, VmBackend, check_secret_file_mode, read_secret_file_with,
+    self, BackendSettings, FacadeLimits, GiteaSettings, IdentitySource, KeyFile, LeaderSettings,
+    NatsAuth, NatsServer, NatsSettings, OpenSandboxSettings, PodBackend, ProcessSettings,
+    SecretPermissions, Settings, TaskKeyFiles, VmBackend, check_secret_file_mode,
+    read_secret_file_with,
 };
 use crate::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use crate::status::{Observations, Observed, QueueDepth};
@@ -165,6 +167,9 @@ pub async fn run(
     } = settings;
     let open_files = open_files();
     let single_host = matches!(nats.server, NatsServer::Embedded { .. });
+    first_start::ensure_registered(&gitea, &runner, labels.clone())
+        .await
+        .map_err(setup("registering the runner"))?;
     let (gitea_client, extra_ca) = gitea_client(&gitea, secrets)?;
     let capability_key = capability_key(&capability_key_file, secrets)?;
     let keyring = keyring(
@@ -252,6 +257,17 @@ pub async fn run(
     let stats = Arc::new(SchedulerStats::new());
     stats.observe_handoff_into(metrics.handoff_window.clone());
     let facade_settings = scheduler.as_ref().map(|s| s.facade.clone());
+    // Single host without runner_facade_url: executors on this host dial the listener.
+    let facade_url = match facade_settings.as_ref().map(|f| f.url.clone()) {
+        Some(Some(url)) => url,
+        _ => format!(
+            "https://{}",
+            listeners
+                .facade
+                .local_addr()
+                .map_err(setup("reading the facade listener's address"))?
+        ),
+    };
     let facade_stats = Arc::new(FacadeStats::default());
     // Workers poke it when an assignment leaves the stream, so the backlog gate lets the
     // next fetch through at once.
@@ -324,7 +340,7 @@ pub async fn run(
             error_delay: ERROR_DELAY,
             progress_interval: nats.ack_wait / 3,
             start_deadline: executors.start_deadline,
-            facade_url: facade.map(|f| f.url.clone()).unwrap_or_default(),
+            facade_url: facade.map(|_| facade_url.clone()).unwrap_or_default(),
             facade_spiffe_id: facade.map(|f| f.spiffe_id.clone()).unwrap_or_default(),
             runner_label: policy.labels.label_of(*backend).to_owned(),
             codec: codec.clone(),
@@ -560,11 +576,16 @@ fn gitea_client(
     Ok((client, extra_ca))
 }
 
-fn capability_key(path: &Path, secrets: SecretPermissions) -> Result<CapabilityKey, RuntimeError> {
-    let text = read_secret_file_with("runner_facade_capability_key_file", path, secrets)
-        .map_err(setup("reading the capability key"))?;
+fn capability_key(
+    file: &KeyFile,
+    secrets: SecretPermissions,
+) -> Result<CapabilityKey, RuntimeError> {
+    let text = first_start::capability_key_text(file, |path| {
+        read_secret_file_with("runner_facade_capability_key_file", path, secrets)
+    })
+    .map_err(step("reading the capability key"))?;
     CapabilityKey::new(text.as_bytes()).map_err(|e| {
-        step("runner_facade_capability_key_file")(format!("{}: {e}", path.display()).into())
+        step("runner_facade_capability_key_file")(format!("{}: {e}", file.path().display()).into())
     })
 }
 
@@ -618,32 +639,18 @@ fn keyring(
 
 /// Reads the generated key at `path`, or creates it (0600) on first start.
 fn generated_task_key(path: &Path) -> Result<TaskKey, RuntimeError> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
     let fail = |e: String| step("generating the task encryption key")(e.into());
-    match std::fs::read(path) {
-        Ok(bytes) => {
-            return TaskKey::from_file_contents(&bytes)
-                .map_err(|e| fail(format!("{}: {e}", path.display())));
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(fail(format!("cannot read {}: {e}", path.display()))),
+    let (text, created) = first_start::generated_secret(path, || {
+        TaskKey::generate()
+            .map(|(_, text)| text)
+            .map_err(std::io::Error::other)
+    })
+    .map_err(|e| fail(e.to_string()))?;
+    let key = TaskKey::from_file_contents(text.as_bytes())
+        .map_err(|e| fail(format!("{}: {e}", path.display())))?;
+    if created {
+        tracing::info!(path = %path.display(), key_id = key.key_id(), "generated the task encryption key of single-host mode");
     }
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| fail(format!("cannot create {}: {e}", dir.display())))?;
-    }
-    let (key, text) = TaskKey::generate().map_err(|e| fail(e.to_string()))?;
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)
-        .map_err(|e| fail(format!("cannot create {}: {e}", path.display())))?;
-    file.write_all(text.as_bytes())
-        .and_then(|()| file.sync_all())
-        .map_err(|e| fail(format!("cannot write {}: {e}", path.display())))?;
-    tracing::info!(path = %path.display(), key_id = key.key_id(), "generated the task encryption key of single-host mode");
     Ok(key)
 }
 
@@ -1010,7 +1017,13 @@ fn process_backend(
         args: vec!["executor".into()],
         extra_env: BTreeMap::from([(
             "GITEA_RUNNER_BINARY".to_owned(),
-            process.runner_binary.display().to_string(),
+            first_start::runner_binary(
+                process.runner_binary.as_deref(),
+                std::env::var_os("PATH").as_deref(),
+            )
+            .map_err(setup("runner_binary"))?
+            .display()
+            .to_string(),
         )]),
         codec: wiring.codec.clone(),
         trust_domain: wiring.policy.trust_domain.clone(),

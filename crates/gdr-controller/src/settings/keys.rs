@@ -125,10 +125,14 @@ keys! {
     /// Base URL of the Gitea instance (http or https); the runner API lives under
     /// `<url>/api/actions`.
     gitea_instance_url: Option<String> = None;
-    /// File holding the controller's runner UUID (written by `register`).
-    gitea_runner_uuid_file: Option<PathBuf> = None;
-    /// File holding the controller's runner token (written by `register`, mode 0600).
-    gitea_runner_token_file: Option<PathBuf> = None => secret;
+    /// File holding the controller's runner UUID (written by `register`, or by the
+    /// controller's first start with `gitea_runner_registration_token_file`).
+    gitea_runner_uuid_file: Option<PathBuf> = None,
+        shown "<state_dir>/runner-uuid without nats_url, else required";
+    /// File holding the controller's runner token (written by `register`, or by the
+    /// controller's first start with `gitea_runner_registration_token_file`; mode 0600).
+    gitea_runner_token_file: Option<PathBuf> = None,
+        shown "<state_dir>/runner-token without nats_url, else required" => secret;
     /// PEM bundle of extra CAs trusted for an https Gitea (the system roots are always
     /// trusted).
     gitea_ca_file: Option<PathBuf> = None;
@@ -151,13 +155,16 @@ keys! {
     /// SPIFFE trust domain of job identities
     /// (`spiffe://<trust_domain>/ci/<owner>/<repo>/<job>`). The Go version defaulted to
     /// `ddupan.top`.
-    trust_domain: Option<String> = None;
+    trust_domain: Option<String> = None,
+        shown "gitea-dynamic-runner.local with local_identity, else required";
     /// Prefix of executor labels, annotations and metadata keys; keep it to take over a
     /// Go deployment.
     metadata_prefix: String = gdr_core::metadata::DEFAULT_PREFIX.into();
     /// File holding the >= 32-byte key that derives assignment capabilities
-    /// (HMAC-SHA256); whitespace around it is trimmed.
-    runner_facade_capability_key_file: Option<PathBuf> = None => secret;
+    /// (HMAC-SHA256); whitespace around it is trimmed. Unset in single-host mode: a key is
+    /// generated as `<state_dir>/capability-key` (mode 0600) on first start and reused.
+    runner_facade_capability_key_file: Option<PathBuf> = None,
+        shown "generated under state_dir without nats_url, else required" => secret;
     /// File holding the AES-256 key (64 hex characters or base64 of 32 bytes) that
     /// encrypts tasks in the stream (envelope v2). Unset in single-host mode: a key is
     /// generated as `<state_dir>/task-encryption.key` (mode 0600) on first start. Unset
@@ -212,9 +219,11 @@ keys! {
     runner_facade_listen: Option<String> = None,
         shown "127.0.0.1:8443 without nats_url (single host), else 0.0.0.0:8443";
     /// URL executors use to reach the facade (https only).
-    runner_facade_url: Option<String> = None;
+    runner_facade_url: Option<String> = None,
+        shown "https://<the facade listener's address> without nats_url, else required";
     /// The facade's SPIFFE ID, which executors verify exactly.
-    runner_facade_spiffe_id: Option<String> = None;
+    runner_facade_spiffe_id: Option<String> = None,
+        shown "spiffe://<trust_domain>/gitea-dynamic-runner/facade with local_identity, else required";
     /// SPIFFE Workload API socket of the controller, e.g.
     /// `unix:///run/spire/agent-sockets/spire-agent.sock` (not needed with `local_identity`).
     spiffe_endpoint_socket: Option<String> = None;
@@ -222,9 +231,14 @@ keys! {
     /// `/status` JSON and the status page at `/` (read-only; shows repository and job names).
     health_listen: Option<String> = None,
         shown "127.0.0.1:9090 without nats_url (single host), else 0.0.0.0:9090; sandbox-identity: 0.0.0.0:9090";
-    /// Directory for local state: the embedded NATS store, the local CA and process
-    /// executors.
-    state_dir: PathBuf = PathBuf::from("/var/lib/gitea-dynamic-runner");
+    /// Directory for local state: the embedded NATS store, the local CA, process
+    /// executors, and in single-host mode the runner credential, capability key and task
+    /// key the first start writes. Unset: systemd's `$STATE_DIRECTORY` (`StateDirectory=`);
+    /// else `/var/lib/gitea-dynamic-runner` when running as root; else
+    /// `$XDG_STATE_HOME/gitea-dynamic-runner`, or `~/.local/state/gitea-dynamic-runner`
+    /// without `XDG_STATE_HOME`.
+    state_dir: Option<PathBuf> = None,
+        shown "$STATE_DIRECTORY, /var/lib/gitea-dynamic-runner as root, else $XDG_STATE_HOME/gitea-dynamic-runner (~/.local/state/gitea-dynamic-runner)";
     /// What runs pod jobs: `kubernetes` (Pods) or `process` (local child processes, single
     /// host).
     pod_backend: Option<String> = None, shown "process without nats_url, else kubernetes";
@@ -236,8 +250,10 @@ keys! {
     local_identity: Option<bool> = None, shown "true without nats_url, else false";
     /// Program the process backend starts (with argument `executor`).
     executor_program: Option<PathBuf> = None, shown "this binary";
-    /// The official runner binary executors run as `daemon --once`.
-    runner_binary: PathBuf = PathBuf::from("gitea-runner");
+    /// The official runner binary executors run as `daemon --once`. Unset: `gitea-runner`,
+    /// else `act_runner`, found on `PATH` when the controller starts (a process backend
+    /// without either fails to start, saying what to install).
+    runner_binary: Option<PathBuf> = None, shown "gitea-runner or act_runner on PATH";
     /// An executor whose runner has not claimed its task this long after the executor was
     /// created is failed (counted from its creation, across controller restarts).
     executor_start_deadline: Secs = Secs::from_secs(600);
@@ -443,4 +459,13 @@ keys! {
     /// as ssh requires of private keys), `group-readable` (also read by the file's group:
     /// Kubernetes Secret volumes with `fsGroup` are 0440), or `unchecked`.
     secret_file_permissions: String = "owner-only".into();
+
+    // === One command on a host: registration at the first start ===
+
+    /// File holding a registration token from Gitea's runner settings
+    /// (`controller --registration-token-file`). While `gitea_runner_uuid_file` and
+    /// `gitea_runner_token_file` do not exist, the controller registers itself with it at
+    /// start (labels of the enabled backends) and writes them (mode 0600, never
+    /// overwritten); later starts use them and never register again.
+    gitea_runner_registration_token_file: Option<PathBuf> = None => secret;
 }

@@ -127,7 +127,7 @@ pub struct Settings {
     /// The metadata codec of executor objects.
     pub codec: MetadataCodec,
     /// File of the key that derives assignment capabilities.
-    pub capability_key_file: PathBuf,
+    pub capability_key_file: KeyFile,
     /// Task keys for envelope v2; `None`: plaintext v1 envelopes.
     pub task_keys: Option<TaskKeyFiles>,
     /// The JetStream handoff.
@@ -161,12 +161,79 @@ pub struct GiteaSettings {
     pub uuid_file: PathBuf,
     /// Runner token file.
     pub token_file: PathBuf,
+    /// Registration token file: register at start while the UUID and token files are
+    /// missing (`gitea_runner_registration_token_file`).
+    pub registration_token_file: Option<PathBuf>,
     /// Extra CAs for an https Gitea.
     pub ca_file: Option<PathBuf>,
     /// Timeout of every call but FetchTask.
     pub request_timeout: Duration,
     /// Timeout of FetchTask.
     pub fetch_timeout: Duration,
+}
+
+/// A secret key file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyFile {
+    /// Configured by the operator: it must exist.
+    Configured(PathBuf),
+    /// Single-host mode's default under `state_dir`: generated (mode 0600) when missing.
+    Generated(PathBuf),
+}
+
+impl KeyFile {
+    /// The file.
+    pub fn path(&self) -> &std::path::Path {
+        match self {
+            KeyFile::Configured(p) | KeyFile::Generated(p) => p,
+        }
+    }
+}
+
+/// File names single-host mode uses under `state_dir` for what is not configured.
+pub mod state_files {
+    /// The runner UUID (`gitea_runner_uuid_file`).
+    pub const RUNNER_UUID: &str = "runner-uuid";
+    /// The runner token (`gitea_runner_token_file`).
+    pub const RUNNER_TOKEN: &str = "runner-token";
+    /// The capability key (`runner_facade_capability_key_file`).
+    pub const CAPABILITY_KEY: &str = "capability-key";
+}
+
+/// The trust domain of single-host mode's local identity when `trust_domain` is unset.
+pub const LOCAL_TRUST_DOMAIN: &str = "gitea-dynamic-runner.local";
+
+/// The facade's SPIFFE ID path under the local trust domain when
+/// `runner_facade_spiffe_id` is unset.
+pub const LOCAL_FACADE_PATH: &str = "/gitea-dynamic-runner/facade";
+
+/// The state directory when `state_dir` is unset: systemd's `$STATE_DIRECTORY` (its first
+/// entry), else `/var/lib/gitea-dynamic-runner` for root, else the XDG state directory
+/// (`$XDG_STATE_HOME`, which must be absolute, or `$HOME/.local/state`).
+pub fn default_state_dir(
+    env: impl Fn(&str) -> Option<std::ffi::OsString>,
+    root: bool,
+) -> Result<PathBuf, String> {
+    const NAME: &str = "gitea-dynamic-runner";
+    let absolute = |name: &str| env(name).map(PathBuf::from).filter(|p| p.is_absolute());
+    if let Some(dirs) = env("STATE_DIRECTORY") {
+        // systemd lists one absolute path per `StateDirectory=` entry, colon-separated.
+        if let Some(first) = std::env::split_paths(&dirs).find(|p| p.is_absolute()) {
+            return Ok(first);
+        }
+    }
+    if root {
+        return Ok(PathBuf::from("/var/lib").join(NAME));
+    }
+    if let Some(xdg) = absolute("XDG_STATE_HOME") {
+        return Ok(xdg.join(NAME));
+    }
+    match absolute("HOME") {
+        Some(home) => Ok(home.join(".local/state").join(NAME)),
+        None => Err(
+            "is not set and neither STATE_DIRECTORY, XDG_STATE_HOME nor HOME names an absolute directory: set state_dir".into(),
+        ),
+    }
 }
 
 /// The controller's runner registration.
@@ -289,8 +356,9 @@ pub struct SchedulerSettings {
 pub struct FacadeSettings {
     /// Listen address.
     pub listen: String,
-    /// URL executors dial.
-    pub url: String,
+    /// URL executors dial (`None`: `https://<the facade listener's address>`, single
+    /// host only).
+    pub url: Option<String>,
     /// SPIFFE ID executors verify.
     pub spiffe_id: String,
     /// What one peer can hold of it.
@@ -347,8 +415,9 @@ pub enum VmBackend {
 pub struct ProcessSettings {
     /// The executor program (`None`: this binary).
     pub program: Option<PathBuf>,
-    /// The official runner the executor runs.
-    pub runner_binary: PathBuf,
+    /// The official runner the executor runs (`None`: `gitea-runner` or `act_runner`
+    /// found on `PATH` at start).
+    pub runner_binary: Option<PathBuf>,
     /// How long an ended executor's log is kept (zero: not at all).
     pub log_retention: Duration,
     /// How many ended executors' logs are kept at most.
@@ -508,6 +577,22 @@ impl Check {
         .and_then(|td| self.ok("trust_domain", TrustDomain::new(td.trim())))
     }
 
+    /// `state_dir`, or the platform's state directory when unset.
+    fn state_dir(&mut self, value: Option<PathBuf>) -> PathBuf {
+        value
+            .map_or_else(
+                || {
+                    default_state_dir(
+                        |name| std::env::var_os(name),
+                        rustix::process::geteuid().is_root(),
+                    )
+                },
+                Ok,
+            )
+            .map_err(|e| self.problem("state_dir", e))
+            .unwrap_or_default()
+    }
+
     /// The leader settings when `enabled` (the lease duration is checked either way).
     fn leader(&mut self, enabled: bool, settings: LeaderSettings) -> Option<LeaderSettings> {
         if settings.lease_duration < Duration::from_secs(3) {
@@ -659,9 +744,11 @@ impl TryFrom<Raw> for Settings {
             runner_uid: _,
             sandbox_identity_resync: _,
             sandbox_identity_lease_name: _,
+            gitea_runner_registration_token_file,
         } = raw;
         let mut check = Check::default();
         let single_host = nats_url.is_none();
+        let state_dir = check.state_dir(state_dir);
 
         // Gitea.
         let gitea = gitea_settings(
@@ -671,6 +758,8 @@ impl TryFrom<Raw> for Settings {
                 url: gitea_instance_url,
                 uuid_file: gitea_runner_uuid_file,
                 token_file: gitea_runner_token_file,
+                registration_token_file: gitea_runner_registration_token_file,
+                state_defaults: single_host.then(|| state_dir.clone()),
                 ca_file: gitea_ca_file,
                 request_timeout: gitea_request_timeout.0,
                 fetch_timeout: gitea_fetch_timeout.0,
@@ -681,15 +770,31 @@ impl TryFrom<Raw> for Settings {
             capabilities: runner_capabilities.0,
         };
 
-        // Policy and identity.
-        let trust_domain = check.trust_domain(trust_domain);
+        // Policy and identity. Local identity is a CA of the controller's own, so its
+        // trust domain and the facade's ID need no choice by the operator.
+        let local_identity = local_identity.unwrap_or(single_host);
+        let trust_domain = check.trust_domain(
+            trust_domain.or_else(|| local_identity.then(|| LOCAL_TRUST_DOMAIN.to_owned())),
+        );
+        let runner_facade_spiffe_id = runner_facade_spiffe_id.or_else(|| {
+            trust_domain
+                .as_ref()
+                .filter(|_| local_identity)
+                .map(|td| format!("spiffe://{}{LOCAL_FACADE_PATH}", td.as_str()))
+        });
         let labels = check.ok("vm_runner_label", BackendLabels::new(vm_runner_label));
         let codec = check.ok("metadata_prefix", MetadataCodec::new(metadata_prefix));
-        let capability_key_file = check.required(
-            "runner_facade_capability_key_file",
-            runner_facade_capability_key_file,
-            "(key of assignment capabilities)",
-        );
+        let capability_key_file = match runner_facade_capability_key_file {
+            Some(file) => Some(KeyFile::Configured(file)),
+            None if single_host => Some(KeyFile::Generated(
+                state_dir.join(state_files::CAPABILITY_KEY),
+            )),
+            None => check.required(
+                "runner_facade_capability_key_file",
+                None,
+                "(key of assignment capabilities)",
+            ),
+        };
         let previous = task_encryption_previous_key_files.paths();
         let task_keys = match task_encryption_key_file {
             Some(current) => Some(TaskKeyFiles { current, previous }),
@@ -703,7 +808,6 @@ impl TryFrom<Raw> for Settings {
                 None
             }
         };
-        let local_identity = local_identity.unwrap_or(single_host);
         let identity = if local_identity {
             IdentitySource::Local
         } else {
@@ -950,20 +1054,23 @@ impl TryFrom<Raw> for Settings {
             )
             .unwrap_or_default();
         let scheduler = if scheduler_on {
-            let url = check
-                .required(
-                    "runner_facade_url",
-                    runner_facade_url,
-                    "when the scheduler runs (the URL executors dial)",
-                )
-                .and_then(|u| {
-                    check.ok(
+            let url = match runner_facade_url {
+                Some(u) => check
+                    .ok(
                         "runner_facade_url",
                         http_url(&u, &["https"]).map(|_| u).map_err(|e| {
                             format!("{e}: executors reach the facade over SPIFFE mTLS only")
                         }),
                     )
-                });
+                    .map(Some),
+                // Executors on this host dial the listener the controller binds.
+                None if single_host => Some(None),
+                None => check.required(
+                    "runner_facade_url",
+                    None,
+                    "when the scheduler runs (the URL executors dial)",
+                ),
+            };
             let spiffe_id = check
                 .required(
                     "runner_facade_spiffe_id",
@@ -1295,6 +1402,9 @@ struct GiteaKeys {
     url: Option<String>,
     uuid_file: Option<PathBuf>,
     token_file: Option<PathBuf>,
+    registration_token_file: Option<PathBuf>,
+    /// Single-host mode's `state_dir`, where unset credential files default to.
+    state_defaults: Option<PathBuf>,
     ca_file: Option<PathBuf>,
     request_timeout: Duration,
     fetch_timeout: Duration,
@@ -1309,7 +1419,10 @@ enum Purpose {
 
 fn gitea_settings(check: &mut Check, purpose: Purpose, keys: GiteaKeys) -> Option<GiteaSettings> {
     let (url_why, file_why) = match purpose {
-        Purpose::Run => ("(the Gitea base URL)", "(run `register` first)"),
+        Purpose::Run => (
+            "(the Gitea base URL; `controller --gitea-url`)",
+            "(run `register` first)",
+        ),
         Purpose::Register => (
             "to register (the Gitea base URL)",
             "to register (where the runner's credential is written)",
@@ -1319,6 +1432,8 @@ fn gitea_settings(check: &mut Check, purpose: Purpose, keys: GiteaKeys) -> Optio
         url,
         uuid_file,
         token_file,
+        registration_token_file,
+        state_defaults,
         ca_file,
         request_timeout,
         fetch_timeout,
@@ -1326,6 +1441,9 @@ fn gitea_settings(check: &mut Check, purpose: Purpose, keys: GiteaKeys) -> Optio
     let url = check
         .required("gitea_instance_url", url, url_why)
         .and_then(|u| check.ok("gitea_instance_url", http_url(&u, &["http", "https"])));
+    let in_state = |name: &str| state_defaults.as_ref().map(|dir| dir.join(name));
+    let uuid_file = uuid_file.or_else(|| in_state(state_files::RUNNER_UUID));
+    let token_file = token_file.or_else(|| in_state(state_files::RUNNER_TOKEN));
     let uuid_file = check.required("gitea_runner_uuid_file", uuid_file, file_why);
     let token_file = check.required("gitea_runner_token_file", token_file, file_why);
     if uuid_file.is_some() && uuid_file == token_file {
@@ -1344,6 +1462,7 @@ fn gitea_settings(check: &mut Check, purpose: Purpose, keys: GiteaKeys) -> Optio
         url: url?,
         uuid_file: uuid_file?,
         token_file: token_file?,
+        registration_token_file,
         ca_file,
         request_timeout,
         fetch_timeout,
@@ -1367,6 +1486,11 @@ impl RegisterSettings {
     pub fn load(sources: &Sources) -> Result<Self, SettingsError> {
         let raw = sources.load()?;
         let mut check = Check::default();
+        // Where the controller looks for its credential in single-host mode.
+        let state_defaults = raw
+            .nats_url
+            .is_none()
+            .then(|| check.state_dir(raw.state_dir.clone()));
         let gitea = gitea_settings(
             &mut check,
             Purpose::Register,
@@ -1374,6 +1498,8 @@ impl RegisterSettings {
                 url: raw.gitea_instance_url,
                 uuid_file: raw.gitea_runner_uuid_file,
                 token_file: raw.gitea_runner_token_file,
+                registration_token_file: raw.gitea_runner_registration_token_file,
+                state_defaults,
                 ca_file: raw.gitea_ca_file,
                 request_timeout: raw.gitea_request_timeout.0,
                 fetch_timeout: raw.gitea_fetch_timeout.0,

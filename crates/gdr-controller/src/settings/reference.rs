@@ -208,7 +208,7 @@ mod tests {
             default_of(key("runner_capabilities")).as_deref(),
             Some("cancelling")
         );
-        assert_eq!(default_of(key("trust_domain")), None);
+        assert_eq!(default_of(key("spiffe_endpoint_socket")), None);
         assert!(
             default_of(key("backlog_limit"))
                 .unwrap()

@@ -217,15 +217,122 @@ fn a_worker_without_the_scheduler_is_refused() {
 
 #[test]
 fn missing_required_settings_are_all_reported_at_once() {
-    let err = Settings::load(&Sources::default()).unwrap_err().to_string();
+    let sources = Sources::overrides(["nats_url=nats://nats.test:4222"]).unwrap();
+    let err = Settings::load(&sources).unwrap_err().to_string();
     for key in [
         "gitea_instance_url (GITEA_INSTANCE_URL)",
         "trust_domain (TRUST_DOMAIN)",
         "gitea_runner_token_file",
         "runner_facade_url",
+        "runner_facade_spiffe_id",
+        "runner_facade_capability_key_file",
     ] {
         assert!(err.contains(key), "{key} missing from: {err}");
     }
+}
+
+/// Issue 14 (one command on a host): on a single host only the Gitea URL is required;
+/// everything else defaults under `state_dir` or to the local identity.
+#[test]
+fn a_single_host_needs_only_the_gitea_url() {
+    let err = Settings::load(&Sources::default()).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "gitea_instance_url (GITEA_INSTANCE_URL): is required (the Gitea base URL; `controller --gitea-url`)"
+    );
+    let s = Settings::load(
+        &Sources::overrides([
+            "gitea_instance_url=http://gitea.test:3000",
+            "state_dir=/srv/gdr",
+            "gitea_runner_registration_token_file=/run/reg",
+        ])
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(s.state_dir, Path::new("/srv/gdr"));
+    assert_eq!(s.gitea.uuid_file, Path::new("/srv/gdr/runner-uuid"));
+    assert_eq!(s.gitea.token_file, Path::new("/srv/gdr/runner-token"));
+    assert_eq!(
+        s.gitea.registration_token_file.as_deref(),
+        Some(Path::new("/run/reg"))
+    );
+    assert_eq!(
+        s.capability_key_file,
+        KeyFile::Generated("/srv/gdr/capability-key".into())
+    );
+    assert_eq!(s.policy.trust_domain.as_str(), LOCAL_TRUST_DOMAIN);
+    let facade = s.scheduler.unwrap().facade;
+    assert_eq!(facade.url, None, "derived from the facade listener");
+    assert_eq!(
+        facade.spiffe_id,
+        "spiffe://gitea-dynamic-runner.local/gitea-dynamic-runner/facade"
+    );
+    assert_eq!(
+        (facade.listen.as_str(), s.health_listen.as_str()),
+        ("127.0.0.1:8443", "127.0.0.1:9090")
+    );
+}
+
+/// Issue 14: explicitly configured credential and key files win over the state_dir
+/// defaults.
+#[test]
+fn configured_credential_files_win_over_the_state_dir_defaults() {
+    let s = settings(&["state_dir=/srv/gdr"]).unwrap();
+    assert_eq!(s.gitea.uuid_file, Path::new("/run/secrets/uuid"));
+    assert_eq!(s.gitea.token_file, Path::new("/run/secrets/token"));
+    assert_eq!(
+        s.capability_key_file,
+        KeyFile::Configured("/run/secrets/cap".into())
+    );
+}
+
+/// Issue 14: the state directory defaults to systemd's, root's /var/lib, or the user's XDG
+/// state directory.
+#[test]
+fn state_dir_defaults_to_the_platform_state_location() {
+    use std::ffi::OsString;
+    let env = |pairs: &'static [(&'static str, &'static str)]| {
+        move |name: &str| {
+            pairs
+                .iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| OsString::from(v))
+        }
+    };
+    let user = env(&[("HOME", "/home/ada")]);
+    assert_eq!(
+        default_state_dir(user, false).unwrap(),
+        Path::new("/home/ada/.local/state/gitea-dynamic-runner")
+    );
+    let xdg = env(&[("HOME", "/home/ada"), ("XDG_STATE_HOME", "/x/state")]);
+    assert_eq!(
+        default_state_dir(xdg, false).unwrap(),
+        Path::new("/x/state/gitea-dynamic-runner")
+    );
+    // A relative XDG_STATE_HOME is invalid by the XDG spec and ignored.
+    let relative = env(&[("HOME", "/home/ada"), ("XDG_STATE_HOME", "state")]);
+    assert_eq!(
+        default_state_dir(relative, false).unwrap(),
+        Path::new("/home/ada/.local/state/gitea-dynamic-runner")
+    );
+    assert_eq!(
+        default_state_dir(xdg, true).unwrap(),
+        Path::new("/var/lib/gitea-dynamic-runner")
+    );
+    let systemd = env(&[
+        ("HOME", "/home/ada"),
+        ("STATE_DIRECTORY", "/var/lib/gdr:/var/lib/other"),
+    ]);
+    assert_eq!(
+        default_state_dir(systemd, true).unwrap(),
+        Path::new("/var/lib/gdr")
+    );
+    assert_eq!(
+        default_state_dir(systemd, false).unwrap(),
+        Path::new("/var/lib/gdr")
+    );
+    let err = default_state_dir(env(&[]), false).unwrap_err();
+    assert!(err.contains("set state_dir"), "{err}");
 }
 
 #[test]
