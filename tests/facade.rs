@@ -1071,7 +1071,9 @@ async fn a_docker_daemon_that_never_answers_fails_the_executor_naming_ci_docker_
     let a = env.assignment("standin:success").await;
     let workload = env.workload(a.identity().spiffe_id()).await;
     let docker = DockerJob::new(Readiness::Never);
-    let config = env.executor_config_with(&a, &workload, &docker.variables(1));
+    // Long enough for the stand-in (a Python process) to be up and handle SIGTERM on a
+    // loaded machine; the error must come from the deadline, not from a dead daemon.
+    let config = env.executor_config_with(&a, &workload, &docker.variables(5));
     let error = run(config, no_signals())
         .await
         .expect_err("the daemon never answers")
