@@ -606,6 +606,24 @@ async fn a_50_mib_checkout_is_reverse_proxied_from_gitea_through_executor_and_fa
     );
 }
 
+/// A multi-thread runtime whose threads (and the calling one) log into `dispatch`. A
+/// process-wide default would be shared by every test of this binary under `cargo test`
+/// (one process), so only the first test to set it would see its events.
+fn runtime_logging_into(
+    dispatch: tracing::Dispatch,
+) -> (tokio::runtime::Runtime, tracing::dispatcher::DefaultGuard) {
+    let for_threads = dispatch.clone();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .on_thread_start(move || {
+            // Lives as long as the runtime's thread does.
+            std::mem::forget(tracing::dispatcher::set_default(&for_threads));
+        })
+        .build()
+        .expect("runtime");
+    (runtime, tracing::dispatcher::set_default(&dispatch))
+}
+
 #[test]
 fn no_log_line_of_a_whole_job_contains_a_capability_token_or_task_secret() {
     let capture = Capture::default();
@@ -613,11 +631,7 @@ fn no_log_line_of_a_whole_job_contains_a_capability_token_or_task_secret() {
         tracing_subscriber::EnvFilter::new("debug"),
         capture.clone(),
     );
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let _guard = tracing::subscriber::set_global_default(subscriber);
+    let (runtime, _guard) = runtime_logging_into(tracing::Dispatch::new(subscriber));
     let secrets = runtime.block_on(async {
         let env = Env::new().await;
         env.mock
@@ -660,11 +674,7 @@ fn the_polls_of_a_runner_whose_assignment_waits_for_redelivery_are_not_warnings(
         tracing_subscriber::EnvFilter::new("debug"),
         capture.clone(),
     );
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let _guard = tracing::subscriber::set_global_default(subscriber);
+    let (runtime, _guard) = runtime_logging_into(tracing::Dispatch::new(subscriber));
     runtime.block_on(async {
         let env = Env::new().await;
         let a = env.executor_only("standin:success").await;
