@@ -384,48 +384,46 @@ struct Breakdown {
 }
 
 fn breakdown(log: &str, tasks: &[i64]) -> Breakdown {
-    const EVENTS: [&str; 6] = [
-        "assignment queued",
-        "admitted",
-        "executor created",
-        "executor runner declared",
-        "task claimed by its executor",
-        "task finished",
-    ];
+    // The `event` field chain of one job (docs/operations.md); the facade's Declare line
+    // has no event and is found by its message.
+    const DECLARED: &str = "executor runner declared";
     let wanted: BTreeMap<String, ()> = tasks
         .iter()
         .map(|t| (AssignmentId::from_task_id(*t).expect("id").to_string(), ()))
         .collect();
-    let mut at: HashMap<(String, &str), f64> = HashMap::new();
+    let mut at: HashMap<(String, String), f64> = HashMap::new();
     let mut admissions = Vec::new();
     for line in log.lines() {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
             continue;
         };
-        let (Some(message), Some(id), Some(t)) = (
-            v["message"].as_str(),
+        let (Some(id), Some(t)) = (
             v["assignment_id"].as_str(),
             v["timestamp"].as_str().and_then(time_of_day),
         ) else {
             continue;
         };
-        let Some(event) = EVENTS.iter().find(|e| **e == message) else {
-            continue;
+        let event = match (v["event"].as_str(), v["message"].as_str()) {
+            (Some(event), _) => event,
+            (None, Some(DECLARED)) => "declared",
+            _ => continue,
         };
         if !wanted.contains_key(id) {
             continue;
         }
-        if *event == "admitted" {
+        if event == "admitted" {
             admissions.push(t);
         }
-        at.entry((id.to_owned(), event)).or_insert(t);
+        at.entry((id.to_owned(), event.to_owned())).or_insert(t);
     }
-    let span = |from: &str, to: &str| -> Duration {
+    // Every job has each event of the critical path; the executor's deletion may still be
+    // pending for the last ones when the log is read (`required = false`).
+    let span = |from: &str, to: &str, required: bool| -> Duration {
         let spans: Vec<Duration> = wanted
             .keys()
             .filter_map(|id| {
-                let a = at.get(&(id.clone(), from))?;
-                let b = at.get(&(id.clone(), to))?;
+                let a = at.get(&(id.clone(), from.to_owned()))?;
+                let b = at.get(&(id.clone(), to.to_owned()))?;
                 let mut d = b - a;
                 if d < 0.0 {
                     d += 86_400.0;
@@ -433,13 +431,19 @@ fn breakdown(log: &str, tasks: &[i64]) -> Breakdown {
                 Some(Duration::from_secs_f64(d.max(0.0)))
             })
             .collect();
+        assert!(
+            !required || spans.len() == wanted.len(),
+            "the controller's log lacks `{from}` or `{to}` for some jobs: the breakdown's events are out of date"
+        );
         mean(&spans)
     };
-    // Slot release → next admission: from each finish to the first admission after it.
+    // The facade frees the slot when Gitea accepts the result (`terminal`), before the
+    // executor exits: from each freed slot to the first admission after it (the last
+    // jobs have no successor).
     admissions.sort_by(f64::total_cmp);
     let handovers: Vec<Duration> = wanted
         .keys()
-        .filter_map(|id| at.get(&(id.clone(), "task finished")))
+        .filter_map(|id| at.get(&(id.clone(), "terminal".to_owned())))
         .filter_map(|f| {
             admissions
                 .iter()
@@ -450,22 +454,33 @@ fn breakdown(log: &str, tasks: &[i64]) -> Breakdown {
     Breakdown {
         rows: vec![
             (
+                "queued in JetStream → admitted (waiting for a slot)",
+                span("stored", "admitted", true),
+            ),
+            (
                 "create: directories, identity socket and SVID, durable metadata, spawn",
-                span("admitted", "executor created"),
+                span("admitted", "executor_created", true),
             ),
             (
                 "executor start: process, SVID fetch, proxy, facade probe, runner start, Declare",
-                span("executor created", "executor runner declared"),
+                span("executor_created", "declared", true),
             ),
             (
                 "runner FetchTask through the facade, durable claim marker",
-                span("executor runner declared", "task claimed by its executor"),
+                span("declared", "claimed", true),
             ),
             (
-                "job: log rows and updates forwarded to Gitea, durable terminal marker",
-                span("task claimed by its executor", "task finished"),
+                "job: log rows and updates forwarded to Gitea, result accepted",
+                span("claimed", "terminal", true),
             ),
-            ("slot release → next admission", mean(&handovers)),
+            (
+                "result accepted (slot free) → next admission",
+                mean(&handovers),
+            ),
+            (
+                "off the critical path: result accepted → executor exited and deleted",
+                span("terminal", "cleaned", false),
+            ),
         ],
     }
 }
