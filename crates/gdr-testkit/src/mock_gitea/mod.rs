@@ -106,6 +106,10 @@ pub struct TaskSnapshot {
     pub updated: SystemTime,
     /// Number of `UpdateTask` calls without a result while the task was unfinished.
     pub heartbeats: u64,
+    /// Number of `UpdateTask` calls carrying a result, whether or not the task had ended
+    /// already (the first one ends it; Gitea ignores later ones, so only this count shows
+    /// that a second final report arrived).
+    pub results_reported: u64,
     /// Stored log rows (contents only), in order.
     pub log_rows: Vec<String>,
     /// When the first log row was stored (how long a job took to start, seen from Gitea).
