@@ -279,8 +279,8 @@ async fn a_replayed_finished_envelope_never_runs_again() {
         assert!(!ack.duplicate, "JetStream stores the copy");
         last = ack.sequence;
     }
-    let replayed = "gitea_dynamic_runner_assignments_total{backend=\"pod\",outcome=\"replayed\"}";
-    until(WAIT, "both copies terminated as replays", || async {
+    // Settled: both copies left the stream and the consumer's ack floor passed them.
+    until(WAIT, "both copies settled", || async {
         let Ok(stream) = js.get_stream(STREAM).await else {
             return false;
         };
@@ -291,7 +291,13 @@ async fn a_replayed_finished_envelope_never_runs_again() {
             && consumer.num_pending == 0
             && consumer.num_ack_pending == 0
             && on_subject(&js, POD_SUBJECT).await == 0
-            && c.metric(replayed).await == Some(2)
+    })
+    .await;
+    assert_eq!(created(), 1, "no second executor");
+    assert_eq!(c.executors(), 0);
+    let replayed = "gitea_dynamic_runner_assignments_total{backend=\"pod\",outcome=\"replayed\"}";
+    until(WAIT, "both copies counted as replays", || async {
+        c.metric(replayed).await == Some(2)
     })
     .await;
     assert_eq!(
@@ -301,8 +307,6 @@ async fn a_replayed_finished_envelope_never_runs_again() {
             .count(),
         2
     );
-    assert_eq!(created(), 1, "no second executor");
-    assert_eq!(c.executors(), 0);
     assert_eq!(c.runs_of(job), 1, "no second runner");
     assert_eq!(results(), 1, "no second final result reached Gitea");
     assert_eq!(
@@ -383,10 +387,11 @@ async fn held(c: &LocalController, js: &jetstream::Context) {
     );
 }
 
-/// DESIGN invariant 21: messages the controller cannot open never occupy admission
+/// DESIGN invariants 21 and 22: messages the controller cannot open never occupy admission
 /// capacity, and are not lost. A controller lacking the key an envelope was sealed with
-/// (a rotation rolled out in the wrong order) moves it to the held subject, and its
-/// capacity-1 pod backend still runs the next job. Restarted with the key among
+/// (a rotation rolled out in the wrong order) moves it to the held subject, so it takes
+/// neither the pod backlog's room (1) nor the consumer's only ack slot, and the next job,
+/// queued behind it, is fetched and runs on the capacity-1 backend. Restarted with the key among
 /// `task_encryption_previous_key_files`, it releases the held envelope to its backend and
 /// the job runs, once.
 #[tokio::test(flavor = "multi_thread")]
@@ -397,9 +402,10 @@ async fn a_held_envelope_is_released_when_its_key_appears() {
     let sealed = published_with_key_one(&c, &js).await;
 
     let mut first = c.spawn(&[]);
-    held(&c, &js).await;
+    // Queued behind the sealed one: it runs only if that one leaves the only slot free.
     let next = c.queue("standin:success");
     c.status(next, Status::Success).await;
+    held(&c, &js).await;
     let waiting = c
         .mock
         .handle
