@@ -141,31 +141,31 @@ async fn an_anonymous_client_is_refused_by_the_embedded_nats_server() {
     let url = embedded_nats_url(&c.fixture.log())
         .unwrap_or_else(|| panic!("no embedded server in the log:\n{}", c.fixture.log()));
 
-    let refused = async_nats::connect(&url)
-        .await
-        .expect_err("an anonymous client is refused");
-    assert_eq!(
-        refused.kind(),
-        async_nats::ConnectErrorKind::AuthorizationViolation,
-        "{refused}"
-    );
-
     let store = c.fixture.state_dir().join("nats");
     let password = |user: &str| {
         std::fs::read_to_string(store.join(format!("{user}.password"))).expect("a password file")
     };
-    let wrong = async_nats::ConnectOptions::with_user_and_password(
-        "gdr-worker".into(),
-        password("gdr-producer"),
-    )
-    .connect(&url)
-    .await
-    .expect_err("another user's password is refused");
-    assert_eq!(
-        wrong.kind(),
-        async_nats::ConnectErrorKind::AuthorizationViolation,
-        "{wrong}"
-    );
+    let intruders = [
+        ("an anonymous client", async_nats::ConnectOptions::new()),
+        (
+            "another user's password",
+            async_nats::ConnectOptions::with_user_and_password(
+                "gdr-worker".into(),
+                password("gdr-producer"),
+            ),
+        ),
+    ];
+    for (who, options) in intruders {
+        let refused = options
+            .connect(&url)
+            .await
+            .expect_err("the intruder is refused");
+        assert_eq!(
+            refused.kind(),
+            async_nats::ConnectErrorKind::AuthorizationViolation,
+            "{who}: {refused}"
+        );
+    }
 
     for user in ["gdr-producer", "gdr-worker"] {
         let client =

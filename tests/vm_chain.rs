@@ -196,12 +196,7 @@ impl Chain {
 
     /// The runner's final log rows of a job's task.
     fn log_rows(&self, job: JobId) -> Vec<String> {
-        self.mock
-            .handle
-            .job(job)
-            .and_then(|j| j.task)
-            .map(|t| t.log_rows)
-            .unwrap_or_default()
+        self.mock.handle.log_rows(job)
     }
 
     /// How often the job's task was run by a runner.

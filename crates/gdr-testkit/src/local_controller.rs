@@ -214,12 +214,7 @@ impl LocalController {
 
     /// The log rows Gitea stored for `job`.
     pub fn rows(&self, job: JobId) -> Vec<String> {
-        self.mock
-            .handle
-            .job(job)
-            .and_then(|j| j.task)
-            .map(|t| t.log_rows)
-            .unwrap_or_default()
+        self.mock.handle.log_rows(job)
     }
 
     /// How many times a runner started `job` (its first row, counted in Gitea's log).

@@ -435,6 +435,14 @@ impl MockGitea {
         self.read(|s| s.task(task_id))
     }
 
+    /// The log rows stored for `job`'s task (none before it is claimed).
+    pub fn log_rows(&self, job: JobId) -> Vec<String> {
+        self.job(job)
+            .and_then(|j| j.task)
+            .map(|t| t.log_rows)
+            .unwrap_or_default()
+    }
+
     pub fn runner(&self, uuid: &str) -> Option<RunnerSnapshot> {
         self.read(|s| s.runner(uuid))
     }
