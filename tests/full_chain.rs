@@ -175,12 +175,7 @@ impl Controller {
 
     /// The log rows Gitea stored for a job's task.
     fn log_rows(&self, job: JobId) -> Vec<String> {
-        self.mock
-            .handle
-            .job(job)
-            .and_then(|j| j.task)
-            .map(|t| t.log_rows)
-            .unwrap_or_default()
+        self.mock.handle.log_rows(job)
     }
 
     /// Waits until no executor directory and no admission slot is left.

@@ -11,7 +11,10 @@ use std::time::Duration;
 
 use gdr_testkit::controller::{ControllerFixture, listener};
 use gdr_testkit::fake_kube::FakeKube;
-use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
+use gdr_testkit::local_controller::{
+    LocalController, Stop, executor_logs, killed_at_its_fail_point, started_in_a_runner, stop,
+};
+use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, Status};
 use gdr_testkit::nats_server::{NatsServer, servers_on};
 use gdr_testkit::service::{ReadyService, is_ready};
 use gdr_testkit::standin_runner::GAVE_UP;
@@ -36,16 +39,25 @@ enum Nats {
     Embedded,
 }
 
+/// A controller on this host with the pod backend only; its incarnations keep reaching
+/// the same facade address across restarts.
 struct Setup {
     nats: Option<NatsServer>,
-    mock: RunningMock,
-    fixture: ControllerFixture,
-    /// Bound once by the test and handed to every controller incarnation, so executors
-    /// keep reaching the same facade address across restarts; `None` while closed (the
-    /// port then refuses connections, as a stopped controller's does).
-    facade: Option<std::net::TcpListener>,
-    facade_addr: SocketAddr,
-    health: std::net::TcpListener,
+    local: LocalController,
+}
+
+impl std::ops::Deref for Setup {
+    type Target = LocalController;
+
+    fn deref(&self) -> &LocalController {
+        &self.local
+    }
+}
+
+impl std::ops::DerefMut for Setup {
+    fn deref_mut(&mut self) -> &mut LocalController {
+        &mut self.local
+    }
 }
 
 impl Setup {
@@ -63,35 +75,27 @@ impl Setup {
         nats: Nats,
         tweak: impl FnOnce(ControllerFixture) -> ControllerFixture,
     ) -> Self {
-        let mock = MockGitea::start(mock).await.expect("mock");
-        let facade = listener();
-        let facade_addr = facade.local_addr().expect("addr");
-        let health = listener();
-        let mut fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref())
-            .facade_at(facade_addr)
-            .set("components", "scheduler,pod-worker")
-            .set("pod_capacity", 2u32)
-            .set("vm_capacity", 0u32)
-            .set("heartbeat_interval", "1s")
-            .set("nats_ack_wait", "3s");
         let server = match nats {
-            Nats::External => {
-                let server = NatsServer::start().await.expect("nats");
-                fixture = fixture.set("nats_url", server.url());
-                Some(server)
-            }
-            Nats::Embedded => {
-                fixture = fixture.set("nats_server_binary", NatsServer::binary().as_path());
-                None
-            }
+            Nats::External => Some(NatsServer::start().await.expect("nats")),
+            Nats::Embedded => None,
         };
+        let url = server.as_ref().map(NatsServer::url);
+        let local = LocalController::start(mock, BIN.as_ref(), STANDIN.as_ref(), |f| {
+            let f = f
+                .set("components", "scheduler,pod-worker")
+                .set("pod_capacity", 2u32)
+                .set("vm_capacity", 0u32)
+                .set("heartbeat_interval", "1s")
+                .set("nats_ack_wait", "3s");
+            tweak(match url {
+                Some(url) => f.set("nats_url", url),
+                None => f.set("nats_server_binary", NatsServer::binary().as_path()),
+            })
+        })
+        .await;
         Setup {
             nats: server,
-            mock,
-            fixture: tweak(fixture),
-            facade: Some(facade),
-            facade_addr,
-            health,
+            local,
         }
     }
 
@@ -99,158 +103,7 @@ impl Setup {
         let env: Vec<(&str, &str)> = failpoint
             .map(|p| vec![("GDR_FAILPOINT", p)])
             .unwrap_or_default();
-        let facade = self.facade.as_ref().expect("the facade port is open");
-        self.fixture.spawn(BIN.as_ref(), facade, &self.health, &env)
-    }
-
-    /// The facade port refuses connections from now on.
-    fn close_facade(&mut self) {
-        self.facade = None;
-    }
-
-    /// The facade port accepts again (the same address, for the next controller).
-    async fn reopen_facade(&mut self) {
-        let addr = self.facade_addr;
-        let reopened =
-            gdr_testkit::eventually(WAIT, "the facade port to bind again", || async move {
-                std::net::TcpListener::bind(addr).ok()
-            })
-            .await;
-        reopened.set_nonblocking(true).expect("non-blocking");
-        self.facade = Some(reopened);
-    }
-
-    async fn ready(&self) {
-        let health = self.health.local_addr().expect("addr");
-        until(WAIT, "the controller to be ready", || is_ready(health)).await;
-    }
-
-    fn queue(&self, step: &str) -> JobId {
-        let yaml = format!(
-            "on: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: {step}\n"
-        );
-        self.mock
-            .handle
-            .queue_workflow("owner/repo", &yaml)
-            .expect("queue")[0]
-    }
-
-    async fn killed_at_its_fail_point(&self, child: &mut tokio::process::Child) {
-        use std::os::unix::process::ExitStatusExt;
-        let status = tokio::time::timeout(WAIT, child.wait())
-            .await
-            .expect("the fail point fires")
-            .expect("wait");
-        assert_eq!(
-            status.signal(),
-            Some(9),
-            "the controller died at its fail point: {status:?}"
-        );
-    }
-
-    async fn status(&self, job: JobId, status: Status) {
-        self.status_within(job, status, WAIT).await;
-    }
-
-    async fn status_within(&self, job: JobId, status: Status, wait: Duration) {
-        self.mock
-            .handle
-            .wait_for(|m| m.job(job).is_some_and(|j| j.status == status), wait)
-            .await
-            .unwrap_or_else(|_| {
-                panic!(
-                    "job never reached {status:?}: {:?}\nexecutor logs:\n{}\ncontroller log:\n{}",
-                    self.mock
-                        .handle
-                        .job(job)
-                        .map(|j| (j.status, j.task.map(|t| t.log_rows))),
-                    self.executor_logs(),
-                    self.fixture.log(),
-                )
-            });
-    }
-
-    /// Waits until the job's runner reported its first row (Gitea counts a job as running
-    /// from the controller's fetch; this is the executor's runner at work).
-    async fn runner_started(&self, job: JobId) {
-        self.mock
-            .handle
-            .wait_for(|m| started_in_a_runner(m.job(job)), WAIT)
-            .await
-            .unwrap_or_else(|_| panic!("no runner started job {job:?}:\n{}", self.fixture.log()));
-    }
-
-    fn executors(&self) -> usize {
-        std::fs::read_dir(self.fixture.state_dir().join("pod/executors"))
-            .map(|d| d.count())
-            .unwrap_or(0)
-    }
-
-    /// Every executor's log, live or kept after its deletion.
-    fn executor_logs(&self) -> String {
-        executor_logs(&self.fixture.state_dir())
-    }
-
-    /// Waits until the executors' logs hold `line` at least `times` times.
-    async fn executors_logged(&self, line: &str, times: usize) {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        while self.executor_logs().matches(line).count() < times {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "executors never logged {line:?} {times} times ({} executors):\n{}\ncontroller log:\n{}",
-                self.executors(),
-                self.executor_logs(),
-                self.fixture.log()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// No executor directory and no admission slot in use (read from `/metrics` of
-    /// the restarted controller).
-    async fn no_executor_left(&self) {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let slots = self.pod_slots_in_use().await;
-            if self.executors() == 0 && slots == Some(0) {
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "leaked: {} executors, slots {slots:?}",
-                self.executors()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    async fn pod_slots_in_use(&self) -> Option<u64> {
-        let addr = self.health.local_addr().ok()?;
-        let text = reqwest::get(format!("http://{addr}/metrics"))
-            .await
-            .ok()?
-            .text()
-            .await
-            .ok()?;
-        text.lines()
-            .find_map(|l| l.strip_prefix("gitea_dynamic_runner_pool_in_use{backend=\"pod\"} "))
-            .and_then(|v| v.trim().parse().ok())
-    }
-
-    fn rows(&self, job: JobId) -> Vec<String> {
-        self.mock
-            .handle
-            .job(job)
-            .and_then(|j| j.task)
-            .map(|t| t.log_rows)
-            .unwrap_or_default()
-    }
-
-    fn runs_of(&self, job: JobId) -> usize {
-        self.rows(job)
-            .iter()
-            .filter(|r| r.contains("stand-in runner: task"))
-            .count()
+        self.spawn(&env)
     }
 
     /// A runner that waits at `<gate>/go` before it starts (so the test can stop the
@@ -276,59 +129,12 @@ impl Setup {
     }
 }
 
-/// Every pod executor's log under `state_dir`, live or kept after its deletion.
-fn executor_logs(state_dir: &std::path::Path) -> String {
-    let pod = state_dir.join("pod");
-    let live = std::fs::read_dir(pod.join("executors"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path().join("executor.log"));
-    let kept = std::fs::read_dir(pod.join("logs"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path());
-    live.chain(kept)
-        .filter_map(|p| std::fs::read_to_string(p).ok())
-        .collect::<Vec<_>>()
-        .join("\n")
-}
-
-fn started_in_a_runner(job: Option<gdr_testkit::mock_gitea::JobSnapshot>) -> bool {
-    job.and_then(|j| j.task).is_some_and(|t| {
-        t.log_rows
-            .iter()
-            .any(|r| r.contains("stand-in runner: task"))
-    })
-}
-
-/// How a controller goes away.
-#[derive(Clone, Copy, Debug)]
-enum Stop {
-    Kill,
-    Term,
-}
-
-async fn stop(child: &mut tokio::process::Child, how: Stop) {
-    match how {
-        Stop::Kill => {
-            let _ = child.start_kill();
-        }
-        Stop::Term => gdr_testkit::controller::terminate(child),
-    }
-    tokio::time::timeout(WAIT, child.wait())
-        .await
-        .expect("the controller stops")
-        .expect("wait");
-}
-
 #[tokio::test(flavor = "multi_thread")]
 async fn killed_after_a_fetch_the_task_is_lost_in_the_documented_window_and_failed_by_gitea() {
     let s = Setup::new().await;
     let job = s.queue("standin:success");
     let mut first = s.controller(Some("after-fetch"));
-    s.killed_at_its_fail_point(&mut first).await;
+    killed_at_its_fail_point(&mut first).await;
     let mut second = s.controller(None);
     // Gitea handed the task out and nobody stored it: its zombie clean-up fails it.
     s.status(job, Status::Failure).await;
@@ -342,7 +148,7 @@ async fn killed_after_the_publish_the_restarted_controller_runs_the_job_once() {
     let s = Setup::new().await;
     let job = s.queue("standin:success");
     let mut first = s.controller(Some("after-publish"));
-    s.killed_at_its_fail_point(&mut first).await;
+    killed_at_its_fail_point(&mut first).await;
     let mut second = s.controller(None);
     s.status(job, Status::Success).await;
     assert_eq!(s.runs_of(job), 1);
@@ -356,7 +162,7 @@ async fn killed_after_the_executor_was_created_the_restarted_controller_adopts_i
     let s = Setup::new().await;
     let job = s.queue("standin:success");
     let mut first = s.controller(Some("after-create"));
-    s.killed_at_its_fail_point(&mut first).await;
+    killed_at_its_fail_point(&mut first).await;
     assert_eq!(s.executors(), 1, "the executor outlives the controller");
     let mut second = s.controller(None);
     s.status(job, Status::Success).await;
@@ -371,7 +177,7 @@ async fn killed_after_the_claim_the_unanswered_runner_is_stopped_and_the_task_fa
     let s = Setup::new().await;
     let job = s.queue("standin:success");
     let mut first = s.controller(Some("after-claim"));
-    s.killed_at_its_fail_point(&mut first).await;
+    killed_at_its_fail_point(&mut first).await;
     let mut second = s.controller(None);
     s.status(job, Status::Failure).await;
     assert_eq!(
@@ -388,7 +194,7 @@ async fn killed_after_gitea_accepted_the_result_the_restarted_controller_marks_a
     let s = Setup::new().await;
     let job = s.queue("standin:success");
     let mut first = s.controller(Some("after-terminal-accepted"));
-    s.killed_at_its_fail_point(&mut first).await;
+    killed_at_its_fail_point(&mut first).await;
     s.status(job, Status::Success).await;
     let mut second = s.controller(None);
     s.no_executor_left().await;
@@ -406,7 +212,7 @@ async fn killed_after_the_terminal_marker_the_restarted_controller_deletes_the_e
     let s = Setup::new().await;
     let job = s.queue("standin:success");
     let mut first = s.controller(Some("after-terminal-marker"));
-    s.killed_at_its_fail_point(&mut first).await;
+    killed_at_its_fail_point(&mut first).await;
     s.status(job, Status::Success).await;
     let mut second = s.controller(None);
     s.no_executor_left().await;
@@ -751,7 +557,7 @@ async fn a_restarted_controller_resumes_an_adopted_unclaimed_executor_without_wa
     .await;
     let job = s.queue("standin:success");
     let mut first = s.controller(Some("after-create"));
-    s.killed_at_its_fail_point(&mut first).await;
+    killed_at_its_fail_point(&mut first).await;
     assert_eq!(s.executors(), 1, "the executor outlives the controller");
     let mut second = s.controller(None);
     s.status(job, Status::Success).await;

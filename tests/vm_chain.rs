@@ -196,12 +196,7 @@ impl Chain {
 
     /// The runner's final log rows of a job's task.
     fn log_rows(&self, job: JobId) -> Vec<String> {
-        self.mock
-            .handle
-            .job(job)
-            .and_then(|j| j.task)
-            .map(|t| t.log_rows)
-            .unwrap_or_default()
+        self.mock.handle.log_rows(job)
     }
 
     /// How often the job's task was run by a runner.
@@ -234,26 +229,14 @@ impl Chain {
     }
 
     /// A gauge or counter of the controller's `/metrics` (0 while it cannot be read).
-    async fn metric(&self, line_prefix: &str) -> u64 {
-        let addr = self.health.local_addr().unwrap();
-        let Ok(text) = async {
-            reqwest::get(format!("http://{addr}/metrics"))
-                .await?
-                .text()
-                .await
-        }
-        .await
-        else {
-            return 0;
-        };
-        text.lines()
-            .find_map(|l| l.strip_prefix(line_prefix))
-            .and_then(|v| v.trim().parse().ok())
+    async fn metric(&self, series: &str) -> u64 {
+        gdr_testkit::local_controller::metric(self.health.local_addr().unwrap(), series)
+            .await
             .unwrap_or(0)
     }
 
     async fn vm_slots_in_use(&self) -> u64 {
-        self.metric("gitea_dynamic_runner_pool_in_use{backend=\"vm\"} ")
+        self.metric("gitea_dynamic_runner_pool_in_use{backend=\"vm\"}")
             .await
     }
 
@@ -356,7 +339,7 @@ async fn a_full_pool_keeps_the_job_queued_until_a_sandbox_frees_then_runs_it() {
     let waiting = c.queue("waiting", "standin:success");
     eventually("the controller is told the pool is full", || async {
         let full = c
-            .metric("gitea_dynamic_runner_assignments_total{backend=\"vm\",outcome=\"full\"} ")
+            .metric("gitea_dynamic_runner_assignments_total{backend=\"vm\",outcome=\"full\"}")
             .await;
         (full >= 2).then_some(())
     })

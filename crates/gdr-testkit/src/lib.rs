@@ -20,6 +20,8 @@
 //! - [`browser`]: a real headless Chromium, for the status page.
 //! - [`controller`]: one builder of controller configurations, and controller processes
 //!   started with listeners the test bound.
+//! - [`local_controller`]: a controller process under test on this host with its mock
+//!   Gitea, and what a test reads back (jobs, executors, `/metrics`).
 //! - [`service`]: a Kubernetes Service stand-in that routes to the ready replica.
 //! - [`eventually`] / [`until`] / [`until_sync`]: waiting on observable state with a deadline.
 
@@ -29,6 +31,7 @@ pub mod controller;
 pub mod fake_kube;
 pub mod fake_kubelet;
 pub mod fake_spire;
+pub mod local_controller;
 pub mod log_capture;
 pub mod memory_backend;
 pub mod mock_gitea;

@@ -580,7 +580,9 @@ async fn hand_off(
     // The fetch→publish window (DESIGN invariant 4): a kill inside it loses the task.
     let fetched_at = std::time::Instant::now();
     let assignment = match Assignment::from_task(task, &shared.policy) {
-        Ok(a) => a,
+        // Sealed into v2 envelopes, so a copy replayed after the task's lifetime is refused
+        // by its age (DESIGN invariant 20); without it the age check has nothing to read.
+        Ok(a) => a.with_fetch_time(std::time::SystemTime::now()),
         Err(e) => {
             shared.gate.release(slot);
             fail_invalid_task(shared, task_id, &e.to_string()).await;

@@ -106,6 +106,10 @@ pub struct TaskSnapshot {
     pub updated: SystemTime,
     /// Number of `UpdateTask` calls without a result while the task was unfinished.
     pub heartbeats: u64,
+    /// Number of `UpdateTask` calls carrying a result, whether or not the task had ended
+    /// already (the first one ends it; Gitea ignores later ones, so only this count shows
+    /// that a second final report arrived).
+    pub results_reported: u64,
     /// Stored log rows (contents only), in order.
     pub log_rows: Vec<String>,
     /// When the first log row was stored (how long a job took to start, seen from Gitea).
@@ -429,6 +433,14 @@ impl MockGitea {
 
     pub fn task(&self, task_id: i64) -> Option<TaskSnapshot> {
         self.read(|s| s.task(task_id))
+    }
+
+    /// The log rows stored for `job`'s task (none before it is claimed).
+    pub fn log_rows(&self, job: JobId) -> Vec<String> {
+        self.job(job)
+            .and_then(|j| j.task)
+            .map(|t| t.log_rows)
+            .unwrap_or_default()
     }
 
     pub fn runner(&self, uuid: &str) -> Option<RunnerSnapshot> {

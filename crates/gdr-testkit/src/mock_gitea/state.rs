@@ -161,6 +161,7 @@ pub(crate) struct TaskRec {
     /// Monotonic twin of `updated`, used by the zombie sweeper.
     pub updated_at: Instant,
     pub heartbeats: u64,
+    pub results_reported: u64,
     pub log_rows: Vec<String>,
     /// When the first log row was stored.
     pub first_log: Option<SystemTime>,
@@ -188,6 +189,7 @@ impl TaskRec {
             stopped: self.stopped,
             updated: self.updated,
             heartbeats: self.heartbeats,
+            results_reported: self.results_reported,
             log_rows: self.log_rows.clone(),
             first_log: self.first_log,
             log_archived: self.log_archived,
@@ -688,6 +690,7 @@ impl State {
                 updated: now,
                 updated_at: Instant::now(),
                 heartbeats: 0,
+                results_reported: 0,
                 log_rows: Vec::new(),
                 first_log: None,
                 log_archived: false,
@@ -816,6 +819,9 @@ impl State {
             .as_known()
             .unwrap_or(pb::TaskResult::RESULT_FAILURE);
         let task = self.owned_task(runner_id, task_id, "update task")?;
+        if result != pb::TaskResult::RESULT_UNSPECIFIED {
+            task.results_reported += 1;
+        }
         let mut finish = None;
         if !task.status.is_done() {
             for s in &state.steps {

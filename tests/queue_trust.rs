@@ -1,0 +1,517 @@
+//! The queue is a trust boundary (DESIGN invariants 20, 21, 22), tested from outside: the
+//! real controller binary against a real nats-server (its embedded one, or a server of the
+//! test's own that the test can also publish to as an intruder would) and the mock Gitea.
+//!
+//! Every wait is on observable state with a deadline; counts are asserted only after the
+//! message they concern is seen settled.
+
+// A panic is how a test fails.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::os::unix::fs::PermissionsExt as _;
+use std::path::Path;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use futures::StreamExt as _;
+use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
+use gdr_controller::queue::{self, StreamSettings};
+use gdr_core::assignment::{
+    Assignment, DerivationPolicy, EnvelopeError, EnvelopeRules, TaskKey, TaskKeyring, decode_with,
+    encode_v2,
+};
+use gdr_core::backend::{Backend, BackendLabels};
+use gdr_core::identity::TrustDomain;
+use gdr_testkit::controller::ControllerFixture;
+use gdr_testkit::local_controller::{LocalController, Stop, stop};
+use gdr_testkit::mock_gitea::{JobId, MockConfig, Status};
+use gdr_testkit::nats_server::NatsServer;
+use gdr_testkit::{eventually, until};
+
+const WAIT: Duration = Duration::from_secs(60);
+const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
+const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
+const STREAM: &str = "CI_RUNNER";
+const POD_SUBJECT: &str = "ci.runner.pod";
+/// Two task keys (64 hex digits each): the one an envelope is sealed with, and another.
+const KEY_ONE: &str = "1111111111111111111111111111111111111111111111111111111111111111";
+const KEY_TWO: &str = "2222222222222222222222222222222222222222222222222222222222222222";
+
+fn stream_settings() -> StreamSettings {
+    StreamSettings {
+        stream: STREAM.into(),
+        subject_base: "ci.runner".into(),
+        duplicate_window: Duration::from_secs(120),
+    }
+}
+
+fn task_key(key: &str) -> TaskKey {
+    TaskKey::from_file_contents(key.as_bytes()).expect("a task key")
+}
+
+fn keyring(current: &str, previous: &[&str]) -> TaskKeyring {
+    TaskKeyring::new(
+        task_key(current),
+        previous.iter().map(|k| task_key(k)).collect(),
+    )
+}
+
+/// The fixture's trust domain and the default backend labels.
+fn policy() -> DerivationPolicy {
+    DerivationPolicy {
+        trust_domain: TrustDomain::new("example.org").expect("trust domain"),
+        labels: BackendLabels::default(),
+    }
+}
+
+/// A controller with the pod backend only, on a nats-server of the test's own (the test
+/// reads and writes its stream directly), sealing envelopes with [`KEY_ONE`].
+async fn on_own_nats(
+    nats: &NatsServer,
+    configure: impl FnOnce(ControllerFixture) -> ControllerFixture,
+) -> LocalController {
+    LocalController::start(MockConfig::default(), BIN.as_ref(), STANDIN.as_ref(), |f| {
+        let key_one = f.file("secrets/task-key-one", KEY_ONE);
+        let f = f
+            .set("nats_url", nats.url())
+            .set("components", "scheduler,pod-worker")
+            .set("pod_capacity", 1u32)
+            .set("vm_capacity", 0u32)
+            .set("heartbeat_interval", "1s")
+            .set("nats_ack_wait", "3s")
+            .set("task_encryption_key_file", key_one.as_path());
+        configure(f)
+    })
+    .await
+}
+
+async fn jetstream_of(nats: &NatsServer) -> jetstream::Context {
+    jetstream::new(async_nats::connect(nats.url()).await.expect("connect"))
+}
+
+/// Messages per subject in the controller's stream (0 while it does not exist yet).
+async fn on_subject(js: &jetstream::Context, subject: &str) -> u64 {
+    let Ok(stream) = js.get_stream(STREAM).await else {
+        return 0;
+    };
+    let settings = stream_settings();
+    let counts = if subject.contains(".held.") {
+        queue::held_per_backend(&stream, &settings).await
+    } else {
+        queue::unclaimed_per_backend(&stream, &settings).await
+    };
+    counts
+        .ok()
+        .and_then(|c| c.get(&Backend::Pod).copied())
+        .unwrap_or(0)
+}
+
+fn mode(path: &Path) -> u32 {
+    std::fs::metadata(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .permissions()
+        .mode()
+        & 0o777
+}
+
+/// The port the embedded nats-server listens on, from the controller's start-up log line.
+fn embedded_nats_url(log: &str) -> Option<String> {
+    log.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|l| l["message"] == "embedded nats-server started")
+        .and_then(|l| l["port"].as_u64())
+        .map(|port| format!("nats://127.0.0.1:{port}"))
+}
+
+/// DESIGN invariant 21: loopback is no trust boundary, so the embedded nats-server of the
+/// single-host mode requires the credentials the controller generated under `state_dir`.
+/// A client without them (or with a wrong password) is refused with an authorization
+/// violation; with the generated worker and producer passwords it connects and sees the
+/// controller's stream. The store is 0700 and the credential files 0600.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_anonymous_client_is_refused_by_the_embedded_nats_server() {
+    let c = LocalController::start(MockConfig::default(), BIN.as_ref(), STANDIN.as_ref(), |f| {
+        f.set("nats_server_binary", NatsServer::binary().as_path())
+            .set("pod_capacity", 1u32)
+            .set("vm_capacity", 0u32)
+    })
+    .await;
+    let mut controller = c.spawn(&[]);
+    c.ready().await;
+    let url = embedded_nats_url(&c.fixture.log())
+        .unwrap_or_else(|| panic!("no embedded server in the log:\n{}", c.fixture.log()));
+
+    let store = c.fixture.state_dir().join("nats");
+    let password = |user: &str| {
+        std::fs::read_to_string(store.join(format!("{user}.password"))).expect("a password file")
+    };
+    let intruders = [
+        ("an anonymous client", async_nats::ConnectOptions::new()),
+        (
+            "another user's password",
+            async_nats::ConnectOptions::with_user_and_password(
+                "gdr-worker".into(),
+                password("gdr-producer"),
+            ),
+        ),
+    ];
+    for (who, options) in intruders {
+        let refused = options
+            .connect(&url)
+            .await
+            .expect_err("the intruder is refused");
+        assert_eq!(
+            refused.kind(),
+            async_nats::ConnectErrorKind::AuthorizationViolation,
+            "{who}: {refused}"
+        );
+    }
+
+    for user in ["gdr-producer", "gdr-worker"] {
+        let client =
+            async_nats::ConnectOptions::with_user_and_password(user.into(), password(user))
+                .connect(&url)
+                .await
+                .unwrap_or_else(|e| panic!("{user} connects with its generated password: {e}"));
+        let mut stream = jetstream::new(client)
+            .get_stream(STREAM)
+            .await
+            .unwrap_or_else(|e| panic!("{user} sees the controller's stream: {e}"));
+        assert_eq!(stream.info().await.expect("info").config.name, STREAM);
+    }
+
+    assert_eq!(mode(&store), 0o700, "the store directory");
+    for file in ["gdr-producer.password", "gdr-worker.password", "auth.conf"] {
+        assert_eq!(mode(&store.join(file)), 0o600, "{file}");
+    }
+    stop(&mut controller, Stop::Term).await;
+}
+
+/// DESIGN invariant 20: an assignment runs at most once, ever. A finished job's real
+/// envelope (captured off the wire, so it is authentic: sealed, its fetch time recent) is
+/// published again without a message ID and under a new one, so JetStream's de-duplication
+/// does not stop it. Each copy is terminated through the finished-assignments bucket: no
+/// second executor, no second runner, no second final result in Gitea.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replayed_finished_envelope_never_runs_again() {
+    let nats = NatsServer::start().await.expect("nats");
+    let c = on_own_nats(&nats, |f| f).await;
+    let client = async_nats::connect(nats.url()).await.expect("connect");
+    // A plain subscriber gets a copy of every envelope the scheduler publishes.
+    let mut wire = client.subscribe(POD_SUBJECT).await.expect("subscribe");
+    let js = jetstream::new(client);
+
+    let mut controller = c.spawn(&[]);
+    let job = c.queue("standin:success");
+    let envelope = tokio::time::timeout(WAIT, wire.next())
+        .await
+        .expect("the scheduler publishes the assignment")
+        .expect("subscription open")
+        .payload;
+    // Sealed, with its fetch time authenticated: once older than Gitea's endless-task
+    // timeout the copy is refused by age, when the finished record may have expired.
+    let opened = decode_with(
+        &envelope,
+        &policy(),
+        Some(&keyring(KEY_ONE, &[])),
+        &EnvelopeRules::permissive(),
+    )
+    .expect("the real envelope opens");
+    let fetched = opened
+        .fetch_time()
+        .expect("the envelope carries its fetch time");
+    let lifetime = Duration::from_secs(3 * 3600);
+    let later = EnvelopeRules {
+        accept_plaintext: false,
+        max_age: lifetime,
+        now: fetched + lifetime + Duration::from_secs(2),
+    };
+    assert!(matches!(
+        decode_with(&envelope, &policy(), Some(&keyring(KEY_ONE, &[])), &later),
+        Err(EnvelopeError::Expired { .. })
+    ));
+    c.status(job, Status::Success).await;
+    c.no_executor_left().await;
+    let task_id = c
+        .mock
+        .handle
+        .job(job)
+        .and_then(|j| j.task_id)
+        .expect("task");
+    let id = format!("gitea-task-{task_id}");
+    let finished = js
+        .get_key_value("CI_RUNNER_FINISHED")
+        .await
+        .expect("the finished-assignments bucket");
+    assert!(
+        finished.get(&id).await.expect("read").is_some(),
+        "{id} is recorded as finished"
+    );
+    let results = || {
+        c.mock
+            .handle
+            .task(task_id)
+            .map(|t| t.results_reported)
+            .unwrap_or(0)
+    };
+    assert_eq!(results(), 1, "one final result reached Gitea");
+    let created = || {
+        c.fixture
+            .log()
+            .lines()
+            .filter(|l| l.contains("executor created") && l.contains(&id))
+            .count()
+    };
+    assert_eq!(created(), 1);
+
+    let mut last = 0;
+    for message_id in [None, Some("a-new-message-id")] {
+        let mut publish = jetstream::message::PublishMessage::build().payload(envelope.clone());
+        if let Some(message_id) = message_id {
+            publish = publish.message_id(message_id);
+        }
+        let ack = js
+            .send_publish(POD_SUBJECT, publish)
+            .await
+            .expect("publish")
+            .await
+            .expect("stored");
+        assert!(!ack.duplicate, "JetStream stores the copy");
+        last = ack.sequence;
+    }
+    // Settled: both copies left the stream and the consumer's ack floor passed them.
+    until(WAIT, "both copies settled", || async {
+        let Ok(stream) = js.get_stream(STREAM).await else {
+            return false;
+        };
+        let Ok(consumer) = stream.consumer_info("pod").await else {
+            return false;
+        };
+        consumer.ack_floor.stream_sequence >= last
+            && consumer.num_pending == 0
+            && consumer.num_ack_pending == 0
+            && on_subject(&js, POD_SUBJECT).await == 0
+    })
+    .await;
+    assert_eq!(created(), 1, "no second executor");
+    assert_eq!(c.executors(), 0);
+    let replayed = "gitea_dynamic_runner_assignments_total{backend=\"pod\",outcome=\"replayed\"}";
+    until(WAIT, "both copies counted as replays", || async {
+        c.metric(replayed).await == Some(2)
+    })
+    .await;
+    assert_eq!(
+        c.fixture
+            .log()
+            .matches("terminating an assignment that finished before (a replayed envelope)")
+            .count(),
+        2
+    );
+    assert_eq!(c.runs_of(job), 1, "no second runner");
+    assert_eq!(results(), 1, "no second final result reached Gitea");
+    assert_eq!(
+        c.mock.handle.job(job).map(|j| j.status),
+        Some(Status::Success)
+    );
+    stop(&mut controller, Stop::Term).await;
+}
+
+/// The task of a job queued now, fetched with the controller's own runner credential (as
+/// another replica would), sealed with [`KEY_ONE`] and published to the pod subject: the
+/// envelope a key-rotation mistake (or a stranger holding an old key) leaves for a
+/// controller without that key.
+async fn published_with_key_one(c: &LocalController, js: &jetstream::Context) -> JobId {
+    let job = c.queue("standin:success");
+    let credential = |name: &str| {
+        std::fs::read_to_string(c.fixture.path().join("secrets").join(name)).expect("credential")
+    };
+    let gitea = GiteaClient::new(
+        ClientOptions::new(c.mock.url.clone()),
+        Some(&Credentials::new(credential("uuid"), credential("token"))),
+    )
+    .expect("client");
+    let task = gitea
+        .fetch_task(0)
+        .await
+        .expect("fetch")
+        .task
+        .into_option()
+        .expect("the queued task");
+    let assignment = Assignment::from_task(task, &policy())
+        .expect("assignment")
+        .with_fetch_time(std::time::SystemTime::now());
+    let sealed = encode_v2(&assignment, &keyring(KEY_ONE, &[])).expect("seal");
+    queue::ensure_stream(js, &stream_settings())
+        .await
+        .expect("stream");
+    queue::publish(
+        js,
+        &stream_settings(),
+        Backend::Pod,
+        assignment.id().as_str(),
+        sealed.into(),
+    )
+    .await
+    .expect("publish");
+    job
+}
+
+/// A controller of [`on_own_nats`] that has only [`KEY_TWO`].
+async fn with_key_two_only(
+    nats: &NatsServer,
+    configure: impl FnOnce(ControllerFixture) -> ControllerFixture,
+) -> LocalController {
+    on_own_nats(nats, |f| {
+        let key_two = f.file("secrets/task-key-two", KEY_TWO);
+        configure(f.set("task_encryption_key_file", key_two.as_path()))
+    })
+    .await
+}
+
+/// Waits until the controller moved the envelope sealed with the unknown key to the held
+/// subject (counted, logged), leaving nothing on the pod subject.
+async fn held(c: &LocalController, js: &jetstream::Context) {
+    let outcome = "gitea_dynamic_runner_assignments_total{backend=\"pod\",outcome=\"held\"}";
+    until(WAIT, "the assignment moved to the held subject", || async {
+        on_subject(js, "ci.runner.held.pod").await == 1
+            && on_subject(js, POD_SUBJECT).await == 0
+            && c.metric(outcome).await == Some(1)
+    })
+    .await;
+    assert!(
+        c.fixture.log().contains(
+            "cannot decrypt an assignment: setting it aside until its task key is configured"
+        ),
+        "{}",
+        c.fixture.log()
+    );
+}
+
+/// DESIGN invariants 21 and 22: messages the controller cannot open never occupy admission
+/// capacity, and are not lost. A controller lacking the key an envelope was sealed with
+/// (a rotation rolled out in the wrong order) moves it to the held subject, so it takes
+/// neither the pod backlog's room (1) nor the consumer's only ack slot, and the next job,
+/// queued behind it, is fetched and runs on the capacity-1 backend. Restarted with the key among
+/// `task_encryption_previous_key_files`, it releases the held envelope to its backend and
+/// the job runs, once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_held_envelope_is_released_when_its_key_appears() {
+    let nats = NatsServer::start().await.expect("nats");
+    let js = jetstream_of(&nats).await;
+    let mut c = with_key_two_only(&nats, |f| f).await;
+    let sealed = published_with_key_one(&c, &js).await;
+
+    let mut first = c.spawn(&[]);
+    // Queued behind the sealed one: it runs only if that one leaves the only slot free.
+    let next = c.queue("standin:success");
+    c.status(next, Status::Success).await;
+    held(&c, &js).await;
+    let waiting = c
+        .mock
+        .handle
+        .job(sealed)
+        .and_then(|j| j.task)
+        .expect("task");
+    assert_eq!(waiting.status, Status::Running, "the held job waits");
+    assert!(waiting.heartbeats > 0, "kept alive in Gitea meanwhile");
+    assert_eq!(c.runs_of(sealed), 0);
+    stop(&mut first, Stop::Term).await;
+
+    let key_one = c.fixture.path().join("secrets/task-key-one");
+    c.fixture
+        .replace("task_encryption_previous_key_files", key_one.as_path());
+    let mut second = c.spawn(&[]);
+    // At once at start, unless the previous controller had looked at the held message
+    // already (it then waits out that look's 30 s delay and the next look's).
+    c.status_within(sealed, Status::Success, Duration::from_secs(120))
+        .await;
+    assert_eq!(c.runs_of(sealed), 1);
+    assert!(
+        c.fixture
+            .log()
+            .contains("a held assignment's task key is configured now; released to its backend"),
+        "{}",
+        c.fixture.log()
+    );
+    assert_eq!(on_subject(&js, "ci.runner.held.pod").await, 0);
+    c.no_executor_left().await;
+    stop(&mut second, Stop::Term).await;
+}
+
+/// DESIGN invariant 21: a held envelope whose key never appears is not left waiting
+/// forever: after `held_assignment_timeout` (60 s, its minimum) its task is failed in Gitea
+/// with a reason naming the unknown key and where to configure it, and the held message
+/// is gone. Meanwhile the gauge `held_assignments` shows it.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_held_envelope_is_failed_in_gitea_after_the_held_timeout() {
+    let nats = NatsServer::start().await.expect("nats");
+    let js = jetstream_of(&nats).await;
+    let c = with_key_two_only(&nats, |f| f.set("held_assignment_timeout", "60s")).await;
+    let sealed = published_with_key_one(&c, &js).await;
+
+    let mut controller = c.spawn(&[]);
+    held(&c, &js).await;
+    // The held reconciler looks every 30 s; its count shows once it has looked.
+    let gauge = "gitea_dynamic_runner_held_assignments{backend=\"pod\"}";
+    until(WAIT, "the held gauge to show the assignment", || async {
+        c.metric(gauge).await == Some(1)
+    })
+    .await;
+    // 60 s held, then the next look (every 30 s): the bound is the timeout plus two looks.
+    c.status_within(sealed, Status::Failure, Duration::from_secs(150))
+        .await;
+    let rows = c.rows(sealed);
+    let reason = rows
+        .iter()
+        .find(|r| r.contains("cannot be opened"))
+        .unwrap_or_else(|| panic!("no failure reason in the task's log: {rows:?}"));
+    assert!(
+        reason.contains(&format!("unknown task key {}", task_key(KEY_ONE).key_id())),
+        "{reason}"
+    );
+    assert!(
+        reason.contains("task_encryption_previous_key_files"),
+        "{reason}"
+    );
+    until(WAIT, "the held message to be gone", || async {
+        on_subject(&js, "ci.runner.held.pod").await == 0
+    })
+    .await;
+    assert_eq!(c.runs_of(sealed), 0, "it never ran");
+    stop(&mut controller, Stop::Term).await;
+}
+
+/// The durable pod consumer's `max_ack_pending` and `ack_wait`, once it exists.
+async fn pod_consumer(js: &jetstream::Context) -> Option<(i64, Duration)> {
+    let stream = js.get_stream(STREAM).await.ok()?;
+    let info = stream.consumer_info("pod").await.ok()?;
+    Some((info.config.max_ack_pending, info.config.ack_wait))
+}
+
+/// DESIGN invariant 22: consumer settings are reconciled to the configuration at every
+/// start. JetStream keeps an existing durable consumer's configuration as it is, so a
+/// capacity raised across a restart would otherwise never reach `max_ack_pending` (the
+/// backend would keep admitting at the old capacity while its metrics showed the new one).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_capacity_change_across_a_restart_updates_the_consumers_max_ack_pending() {
+    let nats = NatsServer::start().await.expect("nats");
+    let js = jetstream_of(&nats).await;
+    let mut c = on_own_nats(&nats, |f| f.set("pod_capacity", 2u32)).await;
+    let mut first = c.spawn(&[]);
+    c.ready().await;
+    let first_settings = eventually(WAIT, "the pod consumer", || pod_consumer(&js)).await;
+    assert_eq!(first_settings, (2, Duration::from_secs(3)));
+    stop(&mut first, Stop::Term).await;
+
+    c.fixture.replace("pod_capacity", 5u32);
+    c.fixture.replace("nats_ack_wait", "7s");
+    let mut second = c.spawn(&[]);
+    c.ready().await;
+    until(WAIT, "the pod consumer at the new capacity", || async {
+        pod_consumer(&js).await == Some((5, Duration::from_secs(7)))
+    })
+    .await;
+    let capacity = "gitea_dynamic_runner_pool_capacity{backend=\"pod\"}";
+    assert_eq!(c.metric(capacity).await, Some(5));
+    stop(&mut second, Stop::Term).await;
+}
