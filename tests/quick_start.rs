@@ -235,9 +235,14 @@ async fn a_first_start_creates_state_dir_the_ca_and_the_workload_api_socket_dire
         .await
         .unwrap_or_else(|_| panic!("the job never ran; log:\n{}", host.log()));
     let state = host.state();
-    let executor = state.join("pod/executors").join(format!("gitea-task-{task}"));
+    let executor = state
+        .join("pod/executors")
+        .join(format!("gitea-task-{task}"));
     // The sockets the modes protect: the facade's and the running executor's.
-    for socket in [state.join("facade-workload.sock"), executor.join("workload.sock")] {
+    for socket in [
+        state.join("facade-workload.sock"),
+        executor.join("workload.sock"),
+    ] {
         assert!(socket.exists(), "{} is served", socket.display());
     }
     for dir in [
