@@ -50,6 +50,9 @@ const LOG_INTERVAL_SECS: f64 = 10.0;
 /// shares with them.
 const HALF_OPEN_PEERS: [Ipv4Addr; 2] = [Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::new(127, 0, 0, 3)];
 const SESSION_PEER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 4);
+/// Source of one job's SVID opening sessions beyond its per-identity share.
+const GREEDY_PEER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 5);
+const GREEDY_SESSIONS: usize = 6;
 /// Connections the first burst opens and holds (fewer if the hard open-file limit is low).
 const BURST: usize = 3000;
 /// Flood clients that reopen their connection whenever the facade closes it.
@@ -166,14 +169,15 @@ impl Controller {
         );
     }
 
-    /// SVIDs of the controller's own local CA (as its executors get them), for `n` jobs.
-    fn job_svids(&self, n: usize) -> Vec<Svid> {
+    /// SVIDs of the controller's own local CA (as its executors get them), for `n` jobs of
+    /// repository `repo`.
+    fn job_svids(&self, repo: &str, n: usize) -> Vec<Svid> {
         let ca = TestCa::load_or_create(&self.fixture.state_dir().join("ca"), "example.org")
             .expect("the controller's CA");
         (0..n)
             .map(|i| {
                 ca.issue(
-                    &format!("spiffe://example.org/ci/flood/repo/job-{i}"),
+                    &format!("spiffe://example.org/ci/flood/{repo}/job-{i}"),
                     Duration::from_secs(600),
                 )
                 .expect("svid")
@@ -296,35 +300,51 @@ async fn churn(to: SocketAddr, source: Ipv4Addr, hello: Option<Vec<u8>>, opened:
     }
 }
 
+type Body = http_body_util::Empty<bytes::Bytes>;
+
+/// An HTTP/2 session from `source` presenting `svid`: its request sender and the task
+/// driving it (ends when the facade closes the connection).
+async fn h2_session(
+    source: Ipv4Addr,
+    to: SocketAddr,
+    svid: &Svid,
+) -> Option<(
+    hyper::client::conn::http2::SendRequest<Body>,
+    tokio::task::JoinHandle<hyper::Result<()>>,
+)> {
+    let tcp = connect_from(source, to).await.ok()?;
+    let tls = tls_over(tcp, svid, &[b"h2"]).await.ok()?;
+    let (sender, session) = hyper::client::conn::http2::handshake::<_, _, Body>(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tls),
+    )
+    .await
+    .ok()?;
+    Some((sender, tokio::spawn(session)))
+}
+
+/// Whether the facade answers a request on `sender` (any status: it served the session).
+async fn answered(sender: &mut hyper::client::conn::http2::SendRequest<Body>) -> bool {
+    let request = http::Request::get("https://facade/")
+        .body(Body::new())
+        .expect("request");
+    tokio::time::timeout(WAIT, sender.send_request(request))
+        .await
+        .is_ok_and(|r| r.is_ok())
+}
+
 /// A flood client holding a valid SVID: an HTTP/2 session that idles (after one request if
 /// `request`), reopened whenever the facade closes it.
 async fn idle_session(to: SocketAddr, svid: Svid, request: bool, opened: Arc<AtomicU64>) {
     loop {
-        if let Ok(tcp) = connect_from(SESSION_PEER, to).await {
-            opened.fetch_add(1, Ordering::Relaxed);
-            if let Ok(tls) = tls_over(tcp, &svid, &[b"h2"]).await
-                && let Ok((mut sender, session)) = hyper::client::conn::http2::handshake::<
-                    _,
-                    _,
-                    http_body_util::Empty<bytes::Bytes>,
-                >(
-                    hyper_util::rt::TokioExecutor::new(),
-                    hyper_util::rt::TokioIo::new(tls),
-                )
-                .await
-            {
-                let session = tokio::spawn(session);
-                if request {
-                    let request = http::Request::get("https://facade/")
-                        .body(http_body_util::Empty::new())
-                        .expect("request");
-                    // Whatever Gitea answers; then the session idles.
-                    let _ = sender.send_request(request).await;
-                }
-                // Until the facade ends it.
-                let _ = session.await;
-                drop(sender);
+        opened.fetch_add(1, Ordering::Relaxed);
+        if let Some((mut sender, session)) = h2_session(SESSION_PEER, to, &svid).await {
+            if request {
+                answered(&mut sender).await;
             }
+            // Until the facade ends it.
+            let _ = session.await;
+            drop(sender);
         }
         tokio::time::sleep(RECONNECT_PAUSE).await;
     }
@@ -386,8 +406,8 @@ fn per_connection_lines<'a>(log: &'a str, peers: &[Ipv4Addr]) -> Vec<&'a str> {
 /// of idle and half-open connections (silent, or stopped halfway through a ClientHello) from
 /// two addresses, flood clients reopening them as fast as the facade closes them, and idle
 /// HTTP/2 sessions of twenty SPIFFE IDs of the trust domain (each above its per-identity
-/// limit, together above the per-peer limit) never hold more than the connection limit;
-/// meanwhile a job queued in Gitea starts and finishes with its result in Gitea, `/readyz`
+/// limit, together above the per-peer limit) never hold more than the connection limit, and
+/// one job's SVID gets only its share of sessions served; meanwhile a job queued in Gitea starts and finishes with its result in Gitea, `/readyz`
 /// answers 200 to every probe on a fresh connection, and the controller's log grows by a
 /// bounded amount with no line per connection.
 #[tokio::test(flavor = "multi_thread")]
@@ -403,13 +423,26 @@ async fn a_connection_flood_leaves_jobs_running_readyz_answering_and_the_log_bou
     let hello = partial_client_hello();
     let opened = Arc::new(AtomicU64::new(0));
 
+    // One job's SVID opens sessions, one after the other, each making a request: only its
+    // share is served, the others are closed unanswered. They stay open (idle) meanwhile.
+    let greedy = controller.job_svids("greedy", 1).remove(0);
+    let mut greedy_sessions = Vec::new();
+    let mut greedy_served = 0;
+    for _ in 0..GREEDY_SESSIONS {
+        let (mut sender, session) = h2_session(GREEDY_PEER, controller.facade, &greedy)
+            .await
+            .expect("a TLS session");
+        greedy_served += usize::from(answered(&mut sender).await);
+        greedy_sessions.push((sender, session));
+    }
+
     let mut flood = tokio::task::JoinSet::new();
     for i in 0..CHURNERS {
         let source = HALF_OPEN_PEERS[i % 2];
         let hello = (i % 4 >= 2).then(|| hello.clone());
         flood.spawn(churn(controller.facade, source, hello, opened.clone()));
     }
-    for svid in controller.job_svids(SESSION_IDS) {
+    for svid in controller.job_svids("idle", SESSION_IDS) {
         for i in 0..SESSIONS_PER_ID {
             let request = i % 2 == 0;
             flood.spawn(idle_session(
@@ -465,12 +498,14 @@ async fn a_connection_flood_leaves_jobs_running_readyz_answering_and_the_log_bou
     stop_probes.send(()).expect("the probes run");
     let probes = probes.await.expect("probes");
     flood.shutdown().await;
+    drop(greedy_sessions);
     let total = held.len() as u64 + opened.load(Ordering::Relaxed);
     drop(held);
     let log = controller.log_since(log_start);
     eprintln!(
         "flood: {total} connections ({} held by the burst); closed by reason {reasons:?}; \
-         at most {} open; {} /readyz probes; log grew by {} lines, {} bytes",
+         at most {} open; {greedy_served} of {GREEDY_SESSIONS} sessions of one SPIFFE ID \
+         served; {} /readyz probes; log grew by {} lines, {} bytes",
         burst_size,
         probes.max_open,
         probes.readyz.len(),
@@ -478,6 +513,10 @@ async fn a_connection_flood_leaves_jobs_running_readyz_answering_and_the_log_bou
         log.len()
     );
 
+    assert_eq!(
+        greedy_served, MAX_PER_IDENTITY as usize,
+        "sessions of one SPIFFE ID served"
+    );
     assert!(
         probes.readyz.len() >= 3 && probes.readyz.iter().all(|s| *s == Some(200)),
         "/readyz during the flood: {:?}",
@@ -489,7 +528,7 @@ async fn a_connection_flood_leaves_jobs_running_readyz_answering_and_the_log_bou
         probes.max_open
     );
     let mut peers = HALF_OPEN_PEERS.to_vec();
-    peers.push(SESSION_PEER);
+    peers.extend([SESSION_PEER, GREEDY_PEER]);
     let per_connection = per_connection_lines(&log, &peers);
     assert!(
         per_connection.is_empty(),
