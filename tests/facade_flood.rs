@@ -407,9 +407,10 @@ fn per_connection_lines<'a>(log: &'a str, peers: &[Ipv4Addr]) -> Vec<&'a str> {
 /// two addresses, flood clients reopening them as fast as the facade closes them, and idle
 /// HTTP/2 sessions of twenty SPIFFE IDs of the trust domain (each above its per-identity
 /// limit, together above the per-peer limit) never hold more than the connection limit, and
-/// one job's SVID gets only its share of sessions served; meanwhile a job queued in Gitea starts and finishes with its result in Gitea, `/readyz`
-/// answers 200 to every probe on a fresh connection, and the controller's log grows by a
-/// bounded amount with no line per connection.
+/// one job's SVID gets only its share of sessions served; meanwhile a job queued in Gitea
+/// starts and finishes with its result in Gitea, `/readyz` answers 200 to every probe on a
+/// fresh connection, and the controller's log grows by a bounded amount with no line per
+/// connection.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_connection_flood_leaves_jobs_running_readyz_answering_and_the_log_bounded() {
     let controller = Controller::start().await;
