@@ -11,11 +11,17 @@ use gdr_testkit::mock_gitea::{MockConfig, MockGitea};
 const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
 
 fn run(args: &[&str]) -> Output {
+    run_with_env(args, &[])
+}
+
+/// [`run`] with `env` set (values need not be text).
+fn run_with_env(args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> Output {
     Command::new(BIN)
         .args(args)
         // The caller's environment must not leak configuration into the test.
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .envs(env.iter().copied())
         .output()
         .expect("binary runs")
 }
@@ -221,6 +227,35 @@ fn check_config_lists_every_problem_and_unreadable_secret_files() {
         "{err}"
     );
     assert!(text(&out.stdout).contains("gitea_instance_url = \"http://gitea.local\""));
+}
+
+/// No DESIGN invariant (issue 10, bad values from operators): a configuration variable
+/// whose value is not UTF-8 is named as such. It used to be skipped as if unset, so a set
+/// `TRUST_DOMAIN` was reported as "is required".
+#[test]
+fn check_config_names_a_configuration_variable_whose_value_is_not_utf8() {
+    use std::os::unix::ffi::OsStrExt as _;
+    let out = run_with_env(
+        &[
+            "check-config",
+            "--set",
+            "gitea_instance_url=http://gitea.local",
+            // The cluster mode: single-host mode would default the trust domain.
+            "--set",
+            "nats_url=nats://127.0.0.1:4222",
+        ],
+        &[(
+            "TRUST_DOMAIN",
+            std::ffi::OsStr::from_bytes(b"ex\xffample.org"),
+        )],
+    );
+    assert!(!out.status.success());
+    let err = text(&out.stderr);
+    assert!(
+        err.contains("TRUST_DOMAIN") && err.contains("not UTF-8"),
+        "{err}"
+    );
+    assert!(!err.contains("is required"), "{err}");
 }
 
 /// DESIGN invariant 17: a complete configuration is accepted, and `check-config` shows secret

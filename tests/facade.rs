@@ -31,7 +31,7 @@ use gdr_testkit::log_capture::Capture;
 use gdr_testkit::memory_backend::MemoryBackend;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::spiffe::{
-    FakeWorkloadApi, RunningWorkloadApi, TestCa, any_server_client_config, raw_tls_get,
+    FakeWorkloadApi, RunningWorkloadApi, TestCa, any_server_client_config, raw_tls_get, tls_over,
 };
 use gdr_testkit::standin_dockerd::{
     Readiness, RunnerStart, StandinDockerd, recording_runner, runner_start,
@@ -773,18 +773,8 @@ async fn tls_to(
     svid: &gdr_testkit::spiffe::Svid,
     alpn: &[&[u8]],
 ) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
-    let mut config = any_server_client_config(Some(svid)).expect("tls");
-    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     let tcp = tokio::net::TcpStream::connect(addr).await.expect("connect");
-    tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect(
-            rustls::pki_types::ServerName::IpAddress(
-                std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST).into(),
-            ),
-            tcp,
-        )
-        .await
-        .expect("handshake")
+    tls_over(tcp, svid, alpn).await.expect("handshake")
 }
 
 /// Reads until the peer closes (or `WAIT` passes: then `false`).

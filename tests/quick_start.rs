@@ -101,8 +101,12 @@ impl Host {
     }
 
     fn queue(&self, name: &str) -> JobId {
+        self.queue_step(name, "standin:success")
+    }
+
+    fn queue_step(&self, name: &str, step: &str) -> JobId {
         let yaml = format!(
-            "on: push\njobs:\n  {name}:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: standin:success\n"
+            "on: push\njobs:\n  {name}:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: {step}\n"
         );
         self.mock
             .handle
@@ -204,4 +208,60 @@ async fn without_a_runner_on_path_the_start_fails_naming_what_to_install() {
     host.succeeds(host.queue("act")).await;
     stop(&mut child).await;
     assert!(Path::new(&host.state().join("runner-uuid")).exists());
+}
+
+/// DESIGN invariant 21: what lives under `state_dir` is reachable only by the controller's
+/// user. A first start on a machine where none of them exists creates `state_dir`, the
+/// local CA's directory, the embedded NATS store and the process backend's directories —
+/// down to each running executor's directory, which holds its Workload API socket — as
+/// 0700 (the umask would leave `create_dir_all`'s directories 0755, readable and
+/// traversable by every local user, who could then ask the socket for the job's SVID).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_first_start_creates_state_dir_the_ca_and_the_workload_api_socket_directories_0700() {
+    let host = Host::new("gitea-runner").await;
+    assert!(!host.state().exists(), "nothing is created beforehand");
+    let mut child = host.start();
+    let job = host.queue_step("held", "standin:hang");
+    let task = host
+        .mock
+        .handle
+        .wait_for_value(
+            |m| {
+                let task = m.job(job)?.task?;
+                m.task(task.id).filter(|t| t.heartbeats > 0).map(|t| t.id)
+            },
+            WAIT,
+        )
+        .await
+        .unwrap_or_else(|_| panic!("the job never ran; log:\n{}", host.log()));
+    let state = host.state();
+    let executor = state
+        .join("pod/executors")
+        .join(format!("gitea-task-{task}"));
+    // The sockets the modes protect: the facade's and the running executor's.
+    for socket in [
+        state.join("facade-workload.sock"),
+        executor.join("workload.sock"),
+    ] {
+        assert!(socket.exists(), "{} is served", socket.display());
+    }
+    for dir in [
+        state.clone(),
+        state.join("ca"),
+        state.join("nats"),
+        state.join("pod"),
+        state.join("pod/executors"),
+        executor,
+        state.join("vm"),
+        state.join("vm/executors"),
+    ] {
+        let mode = std::fs::metadata(&dir)
+            .unwrap_or_else(|e| panic!("{}: {e}; log:\n{}", dir.display(), host.log()))
+            .permissions()
+            .mode()
+            & 0o7777;
+        assert_eq!(mode, 0o700, "{} is mode {mode:04o}", dir.display());
+    }
+    host.mock.handle.cancel_job(job).expect("cancel");
+    stop(&mut child).await;
 }

@@ -79,6 +79,23 @@ pub fn any_server_client_config(
     }
 }
 
+/// A TLS connection over `tcp` presenting `svid` and offering `alpn`, accepting any server
+/// certificate (a job's client as the facade sees it, without the executor's server check).
+pub async fn tls_over(
+    tcp: tokio::net::TcpStream,
+    svid: &Svid,
+    alpn: &[&[u8]],
+) -> std::io::Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>> {
+    let mut config = any_server_client_config(Some(svid)).map_err(std::io::Error::other)?;
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    let name = rustls::pki_types::ServerName::IpAddress(
+        std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST).into(),
+    );
+    tokio_rustls::TlsConnector::from(Arc::new(config))
+        .connect(name, tcp)
+        .await
+}
+
 /// Sends a raw HTTP/1.1 request over TLS; `Ok` only if an HTTP answer came back.
 pub async fn raw_tls_get(
     config: rustls::ClientConfig,
