@@ -386,7 +386,20 @@ async fn a_pod_that_fails_to_start_is_a_server_error() {
         }
         other => panic!("expected 500, got {other:?}"),
     }
-    assert!(client.list(&by_tag(&tag, 0)).await.unwrap().is_empty());
+    // The server deletes the failed sandbox in the background of its answer.
+    eventually(
+        DEADLINE,
+        "the failed sandbox is deleted by the server",
+        || async {
+            client
+                .list(&by_tag(&tag, 0))
+                .await
+                .unwrap()
+                .is_empty()
+                .then_some(())
+        },
+    )
+    .await;
 }
 
 /// DESIGN invariant 12: a sandbox whose task failed reads `Failed` with the server's reason, so
