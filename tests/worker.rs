@@ -858,6 +858,39 @@ async fn a_wake_reports_an_executor_that_ended_before_claiming_without_waiting_f
     assert_eq!(h.pod.deleted(), 1);
 }
 
+/// DESIGN invariant 12: a claim that arrives together with a wake (the runner fetched its
+/// task, then its Pod was deleted before the worker looked again) hands the job over as
+/// claimed, for the lifecycle reconciler to report the gone executor; it is not failed as an
+/// executor that "disappeared before its runner fetched the task". Several jobs, because the
+/// worker's choice between two ready signals was random.
+#[tokio::test]
+async fn a_claim_that_arrives_with_a_wake_hands_the_job_over_instead_of_failing_its_start() {
+    const JOBS: usize = 12;
+    let mut h = Harness::new(JOBS, 1).await;
+    let (tx, rx) = tokio::sync::watch::channel(0u64);
+    let slow = |s: &mut WorkerSettings| s.progress_interval = Duration::from_secs(1800);
+    h.start_woken_worker(
+        Backend::Pod,
+        JOBS as i64,
+        Duration::from_secs(3600),
+        slow,
+        Wake::from(rx),
+    )
+    .await;
+    for _ in 0..JOBS {
+        let a = h.publish_job("[self-hosted, pod]").await;
+        h.wait_offered(a.id()).await;
+        assert!(h.claim(&a).await);
+        // Before the worker runs again (one test thread): the executor vanishes and the
+        // backend's change signal fires.
+        h.pod.vanish(a.id());
+        tx.send_modify(|n| *n += 1);
+        let (id, outcome) = h.next_outcome().await;
+        assert_eq!(id, a.id().as_str());
+        assert_eq!(outcome, Outcome::Claimed, "failed as a start failure");
+    }
+}
+
 /// With a change signal, an identity target that is not ready yet (a Pod not scheduled)
 /// is waited for within the delivery: no delivery is put back, and the job is offered as
 /// soon as it is ready.

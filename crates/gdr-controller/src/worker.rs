@@ -765,7 +765,11 @@ impl Worker {
                 self.observe(|m| &m.start_latency, elapsed_since(record.created_at));
                 return Outcome::Claimed;
             }
+            // Biased: a claim that lands together with a wake (the runner fetched, then its
+            // Pod was deleted) is the runner's job now, reported by the lifecycle reconciler;
+            // judged as a start failure it would be failed with the wrong reason.
             tokio::select! {
+                biased;
                 _ = claim.changed() => continue,
                 _ = shutdown.wait() => return Outcome::Interrupted,
                 _ = wake.changed() => {}
@@ -778,6 +782,10 @@ impl Worker {
                 }
             }
             if let Some((why, failure)) = self.executor_failure(&id, &record).await {
+                // The claim may have landed while the backend was read.
+                if matches!(*claim.borrow(), ClaimState::Claimed | ClaimState::Terminal) {
+                    continue;
+                }
                 return self.fail(&assignment, why, &failure).await;
             }
         }

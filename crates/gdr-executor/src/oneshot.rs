@@ -297,8 +297,17 @@ impl Drop for Cleanup {
 }
 
 /// Runs the executor until the runner exits; returns the runner's exit status. `signals`
-/// are passed on to the runner (the caller owns the signal handlers).
-pub async fn run(
+/// are passed on to the runner (the caller owns the signal handlers). Boxed so its state
+/// machine is compiled once, in this crate, not again in the binary that polls it (release
+/// builds share no generic instantiation across crates).
+pub fn run(
+    config: ExecutorConfig,
+    signals: tokio::sync::mpsc::Receiver<Forward>,
+) -> std::pin::Pin<Box<dyn Future<Output = Result<ExitStatus, RunError>> + Send>> {
+    Box::pin(run_executor(config, signals))
+}
+
+async fn run_executor(
     mut config: ExecutorConfig,
     mut signals: tokio::sync::mpsc::Receiver<Forward>,
 ) -> Result<ExitStatus, RunError> {

@@ -190,6 +190,14 @@ impl MemoryBackend {
         }
     }
 
+    /// Removes an executor as someone else would (a Pod deleted by hand, a lost node); not
+    /// counted in [`MemoryBackend::deleted`].
+    pub fn vanish(&self, id: &AssignmentId) {
+        let mut state = self.state();
+        state.executors.remove(id);
+        state.specs.remove(id);
+    }
+
     fn check(&self) -> Result<(), ExecutorError> {
         match &self.state().failing {
             Some(f) => Err(f.error()),

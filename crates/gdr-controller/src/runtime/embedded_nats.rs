@@ -573,9 +573,12 @@ mod tests {
         let store = tempfile::tempdir().unwrap();
         let other = tempfile::tempdir().unwrap();
         // A shell that stays (its command is not its last) keeps `-sd <store>` in argv.
+        // Its own process group, so the `sleep` is killed with it and no process of this test
+        // outlives it.
         let mut child = Command::new("sh")
             .args(["-c", "sleep 30; :", "sh", "-sd"])
             .arg(store.path())
+            .process_group(0)
             .spawn()
             .unwrap();
         let deadline = Instant::now() + Duration::from_secs(5);
@@ -584,7 +587,8 @@ mod tests {
             std::thread::sleep(POLL);
         }
         assert!(!servers_of(other.path()).contains(&child.id()));
-        let _ = child.kill();
+        let group = rustix::process::Pid::from_raw(i32::try_from(child.id()).unwrap()).unwrap();
+        let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
         let _ = child.wait();
         assert!(
             !servers_of(store.path()).contains(&child.id()),

@@ -15,6 +15,7 @@ pub mod sandbox_identity;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -138,8 +139,18 @@ fn setup<E: Into<Source>>(name: &'static str) -> impl FnOnce(E) -> RuntimeError 
     move |e| step(name)(e.into())
 }
 
+/// The future of a whole program (controller, `sandbox-identity`), boxed at the crate
+/// boundary: its state machine is then compiled once, here. Polled as an opaque type from the
+/// binary, release builds (which share no generic instantiation across crates) compiled the
+/// entire async call tree a second time there, about two minutes of a cold release build.
+pub type Program = Pin<Box<dyn Future<Output = Result<(), RuntimeError>> + Send>>;
+
 /// Runs the controller until `shutdown` (Ok) or until leadership is lost (Err).
-pub async fn run(
+pub fn run(settings: Settings, listeners: Listeners, shutdown: Shutdown) -> Program {
+    Box::pin(run_controller(settings, listeners, shutdown))
+}
+
+async fn run_controller(
     settings: Settings,
     listeners: Listeners,
     shutdown: Shutdown,

@@ -28,7 +28,15 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Runs `sandbox-identity` until `shutdown` (Ok) or until leadership is lost (Err).
-pub async fn run(
+pub fn run(
+    settings: SandboxIdentitySettings,
+    health: tokio::net::TcpListener,
+    shutdown: Shutdown,
+) -> super::Program {
+    Box::pin(run_sandbox_identity(settings, health, shutdown))
+}
+
+async fn run_sandbox_identity(
     settings: SandboxIdentitySettings,
     health: tokio::net::TcpListener,
     shutdown: Shutdown,
