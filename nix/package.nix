@@ -15,7 +15,8 @@ let
   cargoToml = lib.importTOML ../Cargo.toml;
 
   # Everything cargo reads: manifests, the lock file, every `.rs` (including each crate's
-  # `build.rs`), `.toml` configuration (clippy.toml, rustfmt/nextest config if added), the
+  # `build.rs`), `.toml` configuration (clippy.toml, rustfmt.toml), nextest's
+  # `.config/nextest.toml` (test threads, priorities, timeouts: the same as in CI), the
   # `.proto` files `crates/gdr-proto/build.rs` compiles from the top-level `proto/`, and all
   # of `tests/` so that fixtures next to the integration tests are never filtered away.
   # `fuzz/` is its own workspace (nightly only) and stays out; so do flake.nix, nix/,
@@ -24,6 +25,7 @@ let
     inherit root;
     fileset = lib.fileset.difference (lib.fileset.unions [
       (craneLib.fileset.commonCargoSources root)
+      (lib.fileset.maybeMissing ../.config/nextest.toml)
       ../proto
       ../tests
     ]) (lib.fileset.maybeMissing ../fuzz);

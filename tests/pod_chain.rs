@@ -22,6 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gdr_testkit::controller::{ControllerFixture, FACADE_SPIFFE_ID, Value, listener};
+use gdr_testkit::eventually;
 use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
 use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
 use gdr_testkit::fake_spire::FakeSpireAgent;
@@ -203,21 +204,20 @@ impl Chain {
         }
     }
 
-    /// Waits until the job's runner is running it (it has sent heartbeats).
+    /// Waits until the job's runner is running it: its first log row reached Gitea. (A
+    /// heartbeat is no sign of it: the controller keeps a queued task alive with its own.)
     async fn running(&self, job: JobId) -> i64 {
-        self.mock
+        let task = self
+            .mock
             .handle
-            .wait_for_value(
-                |m| {
-                    m.job(job)
-                        .and_then(|j| j.task)
-                        .filter(|t| t.heartbeats > 0)
-                        .map(|t| t.id)
-                },
-                WAIT,
-            )
+            .wait_for_value(|m| m.job(job).and_then(|j| j.task).map(|t| t.id), WAIT)
             .await
-            .unwrap_or_else(|_| panic!("job {job:?} never ran\n{}", self.fixture.log()))
+            .unwrap_or_else(|_| panic!("job {job:?} was never fetched\n{}", self.fixture.log()));
+        eventually(WAIT, "the job's runner started it", || async {
+            (self.runs_of(job) > 0).then_some(())
+        })
+        .await;
+        task
     }
 
     fn log_rows(&self, job: JobId) -> Vec<String> {
@@ -401,7 +401,8 @@ async fn a_pod_deleted_mid_job_fails_the_job_and_leaves_nothing() {
     assert!(
         rows.iter()
             .any(|r| r.contains("is gone from the pod backend (deleted by someone else")),
-        "{rows:?}"
+        "{rows:?}\ncontroller log:\n{}",
+        c.fixture.log()
     );
     c.nothing_left().await;
     let _ = controller.start_kill();
