@@ -178,6 +178,25 @@ impl Controller {
         self.mock.handle.log_rows(job)
     }
 
+    /// Waits until the job's runner is running it (its first log row reached Gitea) and
+    /// returns the task ID. A heartbeat is no sign of it: the controller keeps a queued task
+    /// alive with its own.
+    async fn running(&self, job: JobId, what: &str) -> i64 {
+        let task = self
+            .mock
+            .handle
+            .wait_for_value(|m| m.job(job).and_then(|j| j.task).map(|t| t.id), WAIT)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: never fetched"));
+        gdr_testkit::until(WAIT, what, || async {
+            self.log_rows(job)
+                .iter()
+                .any(|r| r.contains("stand-in runner: task"))
+        })
+        .await;
+        task
+    }
+
     /// Waits until no executor directory and no admission slot is left.
     async fn nothing_left(&self) {
         gdr_testkit::until(WAIT, "no executor and no admission slot left", || async {
@@ -213,20 +232,7 @@ async fn success_failure_and_cancellation_reach_gitea_through_the_whole_chain() 
     let hang = c.queue("hang", "[self-hosted, pod]", "standin:hang");
     c.wait_status(ok, Status::Success).await;
     c.wait_status(bad, Status::Failure).await;
-    let hang_task = c
-        .mock
-        .handle
-        .wait_for_value(
-            |m| {
-                m.job(hang)
-                    .and_then(|j| j.task)
-                    .filter(|t| t.heartbeats > 0)
-                    .map(|t| t.id)
-            },
-            WAIT,
-        )
-        .await
-        .expect("the hanging job runs");
+    let hang_task = c.running(hang, "the hanging job runs").await;
     c.mock.handle.cancel_job(hang).expect("cancel");
     c.wait_status(hang, Status::Cancelled).await;
     let rows = c.mock.handle.task(hang_task).expect("task").log_rows;
@@ -320,18 +326,7 @@ async fn pod_and_vm_labels_run_in_their_own_pools() {
 async fn an_executor_killed_mid_job_is_reported_as_failed_and_cleaned_up() {
     let mut c = Controller::start(1, 1).await;
     let job = c.queue("victim", "[self-hosted, pod]", "standin:hang");
-    c.mock
-        .handle
-        .wait_for(
-            |m| {
-                m.job(job)
-                    .and_then(|j| j.task)
-                    .is_some_and(|t| t.heartbeats > 0)
-            },
-            WAIT,
-        )
-        .await
-        .expect("the job runs");
+    c.running(job, "the job runs").await;
     let executors = c.fixture.state_dir().join("pod/executors");
     let dir = std::fs::read_dir(&executors)
         .expect("dir")
@@ -364,18 +359,7 @@ async fn a_nats_restart_mid_job_loses_no_job() {
     let mut nats = NatsServer::start().await.expect("nats");
     let mut c = Controller::start_with(2, 1, Some(nats.url()), &[]).await;
     let running = c.queue("running", "[self-hosted, pod]", "standin:sleep 3000");
-    c.mock
-        .handle
-        .wait_for(
-            |m| {
-                m.job(running)
-                    .and_then(|j| j.task)
-                    .is_some_and(|t| t.heartbeats > 0)
-            },
-            WAIT,
-        )
-        .await
-        .expect("the first job runs");
+    c.running(running, "the first job runs").await;
     nats.restart().await.expect("restart nats");
     let after = c.queue("after", "[self-hosted, pod]", "standin:success");
     c.wait_status(running, Status::Success).await;
