@@ -19,13 +19,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     compiler.include_imports(true).include_source_info(true);
     compiler.open_files(FILES)?;
     let fds_path = out.join("descriptors.bin");
-    let descriptors = prost::Message::encode_to_vec(&compiler.file_descriptor_set());
-    // connectrpc-build declares `rerun-if-changed` on this file: rewriting it unchanged
-    // would make every cargo invocation rerun this script and rebuild the workspace.
-    if std::fs::read(&fds_path).ok().as_deref() != Some(descriptors.as_slice()) {
-        std::fs::write(&fds_path, descriptors)?;
-    }
+    std::fs::write(
+        &fds_path,
+        prost::Message::encode_to_vec(&compiler.file_descriptor_set()),
+    )?;
+    // connectrpc-build would declare `rerun-if-changed` on `descriptors.bin`, which this
+    // script writes while it runs: cargo then finds the file newer than the run and reruns
+    // the script on the next invocation, which rewrites the generated code and rebuilds every
+    // crate of the workspace once more (CI's test command after its clippy build). The real
+    // inputs are declared instead: the proto tree above, and the one variable buffa's
+    // codegen reads.
+    println!("cargo:rerun-if-env-changed=BUFFA_ELEMENT_MEMORY_LIMIT");
     connectrpc_build::Config::new()
+        .emit_rerun_directives(false)
         .descriptor_set(&fds_path)
         .files(FILES)
         .include_file("_connectrpc.rs")
