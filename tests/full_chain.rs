@@ -189,9 +189,7 @@ impl Controller {
             .await
             .unwrap_or_else(|_| panic!("{what}: never fetched"));
         gdr_testkit::until(WAIT, what, || async {
-            self.log_rows(job)
-                .iter()
-                .any(|r| r.contains("stand-in runner: task"))
+            self.mock.handle.runner_starts(job) > 0
         })
         .await;
         task

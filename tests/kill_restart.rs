@@ -406,7 +406,8 @@ async fn a_controller_down_longer_than_the_runners_close_timeout_loses_no_result
         let task = s.mock.handle.job(*job).and_then(|j| j.task).expect("task");
         let expected = vec![
             format!(
-                "stand-in runner: task {} script Sleep({:?})",
+                "{} {} script Sleep({:?})",
+                gdr_testkit::standin_runner::TASK_STARTED,
                 task.id,
                 Duration::from_millis(ms)
             ),

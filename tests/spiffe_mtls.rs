@@ -853,12 +853,9 @@ async fn the_stand_in_gives_its_final_report_up_after_the_runners_close_timeout(
     mock.handle
         .wait_for(
             |m| {
-                m.job(job).and_then(|j| j.task).is_some_and(|t| {
-                    t.heartbeats >= 1
-                        && t.log_rows
-                            .iter()
-                            .any(|r| r.contains("stand-in runner: task"))
-                })
+                m.job(job)
+                    .and_then(|j| j.task)
+                    .is_some_and(|t| t.heartbeats >= 1 && t.runner_starts() > 0)
             },
             WAIT,
         )

@@ -20,9 +20,6 @@ use crate::service::is_ready;
 /// hang (a job on the stand-in runner ends within seconds), never a speed assertion.
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// What the stand-in runner logs as a task's first row.
-const RUNNER_STARTED: &str = "stand-in runner: task";
-
 /// A mock Gitea, a controller configuration for it and the listeners of its processes.
 pub struct LocalController {
     /// The Gitea the controller serves.
@@ -219,10 +216,7 @@ impl LocalController {
 
     /// How many times a runner started `job` (its first row, counted in Gitea's log).
     pub fn runs_of(&self, job: JobId) -> usize {
-        self.rows(job)
-            .iter()
-            .filter(|r| r.contains(RUNNER_STARTED))
-            .count()
+        self.mock.handle.runner_starts(job)
     }
 }
 
@@ -262,7 +256,7 @@ pub fn executor_logs(state_dir: &Path) -> String {
 /// Whether a runner started `job`: its first row reached Gitea.
 pub fn started_in_a_runner(job: Option<JobSnapshot>) -> bool {
     job.and_then(|j| j.task)
-        .is_some_and(|t| t.log_rows.iter().any(|r| r.contains(RUNNER_STARTED)))
+        .is_some_and(|t| t.runner_starts() > 0)
 }
 
 /// How a controller goes away.

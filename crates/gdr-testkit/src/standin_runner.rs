@@ -51,6 +51,10 @@ use http_body_util::{BodyExt, Empty};
 use serde::Deserialize;
 
 /// Exit status of a `standin:crash` run (non-zero, no final report).
+/// How the first log row of every task the stand-in runs begins: a test counts these rows
+/// in Gitea's log to see how often a runner started a job.
+pub const TASK_STARTED: &str = "stand-in runner: task";
+
 pub const CRASH_EXIT_CODE: i32 = 3;
 
 /// Rows per `UpdateLog` call, as the official runner's `log_report_batch_size`.
@@ -369,7 +373,7 @@ async fn run_task(
     signals: &mut Signals,
 ) -> StandinOutcome {
     reporter.log(format!(
-        "stand-in runner: task {} script {script:?}",
+        "{TASK_STARTED} {} script {script:?}",
         reporter.task_id
     ));
     let work = run_script(reporter, script, address);

@@ -122,6 +122,17 @@ pub struct TaskSnapshot {
     pub token: String,
 }
 
+impl TaskSnapshot {
+    /// How many times a stand-in runner started this task (its first row, counted in the
+    /// stored log).
+    pub fn runner_starts(&self) -> usize {
+        self.log_rows
+            .iter()
+            .filter(|r| r.starts_with(crate::standin_runner::TASK_STARTED))
+            .count()
+    }
+}
+
 /// A queued job, with its task once claimed.
 #[derive(Debug, Clone, Serialize)]
 pub struct JobSnapshot {
@@ -441,6 +452,13 @@ impl MockGitea {
             .and_then(|j| j.task)
             .map(|t| t.log_rows)
             .unwrap_or_default()
+    }
+
+    /// How many times a stand-in runner started `job`'s task (0 before it is claimed).
+    pub fn runner_starts(&self, job: JobId) -> usize {
+        self.job(job)
+            .and_then(|j| j.task)
+            .map_or(0, |t| t.runner_starts())
     }
 
     pub fn runner(&self, uuid: &str) -> Option<RunnerSnapshot> {
