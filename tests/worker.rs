@@ -830,11 +830,16 @@ async fn a_consumer_that_keeps_failing_is_retried_with_backoff_not_in_a_spin() {
             .filter(|l| l.contains("re-subscribing") || l.contains("cannot pull assignments"))
             .count()
     };
-    // Noticed when the pull fails or its heartbeats stop: how soon depends on the load, so
-    // the test waits for it, then counts the retries of the next 4 s.
-    gdr_testkit::until_sync(WAIT, "the worker notices its broken consumer", || {
-        retries() >= 1
-    })
+    // Noticed at once when the server's "consumer deleted" notice reaches the pull; when a
+    // loaded run misses it (the deletion raced the first pull request), only when the pull's
+    // idle heartbeats stop: async-nats sends them every 15 s and reports the second one
+    // missed, so the wait covers three periods. Then the retries of the next 4 s are counted.
+    const MISSED_HEARTBEATS: Duration = Duration::from_secs(3 * 15);
+    gdr_testkit::until_sync(
+        MISSED_HEARTBEATS + WAIT,
+        "the worker notices its broken consumer",
+        || retries() >= 1,
+    )
     .await;
     let first = retries();
     tokio::time::sleep(Duration::from_secs(4)).await;
