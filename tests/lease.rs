@@ -336,12 +336,17 @@ async fn a_leader_whose_lease_was_taken_over_steps_down_at_once() {
     assert!(a.leadership.acquired().await);
 
     let leases: Api<Lease> = Api::namespaced(client(&fake.url), NS);
-    let mut lease = leases.get(LEASE).await.expect("get");
-    lease.spec.as_mut().expect("spec").holder_identity = Some("intruder".into());
-    leases
-        .replace(LEASE, &PostParams::default(), &lease)
-        .await
-        .expect("overwrite");
+    // The leader may renew between the intruder's read and its write (a 409 on the stale
+    // resourceVersion, seen on a loaded run): the intruder reads again, as a real one would.
+    for attempt in 1.. {
+        let mut lease = leases.get(LEASE).await.expect("get");
+        lease.spec.as_mut().expect("spec").holder_identity = Some("intruder".into());
+        match leases.replace(LEASE, &PostParams::default(), &lease).await {
+            Ok(_) => break,
+            Err(kube::Error::Api(s)) if s.code == 409 && attempt < 10 => {}
+            Err(e) => panic!("overwrite: {e}"),
+        }
+    }
 
     a.leadership.lost().await;
     let result = a.task.await.expect("elector task");
