@@ -2,9 +2,6 @@
 //! in-memory backend and the local process backend. The OpenSandbox backend runs the same
 //! suite in `opensandbox_backend.rs`.
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

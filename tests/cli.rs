@@ -1,8 +1,5 @@
 //! The binary as an operator uses it: `--help`, `check-config`, `register`.
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::path::Path;
 use std::process::{Command, Output};
 

@@ -3,9 +3,6 @@
 //! or ClusterStaticEntries), and run the controller as DESIGN invariant 18 requires.
 //! Schema validation is `deploy/validate.sh` (kubernetes-validate, pinned).
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::BTreeSet;
 use std::path::Path;
 

@@ -1,9 +1,6 @@
 //! The facade with real peers: executor (loopback proxy, SPIFFE mTLS from a fake Workload
 //! API) → facade → mock Gitea, with the stand-in runner doing the runner's side.
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -10,9 +10,6 @@
 //! (`prlimit` on its pid), which is the one way its `accept` can fail with `EMFILE`: the
 //! facade's own connections are capped at a quarter of the open-file limit.
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

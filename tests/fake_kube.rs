@@ -7,9 +7,6 @@
 //! field causes; the status and binding subresources; owner-reference garbage collection).
 //! Each states the behaviour it pins in a `Peer fidelity` line.
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 

@@ -2,9 +2,6 @@
 //! worker → process backend → `gitea-dynamic-runner executor` → stand-in runner →
 //! facade → mock Gitea.
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -1,8 +1,5 @@
 //! The Gitea client against the mock Gitea over real HTTP.
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::time::Duration;
 
 use gdr_controller::gitea::{ClientOptions, Credentials, ErrorKind, GiteaClient};

@@ -3,9 +3,6 @@
 //! lost or run twice. A small TCP forwarder ([`ReadyService`]) plays the Kubernetes
 //! Service that routes executors to the ready (leading) replica.
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::net::SocketAddr;
 use std::time::Duration;
 

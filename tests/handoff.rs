@@ -1,9 +1,6 @@
 //! The handoff with real peers: a task fetched from the mock Gitea becomes an
 //! assignment, is published to a real nats-server and read back.
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::time::Duration;
 
 use async_nats::jetstream;

@@ -2,9 +2,6 @@
 //! started again; each test asserts what became of the job: no task runs twice, nothing
 //! is lost outside the documented fetch→publish window, no executor or slot leaks.
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;

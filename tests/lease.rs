@@ -7,9 +7,6 @@
 //! `resourceVersion`, `Status` errors, label selectors, merge patches, custom resources), each
 //! stated in a `Peer fidelity` line; `Peer harness` lines pin the fake's own test controls.
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

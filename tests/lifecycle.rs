@@ -1,8 +1,5 @@
 //! The lifecycle reconciler against the mock Gitea and an in-memory backend.
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::sync::Arc;
 use std::time::Duration;
 

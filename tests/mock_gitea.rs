@@ -9,9 +9,6 @@
 //! registration, errors as they appear on the wire, compression. `Peer harness` lines pin the
 //! mock's own test controls (fault injection, admin API, blob endpoint, waiting, shutdown).
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::HashSet;
 use std::time::Duration;
 

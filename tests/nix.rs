@@ -7,9 +7,6 @@
 //! These read the files as text and JSON; nothing here needs Nix (`nix/check.sh` parses and
 //! evaluates the `.nix` files where `nix-instantiate` is installed).
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Command;

@@ -5,11 +5,6 @@
 //! one server. Server timeouts: `gdr_testkit::opensandbox::{CREATE_TIMEOUT,
 //! POOL_ACQUISITION_TIMEOUT}` (10 s and 2 s here; 60 s and 30 s in production).
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod opensandbox_common;
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
@@ -22,7 +17,8 @@ use gdr_core::metadata::{MetadataCodec, keys};
 use gdr_testkit::backend_contract::{self, Contract, eventually};
 use gdr_testkit::opensandbox::{OpenSandboxServer, POOL_ACQUISITION_TIMEOUT, PoolSpec};
 use gdr_testkit::spiffe::{FakeWorkloadApi, TestCa};
-use opensandbox_common::{DEADLINE, client, pool, server, settings, unique};
+
+use crate::opensandbox_common::{DEADLINE, client, pool, server, settings, unique};
 
 /// A test's own metadata prefix, pool and settings on the shared server.
 struct Setup {
@@ -135,7 +131,7 @@ async fn configuration_errors_name_the_setting_and_keep_the_job_queued() {
     );
     let wrong_key = OpenSandboxBackend::new(
         setup.settings.clone(),
-        opensandbox_common::client_with(setup.server, settings(setup.server), "wrong"),
+        crate::opensandbox_common::client_with(setup.server, settings(setup.server), "wrong"),
     )
     .unwrap();
     let error = wrong_key.list().await.unwrap_err();

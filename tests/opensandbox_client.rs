@@ -9,11 +9,6 @@
 //! test peer: where a test depends on it behaving as a real cluster would (Pods held
 //! unstarted, failing to start), a `Peer fidelity` line says so.
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod opensandbox_common;
-
 use std::collections::BTreeMap;
 use std::time::{Duration, SystemTime};
 
@@ -22,7 +17,8 @@ use gdr_backends::opensandbox::{ClientError, LifecycleClient};
 use gdr_core::metadata::{ExecutorMetadata, MetadataCodec, is_label_value};
 use gdr_testkit::eventually;
 use gdr_testkit::opensandbox::{POOL_ACQUISITION_TIMEOUT, PoolSpec};
-use opensandbox_common::{DEADLINE, client, client_with, pool, server, settings, unique};
+
+use crate::opensandbox_common::{DEADLINE, client, client_with, pool, server, settings, unique};
 
 fn request(pool: &str, tag: &str) -> CreateSandbox {
     CreateSandbox {

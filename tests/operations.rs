@@ -3,9 +3,6 @@
 //! events, `/status` with the `status` command and the status page in headless Chromium,
 //! and the metrics the dashboard and alert rules under `deploy/` use.
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

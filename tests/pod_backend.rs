@@ -3,9 +3,6 @@
 //! stand-in runner) and the fake SPIRE agent issuing SVIDs only to Pods a
 //! ClusterStaticEntry selects. Also the backend contract suite for the Pod backend.
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -13,9 +13,6 @@
 //! report after 10 s, so a controller restart mid-job must be back well within that; Gitea
 //! fails an idle task after 10 min (not reached: every wait below ends far earlier).
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;

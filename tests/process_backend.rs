@@ -1,8 +1,5 @@
 //! The local process backend with real child processes in temporary state directories.
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -5,9 +5,6 @@
 //! Every wait is on observable state with a deadline; counts are asserted only after the
 //! message they concern is seen settled.
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::Path;
 use std::time::Duration;

@@ -4,9 +4,6 @@
 //! `STATE_DIRECTORY`), a `PATH` holding the runner and nats-server, and two loopback
 //! listeners (socket activation, as systemd would hand them over).
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

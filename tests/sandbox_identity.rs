@@ -1,9 +1,6 @@
 //! `sandbox-identity` against the fake Kubernetes API serving BatchSandbox, Pod and
 //! ClusterStaticEntry objects, through the real `kube` client.
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,9 +1,6 @@
 //! The scheduler against real peers: the mock Gitea (real Connect protocol) and a
 //! real nats-server child process.
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

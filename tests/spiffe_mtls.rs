@@ -8,9 +8,6 @@
 //! without a final report, checkout through its address), so that the tests running it as an
 //! executor's runner mean what they say. Each states the behaviour in a `Peer fidelity` line.
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -9,11 +9,6 @@
 //! after `gdr_testkit::opensandbox::CREATE_TIMEOUT` (10 s here, 60 s in production) and a
 //! full pool answers 429 after `POOL_ACQUISITION_TIMEOUT` (2 s here, 30 s in production).
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod opensandbox_common;
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -27,7 +22,8 @@ use gdr_testkit::nats_server::NatsServer;
 use gdr_testkit::opensandbox::{OpenSandboxServer, PoolSpec};
 use gdr_testkit::spiffe::{FakeWorkloadApi, RunningWorkloadApi, TestCa};
 use gdr_testkit::vm_host::{VmHost, VmHostConfig};
-use opensandbox_common::{client, server, unique};
+
+use crate::opensandbox_common::{client, server, unique};
 
 const WAIT: Duration = Duration::from_secs(90);
 const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");

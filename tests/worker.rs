@@ -1,9 +1,6 @@
 //! Workers against a real nats-server, the mock Gitea and in-memory backends: capacity,
 //! isolation between backends, poison messages and NATS restarts (DESIGN invariants 5–9).
 
-// A panic is how a test (or a benchmark harness) fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
-
 use std::sync::Arc;
 use std::time::Duration;
 
