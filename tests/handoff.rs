@@ -6,29 +6,13 @@ use std::time::Duration;
 use async_nats::jetstream;
 use futures::StreamExt;
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
-use gdr_controller::queue::{self, ConsumerSettings, StreamSettings};
-use gdr_core::assignment::{
-    Assignment, DerivationPolicy, EnvelopeError, TaskKey, TaskKeyring, decode, encode_v2,
-};
-use gdr_core::backend::{Backend, BackendLabels};
-use gdr_core::identity::TrustDomain;
+use gdr_controller::queue::{self, ConsumerSettings};
+use gdr_core::assignment::{Assignment, EnvelopeError, TaskKey, TaskKeyring, decode, encode_v2};
+use gdr_core::backend::Backend;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea};
 use gdr_testkit::nats_server::NatsServer;
 
-fn settings() -> StreamSettings {
-    StreamSettings {
-        stream: "CI_RUNNER".into(),
-        subject_base: "ci.runner".into(),
-        duplicate_window: Duration::from_secs(120),
-    }
-}
-
-fn policy() -> DerivationPolicy {
-    DerivationPolicy {
-        trust_domain: TrustDomain::new("example.org").expect("trust domain"),
-        labels: BackendLabels::new("vm").expect("labels"),
-    }
-}
+use crate::queue_common::{policy, stream_settings};
 
 async fn fetched_assignment(keyring: &TaskKeyring) -> (Assignment, Vec<u8>) {
     let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
@@ -82,14 +66,20 @@ async fn publishing_the_same_assignment_twice_stores_one_message_and_it_decodes_
     let nats = NatsServer::start().await.expect("nats-server");
     let client = async_nats::connect(nats.url()).await.expect("connect");
     let js = jetstream::new(client);
-    let mut stream = queue::ensure_stream(&js, &settings())
+    let mut stream = queue::ensure_stream(&js, &stream_settings())
         .await
         .expect("stream");
     let id = assignment.id().as_str().to_string();
-    let first = queue::publish(&js, &settings(), Backend::Pod, &id, envelope.clone().into())
-        .await
-        .expect("publish");
-    let second = queue::publish(&js, &settings(), Backend::Pod, &id, envelope.into())
+    let first = queue::publish(
+        &js,
+        &stream_settings(),
+        Backend::Pod,
+        &id,
+        envelope.clone().into(),
+    )
+    .await
+    .expect("publish");
+    let second = queue::publish(&js, &stream_settings(), Backend::Pod, &id, envelope.into())
         .await
         .expect("republish");
     assert!(!first.duplicate);
@@ -102,7 +92,7 @@ async fn publishing_the_same_assignment_twice_stores_one_message_and_it_decodes_
 
     let consumer = queue::ensure_consumer(
         &stream,
-        &settings(),
+        &stream_settings(),
         Backend::Pod,
         &ConsumerSettings {
             max_ack_pending: 1,

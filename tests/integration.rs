@@ -10,6 +10,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod opensandbox_common;
+mod queue_common;
 
 mod backend_contract;
 mod cli;

@@ -12,35 +12,26 @@ use std::time::Duration;
 use async_nats::jetstream;
 use futures::StreamExt as _;
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
-use gdr_controller::queue::{self, StreamSettings};
+use gdr_controller::queue::{self};
 use gdr_core::assignment::{
-    Assignment, DerivationPolicy, EnvelopeError, EnvelopeRules, TaskKey, TaskKeyring, decode_with,
-    encode_v2,
+    Assignment, EnvelopeError, EnvelopeRules, TaskKey, TaskKeyring, decode_with, encode_v2,
 };
-use gdr_core::backend::{Backend, BackendLabels};
-use gdr_core::identity::TrustDomain;
+use gdr_core::backend::Backend;
 use gdr_testkit::controller::ControllerFixture;
 use gdr_testkit::local_controller::{LocalController, Stop, stop};
 use gdr_testkit::mock_gitea::{JobId, MockConfig, Status};
 use gdr_testkit::nats_server::NatsServer;
 use gdr_testkit::{eventually, until};
 
+use crate::queue_common::{STREAM, policy, stream_settings};
+
 const WAIT: Duration = Duration::from_secs(60);
 const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
 const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
-const STREAM: &str = "CI_RUNNER";
 const POD_SUBJECT: &str = "ci.runner.pod";
 /// Two task keys (64 hex digits each): the one an envelope is sealed with, and another.
 const KEY_ONE: &str = "1111111111111111111111111111111111111111111111111111111111111111";
 const KEY_TWO: &str = "2222222222222222222222222222222222222222222222222222222222222222";
-
-fn stream_settings() -> StreamSettings {
-    StreamSettings {
-        stream: STREAM.into(),
-        subject_base: "ci.runner".into(),
-        duplicate_window: Duration::from_secs(120),
-    }
-}
 
 fn task_key(key: &str) -> TaskKey {
     TaskKey::from_file_contents(key.as_bytes()).expect("a task key")
@@ -54,13 +45,6 @@ fn keyring(current: &str, previous: &[&str]) -> TaskKeyring {
 }
 
 /// The fixture's trust domain and the default backend labels.
-fn policy() -> DerivationPolicy {
-    DerivationPolicy {
-        trust_domain: TrustDomain::new("example.org").expect("trust domain"),
-        labels: BackendLabels::default(),
-    }
-}
-
 /// A controller with the pod backend only, on a nats-server of the test's own (the test
 /// reads and writes its stream directly), sealing envelopes with [`KEY_ONE`].
 async fn on_own_nats(

@@ -9,39 +9,24 @@ use std::time::Duration;
 use async_nats::jetstream;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
-use gdr_controller::queue::{self, StreamSettings};
+use gdr_controller::queue::{self};
 use gdr_controller::scheduler::{
     Backoff, Heartbeater, INVALID_TASK_LOG_PREFIX, Report, Scheduler, SchedulerSettings,
     SchedulerStats, TasksVersion,
 };
 use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
-use gdr_core::assignment::{AssignmentId, DerivationPolicy};
-use gdr_core::backend::BackendLabels;
-use gdr_core::identity::TrustDomain;
+use gdr_core::assignment::AssignmentId;
 use gdr_proto::runner::v1 as pb;
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RpcMethod, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;
 use gdr_testkit::until;
 use tokio::task::JoinHandle;
 
+use crate::queue_common::{policy, stream_settings};
+
 const WAIT: Duration = Duration::from_secs(30);
 /// The idle poller's pace in these tests (production: 2 s).
 const IDLE: Duration = Duration::from_millis(100);
-
-fn stream_settings() -> StreamSettings {
-    StreamSettings {
-        stream: "CI_RUNNER".into(),
-        subject_base: "ci.runner".into(),
-        duplicate_window: Duration::from_secs(120),
-    }
-}
-
-fn policy() -> DerivationPolicy {
-    DerivationPolicy {
-        trust_domain: TrustDomain::new("example.org").expect("trust domain"),
-        labels: BackendLabels::new("vm").expect("labels"),
-    }
-}
 
 /// Mock Gitea, nats-server, and the controller's runner registration.
 struct Env {

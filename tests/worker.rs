@@ -8,37 +8,23 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self};
 use gdr_controller::dispatch::{ClaimState, Dispatch};
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
-use gdr_controller::queue::{self, ConsumerSettings, StreamSettings};
+use gdr_controller::queue::{self, ConsumerSettings};
 use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
 use gdr_controller::wake::Wake;
 use gdr_controller::worker::{EnvelopeTrust, Outcome, Worker, WorkerSettings};
-use gdr_core::assignment::{Assignment, AssignmentId, DerivationPolicy, encode_v1};
-use gdr_core::backend::{Backend, BackendLabels};
+use gdr_core::assignment::{Assignment, AssignmentId, encode_v1};
+use gdr_core::backend::Backend;
 use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::ExecutorBackend;
-use gdr_core::identity::TrustDomain;
 use gdr_testkit::memory_backend::{Failure, MemoryBackend};
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;
 use tokio::sync::mpsc;
 
+use crate::queue_common::{policy, stream_settings};
+
 const WAIT: Duration = Duration::from_secs(20);
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
-
-fn stream_settings() -> StreamSettings {
-    StreamSettings {
-        stream: "CI_RUNNER".into(),
-        subject_base: "ci.runner".into(),
-        duplicate_window: Duration::from_secs(120),
-    }
-}
-
-fn policy() -> DerivationPolicy {
-    DerivationPolicy {
-        trust_domain: TrustDomain::new("example.org").expect("td"),
-        labels: BackendLabels::default(),
-    }
-}
 
 struct Harness {
     nats: NatsServer,
