@@ -8,7 +8,8 @@ use gdr_core::assignment::DerivationPolicy;
 use gdr_core::backend::BackendLabels;
 use gdr_core::identity::TrustDomain;
 
-/// The tests' stream (a name of their own, so a stream left by another run is not reused).
+/// The stream name: the controller's default `nats_stream`, which the controllers that
+/// `queue_trust` starts use too.
 pub const STREAM: &str = "CI_RUNNER";
 
 pub fn stream_settings() -> StreamSettings {

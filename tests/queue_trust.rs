@@ -12,7 +12,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use futures::StreamExt as _;
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
-use gdr_controller::queue::{self};
+use gdr_controller::queue;
 use gdr_core::assignment::{
     Assignment, EnvelopeError, EnvelopeRules, TaskKey, TaskKeyring, decode_with, encode_v2,
 };

@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_nats::jetstream;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
-use gdr_controller::queue::{self};
+use gdr_controller::queue;
 use gdr_controller::scheduler::{
     Backoff, Heartbeater, INVALID_TASK_LOG_PREFIX, Report, Scheduler, SchedulerSettings,
     SchedulerStats, TasksVersion,
