@@ -14,7 +14,8 @@ use gdr_backends::opensandbox::{OpenSandboxBackend, OpenSandboxSettings};
 use gdr_core::backend::Backend;
 use gdr_core::executor::{ExecutorBackend, ExecutorError, ExecutorSpec, Phase, env};
 use gdr_core::metadata::{MetadataCodec, keys};
-use gdr_testkit::backend_contract::{self, Contract, eventually};
+use gdr_testkit::backend_contract::{self, Contract};
+use gdr_testkit::eventually;
 use gdr_testkit::opensandbox::{OpenSandboxServer, POOL_ACQUISITION_TIMEOUT, PoolSpec};
 use gdr_testkit::spiffe::{FakeWorkloadApi, TestCa};
 

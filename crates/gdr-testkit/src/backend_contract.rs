@@ -23,6 +23,8 @@ use gdr_core::identity::TrustDomain;
 use gdr_core::metadata::MetadataCodec;
 use gdr_proto::runner::v1 as pb;
 
+use crate::eventually;
+
 /// What the suite needs to know about the backend under test.
 #[derive(Debug, Clone)]
 pub struct Contract {
@@ -148,24 +150,6 @@ pub fn task_spec(task_id: i64, runs_on: &str, facade_url: &str) -> ExecutorSpec 
         FACADE_ID,
         assignment.backend().as_str(),
     )
-}
-
-/// Waits until `check` answers `Some`, polling; panics with `what` at the deadline.
-pub async fn eventually<T, F, Fut>(deadline: Duration, what: &str, mut check: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Option<T>>,
-{
-    let until = tokio::time::Instant::now() + deadline;
-    loop {
-        if let Some(value) = check().await {
-            return value;
-        }
-        if tokio::time::Instant::now() >= until {
-            panic!("not within {deadline:?}: {what}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 fn ok<T>(result: Result<T, ExecutorError>, what: &str) -> T {
