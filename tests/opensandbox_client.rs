@@ -313,7 +313,9 @@ async fn a_slow_create_blocks_until_the_sandbox_runs() {
 /// DESIGN invariant 8: a sandbox that never becomes ready within the server's create timeout is
 /// the server's 504, which the client names; the server deleted the sandbox, so the backend's
 /// retry creates afresh.
-/// Peer fidelity: Pods held unstarted make the real server time out as on a real cluster.
+/// Peer fidelity: Pods held unstarted make the real server time out as on a real cluster, and
+/// the deletion goes through the pool allocation's finalizer: the sandbox reads `Stopping`
+/// until its Pod is released, then is gone.
 #[tokio::test]
 async fn a_sandbox_that_never_starts_gives_504_and_is_deleted_by_the_server() {
     let server = server().await;
@@ -328,10 +330,27 @@ async fn a_sandbox_that_never_starts_gives_504_and_is_deleted_by_the_server() {
         "{error}"
     );
     assert!(error.to_string().contains("POD_READY_TIMEOUT"), "{error}");
+    // The server deleted it before answering: at once, nothing of it is left but `Stopping`.
+    let states: Vec<String> = client
+        .list(&by_tag(&tag, 0))
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|sandbox| sandbox.status.state)
+        .collect();
     assert!(
-        client.list(&by_tag(&tag, 0)).await.unwrap().is_empty(),
-        "the server deleted it"
+        states.iter().all(|state| state == "Stopping"),
+        "the server deleted it before its 504: {states:?}"
     );
+    eventually(DEADLINE, "the deleted sandbox is gone", || async {
+        client
+            .list(&by_tag(&tag, 0))
+            .await
+            .unwrap()
+            .is_empty()
+            .then_some(())
+    })
+    .await;
 }
 
 /// DESIGN invariant 8: a client that gives up before the server leaves the sandbox starting,
