@@ -38,6 +38,19 @@ fn by_tag(tag: &str, page_size: u32) -> ListQuery {
     }
 }
 
+/// Waits until no sandbox carries `tag`.
+async fn until_gone(client: &LifecycleClient, tag: &str, what: &str) {
+    eventually(DEADLINE, what, || async {
+        client
+            .list(&by_tag(tag, 0))
+            .await
+            .unwrap()
+            .is_empty()
+            .then_some(())
+    })
+    .await;
+}
+
 async fn gone(client: &LifecycleClient, id: &str) {
     eventually(DEADLINE, "the deleted sandbox answers 404", || async {
         client.get(id).await.unwrap().is_none().then_some(())
@@ -342,15 +355,7 @@ async fn a_sandbox_that_never_starts_gives_504_and_is_deleted_by_the_server() {
         states.iter().all(|state| state == "Stopping"),
         "the server deleted it before its 504: {states:?}"
     );
-    eventually(DEADLINE, "the deleted sandbox is gone", || async {
-        client
-            .list(&by_tag(&tag, 0))
-            .await
-            .unwrap()
-            .is_empty()
-            .then_some(())
-    })
-    .await;
+    until_gone(&client, &tag, "the deleted sandbox is gone").await;
 }
 
 /// DESIGN invariant 8: a client that gives up before the server leaves the sandbox starting,
@@ -408,19 +413,7 @@ async fn a_pod_that_fails_to_start_is_a_server_error() {
         other => panic!("expected 500, got {other:?}"),
     }
     // The server deletes the failed sandbox in the background of its answer.
-    eventually(
-        DEADLINE,
-        "the failed sandbox is deleted by the server",
-        || async {
-            client
-                .list(&by_tag(&tag, 0))
-                .await
-                .unwrap()
-                .is_empty()
-                .then_some(())
-        },
-    )
-    .await;
+    until_gone(&client, &tag, "the failed sandbox is deleted by the server").await;
 }
 
 /// DESIGN invariant 12: a sandbox whose task failed reads `Failed` with the server's reason, so

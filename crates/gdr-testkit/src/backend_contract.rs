@@ -10,7 +10,6 @@
 //! it only waits (with a deadline) where a backend is eventually consistent, e.g. a deleted
 //! sandbox that reads `Stopping` before it is gone.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
