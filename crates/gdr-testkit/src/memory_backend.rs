@@ -4,6 +4,7 @@
 //! a restarted controller sees the same cluster.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -60,15 +61,36 @@ struct State {
     create_delay: Duration,
     /// Calls of `create`, including ones for an executor that exists already.
     create_calls: usize,
+    /// Calls of `find`.
+    find_calls: usize,
     /// Assignments whose `delete` fails.
     failing_deletes: std::collections::BTreeSet<AssignmentId>,
     not_ready_binds: usize,
+}
+
+/// Holds `record_claimed` back, as a slow Pod PATCH or sandbox metadata write would.
+struct ClaimGate {
+    held: tokio::sync::watch::Sender<bool>,
+    /// Calls waiting at the gate right now (a dropped call leaves).
+    waiting: AtomicUsize,
+    /// Calls of `record_claimed` so far.
+    calls: AtomicUsize,
+}
+
+/// Counts a call waiting at the gate for as long as it waits, however it ends.
+struct AtGate<'a>(&'a AtomicUsize);
+
+impl Drop for AtGate<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// In-memory executors of one backend kind.
 pub struct MemoryBackend {
     backend: Backend,
     state: Arc<Mutex<State>>,
+    claims: Arc<ClaimGate>,
 }
 
 impl MemoryBackend {
@@ -77,6 +99,11 @@ impl MemoryBackend {
         MemoryBackend {
             backend,
             state: Arc::new(Mutex::new(State::default())),
+            claims: Arc::new(ClaimGate {
+                held: tokio::sync::watch::Sender::new(false),
+                waiting: AtomicUsize::new(0),
+                calls: AtomicUsize::new(0),
+            }),
         }
     }
 
@@ -85,7 +112,30 @@ impl MemoryBackend {
         MemoryBackend {
             backend: self.backend,
             state: Arc::clone(&self.state),
+            claims: Arc::clone(&self.claims),
         }
+    }
+
+    /// `record_claimed` waits from now on until [`MemoryBackend::release_claims`]; an
+    /// injected failure ([`MemoryBackend::set_failing`]) is looked at after the wait, so a
+    /// write can be made to fail after its caller gave up.
+    pub fn hold_claims(&self) {
+        self.claims.held.send_replace(true);
+    }
+
+    /// Lets held and later `record_claimed` calls through.
+    pub fn release_claims(&self) {
+        self.claims.held.send_replace(false);
+    }
+
+    /// `record_claimed` calls waiting at the gate right now.
+    pub fn claims_waiting(&self) -> usize {
+        self.claims.waiting.load(Ordering::SeqCst)
+    }
+
+    /// Calls of `record_claimed` so far, finished or not.
+    pub fn claim_calls(&self) -> usize {
+        self.claims.calls.load(Ordering::SeqCst)
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -168,6 +218,11 @@ impl MemoryBackend {
         self.state().create_calls
     }
 
+    /// Calls of `find` so far (a worker waiting for a claim looks at its executor with each).
+    pub fn find_calls(&self) -> usize {
+        self.state().find_calls
+    }
+
     /// Executors deleted so far.
     pub fn deleted(&self) -> usize {
         self.state().deleted
@@ -213,6 +268,7 @@ impl ExecutorBackend for MemoryBackend {
     }
 
     async fn find(&self, id: &AssignmentId) -> Result<Option<ExecutorRecord>, ExecutorError> {
+        self.state().find_calls += 1;
         self.check()?;
         Ok(self.state().executors.get(id).cloned())
     }
@@ -269,6 +325,14 @@ impl ExecutorBackend for MemoryBackend {
     }
 
     async fn record_claimed(&self, id: &AssignmentId) -> Result<(), ExecutorError> {
+        self.claims.calls.fetch_add(1, Ordering::SeqCst);
+        {
+            self.claims.waiting.fetch_add(1, Ordering::SeqCst);
+            let _at_gate = AtGate(&self.claims.waiting);
+            let mut held = self.claims.held.subscribe();
+            // The sender lives as long as `self`.
+            let _ = held.wait_for(|held| !held).await;
+        }
         self.check()?;
         match self.state().executors.get_mut(id) {
             Some(r) => {
