@@ -259,6 +259,15 @@ impl Env {
         RunnerServiceClient::new(HttpClient::plaintext(), config)
     }
 
+    /// The assignment's capability, as its executor presents it.
+    fn capability(&self, assignment: &Assignment) -> String {
+        self.dispatch
+            .capability_key()
+            .issue(assignment.id())
+            .expose()
+            .to_string()
+    }
+
     async fn job_status(&self, assignment: &Assignment, status: Status) {
         let task_id = assignment.id().task_id();
         self.mock
@@ -457,7 +466,7 @@ async fn each_wrong_credential_is_refused_with_its_own_code() {
         .expect_err("refused");
     assert_eq!(code(e), connectrpc::ErrorCode::Unauthenticated);
 
-    // The right credentials: the task once, then refusal of a second fetch.
+    // The right credentials: the task, then refusal of a fetch after the runner reported.
     let c = env
         .runner_client(&workload_a, a.id().as_str(), &cap_a)
         .await;
@@ -481,10 +490,28 @@ async fn each_wrong_credential_is_refused_with_its_own_code() {
         first.task.into_option().expect("the pre-assigned task").id,
         a.id().task_id()
     );
+    // Before the runner reported on it, a second fetch gets the same task (the answer to
+    // the first may have been lost); after its first report, the task is never handed
+    // out again.
+    let again = c
+        .fetch_task(FetchTaskRequest::default())
+        .await
+        .expect("fetch again")
+        .into_owned();
+    assert_eq!(
+        again.task.into_option().map(|t| t.id),
+        Some(a.id().task_id())
+    );
+    c.update_log(UpdateLogRequest {
+        task_id: a.id().task_id(),
+        ..Default::default()
+    })
+    .await
+    .expect("the runner's first report");
     let e = c
         .fetch_task(FetchTaskRequest::default())
         .await
-        .expect_err("second fetch refused");
+        .expect_err("a fetch after the first report refused");
     assert!(
         e.message
             .as_deref()
@@ -527,6 +554,53 @@ async fn each_wrong_credential_is_refused_with_its_own_code() {
         .await
         .expect_err("refused");
     assert_eq!(code(e), connectrpc::ErrorCode::PermissionDenied);
+}
+
+/// DESIGN invariant 9 (issue 23): a runner whose FetchTask gives up while the claim is
+/// being written (its Connect deadline, which the facade enforces, passes first) costs
+/// nothing: the claim completes without it, the runner's next FetchTask gets the same task,
+/// and the job runs to its result instead of hanging or being failed as never started.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runner_that_gives_up_while_its_claim_is_written_gets_the_same_task_on_its_next_fetch() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let c = env
+        .runner_client(&workload, a.id().as_str(), &env.capability(&a))
+        .await;
+    env.backend.hold_claims();
+    let impatient = c
+        .fetch_task_with_options(
+            FetchTaskRequest::default(),
+            connectrpc::client::CallOptions::default().with_timeout(Duration::from_secs(2)),
+        )
+        .await;
+    assert!(
+        impatient.is_err(),
+        "the claim write is held: the poll cannot be answered in time"
+    );
+    gdr_testkit::until_sync(WAIT, "the claim write to go on without its caller", || {
+        env.backend.claims_waiting() == 1
+    })
+    .await;
+    env.backend.release_claims();
+    let retry = c
+        .fetch_task(FetchTaskRequest::default())
+        .await
+        .expect("the retry is answered")
+        .into_owned();
+    assert_eq!(
+        retry.task.into_option().map(|t| t.id),
+        Some(a.id().task_id()),
+        "the retry gets the task its first FetchTask claimed"
+    );
+    assert_eq!(env.backend.claim_calls(), 1, "the claim was written once");
+    // The runner that runs the job fetches once more, still before any report.
+    let status = run(env.executor_config(&a, &workload), no_signals())
+        .await
+        .expect("executor runs");
+    assert!(status.success(), "the runner exits 0");
+    env.job_status(&a, Status::Success).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self};
-use gdr_controller::dispatch::{ClaimState, Dispatch};
+use gdr_controller::dispatch::{ClaimState, Dispatch, Fetched};
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::queue::{self, ConsumerSettings};
 use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
@@ -224,11 +224,13 @@ impl Harness {
                 assignment.identity().spiffe_id(),
             )
             .expect("authorised");
-        self.dispatch
-            .take_task(&auth)
-            .await
-            .expect("claim recorded")
-            .is_some()
+        matches!(
+            self.dispatch
+                .take_task(&auth)
+                .await
+                .expect("claim recorded"),
+            Fetched::Task(_)
+        )
     }
 
     async fn finish(&self, assignment: &Assignment) {
@@ -912,4 +914,87 @@ async fn with_a_wake_an_identity_target_that_is_not_ready_is_waited_for_not_put_
         !seen.iter().any(|(_, o)| *o == Outcome::NotReady),
         "put back while not ready: {seen:?}"
     );
+}
+
+/// DESIGN invariant 12 (issue 23): a start deadline that passes while the runner's claim is
+/// being written does not fail the job. Deadline failure and claim exclude each other: the
+/// claim in flight wins, the worker keeps waiting and hands the job over as claimed; Gitea
+/// never hears of a failure and the executor is kept. (The deadline passed long ago here;
+/// the backend's change signal makes the worker look while the claim write is held.)
+#[tokio::test]
+async fn a_start_deadline_that_passes_while_the_claim_is_written_leaves_the_job_to_its_runner() {
+    let mut h = Harness::new(1, 1).await;
+    let a = h.fetched("late", "[self-hosted, pod]").await;
+    h.pod.insert(
+        &spec_of(&h, &a),
+        std::time::SystemTime::now() - Duration::from_secs(120),
+    );
+    let (tx, rx) = tokio::sync::watch::channel(0u64);
+    let slow = |s: &mut WorkerSettings| s.progress_interval = Duration::from_secs(1800);
+    h.start_woken_worker(
+        Backend::Pod,
+        1,
+        Duration::from_secs(3600),
+        slow,
+        Wake::from(rx),
+    )
+    .await;
+    let payload = encode_v1(&a).expect("encode");
+    queue::publish(
+        &h.js,
+        &stream_settings(),
+        Backend::Pod,
+        a.id().as_str(),
+        payload.into(),
+    )
+    .await
+    .expect("publish");
+    h.wait_offered(a.id()).await;
+    gdr_testkit::until_sync(WAIT, "the executor's identity to be bound", || {
+        h.pod.records().iter().any(|r| r.identity_bound)
+    })
+    .await;
+
+    h.pod.hold_claims();
+    let claim = {
+        let dispatch = h.dispatch.clone();
+        let capability = dispatch.capability_key().issue(a.id());
+        let auth = dispatch
+            .authorize(
+                a.id().as_str(),
+                capability.expose(),
+                a.identity().spiffe_id(),
+            )
+            .expect("authorised");
+        tokio::spawn(async move { dispatch.take_task(&auth).await })
+    };
+    gdr_testkit::until_sync(WAIT, "the claim write to wait at the backend", || {
+        h.pod.claims_waiting() == 1
+    })
+    .await;
+    // The worker looks at the overdue executor twice: the first look did not fail it.
+    let looked = h.pod.find_calls();
+    gdr_testkit::until_sync(WAIT, "the worker to look at the executor twice", || {
+        tx.send_modify(|n| *n += 1);
+        h.pod.find_calls() >= looked + 2
+    })
+    .await;
+    h.pod.release_claims();
+    let claimed = claim.await.expect("join").expect("claim recorded");
+    assert!(
+        matches!(claimed, Fetched::Task(_)),
+        "the runner gets its task"
+    );
+    h.wait_outcome(a.id().as_str(), Outcome::Claimed).await;
+    assert_eq!(
+        h.mock.handle.task(a.id().task_id()).expect("task").result,
+        gdr_proto::runner::v1::TaskResult::RESULT_UNSPECIFIED as i32,
+        "Gitea was told the running job failed"
+    );
+    assert_eq!(
+        h.pod.records().len(),
+        1,
+        "the running job's executor is kept"
+    );
+    assert_eq!(h.pod.deleted(), 0);
 }

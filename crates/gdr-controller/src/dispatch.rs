@@ -1,8 +1,12 @@
 //! Dispatch: the state the workers and the facade share in one controller process.
 //!
 //! - Admission pools per backend (invariants 6, 7).
-//! - Offered assignments, which the facade hands to their executor's runner exactly once
-//!   (invariants 9, 15), after the claim is durable on the backend.
+//! - Offered assignments, which the facade hands only to their own executor's runner
+//!   (invariants 9, 15), after the claim is durable on the backend. The claim is one step
+//!   that runs detached from the runner's request, so it completes or is rolled back
+//!   whatever becomes of that request; until the runner has reported on its task, a
+//!   repeated FetchTask gets the same task (the answer to the first may have been lost).
+//! - The start deadline and the claim exclude each other ([`Dispatch::expire`]).
 //!
 //! Everything here is rebuildable from the backends and JetStream: after a restart,
 //! [`Dispatch::restore`] re-admits live executors and re-authorises *claimed* ones from
@@ -27,25 +31,80 @@ use crate::shutdown::Shutdown;
 /// Where an offered assignment stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClaimState {
-    /// Waiting for its runner's FetchTask.
+    /// Waiting for its runner's FetchTask (also while the claim is being recorded).
     Pending,
     /// Its runner fetched the task; the claim is durable on the backend.
     Claimed,
+    /// No claim came in time (or the executor failed first): the worker fails the job,
+    /// and no runner can claim it any more.
+    Expired,
     /// Gitea accepted a terminal result; the slot is released.
     Terminal,
+}
+
+/// How a claim write ended, as every FetchTask waiting for it learns.
+#[derive(Debug, Clone)]
+enum ClaimOutcome {
+    /// Durable on the backend.
+    Recorded(Arc<Task>),
+    /// The backend did not take it; rolled back, the task stays offered.
+    Failed(Arc<ExecutorError>),
+    /// The assignment was forgotten meanwhile (its executor failed or was deleted).
+    Forgotten,
+}
+
+/// What a FetchTask gets ([`Dispatch::take_task`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fetched {
+    /// The task, the claim durable: handed out for the first time, or again to a runner
+    /// that has not reported on it yet.
+    Task(Box<Task>),
+    /// Nothing to hand out: not offered here (yet), or the job is being failed.
+    Nothing,
+    /// The runner has reported on its task already, or its claim was recorded before a
+    /// restart (the task is not in memory): it is never handed out again.
+    HandedOut,
 }
 
 struct Entry {
     backend: Backend,
     task_id: i64,
     spiffe_id: String,
-    /// Present only while `Pending`: the task is handed out once.
-    task: Option<Box<Task>>,
-    /// A FetchTask is recording the claim right now.
-    claiming: bool,
+    /// Kept from the offer until the runner proves it has the task (its first report), so
+    /// a runner whose FetchTask answer was lost gets the same task again.
+    task: Option<Arc<Task>>,
+    /// The claim being recorded right now; every FetchTask of the executor waits for it.
+    claiming: Option<watch::Receiver<Option<ClaimOutcome>>>,
     /// When this process handed the task out (unknown for claims restored after a restart).
     claimed_at: Option<Instant>,
     state: watch::Sender<ClaimState>,
+}
+
+/// Ends a claim write that never finished (its task was aborted, it panicked): the claim
+/// is rolled back so the runner's next FetchTask can claim again.
+struct ClaimInFlight<'a> {
+    dispatch: &'a Dispatch,
+    id: &'a AssignmentId,
+    settled: bool,
+}
+
+impl Drop for ClaimInFlight<'_> {
+    fn drop(&mut self) {
+        if !self.settled
+            && let Some(entry) = lock(&self.dispatch.entries).get_mut(self.id)
+        {
+            entry.claiming = None;
+        }
+    }
+}
+
+/// What one [`Dispatch::finish`] call did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Finished {
+    /// This call ended the assignment (no earlier one had): count its result once.
+    pub first: bool,
+    /// How long the task ran since this process handed it out, when it did (first call).
+    pub ran: Option<std::time::Duration>,
 }
 
 /// Takes an assignment out of its pool's line however its wait ends.
@@ -96,15 +155,26 @@ pub enum AuthError {
     Unavailable(String),
 }
 
-/// Why handing out a task failed.
+/// Why handing out a task (or finishing it) failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClaimError {
-    /// The backend could not record the claim; the runner should retry.
-    #[error("recording the claim failed: {0}")]
-    Backend(#[from] ExecutorError),
+    /// The backend could not record the claim (or the terminal marker); the runner
+    /// should retry. Shared: every FetchTask that waited for one claim write gets it.
+    #[error("the backend failed: {0}")]
+    Backend(#[source] Arc<ExecutorError>),
+    /// The claim write ended without an outcome (the controller is stopping); the runner
+    /// should retry.
+    #[error("recording the claim was interrupted")]
+    Interrupted,
     /// The backend for the assignment is not configured here.
     #[error("no {0} backend in this controller")]
     NoBackend(Backend),
+}
+
+impl From<ExecutorError> for ClaimError {
+    fn from(e: ExecutorError) -> Self {
+        ClaimError::Backend(Arc::new(e))
+    }
 }
 
 /// How waiting for a slot ended ([`Dispatch::admit_when_free`]).
@@ -222,7 +292,7 @@ impl Dispatch {
                         task_id: record.assignment.task_id(),
                         spiffe_id: record.assignment.identity().spiffe_id().to_string(),
                         task: None,
-                        claiming: false,
+                        claiming: None,
                         claimed_at: None,
                         state,
                     },
@@ -323,8 +393,8 @@ impl Dispatch {
                 backend: assignment.backend(),
                 task_id: assignment.id().task_id(),
                 spiffe_id: assignment.identity().spiffe_id().to_string(),
-                task: Some(Box::new(assignment.task().clone())),
-                claiming: false,
+                task: Some(Arc::new(assignment.task().clone())),
+                claiming: None,
                 claimed_at: None,
                 state,
             }
@@ -402,60 +472,151 @@ impl Dispatch {
         Err(unavailable.map_or(AuthError::UnknownAssignment, AuthError::Unavailable))
     }
 
-    /// Hands the pre-assigned task to its runner, exactly once: the claim is recorded
-    /// on the backend first, then the state turns `Claimed` and the worker is told.
-    /// `Ok(None)` when there is nothing (more) to hand out.
-    pub async fn take_task(&self, auth: &Authorized) -> Result<Option<Task>, ClaimError> {
-        let task = {
+    /// Hands the pre-assigned task to its runner once the claim is durable on the backend.
+    ///
+    /// The claim write runs detached from the caller, so it completes (the state turns
+    /// `Claimed`, the worker is told) or is rolled back (the task stays offered) whatever
+    /// becomes of the caller: a FetchTask dropped at the runner's deadline or by a
+    /// disconnect leaves no half-done claim. A FetchTask that arrives while the claim is
+    /// written waits for the same write; one that arrives after it gets the same task
+    /// until the runner reports on it ([`Dispatch::received`]).
+    pub async fn take_task(self: &Arc<Self>, auth: &Authorized) -> Result<Fetched, ClaimError> {
+        let mut outcome = {
             let mut entries = lock(&self.entries);
             let Some(entry) = entries.get_mut(&auth.id) else {
-                return Ok(None);
+                return Ok(Fetched::Nothing);
             };
-            if entry.claiming || *entry.state.borrow() != ClaimState::Pending {
-                return Ok(None);
+            let state = *entry.state.borrow();
+            match state {
+                ClaimState::Pending => {}
+                ClaimState::Expired => return Ok(Fetched::Nothing),
+                ClaimState::Claimed | ClaimState::Terminal => {
+                    return Ok(match &entry.task {
+                        Some(task) => {
+                            tracing::info!(assignment_id = %auth.id, "the runner fetched its task again before reporting on it (the answer to its first FetchTask was lost); handing it the same task");
+                            Fetched::Task(Box::new(Task::clone(task)))
+                        }
+                        None => Fetched::HandedOut,
+                    });
+                }
             }
-            let Some(task) = entry.task.take() else {
-                return Ok(None);
-            };
-            entry.claiming = true;
-            task
+            match &entry.claiming {
+                Some(in_flight) => in_flight.clone(),
+                None => {
+                    let Some(task) = entry.task.clone() else {
+                        return Ok(Fetched::Nothing);
+                    };
+                    let backend = self
+                        .backend(auth.backend)
+                        .ok_or(ClaimError::NoBackend(auth.backend))?;
+                    let (done, outcome) = watch::channel(None);
+                    entry.claiming = Some(outcome.clone());
+                    tokio::spawn(Arc::clone(self).record_claim(
+                        auth.id.clone(),
+                        backend,
+                        task,
+                        done,
+                    ));
+                    outcome
+                }
+            }
         };
-        let backend = self
-            .backend(auth.backend)
-            .ok_or(ClaimError::NoBackend(auth.backend));
-        let recorded = match backend {
-            Ok(b) => b.record_claimed(&auth.id).await.map_err(ClaimError::from),
-            Err(e) => Err(e),
+        let settled = outcome
+            .wait_for(Option::is_some)
+            .await
+            .ok()
+            .and_then(|o| o.clone());
+        match settled {
+            Some(ClaimOutcome::Recorded(task)) => Ok(Fetched::Task(Box::new(Task::clone(&task)))),
+            Some(ClaimOutcome::Failed(e)) => Err(ClaimError::Backend(e)),
+            Some(ClaimOutcome::Forgotten) => Ok(Fetched::Nothing),
+            None => Err(ClaimError::Interrupted),
+        }
+    }
+
+    /// The detached claim write of [`Dispatch::take_task`]; `done` tells every waiting
+    /// FetchTask how it ended.
+    async fn record_claim(
+        self: Arc<Self>,
+        id: AssignmentId,
+        backend: Arc<dyn ExecutorBackend>,
+        task: Arc<Task>,
+        done: watch::Sender<Option<ClaimOutcome>>,
+    ) {
+        let mut in_flight = ClaimInFlight {
+            dispatch: &self,
+            id: &id,
+            settled: false,
         };
+        let recorded = backend.record_claimed(&id).await;
+        in_flight.settled = true;
+        let outcome = {
+            let mut entries = lock(&self.entries);
+            match entries.get_mut(&id) {
+                None => ClaimOutcome::Forgotten,
+                Some(entry) => {
+                    entry.claiming = None;
+                    match recorded {
+                        Ok(()) => {
+                            crate::failpoint::hit(crate::failpoint::points::AFTER_CLAIM);
+                            let now = Instant::now();
+                            lock(&self.heard).insert(id.clone(), now);
+                            entry.claimed_at = Some(now);
+                            entry.state.send_replace(ClaimState::Claimed);
+                            tracing::info!(assignment_id = %id, event = "claimed", backend = %entry.backend, task_id = entry.task_id, "task claimed by its executor");
+                            ClaimOutcome::Recorded(task)
+                        }
+                        Err(e) => {
+                            tracing::warn!(assignment_id = %id, error = %e, "recording the claim failed; the task stays with the controller and the runner's next FetchTask claims it");
+                            ClaimOutcome::Failed(Arc::new(e))
+                        }
+                    }
+                }
+            }
+        };
+        done.send_replace(Some(outcome));
+    }
+
+    /// The runner reported on its task (an UpdateTask or UpdateLog naming it), so it has
+    /// the task: its bytes leave memory, and a further FetchTask is refused.
+    pub fn received(&self, id: &AssignmentId) {
+        if let Some(entry) = lock(&self.entries).get_mut(id)
+            && *entry.state.borrow() == ClaimState::Claimed
+        {
+            entry.task = None;
+        }
+    }
+
+    /// Ends the wait for a claim before failing the job (its start deadline passed or its
+    /// executor failed): from now on no runner can claim it. Refused (`false`) while a
+    /// claim is being recorded or once one was: the runner has the job then, and failing it
+    /// in Gitea would end a job that runs. The worker fails the job only if this succeeds.
+    pub fn expire(&self, id: &AssignmentId) -> bool {
         let mut entries = lock(&self.entries);
-        let Some(entry) = entries.get_mut(&auth.id) else {
-            return Ok(None);
+        // Not offered here: nothing in this process can claim it.
+        let Some(entry) = entries.get_mut(id) else {
+            return true;
         };
-        entry.claiming = false;
-        match recorded {
-            Ok(()) => {
-                crate::failpoint::hit(crate::failpoint::points::AFTER_CLAIM);
-                let now = Instant::now();
-                lock(&self.heard).insert(auth.id.clone(), now);
-                entry.claimed_at = Some(now);
-                entry.state.send_replace(ClaimState::Claimed);
-                Ok(Some(*task))
+        if entry.claiming.is_some() {
+            return false;
+        }
+        let state = *entry.state.borrow();
+        match state {
+            ClaimState::Pending => {
+                entry.task = None;
+                entry.state.send_replace(ClaimState::Expired);
+                true
             }
-            Err(e) => {
-                // Not claimed: put the task back so the runner's retry can take it.
-                entry.task = Some(task);
-                Err(e)
-            }
+            ClaimState::Expired => true,
+            ClaimState::Claimed | ClaimState::Terminal => false,
         }
     }
 
     /// Marks the task terminal on the backend and releases its slot. Called by the
-    /// facade after Gitea accepted a terminal result and before answering the runner.
-    /// Returns how long the task ran since this process handed it out, when it did.
-    pub async fn finish(
-        &self,
-        auth: &Authorized,
-    ) -> Result<Option<std::time::Duration>, ClaimError> {
+    /// facade after Gitea accepted a terminal result and before answering the runner;
+    /// again for every repeated final report (the marker is idempotent), but only the
+    /// first call that ends the assignment says so.
+    pub async fn finish(&self, auth: &Authorized) -> Result<Finished, ClaimError> {
         let backend = self
             .backend(auth.backend)
             .ok_or(ClaimError::NoBackend(auth.backend))?;
@@ -469,13 +630,16 @@ impl Dispatch {
         }
         self.release(auth.backend, &auth.id);
         lock(&self.heard).remove(&auth.id);
-        let mut ran = None;
+        let mut finished = Finished {
+            first: false,
+            ran: None,
+        };
         if let Some(entry) = lock(&self.entries).get_mut(&auth.id) {
             entry.task = None;
-            ran = entry.claimed_at.take().map(|at| at.elapsed());
-            entry.state.send_replace(ClaimState::Terminal);
+            finished.ran = entry.claimed_at.take().map(|at| at.elapsed());
+            finished.first = entry.state.send_replace(ClaimState::Terminal) != ClaimState::Terminal;
         }
-        Ok(ran)
+        Ok(finished)
     }
 
     /// Forgets an assignment whose executor was deleted or failed.
@@ -520,11 +684,19 @@ mod tests {
 
     const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
 
-    fn dispatch(backend: &Arc<MemoryBackend>, capacity: usize) -> Dispatch {
-        Dispatch::new(
+    fn dispatch(backend: &Arc<MemoryBackend>, capacity: usize) -> Arc<Dispatch> {
+        Arc::new(Dispatch::new(
             [(backend.clone() as Arc<dyn ExecutorBackend>, capacity)],
             CapabilityKey::new(KEY).unwrap(),
-        )
+        ))
+    }
+
+    /// The task ID a FetchTask got, if it got a task.
+    fn task_id(fetched: Result<Fetched, ClaimError>) -> Option<i64> {
+        match fetched.unwrap() {
+            Fetched::Task(task) => Some(task.id),
+            Fetched::Nothing | Fetched::HandedOut => None,
+        }
     }
 
     fn credentials(d: &Dispatch, a: &Assignment) -> (String, String, String) {
@@ -565,12 +737,182 @@ mod tests {
         ));
         assert_eq!(d.claim_state(a.id()), Some(ClaimState::Pending));
         backend.set_failing(None);
-        assert!(d.take_task(&auth).await.unwrap().is_some());
+        assert_eq!(task_id(d.take_task(&auth).await), Some(7));
         assert!(backend.records()[0].claimed);
-        assert!(
-            d.take_task(&auth).await.unwrap().is_none(),
-            "handed out twice"
+        assert_eq!(d.claim_state(a.id()), Some(ClaimState::Claimed));
+    }
+
+    /// DESIGN invariant 15 (issue 23): until its runner has reported on the task, a
+    /// FetchTask of the same executor gets the same task again (the answer to the first
+    /// was lost); once the runner reported, its bytes leave memory and it is never
+    /// handed out again.
+    #[tokio::test]
+    async fn the_task_is_handed_out_again_until_its_runner_reports_on_it_then_never() {
+        let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+        let d = dispatch(&backend, 1);
+        let a = assignment(7, "[self-hosted, pod]");
+        executor(&backend, &d, &a).await;
+        d.offer(&a);
+        let (id, cap, peer) = credentials(&d, &a);
+        let auth = d.authorize(&id, &cap, &peer).unwrap();
+        assert_eq!(task_id(d.take_task(&auth).await), Some(7));
+        assert_eq!(
+            task_id(d.take_task(&auth).await),
+            Some(7),
+            "a repeated FetchTask before any report gets the task again"
         );
+        assert_eq!(backend.claim_calls(), 1, "the claim was written once");
+        d.received(a.id());
+        assert_eq!(
+            d.take_task(&auth).await.unwrap(),
+            Fetched::HandedOut,
+            "handed out again after the runner reported on it"
+        );
+        assert_eq!(d.claim_state(a.id()), Some(ClaimState::Claimed));
+    }
+
+    /// DESIGN invariant 12 (issue 23): the start deadline and the claim exclude each
+    /// other. While a claim is being written, and once it is durable, the job cannot be
+    /// expired (the worker does not fail it); once expired, no runner can claim it.
+    #[tokio::test]
+    async fn a_start_deadline_and_a_claim_exclude_each_other_whichever_comes_first() {
+        let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+        let d = dispatch(&backend, 2);
+        let claimed = assignment(7, "[self-hosted, pod]");
+        let late = assignment(8, "[self-hosted, pod]");
+        for a in [&claimed, &late] {
+            executor(&backend, &d, a).await;
+            d.offer(a);
+        }
+
+        let (id, cap, peer) = credentials(&d, &claimed);
+        let auth = d.authorize(&id, &cap, &peer).unwrap();
+        backend.hold_claims();
+        let claim = {
+            let (d, auth) = (d.clone(), auth.clone());
+            tokio::spawn(async move { d.take_task(&auth).await })
+        };
+        claims_waiting(&backend, 1).await;
+        assert!(
+            !d.expire(claimed.id()),
+            "expired while the claim is written"
+        );
+        backend.release_claims();
+        assert_eq!(task_id(claim.await.unwrap()), Some(7));
+        assert!(!d.expire(claimed.id()), "expired once claimed");
+        assert_eq!(d.claim_state(claimed.id()), Some(ClaimState::Claimed));
+
+        let (id, cap, peer) = credentials(&d, &late);
+        let auth = d.authorize(&id, &cap, &peer).unwrap();
+        assert!(d.expire(late.id()));
+        assert!(d.expire(late.id()), "expiring again is harmless");
+        assert_eq!(d.take_task(&auth).await.unwrap(), Fetched::Nothing);
+        assert_eq!(d.claim_state(late.id()), Some(ClaimState::Expired));
+        assert_eq!(
+            backend.claim_calls(),
+            1,
+            "no claim was written for the late job"
+        );
+    }
+
+    /// DESIGN invariant 10 (issue 23): only the first `finish` of an assignment ends it;
+    /// repeated final reports mark it again (idempotent) but say they were not first.
+    #[tokio::test]
+    async fn only_the_first_finish_of_an_assignment_says_it_ended_it() {
+        let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+        let d = dispatch(&backend, 1);
+        let a = assignment(7, "[self-hosted, pod]");
+        executor(&backend, &d, &a).await;
+        d.admit(Backend::Pod, a.id());
+        d.offer(&a);
+        let (id, cap, peer) = credentials(&d, &a);
+        let auth = d.authorize(&id, &cap, &peer).unwrap();
+        assert_eq!(task_id(d.take_task(&auth).await), Some(7));
+        let first = d.finish(&auth).await.unwrap();
+        assert!(first.first && first.ran.is_some(), "{first:?}");
+        let again = d.finish(&auth).await.unwrap();
+        assert!(!again.first && again.ran.is_none(), "{again:?}");
+        assert_eq!(d.claim_state(a.id()), Some(ClaimState::Terminal));
+    }
+
+    /// Waits until `n` claim writes wait at `backend`'s gate.
+    async fn claims_waiting(backend: &MemoryBackend, n: usize) {
+        gdr_testkit::until_sync(
+            std::time::Duration::from_secs(10),
+            "the claim write to wait at the backend",
+            || backend.claims_waiting() == n,
+        )
+        .await;
+    }
+
+    /// DESIGN invariant 9 (issue 23): a FetchTask whose caller gives up while the claim is
+    /// being written (the runner's 5 s deadline, a disconnect) leaves neither a claim that
+    /// nobody can fetch nor a task that was taken out of memory: the write completes, a
+    /// concurrent FetchTask joins it, and the runner's retry gets the same task; the claim
+    /// is written once.
+    #[tokio::test]
+    async fn a_claim_whose_caller_gives_up_mid_write_completes_and_the_retry_gets_the_same_task() {
+        let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+        let d = dispatch(&backend, 1);
+        let a = assignment(7, "[self-hosted, pod]");
+        executor(&backend, &d, &a).await;
+        d.offer(&a);
+        let (id, cap, peer) = credentials(&d, &a);
+        let auth = d.authorize(&id, &cap, &peer).unwrap();
+        backend.hold_claims();
+        tokio::select! {
+            _ = d.take_task(&auth) => panic!("the claim write is held"),
+            () = claims_waiting(&backend, 1) => {}
+        }
+        // The caller is gone; a concurrent FetchTask of the same executor arrives.
+        let joined = {
+            let (d, auth) = (d.clone(), auth.clone());
+            tokio::spawn(async move { d.take_task(&auth).await })
+        };
+        backend.release_claims();
+        assert_eq!(
+            task_id(joined.await.unwrap()),
+            Some(7),
+            "the joiner gets the task"
+        );
+        assert_eq!(
+            task_id(d.take_task(&auth).await),
+            Some(7),
+            "the retry gets the same task"
+        );
+        assert!(backend.records()[0].claimed, "the claim is durable");
+        assert_eq!(d.claim_state(a.id()), Some(ClaimState::Claimed));
+        assert_eq!(backend.claim_calls(), 1, "the claim was written once");
+    }
+
+    /// DESIGN invariant 9 (issue 23): a claim write that fails after its caller gave up is
+    /// rolled back, so the runner's next FetchTask claims the task.
+    #[tokio::test]
+    async fn a_claim_write_that_fails_after_its_caller_gave_up_is_rolled_back_and_the_retry_claims()
+    {
+        let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+        let d = dispatch(&backend, 1);
+        let a = assignment(7, "[self-hosted, pod]");
+        executor(&backend, &d, &a).await;
+        d.offer(&a);
+        let (id, cap, peer) = credentials(&d, &a);
+        let auth = d.authorize(&id, &cap, &peer).unwrap();
+        backend.hold_claims();
+        tokio::select! {
+            _ = d.take_task(&auth) => panic!("the claim write is held"),
+            () = claims_waiting(&backend, 1) => {}
+        }
+        backend.set_failing(Some(Failure::Unavailable));
+        backend.release_claims();
+        // Joins the failing write or starts one of its own: either fails, and says so.
+        assert!(
+            matches!(d.take_task(&auth).await, Err(ClaimError::Backend(_))),
+            "a failed claim is reported to the runner, which retries"
+        );
+        assert_eq!(d.claim_state(a.id()), Some(ClaimState::Pending));
+        backend.set_failing(None);
+        assert_eq!(task_id(d.take_task(&auth).await), Some(7));
+        assert!(backend.records()[0].claimed);
         assert_eq!(d.claim_state(a.id()), Some(ClaimState::Claimed));
     }
 

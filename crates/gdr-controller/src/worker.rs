@@ -724,7 +724,10 @@ impl Worker {
                 }
                 Ok(Binding::NotReady(why)) => {
                     tracing::info!(%backend, assignment_id = %id, reason = %why, retry_in = ?self.settings.not_ready_delay, "identity target not ready; binding again later");
-                    if let Some(failure) = self.start_overdue(&record, Some(&why)) {
+                    // A claim in flight or done wins over the deadline (see below).
+                    if let Some(failure) = self.start_overdue(&record, Some(&why))
+                        && self.dispatch.expire(&id)
+                    {
                         return self
                             .fail(&assignment, FailureReason::StartDeadline, &failure)
                             .await;
@@ -782,8 +785,11 @@ impl Worker {
                 }
             }
             if let Some((why, failure)) = self.executor_failure(&id, &record).await {
-                // The claim may have landed while the backend was read.
-                if matches!(*claim.borrow(), ClaimState::Claimed | ClaimState::Terminal) {
+                // The failure and the claim exclude each other: a claim being recorded (or
+                // recorded while the backend was read) wins, and this loop sees it land or
+                // be rolled back; once expired, no runner can claim the task, so it is
+                // never handed out while it is failed in Gitea and its executor deleted.
+                if !self.dispatch.expire(&id) {
                     continue;
                 }
                 return self.fail(&assignment, why, &failure).await;

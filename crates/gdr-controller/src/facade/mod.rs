@@ -5,7 +5,9 @@
 //! runner token, and a peer SPIFFE ID equal to the assignment's; this is checked from the
 //! headers before the request body is read. Then:
 //! - `Declare` answers an ephemeral runner record named after the assignment;
-//! - `FetchTask` hands out the pre-assigned task exactly once, after the claim is durable;
+//! - `FetchTask` hands out the pre-assigned task once the claim is durable (the claim
+//!   completes or is rolled back even if the runner gives up on the call), again to the
+//!   same executor until its runner reports on the task, then never;
 //! - `UpdateTask`/`UpdateLog` must name the assignment's task and are forwarded to Gitea
 //!   with the controller's credential; Gitea's answer returns unchanged. A terminal
 //!   result is persisted on the backend and releases the slot before the runner hears
@@ -28,7 +30,7 @@ use gdr_proto::runner::v1::{
     UpdateTaskRequest, UpdateTaskResponse,
 };
 
-use crate::dispatch::{AuthError, Authorized, ClaimError, Dispatch};
+use crate::dispatch::{AuthError, Authorized, ClaimError, Dispatch, Fetched};
 use crate::gitea::{
     CAPABILITIES_HEADER, ErrorKind, GiteaClient, GiteaError, TOKEN_HEADER, UUID_HEADER,
 };
@@ -378,42 +380,39 @@ impl RunnerService for Facade {
     ) -> ServiceResult<FetchTaskResponse> {
         let auth = authorized(&ctx)?;
         let version = request.to_owned_message().tasks_version;
-        let state = self.dispatch.claim_state(&auth.id);
-        if matches!(
-            state,
-            Some(crate::dispatch::ClaimState::Claimed | crate::dispatch::ClaimState::Terminal)
-        ) {
-            // A runner that got its task never fetches again (`--once`), so a second fetch
-            // means the answer to the first was lost (e.g. the controller died right after
-            // recording the claim). The task cannot be handed out twice: tell the runner
-            // it is unregistered so it exits; the lifecycle reconciler then fails the task
-            // in Gitea instead of leaving a polling executor behind.
-            tracing::warn!(assignment_id = %auth.id, "second FetchTask for an already claimed task refused");
-            return Err(ConnectError::unauthenticated(format!(
-                "the task of {} was already handed out; unregistered runner",
-                auth.id
-            )));
-        }
+        // The claim runs detached from this call: if the runner's deadline drops this
+        // future, the claim still completes (or is rolled back) and the next FetchTask
+        // gets the task.
         match self.dispatch.take_task(&auth).await {
-            Ok(Some(task)) => {
-                tracing::info!(assignment_id = %auth.id, event = "claimed", backend = %auth.backend, task_id = auth.task_id, "task claimed by its executor");
+            Ok(Fetched::Task(task)) => {
+                tracing::debug!(assignment_id = %auth.id, task_id = auth.task_id, "task handed to its runner");
                 Response::ok(FetchTaskResponse {
-                    task: task.into(),
+                    task: (*task).into(),
                     tasks_version: version + 1,
                     ..Default::default()
                 })
             }
             // Not offered yet (e.g. after a restart, before redelivery): keep polling.
-            Ok(None) => Response::ok(FetchTaskResponse {
+            Ok(Fetched::Nothing) => Response::ok(FetchTaskResponse {
                 tasks_version: version,
                 ..Default::default()
             }),
-            Err(ClaimError::Backend(e)) => {
-                tracing::warn!(assignment_id = %auth.id, error = %e, "recording the claim failed; the task stays with the controller and the runner fetches again");
-                Err(ConnectError::unavailable(
-                    "recording the claim failed; retry",
-                ))
+            Ok(Fetched::HandedOut) => {
+                // A runner that has reported on its task never fetches again (`--once`);
+                // one whose claim was recorded before a restart polls because the answer
+                // was lost with the controller, and the task is not in memory any more.
+                // It cannot be handed out twice: tell the runner it is unregistered so it
+                // exits; the lifecycle reconciler then fails the task in Gitea instead of
+                // leaving a polling executor behind.
+                tracing::warn!(assignment_id = %auth.id, "FetchTask for a task already handed out refused");
+                Err(ConnectError::unauthenticated(format!(
+                    "the task of {} was already handed out; unregistered runner",
+                    auth.id
+                )))
             }
+            Err(ClaimError::Backend(_) | ClaimError::Interrupted) => Err(
+                ConnectError::unavailable("recording the claim failed; retry"),
+            ),
             Err(e @ ClaimError::NoBackend(_)) => Err(ConnectError::internal(e.to_string())),
         }
     }
@@ -432,6 +431,7 @@ impl RunnerService for Facade {
                 (s.id, s.result)
             });
         Self::check_task(&auth, task_id, "UpdateTask")?;
+        self.dispatch.received(&auth.id);
         let response = self
             .gitea
             .update_task(request)
@@ -441,10 +441,11 @@ impl RunnerService for Facade {
             // Invariant 10: the terminal marker is durable before the runner hears back;
             // if it is not, the runner retries and Gitea ignores the repeated result.
             crate::failpoint::hit(crate::failpoint::points::AFTER_TERMINAL_ACCEPTED);
-            let ran = self.dispatch.finish(&auth).await.map_err(|e| {
+            let finished = self.dispatch.finish(&auth).await.map_err(|e| {
                 tracing::warn!(assignment_id = %auth.id, error = %e, "persisting the terminal marker failed; the runner retries its final report (Gitea keeps the first result)");
                 ConnectError::unavailable("persisting the terminal state failed; retry")
             })?;
+            let ran = finished.ran;
             let result = result
                 .as_known()
                 .map_or("unknown", crate::metrics::result_label);
@@ -475,6 +476,7 @@ impl RunnerService for Facade {
         let auth = authorized(&ctx)?;
         let request = request.to_owned_message();
         Self::check_task(&auth, request.task_id, "UpdateLog")?;
+        self.dispatch.received(&auth.id);
         let response = self
             .gitea
             .update_log(request)
