@@ -53,6 +53,7 @@ struct Env {
     dispatch: Arc<Dispatch>,
     facade_api: RunningWorkloadApi,
     facade_addr: std::net::SocketAddr,
+    metrics: Arc<gdr_controller::metrics::Metrics>,
     stop: ShutdownTrigger,
 }
 
@@ -85,12 +86,16 @@ impl Env {
             [(backend.clone() as Arc<dyn ExecutorBackend>, 4)],
             CapabilityKey::new(KEY).expect("key"),
         ));
-        let facade = Arc::new(Facade::new(
-            dispatch.clone(),
-            gitea.clone(),
-            Some("job-summary".into()),
-            BackendLabels::default(),
-        ));
+        let metrics = Arc::new(gdr_controller::metrics::Metrics::new());
+        let facade = Arc::new(
+            Facade::new(
+                dispatch.clone(),
+                gitea.clone(),
+                Some("job-summary".into()),
+                BackendLabels::default(),
+            )
+            .with_metrics(metrics.clone()),
+        );
         let proxy = ReverseProxy::new(&mock.url, None).expect("proxy");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -120,6 +125,7 @@ impl Env {
             dispatch,
             facade_api,
             facade_addr,
+            metrics,
             stop,
         }
     }
@@ -266,6 +272,17 @@ impl Env {
             .issue(assignment.id())
             .expose()
             .to_string()
+    }
+
+    /// `jobs_completed_total{backend="pod",result}`.
+    fn completed(&self, result: &str) -> u64 {
+        self.metrics
+            .jobs_completed
+            .get_or_create(&gdr_controller::metrics::ResultLabels {
+                backend: "pod".into(),
+                result: result.into(),
+            })
+            .get()
     }
 
     async fn job_status(&self, assignment: &Assignment, status: Status) {
@@ -601,6 +618,67 @@ async fn a_runner_that_gives_up_while_its_claim_is_written_gets_the_same_task_on
         .expect("executor runs");
     assert!(status.success(), "the runner exits 0");
     env.job_status(&a, Status::Success).await;
+}
+
+/// DESIGN invariant 24 (issue 23): `jobs_completed` counts the result Gitea kept (here
+/// the job was cancelled in Gitea while its runner reported success), once per assignment
+/// however often the final report is repeated.
+#[tokio::test(flavor = "multi_thread")]
+async fn jobs_completed_counts_the_result_gitea_kept_once_per_assignment() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let c = env
+        .runner_client(&workload, a.id().as_str(), &env.capability(&a))
+        .await;
+    let task_id = c
+        .fetch_task(FetchTaskRequest::default())
+        .await
+        .expect("fetch")
+        .into_owned()
+        .task
+        .into_option()
+        .expect("the task")
+        .id;
+    let job = env
+        .mock
+        .handle
+        .jobs()
+        .into_iter()
+        .find(|j| j.task_id == Some(task_id))
+        .expect("job");
+    env.mock.handle.cancel_job(job.id).expect("cancel");
+    let success = gdr_proto::runner::v1::UpdateTaskRequest {
+        state: gdr_proto::runner::v1::TaskState {
+            id: task_id,
+            result: gdr_proto::runner::v1::TaskResult::RESULT_SUCCESS.into(),
+            ..Default::default()
+        }
+        .into(),
+        ..Default::default()
+    };
+    for _ in 0..2 {
+        let answer = c
+            .update_task(success.clone())
+            .await
+            .expect("the final report is answered")
+            .into_owned();
+        assert_eq!(
+            answer.state.into_option().map(|s| s.result),
+            Some(gdr_proto::runner::v1::TaskResult::RESULT_CANCELLED.into()),
+            "Gitea keeps the cancel"
+        );
+    }
+    assert_eq!(
+        env.completed("success"),
+        0,
+        "the runner's result was counted"
+    );
+    assert_eq!(
+        env.completed("cancelled"),
+        1,
+        "Gitea's result, counted once"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -497,7 +497,7 @@ impl Metrics {
         let jobs_completed = Family::<ResultLabels, Counter>::default();
         b.family(
             "jobs_completed",
-            "Results the jobs' runners reported and Gitea accepted, by backend and result",
+            "Jobs that ended with a result their runner reported, once per job, by backend and the result Gitea kept (a cancel in Gitea outlasts a runner's success)",
             &jobs_completed,
         )
         .values("result", &RESULTS);

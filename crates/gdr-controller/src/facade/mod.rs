@@ -445,25 +445,35 @@ impl RunnerService for Facade {
                 tracing::warn!(assignment_id = %auth.id, error = %e, "persisting the terminal marker failed; the runner retries its final report (Gitea keeps the first result)");
                 ConnectError::unavailable("persisting the terminal state failed; retry")
             })?;
-            let ran = finished.ran;
-            let result = result
-                .as_known()
-                .map_or("unknown", crate::metrics::result_label);
-            if let Some(m) = &self.metrics {
-                let backend = auth.backend.as_str().to_owned();
-                m.jobs_completed
-                    .get_or_create(&crate::metrics::ResultLabels {
-                        backend: backend.clone(),
-                        result: result.to_owned(),
-                    })
-                    .inc();
-                if let Some(ran) = ran {
-                    m.run_time
-                        .get_or_create(&crate::metrics::BackendLabel { backend })
-                        .observe(ran.as_secs_f64());
+            let label = |r: buffa::EnumValue<TaskResult>| {
+                r.as_known().map_or("unknown", crate::metrics::result_label)
+            };
+            let reported = label(result);
+            // Gitea keeps the first result of a task (a cancel, an earlier report): what it
+            // answers is what the job ended with.
+            let kept = response
+                .state
+                .as_option()
+                .map_or(reported, |s| label(s.result));
+            if finished.first {
+                if let Some(m) = &self.metrics {
+                    let backend = auth.backend.as_str().to_owned();
+                    m.jobs_completed
+                        .get_or_create(&crate::metrics::ResultLabels {
+                            backend: backend.clone(),
+                            result: kept.to_owned(),
+                        })
+                        .inc();
+                    if let Some(ran) = finished.ran {
+                        m.run_time
+                            .get_or_create(&crate::metrics::BackendLabel { backend })
+                            .observe(ran.as_secs_f64());
+                    }
                 }
+                tracing::info!(assignment_id = %auth.id, event = "terminal", backend = %auth.backend, task_id, result = kept, reported, run_time = finished.ran.map(tracing::field::debug), "task finished: Gitea accepted its result");
+            } else {
+                tracing::debug!(assignment_id = %auth.id, task_id, result = kept, reported, "repeated final report of a finished task");
             }
-            tracing::info!(assignment_id = %auth.id, event = "terminal", backend = %auth.backend, task_id, result, run_time = ran.map(tracing::field::debug), "task finished: Gitea accepted its result");
         }
         Response::ok(response)
     }
