@@ -34,31 +34,31 @@ use gdr_testkit::standin_dockerd::{
     Readiness, RunnerStart, StandinDockerd, recording_runner, runner_start,
 };
 
-const WAIT: Duration = Duration::from_secs(30);
+pub(super) const WAIT: Duration = Duration::from_secs(30);
 /// No signal ever reaches these executors.
 fn no_signals() -> tokio::sync::mpsc::Receiver<Forward> {
     tokio::sync::mpsc::channel(1).1
 }
 
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
-const FACADE_ID: &str = "spiffe://example.org/controller";
+pub(super) const FACADE_ID: &str = "spiffe://example.org/controller";
 const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
 
-struct Env {
-    mock: RunningMock,
+pub(super) struct Env {
+    pub(super) mock: RunningMock,
     gitea: GiteaClient,
-    ca: TestCa,
-    dir: tempfile::TempDir,
+    pub(super) ca: TestCa,
+    pub(super) dir: tempfile::TempDir,
     backend: Arc<MemoryBackend>,
-    dispatch: Arc<Dispatch>,
+    pub(super) dispatch: Arc<Dispatch>,
     facade_api: RunningWorkloadApi,
-    facade_addr: std::net::SocketAddr,
+    pub(super) facade_addr: std::net::SocketAddr,
     metrics: Arc<gdr_controller::metrics::Metrics>,
     stop: ShutdownTrigger,
 }
 
 impl Env {
-    async fn new() -> Self {
+    pub(super) async fn new() -> Self {
         Self::with_limits(FacadeLimits::default()).await
     }
 
@@ -131,7 +131,7 @@ impl Env {
     }
 
     /// Queues a job, fetches it as the scheduler would and lets a worker offer it.
-    async fn assignment(&self, step: &str) -> Assignment {
+    pub(super) async fn assignment(&self, step: &str) -> Assignment {
         let assignment = self.executor_only(step).await;
         self.dispatch.admit(Backend::Pod, assignment.id());
         self.dispatch.offer(&assignment);
@@ -179,7 +179,7 @@ impl Env {
         format!("https://{}", self.facade_addr)
     }
 
-    async fn workload(&self, spiffe_id: &str) -> RunningWorkloadApi {
+    pub(super) async fn workload(&self, spiffe_id: &str) -> RunningWorkloadApi {
         FakeWorkloadApi::start(self.dir.path(), self.ca.clone(), spiffe_id)
             .await
             .expect("workload api")
@@ -250,6 +250,7 @@ impl Env {
             .expect("bind");
         let local = listener.local_addr().expect("addr");
         let relay = gdr_executor::relay::Relay::new(
+            uuid,
             &self.facade_url(),
             &config,
             std::time::Duration::from_secs(5),
@@ -758,7 +759,7 @@ async fn a_50_mib_checkout_is_reverse_proxied_from_gitea_through_executor_and_fa
 /// A multi-thread runtime whose threads (and the calling one) log into `dispatch`. A
 /// process-wide default would be shared by every test of this binary under `cargo test`
 /// (one process), so only the first test to set it would see its events.
-fn runtime_logging_into(
+pub(super) fn runtime_logging_into(
     dispatch: tracing::Dispatch,
 ) -> (tokio::runtime::Runtime, tracing::dispatcher::DefaultGuard) {
     let for_threads = dispatch.clone();

@@ -45,6 +45,8 @@ mod process_backend;
 #[cfg(feature = "testkit")]
 mod queue_trust;
 mod quick_start;
+#[cfg(feature = "testkit")]
+mod relay;
 mod sandbox_identity;
 mod scheduler;
 #[cfg(feature = "testkit")]

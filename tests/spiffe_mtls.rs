@@ -444,7 +444,13 @@ async fn proxy_to(pki: &Pki, upstream: SocketAddr) -> (String, oneshot::Sender<(
     let addr = listener.local_addr().unwrap();
     let config = executor_client_config(&pki.executor, FACADE_ID).unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let relay = Relay::new(&format!("https://{upstream}"), &config, TOLERANCE).unwrap();
+    let relay = Relay::new(
+        "gitea-task-1",
+        &format!("https://{upstream}"),
+        &config,
+        TOLERANCE,
+    )
+    .unwrap();
     tokio::spawn(async move {
         serve_loopback_proxy(listener, relay, async {
             let _ = stopped.await;
@@ -556,7 +562,13 @@ async fn the_loopback_proxy_answers_502_when_the_facade_is_not_the_expected_iden
     let config =
         executor_client_config(&pki.executor, "spiffe://example.test/ns/ci/sa/impostor").unwrap();
     // A TLS failure is waited out like an outage, for as long as the tolerance allows.
-    let relay = Relay::new(&format!("https://{}", upstream.addr), &config, TOLERANCE).unwrap();
+    let relay = Relay::new(
+        "gitea-task-1",
+        &format!("https://{}", upstream.addr),
+        &config,
+        TOLERANCE,
+    )
+    .unwrap();
     let (_stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(async move {
         serve_loopback_proxy(listener, relay, async {

@@ -151,6 +151,18 @@ pub enum RunError {
         /// Whether the result was lost too.
         result: bool,
     },
+    /// The facade refused some of the reports the executor held for the runner, for good
+    /// (each refusal is logged with what it dropped); everything else was delivered.
+    #[error(
+        "the facade refused some of the runner's held reports for good: {rows} log rows{} not delivered",
+        if *.result { " and the job's result" } else { "" }
+    )]
+    ReportsRefused {
+        /// Log rows lost.
+        rows: usize,
+        /// Whether the result was lost too.
+        result: bool,
+    },
 }
 
 impl ExecutorConfig {
@@ -333,6 +345,7 @@ async fn run_executor(
     })?;
     let proxy_url = format!("http://{local}");
     let relay = Relay::new(
+        config.assignment_id.as_str(),
         &config.facade_url,
         &client_config,
         config.report_outage_tolerance,
@@ -398,6 +411,7 @@ async fn run_executor(
     drop(cleanup);
     match settled {
         Settled::Delivered => Ok(status),
+        Settled::Refused { rows, result } => Err(RunError::ReportsRefused { rows, result }),
         Settled::GaveUp {
             waited,
             rows,

@@ -7,16 +7,28 @@
 //! only at its own acknowledged index (a repeated row is never written twice) and the first
 //! result of a task wins.
 //!
+//! Deliveries fit the facade's request limit ([`FACADE_REQUEST_LIMIT`]), and a batch the
+//! facade still finds too large is split. A batch the facade refuses for good is dropped
+//! alone; Gitea's index stays contiguous (the next rows take the dropped ones' place) and
+//! the runner's index, which counted the dropped rows, is translated from then on.
+//!
 //! This module is pure bookkeeping (no I/O); [`crate::relay`] moves the messages.
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use buffa::MessageField;
+use buffa::{Message, MessageField};
 use gdr_proto::runner::v1 as pb;
 
 /// Rows per delivered `UpdateLog` (the official runner sends up to 100 per call; a backlog
 /// after a long outage goes in fewer, larger calls).
 pub const DELIVERY_BATCH: usize = 500;
+
+/// The largest request the facade reads: connectrpc's default message and body limit,
+/// which the facade keeps (it answers `resource_exhausted`, HTTP 429, beyond it).
+pub const FACADE_REQUEST_LIMIT: usize = 4 * 1024 * 1024;
+
+/// Room in a delivered `UpdateLog` for its own fields (task ID, index, `no_more`).
+const REQUEST_OVERHEAD: usize = 64;
 
 /// Bytes of log content the executor holds at most. Beyond it the runner's rows are not
 /// acknowledged, so the runner keeps them itself (it resends from the acknowledged index),
@@ -43,12 +55,27 @@ pub enum Delivery {
     },
 }
 
+impl Delivery {
+    /// Whether it carries the task's final result.
+    pub fn carries_result(&self) -> bool {
+        match self {
+            Delivery::Log { .. } => false,
+            Delivery::State { request, .. } => is_final(request),
+        }
+    }
+}
+
 /// The held reports of one task.
 #[derive(Debug, Default)]
 pub struct Outbox {
     task_id: i64,
     /// Rows Gitea acknowledged (its `ack_index`), as far as the executor knows.
     acked: i64,
+    /// Rows acknowledged to the runner that Gitea never got (refused for good): the
+    /// runner's index of a row is Gitea's plus this.
+    shift: i64,
+    /// A delivery size the facade (or something in front of it) refused as too large.
+    too_large: Option<usize>,
     /// Rows acknowledged to the runner beyond `acked`, in order.
     rows: Vec<pb::LogRow>,
     held_bytes: usize,
@@ -80,7 +107,23 @@ impl Outbox {
         self.state.as_ref().is_some_and(is_final)
     }
 
-    /// Gitea answered an `UpdateLog` the runner sent through: its acknowledged index.
+    /// The runner's `UpdateLog` as Gitea must get it: after rows were refused for good, the
+    /// runner's index runs ahead of Gitea's. Returns whether the request changed.
+    pub fn to_gitea(&self, request: &mut pb::UpdateLogRequest) -> bool {
+        if self.shift == 0 {
+            return false;
+        }
+        request.index = request.index.saturating_sub(self.shift).max(0);
+        true
+    }
+
+    /// Gitea's answer to a translated `UpdateLog` as the runner must hear it.
+    pub fn to_runner(&self, answer: &mut pb::UpdateLogResponse) {
+        answer.ack_index = answer.ack_index.saturating_add(self.shift);
+    }
+
+    /// Gitea answered an `UpdateLog` the runner sent through (`answer` as Gitea gave it):
+    /// its acknowledged index.
     pub fn passed_log(&mut self, request: &pb::UpdateLogRequest, answer: &pb::UpdateLogResponse) {
         self.task_id = request.task_id;
         if self.rows.is_empty() {
@@ -114,11 +157,12 @@ impl Outbox {
     pub fn hold_log(&mut self, request: &pb::UpdateLogRequest) -> pb::UpdateLogResponse {
         self.task_id = request.task_id;
         let held = i64::try_from(self.rows.len()).unwrap_or(i64::MAX);
-        let mut end = self.acked.saturating_add(held);
+        // In the runner's index.
+        let mut end = self.acked.saturating_add(self.shift).saturating_add(held);
         if self.rows.is_empty() && request.index > end {
             // The runner heard an acknowledgement this executor could not read; it is
             // Gitea's word, so it stands.
-            self.acked = request.index;
+            self.acked = request.index.saturating_sub(self.shift);
             end = request.index;
         }
         if request.index <= end {
@@ -200,10 +244,24 @@ impl Outbox {
         }
     }
 
-    /// The next delivery, if anything is held.
+    /// The next delivery, if anything is held: as many rows as fit the facade's limit (or
+    /// a smaller one it answered), at least one.
     pub fn next(&self) -> Option<Delivery> {
         if !self.rows.is_empty() || self.no_more {
-            let take = self.rows.len().min(DELIVERY_BATCH);
+            let limit = self.too_large.map_or(FACADE_REQUEST_LIMIT, |refused| {
+                refused.min(FACADE_REQUEST_LIMIT)
+            });
+            let budget = limit.saturating_sub(REQUEST_OVERHEAD);
+            let mut take = 0;
+            let mut bytes = 0usize;
+            for row in self.rows.iter().take(DELIVERY_BATCH) {
+                let size = wire_size(row);
+                if take > 0 && bytes.saturating_add(size) > budget {
+                    break;
+                }
+                bytes = bytes.saturating_add(size);
+                take += 1;
+            }
             let rows = self.rows[..take].to_vec();
             return Some(Delivery::Log {
                 request: pb::UpdateLogRequest {
@@ -222,17 +280,26 @@ impl Outbox {
         })
     }
 
-    /// Gitea answered a delivered `UpdateLog`: drop what it acknowledged. Returns false when
-    /// its answer makes no progress on what is held (the rows cannot be delivered).
+    /// Gitea answered a delivered `UpdateLog`: drop what it acknowledged.
     pub fn delivered_log(
         &mut self,
         request: &pb::UpdateLogRequest,
         answer: &pb::UpdateLogResponse,
-    ) -> bool {
+    ) -> Logged {
         let ack = answer.ack_index;
         let sent = row_count(request);
-        if ack < self.acked || (ack == self.acked && sent > 0) {
-            return false;
+        if ack < self.acked {
+            // Gitea has fewer rows than the runner was told: those are gone, and the held
+            // ones go on at Gitea's own index.
+            let lost = self.acked - ack;
+            self.shift = self.shift.saturating_add(lost);
+            self.acked = ack;
+            return Logged::Behind {
+                lost: usize::try_from(lost).unwrap_or(usize::MAX),
+            };
+        }
+        if ack == self.acked && sent > 0 {
+            return Logged::NotTaken;
         }
         let drop = usize::try_from(ack - self.acked)
             .unwrap_or(usize::MAX)
@@ -244,6 +311,17 @@ impl Outbox {
         if request.no_more && ack >= request.index.saturating_add(sent) {
             self.no_more = false;
         }
+        Logged::Progress
+    }
+
+    /// The facade answered that `request` (`bytes` long) is too large. Returns whether it
+    /// can be split: then later deliveries stay below half its size; a single row cannot.
+    pub fn too_large(&mut self, request: &pb::UpdateLogRequest, bytes: usize) -> bool {
+        if request.rows.len() < 2 {
+            return false;
+        }
+        let half = bytes / 2;
+        self.too_large = Some(self.too_large.map_or(half, |limit| limit.min(half)));
         true
     }
 
@@ -255,14 +333,22 @@ impl Outbox {
         }
     }
 
-    /// Gitea refused the log rows for good (e.g. the log is already archived): they are
-    /// dropped so the task state can still be delivered.
-    pub fn drop_log(&mut self) -> usize {
-        let dropped = self.rows.len();
-        self.rows.clear();
-        self.held_bytes = 0;
-        self.no_more = false;
-        dropped
+    /// The facade refused a delivered `UpdateLog` for good (e.g. a row larger than it
+    /// takes, an archived log): only its rows are dropped, and the rows after them take
+    /// their place in Gitea's log. Returns the refused rows.
+    pub fn refuse_log(&mut self, request: &pb::UpdateLogRequest) -> RefusedRows {
+        let first = self.acked.saturating_add(self.shift);
+        let count = request.rows.len().min(self.rows.len());
+        for row in self.rows.drain(..count) {
+            self.held_bytes = self.held_bytes.saturating_sub(row.content.len());
+        }
+        self.shift = self
+            .shift
+            .saturating_add(i64::try_from(count).unwrap_or(i64::MAX));
+        if request.no_more {
+            self.no_more = false;
+        }
+        RefusedRows { first, count }
     }
 
     /// Gitea refused the held state for good.
@@ -271,6 +357,39 @@ impl Outbox {
             self.state = None;
         }
     }
+}
+
+/// What Gitea's answer to a delivered `UpdateLog` did to what is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logged {
+    /// The acknowledged rows are no longer held.
+    Progress,
+    /// Gitea has fewer rows than the runner was told (an acknowledgement the executor
+    /// adopted from the runner was wrong): these are lost; what is held goes on at Gitea's
+    /// index.
+    Behind {
+        /// Rows lost.
+        lost: usize,
+    },
+    /// Gitea took none of the rows at its own index: they cannot be delivered.
+    NotTaken,
+}
+
+/// Log rows dropped after a refusal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RefusedRows {
+    /// The first one's index, as the runner counted it.
+    pub first: i64,
+    /// How many.
+    pub count: usize,
+}
+
+/// A row's share of an encoded `UpdateLogRequest`: its tag, its length, the row.
+fn wire_size(row: &pb::LogRow) -> usize {
+    const TAG_AND_LENGTH: usize = 1 + 5;
+    usize::try_from(row.encoded_len())
+        .unwrap_or(usize::MAX)
+        .saturating_add(TAG_AND_LENGTH)
 }
 
 fn row_count(request: &pb::UpdateLogRequest) -> i64 {
@@ -358,7 +477,7 @@ mod tests {
         assert_eq!((request.index, n, request.no_more), (3, 3, true));
         let contents: Vec<_> = request.rows.iter().map(|r| r.content.as_str()).collect();
         assert_eq!(contents, ["row 3", "row 4", "row 5"]);
-        assert!(outbox.delivered_log(&request, &ack(6)));
+        assert_eq!(outbox.delivered_log(&request, &ack(6)), Logged::Progress);
         assert!(outbox.is_empty());
     }
 
@@ -432,6 +551,109 @@ mod tests {
         outbox.hold_state(state(pb::TaskResult::RESULT_FAILURE, &[]));
         outbox.delivered_state(generation, &pb::UpdateTaskResponse::default());
         assert!(!outbox.is_empty());
+    }
+
+    fn big_rows(from: usize, n: usize, size: usize) -> Vec<pb::LogRow> {
+        (from..from + n)
+            .map(|i| pb::LogRow {
+                content: format!("row {i} {}", "x".repeat(size)),
+                ..Default::default()
+            })
+            .collect()
+    }
+
+    fn next_log(outbox: &Outbox) -> pb::UpdateLogRequest {
+        match outbox.next() {
+            Some(Delivery::Log { request, .. }) => request,
+            other => panic!("a log delivery, not {other:?}"),
+        }
+    }
+
+    /// DESIGN invariant 19: a delivery fits the facade's request limit, and a batch the
+    /// facade still finds too large is split until it fits; a single row cannot be split.
+    #[test]
+    fn deliveries_fit_the_facades_request_limit_and_a_too_large_answer_splits_them() {
+        let mut outbox = Outbox::default();
+        outbox.hold_log(&log(0, big_rows(0, 10, 1024 * 1024), true));
+        let first = next_log(&outbox);
+        let size = usize::try_from(first.encoded_len()).unwrap();
+        assert!(size <= FACADE_REQUEST_LIMIT, "{size} bytes");
+        assert_eq!(first.rows.len(), 3, "as many 1 MiB rows as fit in 4 MiB");
+        assert!(!first.no_more, "no_more goes with the last rows only");
+        // A proxy in front of the facade takes less: 413 for the batch.
+        assert!(outbox.too_large(&first, size));
+        let smaller = next_log(&outbox);
+        assert_eq!((smaller.index, smaller.rows.len()), (0, 1));
+        assert!(
+            !outbox.too_large(&smaller, size / 2),
+            "one row cannot be split"
+        );
+        assert_eq!(outbox.delivered_log(&smaller, &ack(1)), Logged::Progress);
+        assert_eq!(
+            next_log(&outbox).index,
+            1,
+            "the next batch starts at Gitea's index"
+        );
+    }
+
+    /// DESIGN invariant 19: a batch refused for good is dropped alone; the rows after it
+    /// take its place in Gitea's log, and the runner's index, which counted the dropped
+    /// rows, is translated from then on (held or sent through), so its log goes on.
+    #[test]
+    fn a_refused_batch_is_dropped_alone_and_the_runners_index_is_translated_from_then_on() {
+        let mut outbox = Outbox::default();
+        outbox.passed_log(&log(0, rows(0, 2), false), &ack(2));
+        assert_eq!(
+            outbox
+                .hold_log(&log(2, big_rows(2, 4, 1024 * 1024), false))
+                .ack_index,
+            6
+        );
+        let first = next_log(&outbox);
+        assert_eq!(first.rows.len(), 3);
+        assert_eq!(
+            outbox.refuse_log(&first),
+            RefusedRows { first: 2, count: 3 }
+        );
+        let rest = next_log(&outbox);
+        assert_eq!((rest.index, rest.rows.len()), (2, 1), "at Gitea's index");
+        assert!(rest.rows[0].content.starts_with("row 5 "));
+        // The runner goes on at its own index while the last row is still held.
+        assert_eq!(outbox.hold_log(&log(6, rows(6, 1), true)).ack_index, 7);
+        assert_eq!(outbox.delivered_log(&rest, &ack(3)), Logged::Progress);
+        let last = next_log(&outbox);
+        assert_eq!((last.index, last.no_more), (3, true));
+        assert_eq!(last.rows[0].content, "row 6");
+        assert_eq!(outbox.delivered_log(&last, &ack(4)), Logged::Progress);
+        assert!(outbox.is_empty());
+        // Sent through: the runner's index 7 is Gitea's 4, Gitea's answer is the runner's.
+        let mut sent = log(7, rows(7, 1), false);
+        assert!(outbox.to_gitea(&mut sent));
+        assert_eq!(sent.index, 4);
+        let mut answer = ack(5);
+        outbox.passed_log(&sent, &answer);
+        outbox.to_runner(&mut answer);
+        assert_eq!(answer.ack_index, 8);
+    }
+
+    /// DESIGN invariant 19: when Gitea has fewer rows than the runner was told (an
+    /// acknowledgement adopted from the runner was wrong), the held rows go on at Gitea's
+    /// index and the loss is reported, not the held rows dropped.
+    #[test]
+    fn held_rows_go_on_at_giteas_index_when_gitea_has_fewer_than_the_runner_was_told() {
+        let mut outbox = Outbox::default();
+        assert_eq!(outbox.hold_log(&log(5, rows(5, 2), false)).ack_index, 7);
+        let first = next_log(&outbox);
+        assert_eq!(first.index, 5);
+        assert_eq!(
+            outbox.delivered_log(&first, &ack(3)),
+            Logged::Behind { lost: 2 }
+        );
+        let again = next_log(&outbox);
+        assert_eq!((again.index, again.rows.len()), (3, 2));
+        assert_eq!(outbox.delivered_log(&again, &ack(5)), Logged::Progress);
+        assert!(outbox.is_empty());
+        assert_eq!(outbox.hold_log(&log(7, rows(7, 1), false)).ack_index, 8);
     }
 
     /// Memory is bounded: rows beyond the cap are not acknowledged, so the runner keeps them.

@@ -323,10 +323,15 @@ fn authorized(ctx: &RequestContext) -> Result<Authorized, ConnectError> {
 }
 
 /// Gitea's failure as the runner should see it. A refusal of the *controller's*
-/// credential is not the runner's fault, so it becomes `unavailable` (retry later).
+/// credential is not the runner's fault, so it becomes `unavailable` (retry later). A
+/// task Gitea no longer has is `not_found`, not the internal error Gitea answers: the
+/// executor's relay sends an internal error again, and nothing can deliver this.
 fn forward_error(method: &'static str, auth: &Authorized, e: GiteaError) -> ConnectError {
     tracing::warn!(method, assignment_id = %auth.id, error = %e, kind = e.kind().as_str(), "forwarding to Gitea failed; the runner gets Gitea's answer and retries what it can");
     let message = e.message().to_string();
+    if e.task_gone() {
+        return ConnectError::not_found(message);
+    }
     match e.kind() {
         ErrorKind::Invalid => ConnectError::invalid_argument(message),
         ErrorKind::NotFound => ConnectError::not_found(message),
