@@ -687,7 +687,11 @@ mod tests {
 
     /// A task of `repository` for a push to `main`.
     fn task_with(repository: Option<&str>, payload: &str) -> Task {
-        task_in(repository, &[("ref", "refs/heads/main"), ("event_name", "push")], payload)
+        task_in(
+            repository,
+            &[("ref", "refs/heads/main"), ("event_name", "push")],
+            payload,
+        )
     }
 
     /// A task whose context has `repository` and the string `fields`.
@@ -934,8 +938,12 @@ mod tests {
                 "2048 bytes",
             ),
         ] {
-            let err = Identity::from_task(&task_with(Some(repository), &job(&key)), &td(), IdentityScheme::Job)
-                .expect_err(repository);
+            let err = Identity::from_task(
+                &task_with(Some(repository), &job(&key)),
+                &td(),
+                IdentityScheme::Job,
+            )
+            .expect_err(repository);
             assert!(
                 matches!(err, IdentityError::InvalidSpiffeId(_)),
                 "{repository}: {err}"
@@ -949,8 +957,12 @@ mod tests {
             );
         }
         let repo = "r".repeat(2048 - "spiffe://ddupan.top/ci/o//build".len());
-        Identity::from_task(&task_with(Some(&format!("o/{repo}")), &job("build")), &td(), IdentityScheme::Job)
-            .expect("an ID of exactly 2048 bytes is valid");
+        Identity::from_task(
+            &task_with(Some(&format!("o/{repo}")), &job("build")),
+            &td(),
+            IdentityScheme::Job,
+        )
+        .expect("an ID of exactly 2048 bytes is valid");
     }
 
     // === the ref scheme ===
@@ -958,8 +970,12 @@ mod tests {
     const DEPLOY: &str = "jobs:\n  deploy:\n    runs-on: [self-hosted, pod]\n    steps: []\n";
 
     fn ref_id(fields: &[(&str, &str)]) -> Result<String, IdentityError> {
-        Identity::from_task(&task_in(Some("owner/repo"), fields, DEPLOY), &td(), IdentityScheme::Ref)
-            .map(|identity| identity.spiffe_id().to_owned())
+        Identity::from_task(
+            &task_in(Some("owner/repo"), fields, DEPLOY),
+            &td(),
+            IdentityScheme::Ref,
+        )
+        .map(|identity| identity.spiffe_id().to_owned())
     }
 
     fn push(git_ref: &str) -> Result<String, IdentityError> {
@@ -1006,7 +1022,10 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(main, "spiffe://ddupan.top/ci/owner/repo/branch/main/deploy");
-        assert_eq!(branch, "spiffe://ddupan.top/ci/owner/repo/branch/evil/deploy");
+        assert_eq!(
+            branch,
+            "spiffe://ddupan.top/ci/owner/repo/branch/evil/deploy"
+        );
         assert_eq!(pull, "spiffe://ddupan.top/ci/owner/repo/pull/7/deploy");
         assert_eq!(
             push("refs/tags/v1.2.0").unwrap(),
@@ -1116,12 +1135,26 @@ mod tests {
         let main = "spiffe://ddupan.top/ci/owner/repo/branch/main/";
         assert!(push("refs/heads/main").unwrap().starts_with(main));
         for branch in [
-            "main/x", "main-x", "main.x", "main_x", "main/", "main ", "main/deploy", "Main",
-            "main//x", "refs/heads/main", ".", "..",
+            "main/x",
+            "main-x",
+            "main.x",
+            "main_x",
+            "main/",
+            "main ",
+            "main/deploy",
+            "Main",
+            "main//x",
+            "refs/heads/main",
+            ".",
+            "..",
         ] {
             let id = push(&format!("refs/heads/{branch}")).unwrap();
             assert!(!id.starts_with(main), "{branch:?} gave {id}");
-            assert_eq!(id.matches('/').count(), 8, "{branch:?}: one segment in {id}");
+            assert_eq!(
+                id.matches('/').count(),
+                8,
+                "{branch:?}: one segment in {id}"
+            );
         }
     }
 
@@ -1139,7 +1172,10 @@ mod tests {
             push("refs/heads/release/1.0")
         );
         // Names that only look like an owner's slug are kept as they are.
-        assert_eq!(sanitize_ref_name("Run-on-Ubuntu-8b7cd4c244fb"), "Run-on-Ubuntu-8b7cd4c244fb");
+        assert_eq!(
+            sanitize_ref_name("Run-on-Ubuntu-8b7cd4c244fb"),
+            "Run-on-Ubuntu-8b7cd4c244fb"
+        );
         assert_eq!(sanitize_ref_name("main"), "main");
         assert_eq!(sanitize_ref_name("v1.2.0"), "v1.2.0");
     }
@@ -1157,8 +1193,20 @@ mod tests {
             assert_eq!((job_ref.kind(), job_ref.name()), (kind, name));
             assert_eq!(job_ref.to_string(), text);
         }
-        for bad in ["", "main", "branch:", "pull:x", "pull:07", "heads:main", ":main"] {
-            assert_eq!(JobRef::parse(bad), Err(IdentityError::InvalidRef(bad.into())), "{bad}");
+        for bad in [
+            "",
+            "main",
+            "branch:",
+            "pull:x",
+            "pull:07",
+            "heads:main",
+            ":main",
+        ] {
+            assert_eq!(
+                JobRef::parse(bad),
+                Err(IdentityError::InvalidRef(bad.into())),
+                "{bad}"
+            );
         }
     }
 
@@ -1172,10 +1220,16 @@ mod tests {
                 .unwrap();
         assert_eq!(identity.scheme(), IdentityScheme::Ref);
         for (job_ref, id) in [
-            (Some("branch:main"), "spiffe://ddupan.top/ci/owner/repo/publish"),
+            (
+                Some("branch:main"),
+                "spiffe://ddupan.top/ci/owner/repo/publish",
+            ),
             (None, id),
             (Some("pull:7"), id),
-            (Some("branch:main"), "spiffe://ddupan.top/ci/owner/repo/branch/other/publish"),
+            (
+                Some("branch:main"),
+                "spiffe://ddupan.top/ci/owner/repo/branch/other/publish",
+            ),
             (Some("main"), id),
         ] {
             assert!(

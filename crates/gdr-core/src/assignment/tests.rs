@@ -236,7 +236,13 @@ fn a_tampered_redundant_field_of_a_v1_envelope_is_rejected() {
 /// v1 and v2 alike, never run under an identity this controller would not give its task.
 #[test]
 fn an_envelope_whose_identity_was_derived_under_the_other_scheme_is_refused_as_tampered() {
-    let task = task_on(42, "owner/repo", "deploy", "[self-hosted, pod]", "refs/pull/7/head");
+    let task = task_on(
+        42,
+        "owner/repo",
+        "deploy",
+        "[self-hosted, pod]",
+        "refs/pull/7/head",
+    );
     let by_ref = Assignment::from_task(task.clone(), &ref_policy()).unwrap();
     let by_job = Assignment::from_task(task, &policy()).unwrap();
     assert_eq!(
@@ -592,7 +598,13 @@ fn backend_metadata_written_by_the_go_version_recovers_the_minimal_assignment() 
 #[test]
 fn metadata_written_from_an_assignment_reads_back_as_the_same_assignment() {
     let under_ref = Assignment::from_task(
-        task_on(42, "owner/repo", "publish", "[self-hosted, pod]", "refs/heads/feature/x"),
+        task_on(
+            42,
+            "owner/repo",
+            "publish",
+            "[self-hosted, pod]",
+            "refs/heads/feature/x",
+        ),
         &ref_policy(),
     )
     .unwrap();
