@@ -55,7 +55,7 @@ async fn publishing_the_same_assignment_twice_stores_one_message_and_it_decodes_
     assert_eq!(assignment.backend(), Backend::Pod);
     assert_eq!(
         assignment.identity().spiffe_id(),
-        "spiffe://example.org/ci/owner/repo/publish"
+        "spiffe://example.org/ci/owner/repo/branch/main/publish"
     );
     let envelope_text = String::from_utf8_lossy(&envelope);
     assert!(
