@@ -69,7 +69,12 @@ in
   trust_domain = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "SPIFFE trust domain of job identities (`spiffe://<trust_domain>/ci/<owner>/<repo>/<job>`). The Go version defaulted to `ddupan.top`. Default: `gitea-dynamic-runner.local with local_identity, else required`.";
+    description = "SPIFFE trust domain of job identities (`spiffe://<trust_domain>/ci/…`, see `spiffe_id_scheme`). The Go version defaulted to `ddupan.top`. Default: `gitea-dynamic-runner.local with local_identity, else required`.";
+  };
+  spiffe_id_scheme = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "How job SPIFFE IDs are formed. `ref`: `spiffe://<trust_domain>/ci/<owner>/<repo>/<ref kind>/<ref name>/<job>`, the ref kind `branch`, `tag`, `pull` (named by the pull request's number, `pull_request_target` runs included) or `ref` (any other ref), so a pull request's or an unprotected branch's job never has the identity of `main`'s job of the same name; a task without a `ref` is failed. `job`: `spiffe://<trust_domain>/ci/<owner>/<repo>/<job>`, as the Go version formed them and weaker: whoever writes a workflow, in a pull request or on any branch, can give a job the identity of any job key of the repository. Keep `job` only to take over a Go deployment (its queued assignments, executors and SPIRE entries carry such IDs). Assignments queued under the other scheme are refused as tampered: drain the queue before changing it; running executors keep their identity. Default: `ref`.";
   };
   metadata_prefix = mkOption {
     type = types.nullOr (types.str);

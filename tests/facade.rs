@@ -16,7 +16,7 @@ use gdr_core::assignment::{Assignment, DerivationPolicy};
 use gdr_core::backend::{Backend, BackendLabels};
 use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::{ExecutorBackend, ExecutorSpec};
-use gdr_core::identity::TrustDomain;
+use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
 use gdr_executor::oneshot::{ExecutorConfig, Forward, run};
 use gdr_identity::tls;
@@ -158,6 +158,7 @@ impl Env {
             .expect("task");
         let policy = DerivationPolicy {
             trust_domain: TrustDomain::new("example.org").expect("td"),
+            scheme: IdentityScheme::Ref,
             labels: BackendLabels::default(),
         };
         let assignment = Assignment::from_task(task, &policy).expect("assignment");

@@ -9,7 +9,8 @@ use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::queue::{self, ConsumerSettings};
 use gdr_core::assignment::{Assignment, EnvelopeError, TaskKey, TaskKeyring, decode, encode_v2};
 use gdr_core::backend::Backend;
-use gdr_testkit::mock_gitea::{MockConfig, MockGitea};
+use gdr_core::identity::IdentityScheme;
+use gdr_testkit::mock_gitea::{MockConfig, MockGitea, Trigger};
 use gdr_testkit::nats_server::NatsServer;
 
 use crate::queue_common::{policy, stream_settings};
@@ -44,6 +45,73 @@ async fn fetched_assignment(keyring: &TaskKeyring) -> (Assignment, Vec<u8>) {
     (assignment, envelope)
 }
 
+/// DESIGN invariant 13: whoever writes a workflow chooses its job keys, a pull request's
+/// author and anyone who can push a branch included. The same job key fetched from Gitea
+/// for a push to `main`, to an unprotected branch, to a tag, and for a pull request
+/// (`pull_request`, and `pull_request_target`, whose `ref` Gitea rewrites to the base
+/// branch) gets an identity of its own per ref, and a pull request's is never `main`'s.
+#[tokio::test]
+async fn the_same_job_key_fetched_for_main_a_branch_and_a_pull_request_has_an_identity_per_ref() {
+    let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+    let (uuid, token) = mock
+        .handle
+        .create_runner("ctl", &["self-hosted", "pod"], false);
+    let client = GiteaClient::new(
+        ClientOptions::new(mock.url.clone()),
+        Some(&Credentials::new(uuid, token)),
+    )
+    .expect("client");
+    let deploy = "on: [push, pull_request]\njobs:\n  deploy:\n    runs-on: [self-hosted, pod]\n    steps: []\n";
+    let pull = |number| Trigger::PullRequest {
+        number,
+        head: "evil".into(),
+        base: "main".into(),
+    };
+    let target = Trigger::PullRequestTarget {
+        number: 9,
+        head: "evil".into(),
+        base: "main".into(),
+    };
+    let base = "spiffe://example.org/ci/owner/repo";
+    let cases = [
+        (Trigger::default(), format!("{base}/branch/main/deploy")),
+        (
+            Trigger::Push("refs/heads/evil".into()),
+            format!("{base}/branch/evil/deploy"),
+        ),
+        (
+            Trigger::Push("refs/tags/v1.0".into()),
+            format!("{base}/tag/v1.0/deploy"),
+        ),
+        (pull(8), format!("{base}/pull/8/deploy")),
+        (target, format!("{base}/pull/9/deploy")),
+    ];
+    for (trigger, expected) in cases {
+        mock.handle
+            .queue_workflow_for("owner/repo", &trigger, deploy)
+            .expect("queue");
+        let task = client
+            .fetch_task(0)
+            .await
+            .expect("fetch")
+            .task
+            .into_option()
+            .expect("task");
+        let under_job = gdr_core::assignment::DerivationPolicy {
+            scheme: IdentityScheme::Job,
+            ..policy()
+        };
+        let legacy = Assignment::from_task(task.clone(), &under_job).expect("job scheme");
+        assert_eq!(
+            legacy.identity().spiffe_id(),
+            format!("{base}/deploy"),
+            "the job scheme cannot tell {trigger:?} apart"
+        );
+        let assignment = Assignment::from_task(task, &policy()).expect("assignment");
+        assert_eq!(assignment.identity().spiffe_id(), expected, "{trigger:?}");
+    }
+}
+
 /// DESIGN invariants 3, 5, 13: a retried publish is recognised by its message ID (the
 /// assignment ID) and stores one message; the envelope holds the whole task with its secrets
 /// unreadable in the stream, and decodes back to the same assignment, whose backend and SPIFFE
@@ -55,7 +123,7 @@ async fn publishing_the_same_assignment_twice_stores_one_message_and_it_decodes_
     assert_eq!(assignment.backend(), Backend::Pod);
     assert_eq!(
         assignment.identity().spiffe_id(),
-        "spiffe://example.org/ci/owner/repo/publish"
+        "spiffe://example.org/ci/owner/repo/branch/main/publish"
     );
     let envelope_text = String::from_utf8_lossy(&envelope);
     assert!(

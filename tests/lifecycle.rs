@@ -10,7 +10,7 @@ use gdr_core::assignment::{Assignment, DerivationPolicy};
 use gdr_core::backend::{Backend, BackendLabels};
 use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::{ExecutorBackend, ExecutorSpec};
-use gdr_core::identity::TrustDomain;
+use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
 use gdr_testkit::memory_backend::MemoryBackend;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
@@ -67,6 +67,7 @@ async fn running_executor(s: &Setup, claimed: bool) -> Assignment {
         .expect("task");
     let policy = DerivationPolicy {
         trust_domain: TrustDomain::new("example.org").expect("td"),
+        scheme: IdentityScheme::Ref,
         labels: BackendLabels::default(),
     };
     let assignment = Assignment::from_task(task, &policy).expect("assignment");

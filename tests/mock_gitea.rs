@@ -17,7 +17,7 @@ use connectrpc::{ConnectError, ErrorCode};
 use gdr_proto::ping::v1 as ping;
 use gdr_proto::runner::v1 as pb;
 use gdr_testkit::mock_gitea::{
-    GrpcCode, JobId, MockConfig, MockFault, MockGitea, RpcMethod, RunningMock, Status,
+    GrpcCode, JobId, MockConfig, MockFault, MockGitea, RpcMethod, RunningMock, Status, Trigger,
 };
 
 type Client = pb::RunnerServiceClient<HttpClient>;
@@ -388,6 +388,78 @@ jobs:
     );
     assert_eq!(t2.vars.get("REGION").map(String::as_str), Some("eu"));
     assert_eq!(mock.handle.job(jobs[1]).unwrap().task.unwrap().token, token);
+}
+
+/// Peer fidelity: a run's trigger reaches the task context as Gitea writes it
+/// (`services/actions/context.go`): `pull_request` with `ref` `refs/pull/<n>/head`,
+/// `pull_request_target` with `ref` rewritten to the base branch, both with `base_ref`,
+/// `head_ref` and the pull request's number in `event`; a push without them.
+#[tokio::test]
+async fn the_task_context_tells_the_trigger_as_gitea_does() {
+    let mock = start().await;
+    let (c, _) = runner(&mock, &["self-hosted", "pod"], false);
+    let yaml = "on: push\njobs:\n  j:\n    runs-on: pod\n    steps: []\n";
+    let pr = |number| (number, "feature".to_owned(), "main".to_owned());
+    for (trigger, event_name, git_ref, pull) in [
+        (Trigger::default(), "push", "refs/heads/main", None),
+        (
+            Trigger::Push("refs/tags/v1".into()),
+            "push",
+            "refs/tags/v1",
+            None,
+        ),
+        (
+            Trigger::PullRequest {
+                number: 4,
+                head: "feature".into(),
+                base: "main".into(),
+            },
+            "pull_request",
+            "refs/pull/4/head",
+            Some(pr(4)),
+        ),
+        (
+            Trigger::PullRequestTarget {
+                number: 5,
+                head: "feature".into(),
+                base: "main".into(),
+            },
+            "pull_request_target",
+            "refs/heads/main",
+            Some(pr(5)),
+        ),
+    ] {
+        mock.handle
+            .queue_workflow_for("octo/app", &trigger, yaml)
+            .unwrap();
+        let task = fetch_task(&c).await;
+        let ctx = task.context.as_option().unwrap();
+        let s = |k: &str| ctx.get(k).and_then(|v| v.as_str()).map(str::to_owned);
+        assert_eq!(s("event_name").as_deref(), Some(event_name), "{trigger:?}");
+        assert_eq!(s("ref").as_deref(), Some(git_ref), "{trigger:?}");
+        let event = ctx.get("event").and_then(|v| v.as_struct()).unwrap();
+        let number = event
+            .get("pull_request")
+            .and_then(|v| v.as_struct())
+            .and_then(|p| p.get("number"))
+            .and_then(|v| v.as_number());
+        match pull {
+            Some((n, head, base)) => {
+                assert_eq!(s("head_ref"), Some(head));
+                assert_eq!(s("base_ref"), Some(base));
+                assert_eq!(number, Some(n as f64));
+            }
+            None => {
+                assert_eq!(s("head_ref").as_deref(), Some(""));
+                assert_eq!(number, None);
+            }
+        }
+    }
+    mock.handle
+        .queue_workflow_for("octo/app", &Trigger::NoRef, yaml)
+        .unwrap();
+    let task = fetch_task(&c).await;
+    assert!(task.context.as_option().unwrap().get("ref").is_none());
 }
 
 /// Peer fidelity (a stated limit): the mock does not expand matrix jobs and says so, instead of

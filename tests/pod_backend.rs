@@ -203,8 +203,9 @@ async fn the_pod_carries_the_contract_metadata_and_spec_and_its_capability_only_
     assert_eq!(annotations["ci.ddupan.top/job-key"], "build");
     assert_eq!(
         annotations["ci.ddupan.top/spiffe-id"],
-        "spiffe://example.org/ci/owner/repo/build"
+        "spiffe://example.org/ci/owner/repo/branch/main/build"
     );
+    assert_eq!(annotations["ci.ddupan.top/ref"], "branch:main");
     let s = &pod["spec"];
     assert_eq!(s["restartPolicy"], "Never");
     assert_eq!(s["serviceAccountName"], "gitea-task-executor");
@@ -478,7 +479,7 @@ async fn an_executor_reaches_the_facade_with_the_jobs_identity_only_once_its_ent
     assert_eq!(
         entry["spec"],
         json!({
-            "spiffeID": "spiffe://example.org/ci/owner/repo/build",
+            "spiffeID": "spiffe://example.org/ci/owner/repo/branch/main/build",
             "parentID": c.spire.agent_id(),
             "selectors": [format!("k8s:pod-uid:{uid}")],
             "className": CLASS,
@@ -497,7 +498,7 @@ async fn an_executor_reaches_the_facade_with_the_jobs_identity_only_once_its_ent
             .lock()
             .unwrap()
             .iter()
-            .any(|p| p == "spiffe://example.org/ci/owner/repo/build")
+            .any(|p| p == "spiffe://example.org/ci/owner/repo/branch/main/build")
     })
     .await;
     assert!(

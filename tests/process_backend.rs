@@ -18,7 +18,7 @@ use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::{
     Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec, Phase,
 };
-use gdr_core::identity::TrustDomain;
+use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
 use gdr_testkit::eventually;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock};
@@ -135,6 +135,7 @@ impl Setup {
             .expect("task");
         let policy = DerivationPolicy {
             trust_domain: trust_domain(),
+            scheme: IdentityScheme::Ref,
             labels: BackendLabels::default(),
         };
         let assignment = Assignment::from_task(task, &policy).expect("assignment");

@@ -6,7 +6,7 @@ use std::time::Duration;
 use gdr_controller::queue::StreamSettings;
 use gdr_core::assignment::DerivationPolicy;
 use gdr_core::backend::BackendLabels;
-use gdr_core::identity::TrustDomain;
+use gdr_core::identity::{IdentityScheme, TrustDomain};
 
 /// The stream name: the controller's default `nats_stream`, which the controllers that
 /// `queue_trust` starts use too.
@@ -24,6 +24,7 @@ pub fn stream_settings() -> StreamSettings {
 pub fn policy() -> DerivationPolicy {
     DerivationPolicy {
         trust_domain: TrustDomain::new("example.org").expect("trust domain"),
+        scheme: IdentityScheme::Ref,
         labels: BackendLabels::default(),
     }
 }

@@ -19,7 +19,9 @@ use serde_json::{Value, json};
 
 const NS: &str = "opensandbox";
 const DEADLINE: Duration = Duration::from_secs(20);
-const JOB_A: &str = "spiffe://example.org/ci/octo-org/hello-world/build";
+/// A job identity of the (default) ref scheme.
+const JOB_A: &str = "spiffe://example.org/ci/octo-org/hello-world/branch/main/build";
+/// A job identity of the job scheme, as the Go version's sandboxes carry: accepted too.
 const JOB_B: &str = "spiffe://example.org/ci/octo-org/other-repo/deploy";
 
 struct Cluster {

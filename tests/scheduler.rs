@@ -17,7 +17,9 @@ use gdr_controller::scheduler::{
 use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
 use gdr_core::assignment::AssignmentId;
 use gdr_proto::runner::v1 as pb;
-use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RpcMethod, RunningMock, Status};
+use gdr_testkit::mock_gitea::{
+    JobId, MockConfig, MockGitea, RpcMethod, RunningMock, Status, Trigger,
+};
 use gdr_testkit::nats_server::NatsServer;
 use gdr_testkit::until;
 use tokio::task::JoinHandle;
@@ -602,6 +604,40 @@ async fn a_task_whose_runs_on_selects_no_backend_is_failed_in_gitea_with_a_reaso
         task.log_rows
     );
     assert!(task.stopped.is_some());
+    assert_eq!(report.invalid_tasks_failed, 1);
+    assert_eq!(report.tasks_published, 0);
+    assert_eq!(env.unclaimed().await, 0, "nothing reached the stream");
+}
+
+/// DESIGN invariant 13: the SPIFFE ID names the ref a job runs for, so a task whose
+/// context has no `ref` gets no identity: it never reaches the stream (not even with a
+/// weaker identity) and is failed in Gitea with a reason naming the field.
+#[tokio::test]
+async fn a_task_without_a_ref_is_failed_in_gitea_with_a_reason_naming_it() {
+    let env = Env::start(MockConfig::default()).await;
+    let job = env
+        .gitea_mock()
+        .queue_workflow_for(
+            "owner/repo",
+            &Trigger::NoRef,
+            "on: push\njobs:\n  deploy:\n    runs-on: [self-hosted, pod]\n    steps: []\n",
+        )
+        .expect("queue")[0];
+    let running = Running::start(env.scheduler(1, 10));
+    env.gitea_mock()
+        .wait_for(|m| m.job(job).is_some_and(|j| j.status.is_done()), WAIT)
+        .await
+        .expect("job ends");
+    let report = running.stop().await;
+
+    let job = env.gitea_mock().job(job).expect("job");
+    assert_eq!(job.status, Status::Failure);
+    let rows = job.task.expect("task").log_rows;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert!(
+        rows[0].starts_with(INVALID_TASK_LOG_PREFIX) && rows[0].contains("has no ref"),
+        "{rows:?}"
+    );
     assert_eq!(report.invalid_tasks_failed, 1);
     assert_eq!(report.tasks_published, 0);
     assert_eq!(env.unclaimed().await, 0, "nothing reached the stream");

@@ -310,7 +310,7 @@ async fn success_failure_and_cancellation_reach_gitea_through_opensandbox_vms() 
         let name = c.mock.handle.job(job).unwrap().key;
         assert_eq!(
             vms[0].identity.as_deref(),
-            Ok(format!("spiffe://example.org/ci/owner/repo/{name}").as_str()),
+            Ok(format!("spiffe://example.org/ci/owner/repo/branch/main/{name}").as_str()),
             "the VM's identity is the job's"
         );
     }
@@ -423,7 +423,7 @@ async fn long_metadata_values_travel_as_chunks_and_decode_to_the_jobs_identity()
             &TrustDomain::new("example.org").unwrap(),
         )
         .unwrap();
-    let spiffe_id = format!("spiffe://example.org/ci/{owner}/{repo}/{key}");
+    let spiffe_id = format!("spiffe://example.org/ci/{owner}/{repo}/branch/main/{key}");
     assert_eq!(decoded.identity().spiffe_id(), spiffe_id);
     c.wait_status(job, Status::Success).await;
     let vm = c.host.vms_of(&c.assignment_id(job)).pop().unwrap();

@@ -443,7 +443,10 @@ async fn poison_and_tampered_messages_are_terminated_not_retried() {
         encode_v1(&Assignment::from_task(task, &policy()).expect("a")).expect("e"),
     )
     .expect("utf8");
-    let forged = genuine.replace("/ci/owner/repo/c", "/ci/owner/repo/admin");
+    let forged = genuine.replace(
+        "/ci/owner/repo/branch/main/c",
+        "/ci/owner/repo/branch/main/admin",
+    );
     assert_ne!(forged, genuine);
     h.js.publish(subject, forged.into())
         .await

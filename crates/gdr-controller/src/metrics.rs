@@ -406,7 +406,7 @@ impl Metrics {
         let invalid_tasks = Counter::default();
         b.add(
             "invalid_tasks",
-            "Tasks that could not become assignments (bad runs-on, job key or repository) and were failed in Gitea",
+            "Tasks that could not become assignments (bad runs-on, job key, repository or ref) and were failed in Gitea",
             &invalid_tasks,
         );
         let handoff_window = Histogram::new(HANDOFF_BUCKETS);

@@ -35,7 +35,7 @@ use gdr_proto::runner::v1::Task;
 use serde::{Deserialize, Serialize};
 
 use super::backend::{Backend, BackendError, BackendLabels, select_backend};
-use super::identity::{Identity, IdentityError, TrustDomain};
+use super::identity::{Identity, IdentityError, IdentityScheme, TrustDomain};
 use super::workflow::{WorkflowError, parse_single_job};
 
 const ID_PREFIX: &str = "gitea-task-";
@@ -117,6 +117,9 @@ impl FromStr for AssignmentId {
 pub struct DerivationPolicy {
     /// Trust domain of the SPIFFE IDs.
     pub trust_domain: TrustDomain,
+    /// How SPIFFE IDs are formed. Consumers derive with it too, so an envelope whose
+    /// identity was derived under the other scheme is refused as tampered.
+    pub scheme: IdentityScheme,
     /// Labels that select the backend.
     pub labels: BackendLabels,
 }
@@ -157,7 +160,7 @@ impl Assignment {
     pub fn from_task(task: Task, policy: &DerivationPolicy) -> Result<Self, AssignmentError> {
         let id = AssignmentId::from_task_id(task.id)?;
         let job = parse_single_job(task.workflow_payload.as_deref().unwrap_or_default())?;
-        let identity = Identity::from_task_job(&task, &job, &policy.trust_domain)?;
+        let identity = Identity::from_task_job(&task, &job, &policy.trust_domain, policy.scheme)?;
         let backend = select_backend(&job.runs_on, &policy.labels)?;
         Ok(Self {
             id,

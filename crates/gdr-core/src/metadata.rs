@@ -55,6 +55,10 @@ pub mod keys {
     pub const JOB_KEY: &str = "job-key";
     /// Annotation holding the SPIFFE ID.
     pub const SPIFFE_ID: &str = "spiffe-id";
+    /// Annotation holding what the job runs for as `<kind>:<name>` (`branch:main`,
+    /// `pull:7`): present exactly when the SPIFFE ID is of the ref scheme, so executors
+    /// the Go version or the job scheme recorded decode as they were.
+    pub const REF: &str = "ref";
     /// Prefix of the annotation chunks in label-only metadata (`annotations-000`, …).
     pub const ANNOTATION_CHUNK: &str = "annotations-";
 }
@@ -215,17 +219,28 @@ impl MetadataCodec {
                     assignment.backend().as_str().to_owned(),
                 ),
             ]),
-            annotations: BTreeMap::from([
-                (self.key(keys::REPOSITORY), identity.repository().to_owned()),
-                (self.key(keys::JOB_KEY), identity.job_key().to_owned()),
-                (self.key(keys::SPIFFE_ID), identity.spiffe_id().to_owned()),
-            ]),
+            annotations: BTreeMap::from_iter(
+                [
+                    (self.key(keys::REPOSITORY), identity.repository().to_owned()),
+                    (self.key(keys::JOB_KEY), identity.job_key().to_owned()),
+                    (self.key(keys::SPIFFE_ID), identity.spiffe_id().to_owned()),
+                ]
+                .into_iter()
+                .chain(
+                    identity
+                        .job_ref()
+                        .map(|job_ref| (self.key(keys::REF), job_ref.to_string())),
+                ),
+            ),
         }
     }
 
     /// Rebuilds the assignment an executor's metadata records, validating every field
     /// again: the assignment ID must be the one of the task ID and the SPIFFE ID the one
-    /// repository and job key derive, so a rewritten object cannot claim another identity.
+    /// repository, ref and job key derive, so a rewritten object cannot claim another
+    /// identity. The scheme is the one the metadata records (a `ref` annotation or none),
+    /// not the one configured now: an executor created before `spiffe_id_scheme` changed,
+    /// or by the Go version, keeps the identity it was bound to.
     pub fn decode(
         &self,
         metadata: &ExecutorMetadata,
@@ -255,6 +270,10 @@ impl MetadataCodec {
         let identity = Identity::from_metadata(
             &get(&metadata.annotations, keys::REPOSITORY)?,
             &get(&metadata.annotations, keys::JOB_KEY)?,
+            metadata
+                .annotations
+                .get(&self.key(keys::REF))
+                .map(String::as_str),
             &get(&metadata.annotations, keys::SPIFFE_ID)?,
             trust_domain,
         )?;
@@ -378,6 +397,7 @@ mod tests {
         let identity = Identity::from_metadata(
             "octo-org/hello-world",
             "build",
+            None,
             "spiffe://example.org/ci/octo-org/hello-world/build",
             &td,
         )

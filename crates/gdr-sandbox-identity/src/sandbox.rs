@@ -312,18 +312,42 @@ mod tests {
         );
     }
 
+    /// DESIGN invariant 13: IDs of both schemes pass, up to the 2048 bytes a SPIFFE ID may
+    /// have; another trust domain, another shape or a longer ID is refused.
     #[test]
     fn the_spiffe_id_is_revalidated() {
         let t = template();
-        let ok = "spiffe://example.org/ci/o/r/build";
-        assert_eq!(
-            t.spiffe_id(&sandbox(json!({}), Some(ok))),
-            Ok(ok.to_owned())
-        );
-        assert!(matches!(
-            t.spiffe_id(&sandbox(json!({}), Some("spiffe://evil.org/ci/o/r/build"))),
-            Err(Refusal::InvalidSpiffeId(_))
-        ));
+        let longest = {
+            let head = "spiffe://example.org/ci/o/r/branch/";
+            let tail = "/build";
+            format!("{head}{}{tail}", "b".repeat(2048 - head.len() - tail.len()))
+        };
+        assert_eq!(longest.len(), gdr_core::identity::MAX_SPIFFE_ID_BYTES);
+        for ok in [
+            "spiffe://example.org/ci/o/r/build",
+            "spiffe://example.org/ci/o/r/branch/main/build",
+            "spiffe://example.org/ci/o/r/pull/7/build",
+            &longest,
+        ] {
+            assert_eq!(
+                t.spiffe_id(&sandbox(json!({}), Some(ok))),
+                Ok(ok.to_owned())
+            );
+        }
+        for bad in [
+            "spiffe://evil.org/ci/o/r/build",
+            "spiffe://example.org/ci/o/r/heads/main/build",
+            "spiffe://example.org/ci/o/r/branch/main/x/build",
+            &longest.replace("/branch/b", "/branch/bb"),
+        ] {
+            assert!(
+                matches!(
+                    t.spiffe_id(&sandbox(json!({}), Some(bad))),
+                    Err(Refusal::InvalidSpiffeId(_))
+                ),
+                "{bad}"
+            );
+        }
         assert_eq!(
             t.spiffe_id(&sandbox(json!({}), None)),
             Err(Refusal::NoIdentity)

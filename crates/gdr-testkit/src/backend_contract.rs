@@ -18,7 +18,7 @@ use gdr_core::assignment::{Assignment, AssignmentId, DerivationPolicy};
 use gdr_core::backend::{Backend, BackendLabels};
 use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::{Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec};
-use gdr_core::identity::TrustDomain;
+use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
 use gdr_proto::runner::v1 as pb;
 
@@ -90,6 +90,8 @@ pub fn assignment(
 ) -> Assignment {
     let mut context = Struct::new();
     context.insert("repository", repository);
+    context.insert("ref", crate::tasks::REF);
+    context.insert("event_name", "push");
     let workflow = format!(
         "on: push\njobs:\n  {job_key}:\n    runs-on: [self-hosted, {backend}]\n    steps: []\n"
     );
@@ -101,6 +103,7 @@ pub fn assignment(
     };
     let policy = DerivationPolicy {
         trust_domain: trust_domain.clone(),
+        scheme: IdentityScheme::Ref,
         labels: BackendLabels::default(),
     };
     Assignment::from_task(task, &policy).unwrap_or_else(|e| panic!("test task {task_id}: {e}"))
@@ -125,6 +128,8 @@ pub fn spec(assignment: &Assignment, codec: &MetadataCodec) -> ExecutorSpec {
 pub fn task_spec(task_id: i64, runs_on: &str, facade_url: &str) -> ExecutorSpec {
     let mut context = Struct::new();
     context.insert("repository", "owner/repo");
+    context.insert("ref", crate::tasks::REF);
+    context.insert("event_name", "push");
     let task = pb::Task {
         id: task_id,
         context: buffa::MessageField::some(context),
@@ -135,6 +140,7 @@ pub fn task_spec(task_id: i64, runs_on: &str, facade_url: &str) -> ExecutorSpec 
     };
     let policy = DerivationPolicy {
         trust_domain: trust_domain(),
+        scheme: IdentityScheme::Ref,
         labels: BackendLabels::default(),
     };
     let assignment =

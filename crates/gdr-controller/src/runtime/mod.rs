@@ -195,6 +195,11 @@ async fn run_controller(
             "accept_plaintext_envelopes = true: plaintext (v1) assignments are trusted although a task key is configured; anyone able to publish to the queue can start a job with any repository's identity. Turn it off once the queue the Go version wrote is drained"
         );
     }
+    if policy.scheme == gdr_core::identity::IdentityScheme::Job {
+        tracing::warn!(
+            "spiffe_id_scheme = \"job\": job SPIFFE IDs do not name the ref, so a pull request's or any branch's job can have the identity of any job key of its repository. Switch to \"ref\" once the queue, executors and SPIRE entries of the Go version are gone"
+        );
+    }
     if uses_state_dir(&nats, &identity, pod.as_ref(), vm.as_ref()) {
         private_dir(&state_dir).map_err(|e| step("state_dir")(e.into()))?;
     }

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use gdr_core::assignment::DerivationPolicy;
 use gdr_core::backend::{Backend, BackendLabels};
-use gdr_core::identity::TrustDomain;
+use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
 pub(crate) use keys::Raw;
 pub use keys::{KEYS, Key, Kind};
@@ -652,6 +652,7 @@ impl TryFrom<Raw> for Settings {
             vm_capacity,
             vm_runner_label,
             trust_domain,
+            spiffe_id_scheme,
             metadata_prefix,
             runner_facade_capability_key_file,
             task_encryption_key_file,
@@ -782,6 +783,10 @@ impl TryFrom<Raw> for Settings {
                 .filter(|_| local_identity)
                 .map(|td| format!("spiffe://{}{LOCAL_FACADE_PATH}", td.as_str()))
         });
+        let scheme = check.ok(
+            "spiffe_id_scheme",
+            spiffe_id_scheme.parse::<IdentityScheme>(),
+        );
         let labels = check.ok("vm_runner_label", BackendLabels::new(vm_runner_label));
         let codec = check.ok("metadata_prefix", MetadataCodec::new(metadata_prefix));
         let capability_key_file = match runner_facade_capability_key_file {
@@ -1132,12 +1137,15 @@ impl TryFrom<Raw> for Settings {
             );
         }
 
-        let policy = trust_domain
-            .zip(labels)
-            .map(|(trust_domain, labels)| DerivationPolicy {
-                trust_domain,
-                labels,
-            });
+        let policy =
+            trust_domain
+                .zip(scheme)
+                .zip(labels)
+                .map(|((trust_domain, scheme), labels)| DerivationPolicy {
+                    trust_domain,
+                    scheme,
+                    labels,
+                });
         match (gitea, policy, codec, capability_key_file) {
             (Some(gitea), Some(policy), Some(codec), Some(capability_key_file))
                 if check.problems.is_empty() =>

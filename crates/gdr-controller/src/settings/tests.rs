@@ -1095,3 +1095,20 @@ fn sandbox_identity_settings_report_every_problem_naming_the_key() {
         "{problems:?}"
     );
 }
+
+/// DESIGN invariant 13: job SPIFFE IDs name the ref by default; the Go version's weaker
+/// scheme is there only when chosen, and a misspelt scheme is refused, naming the key.
+#[test]
+fn spiffe_id_scheme_defaults_to_ref_and_job_is_chosen_explicitly() {
+    use gdr_core::identity::IdentityScheme;
+    assert_eq!(settings(&[]).unwrap().policy.scheme, IdentityScheme::Ref);
+    assert_eq!(
+        settings(&["spiffe_id_scheme=job"]).unwrap().policy.scheme,
+        IdentityScheme::Job
+    );
+    assert!(
+        problems(&["spiffe_id_scheme=branch"])
+            .iter()
+            .any(|p| p.key == "spiffe_id_scheme" && p.rule.contains("\"ref\" or \"job\"")),
+    );
+}

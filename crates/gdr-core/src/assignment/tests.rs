@@ -11,6 +11,7 @@ fn seed_task(runs_on: &str) -> Task {
     task(42, "owner/repo", "publish", runs_on)
 }
 
+/// A task whose context has only `repository`, as the Go seed's tests built them.
 fn task(id: i64, repository: &str, job_key: &str, runs_on: &str) -> Task {
     Task {
         id,
@@ -25,10 +26,30 @@ fn task(id: i64, repository: &str, job_key: &str, runs_on: &str) -> Task {
     }
 }
 
+/// A task of a push to `git_ref`, as Gitea hands it out.
+fn task_on(id: i64, repository: &str, job_key: &str, runs_on: &str, git_ref: &str) -> Task {
+    let mut task = task(id, repository, job_key, runs_on);
+    let context = task.context.as_option_mut().unwrap();
+    context.insert("ref", Value::from(git_ref));
+    context.insert("event_name", Value::from("push"));
+    task
+}
+
+/// The Go seed's policy: its vectors (and the envelope mechanics tested with them) carry
+/// IDs of the job scheme.
 fn policy() -> DerivationPolicy {
     DerivationPolicy {
         trust_domain: TrustDomain::new("ddupan.top").unwrap(),
+        scheme: IdentityScheme::Job,
         labels: BackendLabels::new("vm-dev").unwrap(),
+    }
+}
+
+/// The default policy: SPIFFE IDs of the ref scheme.
+fn ref_policy() -> DerivationPolicy {
+    DerivationPolicy {
+        scheme: IdentityScheme::Ref,
+        ..policy()
     }
 }
 
@@ -207,6 +228,58 @@ fn a_tampered_redundant_field_of_a_v1_envelope_is_rejected() {
             "{field}"
         );
     }
+}
+
+/// DESIGN invariants 5, 13: the scheme is part of the derivation consumers repeat, so an
+/// envelope whose identity was derived under the other SPIFFE ID scheme (a forged or
+/// rewritten one, or one written before `spiffe_id_scheme` changed) is refused as tampered,
+/// v1 and v2 alike, never run under an identity this controller would not give its task.
+#[test]
+fn an_envelope_whose_identity_was_derived_under_the_other_scheme_is_refused_as_tampered() {
+    let task = task_on(
+        42,
+        "owner/repo",
+        "deploy",
+        "[self-hosted, pod]",
+        "refs/pull/7/head",
+    );
+    let by_ref = Assignment::from_task(task.clone(), &ref_policy()).unwrap();
+    let by_job = Assignment::from_task(task, &policy()).unwrap();
+    assert_eq!(
+        by_ref.identity().spiffe_id(),
+        "spiffe://ddupan.top/ci/owner/repo/pull/7/deploy"
+    );
+    assert_eq!(
+        by_job.identity().spiffe_id(),
+        "spiffe://ddupan.top/ci/owner/repo/deploy"
+    );
+    let tampered = Err(EnvelopeError::Tampered {
+        field: "identity.SPIFFEID",
+    });
+    for (assignment, other) in [(&by_ref, policy()), (&by_job, ref_policy())] {
+        let v1 = encode_v1(assignment).unwrap();
+        assert_eq!(decode(&v1, &other, None), tampered, "v1 {assignment:?}");
+        let v2 = encode_v2(assignment, &keyring()).unwrap();
+        assert_eq!(
+            decode(&v2, &other, Some(&keyring())),
+            tampered,
+            "v2 {assignment:?}"
+        );
+    }
+    assert_eq!(
+        decode(&encode_v1(&by_ref).unwrap(), &ref_policy(), None).unwrap(),
+        by_ref
+    );
+}
+
+/// DESIGN invariant 13: under the ref scheme a task without a `ref` makes no assignment,
+/// naming the field; the job scheme never needed one.
+#[test]
+fn a_task_without_a_ref_makes_no_assignment_under_the_ref_scheme() {
+    let err = Assignment::from_task(seed_task("[self-hosted, pod]"), &ref_policy()).unwrap_err();
+    assert_eq!(err, AssignmentError::Identity(IdentityError::MissingRef));
+    assert!(err.to_string().contains("no ref"), "{err}");
+    Assignment::from_task(seed_task("[self-hosted, pod]"), &policy()).unwrap();
 }
 
 #[test]
@@ -520,15 +593,33 @@ fn backend_metadata_written_by_the_go_version_recovers_the_minimal_assignment() 
     );
 }
 
+/// DESIGN invariants 7, 13: metadata records the identity under the scheme it was derived
+/// by (the ref scheme's with a `ref` annotation) and reads back as exactly that identity.
 #[test]
 fn metadata_written_from_an_assignment_reads_back_as_the_same_assignment() {
-    let assignment = pod_assignment();
-    let codec = MetadataCodec::new("x.example/").unwrap();
-    let metadata = codec.encode(&RecoveredAssignment::from_assignment(&assignment));
-    let recovered = codec.decode(&metadata, &policy().trust_domain).unwrap();
-    assert_eq!(recovered.id(), assignment.id());
-    assert_eq!(recovered.backend(), assignment.backend());
-    assert_eq!(recovered.identity(), assignment.identity());
+    let under_ref = Assignment::from_task(
+        task_on(
+            42,
+            "owner/repo",
+            "publish",
+            "[self-hosted, pod]",
+            "refs/heads/feature/x",
+        ),
+        &ref_policy(),
+    )
+    .unwrap();
+    for assignment in [pod_assignment(), under_ref] {
+        let codec = MetadataCodec::new("x.example/").unwrap();
+        let metadata = codec.encode(&RecoveredAssignment::from_assignment(&assignment));
+        assert_eq!(
+            metadata.annotations.get("x.example/ref").cloned(),
+            assignment.identity().job_ref().map(ToString::to_string)
+        );
+        let recovered = codec.decode(&metadata, &policy().trust_domain).unwrap();
+        assert_eq!(recovered.id(), assignment.id());
+        assert_eq!(recovered.backend(), assignment.backend());
+        assert_eq!(recovered.identity(), assignment.identity());
+    }
 }
 
 #[test]
@@ -614,15 +705,29 @@ proptest! {
         repo in name(),
         job_key in "[A-Za-z_][A-Za-z0-9_-]{0,20}",
         vm in any::<bool>(),
+        by_ref in any::<bool>(),
+        git_ref in "refs/(heads|tags|pull|for)/[A-Za-z0-9._/@ü-]{1,20}",
     ) {
         let runs_on = if vm { "[self-hosted, vm-dev]" } else { "[self-hosted, pod]" };
-        let assignment = Assignment::from_task(task(id, &format!("{owner}/{repo}"), &job_key, runs_on), &policy()).unwrap();
+        let policy = if by_ref { ref_policy() } else { policy() };
+        let task = task_on(id, &format!("{owner}/{repo}"), &job_key, runs_on, &git_ref);
+        let assignment = match Assignment::from_task(task, &policy) {
+            Ok(assignment) => assignment,
+            // `refs/pull/` needs a number.
+            Err(AssignmentError::Identity(IdentityError::InvalidRef(_))) => return Ok(()),
+            Err(e) => return Err(TestCaseError::fail(e.to_string())),
+        };
         prop_assert_eq!(assignment.id().task_id(), id);
         prop_assert_eq!(assignment.identity().job_key(), job_key.as_str());
-        let v1 = decode(&encode_v1(&assignment).unwrap(), &policy(), None).unwrap();
+        prop_assert_eq!(assignment.identity().scheme(), policy.scheme);
+        let v1 = decode(&encode_v1(&assignment).unwrap(), &policy, None).unwrap();
         prop_assert_eq!(&v1, &assignment);
-        let v2 = decode(&encode_v2(&assignment, &keyring()).unwrap(), &policy(), Some(&keyring())).unwrap();
+        let v2 = decode(&encode_v2(&assignment, &keyring()).unwrap(), &policy, Some(&keyring())).unwrap();
         prop_assert_eq!(&v2, &assignment);
+        let codec = MetadataCodec::default();
+        let metadata = codec.encode(&RecoveredAssignment::from_assignment(&assignment));
+        let recovered = codec.decode(&metadata, &policy.trust_domain).unwrap();
+        prop_assert_eq!(recovered.identity(), assignment.identity());
     }
 }
 

@@ -17,7 +17,7 @@ use std::time::{Duration, SystemTime};
 use gdr_proto::runner::v1 as pb;
 use serde::Serialize;
 use state::State;
-pub use state::{GiteaError, GrpcCode};
+pub use state::{GiteaError, GrpcCode, Trigger};
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
@@ -417,15 +417,27 @@ impl MockGitea {
         self.mutate(|s| s.set_variable(repo, name, value));
     }
 
-    /// Queues one run of `yaml` in `repo` (`owner/name`): one waiting job per `jobs:` key.
+    /// Queues one run of `yaml` in `repo` (`owner/name`), pushed to `main`: one waiting job
+    /// per `jobs:` key.
     pub fn queue_workflow(&self, repo: &str, yaml: &str) -> Result<Vec<JobId>, MockError> {
+        self.queue_workflow_for(repo, &Trigger::default(), yaml)
+    }
+
+    /// [`MockGitea::queue_workflow`] for a run `trigger` started: its tasks' context
+    /// (`event_name`, `ref`, `base_ref`, `head_ref`, `event`) says so as Gitea's does.
+    pub fn queue_workflow_for(
+        &self,
+        repo: &str,
+        trigger: &Trigger,
+        yaml: &str,
+    ) -> Result<Vec<JobId>, MockError> {
         if repo.split('/').filter(|p| !p.is_empty()).count() != 2 {
             return Err(MockError::InvalidWorkflow(format!(
                 "repository must be owner/name, got {repo:?}"
             )));
         }
         let wf = workflow::parse_workflow(yaml)?;
-        Ok(self.mutate(|s| s.queue_workflow(repo, wf)))
+        Ok(self.mutate(|s| s.queue_workflow(repo, trigger, wf)))
     }
 
     /// A user cancel: waiting → cancelled; running → cancelling (runner with the

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::time::{Duration, Instant, SystemTime};
 
-use buffa_types::google::protobuf::{Struct, Timestamp};
+use buffa_types::google::protobuf::{Struct, Timestamp, Value};
 use gdr_proto::runner::v1 as pb;
 use rand::Rng;
 
@@ -147,6 +147,98 @@ pub(crate) struct JobRec {
     pub status: Status,
     pub task_id: Option<i64>,
     pub sha: String,
+    pub trigger: Trigger,
+}
+
+/// What started a run, as Gitea's task context tells it (`services/actions/context.go`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Trigger {
+    /// A push of the full ref (`refs/heads/…`, `refs/tags/…`).
+    Push(String),
+    /// A `pull_request` event: `ref` is `refs/pull/<number>/head`.
+    PullRequest {
+        /// The pull request's number (its index).
+        number: i64,
+        /// The head branch.
+        head: String,
+        /// The base branch.
+        base: String,
+    },
+    /// A `pull_request_target` event: Gitea runs the base branch's workflow and rewrites
+    /// `ref` to `refs/heads/<base>`.
+    PullRequestTarget {
+        /// The pull request's number (its index).
+        number: i64,
+        /// The head branch.
+        head: String,
+        /// The base branch.
+        base: String,
+    },
+    /// A context without `ref`: nothing Gitea sends, for testing who refuses it.
+    NoRef,
+}
+
+impl Default for Trigger {
+    /// A push to `main`.
+    fn default() -> Self {
+        Trigger::Push("refs/heads/main".into())
+    }
+}
+
+impl Trigger {
+    /// The context fields Gitea derives from the trigger.
+    fn write_context(&self, ctx: &mut Struct) {
+        let (event_name, git_ref, pull) = match self {
+            Trigger::Push(git_ref) => ("push", Some(git_ref.clone()), None),
+            Trigger::PullRequest { number, head, base } => (
+                "pull_request",
+                Some(format!("refs/pull/{number}/head")),
+                Some((*number, head, base)),
+            ),
+            Trigger::PullRequestTarget { number, head, base } => (
+                "pull_request_target",
+                Some(format!("refs/heads/{base}")),
+                Some((*number, head, base)),
+            ),
+            Trigger::NoRef => ("push", None, None),
+        };
+        ctx.insert("event_name", event_name);
+        let git_ref = git_ref.unwrap_or_default();
+        let (ref_name, ref_type) = if let Some(name) = git_ref.strip_prefix("refs/heads/") {
+            (name, "branch")
+        } else if let Some(name) = git_ref.strip_prefix("refs/tags/") {
+            (name, "tag")
+        } else if let Some(name) = git_ref.strip_prefix("refs/pull/") {
+            (name, "pull")
+        } else {
+            (git_ref.as_str(), "")
+        };
+        ctx.insert("ref_name", ref_name);
+        ctx.insert("ref_type", ref_type);
+        if !matches!(self, Trigger::NoRef) {
+            ctx.insert("ref", git_ref.as_str());
+        }
+        let mut event = Struct::new();
+        match pull {
+            Some((number, head, base)) => {
+                ctx.insert("base_ref", base.as_str());
+                ctx.insert("head_ref", head.as_str());
+                let branch = |name: &str| Struct::from_fields([("ref", Value::from(name))]);
+                let pull_request = Struct::from_fields([
+                    ("number", Value::from(number as f64)),
+                    ("head", Value::from(branch(head))),
+                    ("base", Value::from(branch(base))),
+                ]);
+                event.insert("number", number as f64);
+                event.insert("pull_request", pull_request);
+            }
+            None => {
+                ctx.insert("base_ref", "");
+                ctx.insert("head_ref", "");
+            }
+        }
+        ctx.insert("event", event);
+    }
 }
 
 pub(crate) struct TaskRec {
@@ -382,7 +474,12 @@ impl State {
         self.tasks_version.max(1)
     }
 
-    pub fn queue_workflow(&mut self, repo: &str, wf: ParsedWorkflow) -> Vec<JobId> {
+    pub fn queue_workflow(
+        &mut self,
+        repo: &str,
+        trigger: &Trigger,
+        wf: ParsedWorkflow,
+    ) -> Vec<JobId> {
         let run_id = self.next_run_id;
         self.next_run_id += 1;
         let run_number = {
@@ -410,6 +507,7 @@ impl State {
                     status: Status::Waiting,
                     task_id: None,
                     sha: sha.clone(),
+                    trigger: trigger.clone(),
                 },
             );
             ids.push(JobId(id));
@@ -712,16 +810,10 @@ impl State {
             ("action_status", ""),
             ("actor", actor),
             ("api_url", api_url.as_str()),
-            ("base_ref", ""),
             ("env", ""),
-            ("event_name", "push"),
             ("event_path", ""),
             ("graphql_url", ""),
-            ("head_ref", ""),
             ("job", job.key.as_str()),
-            ("ref", "refs/heads/main"),
-            ("ref_name", "main"),
-            ("ref_type", "branch"),
             ("path", ""),
             ("repository", job.repo.as_str()),
             ("repository_owner", owner),
@@ -753,7 +845,7 @@ impl State {
         ctx.insert("run_number", job.run_number.to_string());
         ctx.insert("run_attempt", "1");
         ctx.insert("ref_protected", false);
-        ctx.insert("event", Struct::new());
+        job.trigger.write_context(&mut ctx);
 
         let mut secrets: HashMap<String, String> = self
             .secrets
