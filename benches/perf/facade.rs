@@ -17,7 +17,7 @@ use gdr_core::assignment::{Assignment, DerivationPolicy};
 use gdr_core::backend::{Backend, BackendLabels};
 use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::{ExecutorBackend, ExecutorSpec};
-use gdr_core::identity::TrustDomain;
+use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
 use gdr_executor::proxy::serve_loopback_proxy;
 use gdr_executor::relay::Relay;
@@ -111,6 +111,7 @@ pub async fn run(table: &mut Table) {
     let policy = DerivationPolicy {
         trust_domain: TrustDomain::new(TRUST_DOMAIN).expect("trust domain"),
         labels: BackendLabels::default(),
+        scheme: IdentityScheme::Ref,
     };
     let assignment = Assignment::from_task(task, &policy).expect("assignment");
 
@@ -159,7 +160,13 @@ pub async fn run(table: &mut Table) {
     let client_config = executor_client_config(&executor_source, FACADE_ID).expect("client tls");
     // The executor's relay as it runs in production (outage tolerance as configured by
     // default); the facade never goes away here, so nothing is held.
-    let relay = Relay::new(&facade_url, &client_config, Duration::from_secs(1800)).expect("relay");
+    let relay = Relay::new(
+        assignment.id().as_str(),
+        &facade_url,
+        &client_config,
+        Duration::from_secs(1800),
+    )
+    .expect("relay");
     tokio::spawn(serve_loopback_proxy(proxy, relay, std::future::pending()));
 
     let via = runner_client(&proxy_url, assignment.id().as_str(), capability.expose());

@@ -5,7 +5,7 @@
 use gdr_core::{
     assignment::{DerivationPolicy, TaskKey, TaskKeyring, decode, encode_v1},
     backend::BackendLabels,
-    identity::TrustDomain,
+    identity::{IdentityScheme, TrustDomain},
 };
 use libfuzzer_sys::fuzz_target;
 
@@ -18,6 +18,7 @@ fuzz_target!(|data: &[u8]| {
     let policy = DerivationPolicy {
         trust_domain,
         labels,
+        scheme: IdentityScheme::Ref,
     };
     let keyring = TaskKeyring::new(
         TaskKey::from_bytes([1; 32]),
