@@ -62,6 +62,11 @@ impl Env {
     }
 
     async fn with_limits(limits: FacadeLimits) -> Self {
+        Self::build(limits, 4).await
+    }
+
+    /// A facade with `limits` over a pod backend of `capacity` slots.
+    async fn build(limits: FacadeLimits, capacity: usize) -> Self {
         let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
         let (uuid, token) = mock
             .handle
@@ -82,7 +87,7 @@ impl Env {
         let tls = Arc::new(tls::facade_server_config(&source, "example.org").expect("tls"));
         let backend = Arc::new(MemoryBackend::new(Backend::Pod));
         let dispatch = Arc::new(Dispatch::new(
-            [(backend.clone() as Arc<dyn ExecutorBackend>, 4)],
+            [(backend.clone() as Arc<dyn ExecutorBackend>, capacity)],
             CapabilityKey::new(KEY).expect("key"),
         ));
         let facade = Arc::new(Facade::new(
@@ -142,6 +147,12 @@ impl Env {
             .handle
             .queue_workflow("owner/repo", &yaml)
             .expect("queue");
+        self.fetched_executor().await
+    }
+
+    /// Fetches the next task as the scheduler would and creates its executor on the
+    /// backend (nothing offered yet).
+    async fn fetched_executor(&self) -> Assignment {
         let task = self
             .gitea
             .fetch_task(0)
@@ -249,9 +260,17 @@ impl Env {
             std::time::Duration::from_secs(5),
         )
         .expect("relay");
+        let credentials =
+            gdr_executor::proxy::RunnerCredentials::new(uuid, token).expect("credentials");
         tokio::spawn(async move {
             let _source = source;
-            gdr_executor::proxy::serve_loopback_proxy(listener, relay, std::future::pending()).await
+            gdr_executor::proxy::serve_loopback_proxy(
+                listener,
+                relay,
+                credentials,
+                std::future::pending(),
+            )
+            .await
         });
         let config = ClientConfig::new(format!("http://{local}/api/actions").parse().expect("uri"))
             .with_default_header("x-runner-uuid", uuid)
@@ -971,6 +990,81 @@ async fn idle_connections_are_closed_and_one_identity_holds_only_its_share() {
         status_line(&mut other).await.as_deref(),
         Some("HTTP/1.1 200 OK")
     );
+}
+
+/// DESIGN invariant 21: the facade bounds connections per assignment, not per SPIFFE ID.
+/// Twenty runs of one job at once — a matrix of one repository and job key, so all share
+/// one SPIFFE ID, more of them than one identity's bound on connections not yet bound to
+/// an assignment — each connect, hold their connection while all of them run, and finish
+/// with their result in Gitea.
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_concurrent_jobs_of_one_repository_and_job_key_each_connect_and_finish() {
+    const JOBS: usize = 20;
+    let limits = FacadeLimits::default();
+    assert!(JOBS > limits.max_connections_per_identity);
+    let env = Env::build(limits, JOBS).await;
+    let release = env.dir.path().join("release");
+    let values: Vec<String> = (1..=JOBS).map(|i| i.to_string()).collect();
+    let yaml = format!(
+        "on: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    strategy:\n      matrix:\n        n: [{}]\n    steps:\n      - run: standin:wait-for {}\n",
+        values.join(", "),
+        release.display()
+    );
+    env.mock
+        .handle
+        .queue_workflow("owner/repo", &yaml)
+        .expect("queue");
+    let mut assignments = Vec::new();
+    for _ in 0..JOBS {
+        let a = env.fetched_executor().await;
+        env.dispatch.admit(Backend::Pod, a.id());
+        env.dispatch.offer(&a);
+        assignments.push(a);
+    }
+    let spiffe_id = assignments[0].identity().spiffe_id().to_owned();
+    assert!(
+        assignments
+            .iter()
+            .all(|a| a.identity().spiffe_id() == spiffe_id),
+        "one SPIFFE ID for every run of the job"
+    );
+    let workload = env.workload(&spiffe_id).await;
+    let executors: Vec<_> = assignments
+        .iter()
+        .map(|a| tokio::spawn(run(env.executor_config(a, &workload), no_signals())))
+        .collect();
+    let task_ids: Vec<i64> = assignments.iter().map(|a| a.id().task_id()).collect();
+    let running = env
+        .mock
+        .handle
+        .wait_for(
+            |m| {
+                task_ids
+                    .iter()
+                    .all(|id| m.task(*id).is_some_and(|t| t.heartbeats > 0))
+            },
+            Duration::from_secs(90),
+        )
+        .await;
+    if running.is_err() {
+        let heartbeating = task_ids
+            .iter()
+            .filter(|id| env.mock.handle.task(**id).is_some_and(|t| t.heartbeats > 0))
+            .count();
+        panic!("only {heartbeating} of {JOBS} runs of one job got to run at once");
+    }
+    std::fs::write(&release, b"go").expect("release the jobs");
+    for executor in executors {
+        let status = tokio::time::timeout(Duration::from_secs(60), executor)
+            .await
+            .expect("the executor ends")
+            .expect("join")
+            .expect("ran");
+        assert!(status.success());
+    }
+    for a in &assignments {
+        env.job_status(a, Status::Success).await;
+    }
 }
 
 // === the job's Docker daemon and the runner configuration ===

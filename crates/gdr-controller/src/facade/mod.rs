@@ -132,7 +132,17 @@ impl Facade {
         stats: Arc<tls::FacadeStats>,
         shutdown: Shutdown,
     ) -> std::io::Result<()> {
-        tls::serve_tls_limited(listener, tls, self.app(proxy), limits, stats, shutdown).await
+        let capabilities = Some(self.dispatch.capability_key().clone());
+        tls::serve_tls_limited(
+            listener,
+            tls,
+            self.app(proxy),
+            limits,
+            capabilities,
+            stats,
+            shutdown,
+        )
+        .await
     }
 
     /// Like [`Self::authenticate`], but also accepts a runner whose assignment this

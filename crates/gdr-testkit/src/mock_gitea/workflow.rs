@@ -313,7 +313,10 @@ jobs:
         );
         let v: Value = serde_saphyr::from_str(&wf.jobs[4].payload).unwrap();
         let strategy = &v["jobs"]["build"]["strategy"];
-        assert_eq!(strategy["matrix"], serde_json::json!({"os": ["b"], "v": [2]}));
+        assert_eq!(
+            strategy["matrix"],
+            serde_json::json!({"os": ["b"], "v": [2]})
+        );
         assert_eq!(strategy["fail-fast"], false);
         for unsupported in [
             "matrix:\n        include: [{v: 1}]",
@@ -324,7 +327,10 @@ jobs:
                 "on: push\njobs:\n  a:\n    runs-on: x\n    strategy:\n      {unsupported}\n"
             ))
             .unwrap_err();
-            assert!(matches!(err, MockError::Unsupported(_)), "{unsupported}: {err}");
+            assert!(
+                matches!(err, MockError::Unsupported(_)),
+                "{unsupported}: {err}"
+            );
         }
     }
 
