@@ -489,7 +489,12 @@ in
   runner_facade_max_connections_per_identity = mkOption {
     type = types.nullOr (types.ints.unsigned);
     default = null;
-    description = "Most connections one SPIFFE ID (one job's executor) holds after its handshake; the executor's proxy multiplexes over one or two. Default: `16`.";
+    description = "Most connections one SPIFFE ID holds after its handshake that no request has bound to an assignment yet. Every run of a job shares its SPIFFE ID (matrix entries, pull requests, re-runs); each executor binds its connections with its first request, so this bounds only sessions that send nothing useful. Default: `16`.";
+  };
+  runner_facade_max_connections_per_assignment = mkOption {
+    type = types.nullOr (types.ints.unsigned);
+    default = null;
+    description = "Most connections bound to one assignment (one job's executor, which multiplexes over one or two). A request on a new connection beyond it is answered 429. Default: `16`.";
   };
   runner_facade_tls_handshake_timeout = mkOption {
     type = types.nullOr (types.either types.str types.ints.unsigned);

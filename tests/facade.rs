@@ -7,7 +7,7 @@ use std::time::Duration;
 use connectrpc::client::{ClientConfig, HttpClient};
 use gdr_controller::dispatch::{ClaimState, Dispatch};
 use gdr_controller::facade::Facade;
-use gdr_controller::facade::proxy::ReverseProxy;
+use gdr_controller::facade::proxy::{ReverseProxy, UpstreamTimeouts};
 use gdr_controller::facade::tls::FacadeStats;
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::settings::FacadeLimits;
@@ -44,6 +44,31 @@ const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
 pub(super) const FACADE_ID: &str = "spiffe://example.org/controller";
 const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
 
+/// How [`Env::with`] sets its facade up.
+struct EnvOptions {
+    limits: FacadeLimits,
+    /// Slots of the pod backend.
+    capacity: usize,
+    /// Where the facade forwards to instead of the mock Gitea (the runner calls and the
+    /// pass-through; tasks are still fetched from the mock).
+    upstream: Option<String>,
+    timeouts: UpstreamTimeouts,
+    /// Request timeout of the client the facade forwards UpdateTask/UpdateLog with.
+    forward_timeout: Duration,
+}
+
+impl Default for EnvOptions {
+    fn default() -> Self {
+        EnvOptions {
+            limits: FacadeLimits::default(),
+            capacity: 4,
+            upstream: None,
+            timeouts: UpstreamTimeouts::default(),
+            forward_timeout: ClientOptions::new("http://unused").request_timeout,
+        }
+    }
+}
+
 pub(super) struct Env {
     pub(super) mock: RunningMock,
     gitea: GiteaClient,
@@ -63,6 +88,27 @@ impl Env {
     }
 
     async fn with_limits(limits: FacadeLimits) -> Self {
+        Self::build(limits, 4).await
+    }
+
+    /// A facade with `limits` over a pod backend of `capacity` slots.
+    async fn build(limits: FacadeLimits, capacity: usize) -> Self {
+        Self::with(EnvOptions {
+            limits,
+            capacity,
+            ..EnvOptions::default()
+        })
+        .await
+    }
+
+    async fn with(options: EnvOptions) -> Self {
+        let EnvOptions {
+            limits,
+            capacity,
+            upstream,
+            timeouts,
+            forward_timeout,
+        } = options;
         let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
         let (uuid, token) = mock
             .handle
@@ -83,20 +129,32 @@ impl Env {
         let tls = Arc::new(tls::facade_server_config(&source, "example.org").expect("tls"));
         let backend = Arc::new(MemoryBackend::new(Backend::Pod));
         let dispatch = Arc::new(Dispatch::new(
-            [(backend.clone() as Arc<dyn ExecutorBackend>, 4)],
+            [(backend.clone() as Arc<dyn ExecutorBackend>, capacity)],
             CapabilityKey::new(KEY).expect("key"),
         ));
+        // What the facade forwards UpdateTask/UpdateLog with; Gitea itself unless a test
+        // puts another upstream there.
+        let forwarding = match &upstream {
+            None => gitea.clone(),
+            Some(url) => {
+                let mut client = ClientOptions::new(url.clone());
+                client.request_timeout = forward_timeout;
+                GiteaClient::new(client, Some(&Credentials::new("ctl", "token"))).expect("client")
+            }
+        };
         let metrics = Arc::new(gdr_controller::metrics::Metrics::new());
         let facade = Arc::new(
             Facade::new(
                 dispatch.clone(),
-                gitea.clone(),
+                forwarding,
                 Some("job-summary".into()),
                 BackendLabels::default(),
             )
             .with_metrics(metrics.clone()),
         );
-        let proxy = ReverseProxy::new(&mock.url, None).expect("proxy");
+        let proxy =
+            ReverseProxy::with_timeouts(upstream.as_deref().unwrap_or(&mock.url), None, timeouts)
+                .expect("proxy");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -148,6 +206,12 @@ impl Env {
             .handle
             .queue_workflow("owner/repo", &yaml)
             .expect("queue");
+        self.fetched_executor().await
+    }
+
+    /// Fetches the next task as the scheduler would and creates its executor on the
+    /// backend (nothing offered yet).
+    async fn fetched_executor(&self) -> Assignment {
         let task = self
             .gitea
             .fetch_task(0)
@@ -257,9 +321,17 @@ impl Env {
             std::time::Duration::from_secs(5),
         )
         .expect("relay");
+        let credentials =
+            gdr_executor::proxy::RunnerCredentials::new(uuid, token).expect("credentials");
         tokio::spawn(async move {
             let _source = source;
-            gdr_executor::proxy::serve_loopback_proxy(listener, relay, std::future::pending()).await
+            gdr_executor::proxy::serve_loopback_proxy(
+                listener,
+                relay,
+                credentials,
+                std::future::pending(),
+            )
+            .await
         });
         let config = ClientConfig::new(format!("http://{local}/api/actions").parse().expect("uri"))
             .with_default_header("x-runner-uuid", uuid)
@@ -285,6 +357,29 @@ impl Env {
                 result: result.into(),
             })
             .get()
+    }
+
+    /// The runner credentials of `assignment` as HTTP/1.1 header lines.
+    fn credential_lines(&self, assignment: &Assignment) -> String {
+        format!(
+            "x-runner-uuid: {}\r\nx-runner-token: {}\r\n",
+            assignment.id().as_str(),
+            self.dispatch
+                .capability_key()
+                .issue(assignment.id())
+                .expose()
+        )
+    }
+
+    /// The pass-through requests Gitea received for `path_and_query`, with their headers.
+    fn seen_headers(&self, path_and_query: &str) -> Vec<Vec<(String, String)>> {
+        self.mock
+            .handle
+            .seen_request_headers()
+            .into_iter()
+            .filter(|(p, _)| p == path_and_query)
+            .map(|(_, headers)| headers)
+            .collect()
     }
 
     async fn job_status(&self, assignment: &Assignment, status: Status) {
@@ -711,7 +806,8 @@ async fn peers_outside_the_trust_domain_and_clients_without_a_certificate_are_re
         result.is_err(),
         "a client without a certificate got an answer: {result:?}"
     );
-    // Control: a peer of the trust domain gets through to the reverse proxy.
+    // Control: a peer of the trust domain gets past the handshake to an HTTP answer (the
+    // pass-through's refusal: it presented no assignment's credentials).
     let own = env
         .ca
         .issue(
@@ -725,7 +821,7 @@ async fn peers_outside_the_trust_domain_and_clients_without_a_certificate_are_re
         "/_mock/blob/5",
     )
     .await;
-    assert!(answer.expect("answer").starts_with("HTTP/1.1 200"));
+    assert!(answer.expect("answer").starts_with("HTTP/1.1 401"));
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -1000,14 +1096,16 @@ async fn a_runner_api_call_with_a_wrong_credential_is_refused_before_its_body_is
 #[tokio::test(flavor = "multi_thread")]
 async fn client_sent_forwarding_headers_are_replaced_by_the_real_peer() {
     let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
     let svid = job_svid(&env, "build");
     let mut tls = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
-    tokio::io::AsyncWriteExt::write_all(
-        &mut tls,
-        b"GET /_mock/blob/3 HTTP/1.1\r\nhost: facade\r\nx-forwarded-for: 6.6.6.6\r\nx-forwarded-host: evil.example\r\nx-forwarded-proto: http\r\nforwarded: for=6.6.6.6;host=evil.example\r\nx-real-ip: 6.6.6.6\r\nconnection: close\r\n\r\n",
-    )
-    .await
-    .expect("write");
+    let head = format!(
+        "GET /_mock/blob/3 HTTP/1.1\r\nhost: facade\r\n{}x-forwarded-for: 6.6.6.6\r\nx-forwarded-host: evil.example\r\nx-forwarded-proto: http\r\nforwarded: for=6.6.6.6;host=evil.example\r\nx-real-ip: 6.6.6.6\r\nconnection: close\r\n\r\n",
+        env.credential_lines(&a)
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut tls, head.as_bytes())
+        .await
+        .expect("write");
     assert_eq!(
         status_line(&mut tls).await.as_deref(),
         Some("HTTP/1.1 200 OK")
@@ -1077,6 +1175,7 @@ async fn idle_connections_are_closed_and_one_identity_holds_only_its_share() {
     );
 
     // An HTTP/2 session that made a request and then idles.
+    let a = env.assignment("standin:success").await;
     let h2 = tls_to(env.facade_addr, &svid, &[b"h2"]).await;
     let (mut sender, connection) =
         hyper::client::conn::http2::handshake::<_, _, http_body_util::Empty<bytes::Bytes>>(
@@ -1089,6 +1188,11 @@ async fn idle_connections_are_closed_and_one_identity_holds_only_its_share() {
     let answer = sender
         .send_request(
             http::Request::get("https://facade/_mock/blob/1")
+                .header("x-runner-uuid", a.id().as_str())
+                .header(
+                    "x-runner-token",
+                    env.dispatch.capability_key().issue(a.id()).expose(),
+                )
                 .body(http_body_util::Empty::new())
                 .expect("request"),
         )
@@ -1099,7 +1203,8 @@ async fn idle_connections_are_closed_and_one_identity_holds_only_its_share() {
     let ended = tokio::time::timeout(WAIT, session).await;
     assert!(ended.is_ok(), "an idle HTTP/2 session is closed");
 
-    // Per identity: two connections are held, a third of the same SPIFFE ID is closed.
+    // Per identity, of connections no assignment's credentials bound: two are held (their
+    // requests are answered, here refused), a third of the same SPIFFE ID is closed.
     let mut first = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
     let mut second = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
     let request = b"GET /_mock/blob/1 HTTP/1.1\r\nhost: facade\r\n\r\n";
@@ -1107,14 +1212,31 @@ async fn idle_connections_are_closed_and_one_identity_holds_only_its_share() {
         tokio::io::AsyncWriteExt::write_all(held, request)
             .await
             .expect("write");
-        assert_eq!(status_line(held).await.as_deref(), Some("HTTP/1.1 200 OK"));
+        assert_eq!(
+            status_line(held).await.as_deref(),
+            Some("HTTP/1.1 401 Unauthorized")
+        );
     }
     let mut third = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
     let _ = tokio::io::AsyncWriteExt::write_all(&mut third, request).await;
     assert_eq!(
         status_line(&mut third).await,
         None,
-        "a third connection of one SPIFFE ID is closed without an answer"
+        "a third unbound connection of one SPIFFE ID is closed without an answer"
+    );
+    // The assignment's executor is not held back by them: its first request binds its
+    // connection to the assignment.
+    let mut bound = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
+    let credentialed = format!(
+        "GET /_mock/blob/1 HTTP/1.1\r\nhost: facade\r\n{}\r\n",
+        env.credential_lines(&a)
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut bound, credentialed.as_bytes())
+        .await
+        .expect("write");
+    assert_eq!(
+        status_line(&mut bound).await.as_deref(),
+        Some("HTTP/1.1 200 OK")
     );
     // Another job's identity is not held back by it.
     let mut other = tls_to(env.facade_addr, &job_svid(&env, "other"), &[b"http/1.1"]).await;
@@ -1123,7 +1245,544 @@ async fn idle_connections_are_closed_and_one_identity_holds_only_its_share() {
         .expect("write");
     assert_eq!(
         status_line(&mut other).await.as_deref(),
-        Some("HTTP/1.1 200 OK")
+        Some("HTTP/1.1 401 Unauthorized")
+    );
+}
+
+/// DESIGN invariant 21: the facade bounds connections per assignment, not per SPIFFE ID.
+/// Twenty runs of one job at once — a matrix of one repository and job key, so all share
+/// one SPIFFE ID, more of them than one identity's bound on connections not yet bound to
+/// an assignment — each connect, hold their connection while all of them run, and finish
+/// with their result in Gitea.
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_concurrent_jobs_of_one_repository_and_job_key_each_connect_and_finish() {
+    const JOBS: usize = 20;
+    let limits = FacadeLimits::default();
+    assert!(JOBS > limits.max_connections_per_identity);
+    let env = Env::build(limits, JOBS).await;
+    let release = env.dir.path().join("release");
+    let values: Vec<String> = (1..=JOBS).map(|i| i.to_string()).collect();
+    let yaml = format!(
+        "on: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    strategy:\n      matrix:\n        n: [{}]\n    steps:\n      - run: standin:wait-for {}\n",
+        values.join(", "),
+        release.display()
+    );
+    env.mock
+        .handle
+        .queue_workflow("owner/repo", &yaml)
+        .expect("queue");
+    let mut assignments = Vec::new();
+    for _ in 0..JOBS {
+        let a = env.fetched_executor().await;
+        env.dispatch.admit(Backend::Pod, a.id());
+        env.dispatch.offer(&a);
+        assignments.push(a);
+    }
+    let spiffe_id = assignments[0].identity().spiffe_id().to_owned();
+    assert!(
+        assignments
+            .iter()
+            .all(|a| a.identity().spiffe_id() == spiffe_id),
+        "one SPIFFE ID for every run of the job"
+    );
+    let workload = env.workload(&spiffe_id).await;
+    let executors: Vec<_> = assignments
+        .iter()
+        .map(|a| tokio::spawn(run(env.executor_config(a, &workload), no_signals())))
+        .collect();
+    let task_ids: Vec<i64> = assignments.iter().map(|a| a.id().task_id()).collect();
+    let running = env
+        .mock
+        .handle
+        .wait_for(
+            |m| {
+                task_ids
+                    .iter()
+                    .all(|id| m.task(*id).is_some_and(|t| t.heartbeats > 0))
+            },
+            Duration::from_secs(90),
+        )
+        .await;
+    if running.is_err() {
+        let heartbeating = task_ids
+            .iter()
+            .filter(|id| env.mock.handle.task(**id).is_some_and(|t| t.heartbeats > 0))
+            .count();
+        panic!("only {heartbeating} of {JOBS} runs of one job got to run at once");
+    }
+    std::fs::write(&release, b"go").expect("release the jobs");
+    for executor in executors {
+        let status = tokio::time::timeout(Duration::from_secs(60), executor)
+            .await
+            .expect("the executor ends")
+            .expect("join")
+            .expect("ran");
+        assert!(status.success());
+    }
+    for a in &assignments {
+        env.job_status(a, Status::Success).await;
+    }
+}
+
+// === the pass-through to Gitea ===
+
+/// Reads from `stream` into `buf` until `done` holds for what was read, the peer closes,
+/// or `WAIT` passes.
+async fn read_until(
+    stream: &mut (impl tokio::io::AsyncRead + Unpin),
+    buf: &mut Vec<u8>,
+    done: impl Fn(&str) -> bool,
+) {
+    let mut chunk = [0u8; 4096];
+    let read = async {
+        while !done(&String::from_utf8_lossy(buf)) {
+            match tokio::io::AsyncReadExt::read(stream, &mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    };
+    let _ = tokio::time::timeout(WAIT, read).await;
+}
+
+/// Writes one HTTP/1.1 request head (and `body`) on a new TLS connection presenting `svid`;
+/// returns the connection and what was read of the answer: its head at least, unless the
+/// connection closed first.
+async fn exchange(
+    env: &Env,
+    svid: &gdr_testkit::spiffe::Svid,
+    head: &str,
+    body: &[u8],
+) -> (
+    tokio_rustls::client::TlsStream<tokio::net::TcpStream>,
+    Answer,
+) {
+    let mut tls = tls_to(env.facade_addr, svid, &[b"http/1.1"]).await;
+    tokio::io::AsyncWriteExt::write_all(&mut tls, head.as_bytes())
+        .await
+        .expect("write head");
+    tokio::io::AsyncWriteExt::write_all(&mut tls, body)
+        .await
+        .expect("write body");
+    let mut answer = Answer(Vec::new());
+    read_until(&mut tls, &mut answer.0, |t| t.contains("\r\n\r\n")).await;
+    (tls, answer)
+}
+
+/// Bytes of an HTTP/1.1 answer read so far.
+struct Answer(Vec<u8>);
+
+impl Answer {
+    fn status(&self) -> Option<String> {
+        let text = self.text();
+        text.contains("\r\n")
+            .then(|| text.lines().next().unwrap_or_default().to_owned())
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0).into_owned()
+    }
+
+    /// Reads on until `done` holds for the whole answer (or the peer closes).
+    async fn read_on(
+        &mut self,
+        stream: &mut (impl tokio::io::AsyncRead + Unpin),
+        done: impl Fn(&str) -> bool,
+    ) -> String {
+        read_until(stream, &mut self.0, done).await;
+        self.text()
+    }
+}
+
+/// The value Gitea received for header `name` (names arrive lowercase).
+fn value<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+/// DESIGN invariant 15: a job cannot log into Gitea as anyone through the facade. Gitea's
+/// reverse-proxy login headers (`X-WEBAUTH-USER`, `-EMAIL`, `-FULLNAME` by default) sent
+/// by an executor on the pass-through never reach Gitea, which trusts them from a proxy in
+/// its `REVERSE_PROXY_TRUSTED_PROXIES` (the facade's address is one where it runs beside
+/// Gitea).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forged_reverse_proxy_login_never_reaches_gitea() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let svid = job_svid(&env, "build");
+    let head = format!(
+        "GET /_mock/blob/4?login HTTP/1.1\r\nhost: facade\r\n{}X-WEBAUTH-USER: gitea-admin\r\nX-WEBAUTH-EMAIL: admin@example.org\r\nX-WEBAUTH-FULLNAME: Gitea Admin\r\nconnection: close\r\n\r\n",
+        env.credential_lines(&a)
+    );
+    let (_, answer) = exchange(&env, &svid, &head, b"").await;
+    assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 200 OK"));
+    let seen = env.seen_headers("/_mock/blob/4?login");
+    assert_eq!(seen.len(), 1, "the request reached Gitea once");
+    for name in ["x-webauth-user", "x-webauth-email", "x-webauth-fullname"] {
+        assert_eq!(
+            value(&seen[0], name),
+            None,
+            "{name} reached Gitea: {seen:?}"
+        );
+    }
+}
+
+/// DESIGN invariant 15: the pass-through forwards an allow-list of request headers: what a
+/// checkout (git smart HTTP with the job token in `Authorization`) and the artifact
+/// uploads need arrive unchanged; a session cookie, `Sudo`, an unknown header and the
+/// facade's own runner credentials do not.
+#[tokio::test(flavor = "multi_thread")]
+async fn only_allow_listed_headers_reach_gitea_and_a_checkouts_own_arrive() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let svid = job_svid(&env, "build");
+    let checkout = [
+        ("authorization", "Basic eC1hY2Nlc3MtdG9rZW46am9iLXRva2Vu"),
+        ("content-type", "application/x-git-upload-pack-request"),
+        ("content-encoding", "gzip"),
+        ("git-protocol", "version=2"),
+        ("accept", "application/x-git-upload-pack-result"),
+        ("accept-encoding", "deflate, gzip"),
+        ("user-agent", "git/2.43.0"),
+        ("content-length", "4"),
+    ];
+    let artifact = [
+        ("authorization", "Bearer runtime-token"),
+        ("content-type", "application/octet-stream"),
+        ("content-range", "bytes 0-3/4"),
+        ("x-tfs-filelength", "4"),
+        ("x-actions-results-md5", "CY9rzUYh03PK3k6DJie09g=="),
+        ("content-length", "4"),
+    ];
+    let unwanted = [
+        ("cookie", "i_like_gitea=admin-session"),
+        ("sudo", "gitea-admin"),
+        ("x-gitea-otp", "123456"),
+        ("x-custom-header", "anything"),
+    ];
+    for (path, method, wanted) in [
+        ("/owner/repo.git/git-upload-pack", "POST", &checkout[..]),
+        (
+            "/api/actions_pipeline/_apis/pipelines/workflows/1/artifacts/x/upload?itemPath=a%2Fb",
+            "PUT",
+            &artifact[..],
+        ),
+    ] {
+        let lines: String = wanted
+            .iter()
+            .chain(&unwanted)
+            .map(|(k, v)| format!("{k}: {v}\r\n"))
+            .collect();
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nhost: facade\r\n{lines}{}connection: close\r\n\r\n",
+            env.credential_lines(&a)
+        );
+        let (_, answer) = exchange(&env, &svid, &head, b"0000").await;
+        // The mock has no git or artifact routes; the answer is its 404, from behind.
+        assert_eq!(
+            answer.status().as_deref(),
+            Some("HTTP/1.1 404 Not Found"),
+            "{path}"
+        );
+        let seen = env.seen_headers(path);
+        assert_eq!(seen.len(), 1, "{path} reached Gitea once");
+        let headers = &seen[0];
+        for (name, sent) in wanted {
+            assert_eq!(value(headers, name), Some(*sent), "{name}: {headers:?}");
+        }
+        for (name, _) in unwanted {
+            assert_eq!(value(headers, name), None, "{name} passed: {headers:?}");
+        }
+        for name in ["x-runner-uuid", "x-runner-token"] {
+            assert_eq!(value(headers, name), None, "{name} passed: {headers:?}");
+        }
+    }
+}
+
+/// DESIGN invariants 15, 21: the pass-through is only for the executor of a live
+/// assignment, checked like a RunnerService call before the body is read: a peer of the
+/// trust domain without credentials, with a forged capability, with an assignment's
+/// credentials under another SPIFFE ID, or with a valid capability of an assignment this
+/// controller does not run, is refused with 401/403 and a text saying why — also while it
+/// announces a large body it never sends — and nothing reaches Gitea; once the assignment
+/// has finished, its own executor is refused too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_trust_domain_peer_without_a_live_assignment_is_refused_by_the_pass_through() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let own = job_svid(&env, "build");
+    let stranger = job_svid(&env, "other");
+    let unknown = gdr_core::assignment::AssignmentId::parse("gitea-task-999999").expect("id");
+    let unknown_token = env.dispatch.capability_key().issue(&unknown);
+    let cases = [
+        ("no credentials", &own, String::new(), "401 Unauthorized"),
+        (
+            "a forged capability",
+            &own,
+            format!(
+                "x-runner-uuid: {}\r\nx-runner-token: forged\r\n",
+                a.id().as_str()
+            ),
+            "401 Unauthorized",
+        ),
+        (
+            "another SPIFFE ID",
+            &stranger,
+            env.credential_lines(&a),
+            "403 Forbidden",
+        ),
+        (
+            "an assignment this controller does not run",
+            &own,
+            format!(
+                "x-runner-uuid: {}\r\nx-runner-token: {}\r\n",
+                unknown.as_str(),
+                unknown_token.expose()
+            ),
+            "401 Unauthorized",
+        ),
+    ];
+    for (i, (case, svid, credentials, expected)) in cases.iter().enumerate() {
+        let head = format!(
+            "PUT /_mock/blob/{i}?refused HTTP/1.1\r\nhost: facade\r\n{credentials}content-length: 10000000\r\n\r\n"
+        );
+        let (mut tls, mut answer) = exchange(&env, svid, &head, b"").await;
+        assert_eq!(
+            answer.status().as_deref(),
+            Some(format!("HTTP/1.1 {expected}").as_str()),
+            "{case}: refused from the headers, the body never sent"
+        );
+        let text = answer
+            .read_on(&mut tls, |t| t.contains("live assignment"))
+            .await;
+        assert!(text.contains("live assignment"), "{case}: {text}");
+    }
+    // Control: the assignment's own executor gets through.
+    let head = format!(
+        "GET /_mock/blob/5?own HTTP/1.1\r\nhost: facade\r\n{}connection: close\r\n\r\n",
+        env.credential_lines(&a)
+    );
+    let (_, answer) = exchange(&env, &own, &head, b"").await;
+    assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 200 OK"));
+    // Finished: Gitea has its result, and the pass-through is closed to it.
+    let auth = env
+        .dispatch
+        .authorize(
+            a.id().as_str(),
+            env.dispatch.capability_key().issue(a.id()).expose(),
+            a.identity().spiffe_id(),
+        )
+        .expect("authorized");
+    env.dispatch.finish(&auth).await.expect("finished");
+    let head = format!(
+        "GET /_mock/blob/6?finished HTTP/1.1\r\nhost: facade\r\n{}connection: close\r\n\r\n",
+        env.credential_lines(&a)
+    );
+    let (_, answer) = exchange(&env, &own, &head, b"").await;
+    assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 403 Forbidden"));
+    let reached: Vec<String> = env
+        .mock
+        .handle
+        .seen_requests()
+        .into_iter()
+        .filter(|p| p.contains("?refused") || p.contains("?finished"))
+        .collect();
+    assert!(
+        reached.is_empty(),
+        "refused requests reached Gitea: {reached:?}"
+    );
+}
+
+/// DESIGN invariant 21: a connection belongs to the assignment whose credentials its first
+/// request presented; a request for another assignment on it is refused (the runs of one
+/// job share a SPIFFE ID, so only the binding tells them apart).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connection_bound_to_one_assignment_refuses_requests_for_another() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let b = env.assignment("standin:success").await;
+    assert_eq!(a.identity().spiffe_id(), b.identity().spiffe_id());
+    let svid = job_svid(&env, "build");
+    let first = format!(
+        "GET /_mock/blob/1?a HTTP/1.1\r\nhost: facade\r\n{}\r\n",
+        env.credential_lines(&a)
+    );
+    let (mut tls, mut answer) = exchange(&env, &svid, &first, b"").await;
+    assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 200 OK"));
+    let second = format!(
+        "GET /_mock/blob/1?b HTTP/1.1\r\nhost: facade\r\n{}connection: close\r\n\r\n",
+        env.credential_lines(&b)
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut tls, second.as_bytes())
+        .await
+        .expect("write");
+    let text = answer
+        .read_on(&mut tls, |t| t.contains("another assignment"))
+        .await;
+    assert!(
+        text.contains("HTTP/1.1 403 Forbidden") && text.contains("another assignment"),
+        "{text}"
+    );
+    assert!(
+        !env.mock
+            .handle
+            .seen_requests()
+            .iter()
+            .any(|p| p == "/_mock/blob/1?b"),
+        "the other assignment's request reached Gitea"
+    );
+}
+
+/// A TCP server that accepts every connection and never answers nor closes it: a Gitea
+/// that hangs. Returns its URL; the task keeps the connections.
+async fn silent_upstream() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = listener.accept().await {
+            held.push(stream);
+        }
+    });
+    url
+}
+
+/// DESIGN invariant 21: every upstream call of the facade is bounded. A Gitea that accepts
+/// the connection and never answers gets the executor a 504 from the pass-through once the
+/// response bound passes (short here), and an UpdateLog forwarded to it fails within the
+/// forwarding client's request timeout instead of holding the runner's call.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upstream_that_accepts_but_never_answers_makes_the_facade_answer_within_its_bounds() {
+    let env = Env::with(EnvOptions {
+        upstream: Some(silent_upstream().await),
+        timeouts: UpstreamTimeouts {
+            response: Duration::from_millis(500),
+            ..UpstreamTimeouts::default()
+        },
+        forward_timeout: Duration::from_millis(500),
+        ..EnvOptions::default()
+    })
+    .await;
+    let a = env.assignment("standin:success").await;
+    let svid = job_svid(&env, "build");
+    let head = format!(
+        "GET /owner/repo.git/info/refs?service=git-upload-pack HTTP/1.1\r\nhost: facade\r\n{}connection: close\r\n\r\n",
+        env.credential_lines(&a)
+    );
+    let (_, answer) = exchange(&env, &svid, &head, b"").await;
+    assert_eq!(
+        answer.status().as_deref(),
+        Some("HTTP/1.1 504 Gateway Timeout")
+    );
+
+    let update = buffa::Message::encode_to_vec(&UpdateLogRequest {
+        task_id: a.id().task_id(),
+        ..Default::default()
+    });
+    let head = format!(
+        "POST /api/actions/runner.v1.RunnerService/UpdateLog HTTP/1.1\r\nhost: facade\r\ncontent-type: application/proto\r\ncontent-length: {}\r\n{}connection: close\r\n\r\n",
+        update.len(),
+        env.credential_lines(&a)
+    );
+    let (_, answer) = exchange(&env, &svid, &head, &update).await;
+    assert_eq!(
+        answer.status().as_deref(),
+        Some("HTTP/1.1 503 Service Unavailable"),
+        "the runner is told to retry"
+    );
+}
+
+/// An upstream whose download trickles and whose upload is read as it trickles in.
+async fn slow_upstream(chunks: usize, pause: Duration) -> String {
+    let app = axum::Router::new().route(
+        "/slow",
+        axum::routing::get(move || async move {
+            let stream = futures::stream::unfold(0, move |i| async move {
+                if i == chunks {
+                    return None;
+                }
+                tokio::time::sleep(pause).await;
+                Some((
+                    Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"x")),
+                    i + 1,
+                ))
+            });
+            axum::body::Body::from_stream(stream)
+        })
+        .put(|body: axum::body::Body| async move {
+            let bytes = axum::body::to_bytes(body, usize::MAX)
+                .await
+                .expect("upload");
+            format!("{} bytes", bytes.len())
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+/// DESIGN invariant 21: the pass-through's bounds are on idleness, never on a whole
+/// transfer. A download that trickles and an upload that trickles in, each lasting several
+/// times the response and idle bounds, arrive whole as long as something moves within them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_transfer_that_keeps_moving_outlasts_the_pass_throughs_bounds() {
+    const CHUNKS: usize = 30;
+    let pause = Duration::from_millis(100);
+    let bound = Duration::from_secs(1);
+    let env = Env::with(EnvOptions {
+        upstream: Some(slow_upstream(CHUNKS, pause).await),
+        timeouts: UpstreamTimeouts {
+            response: bound,
+            idle: bound,
+            ..UpstreamTimeouts::default()
+        },
+        ..EnvOptions::default()
+    })
+    .await;
+    assert!(pause * CHUNKS as u32 > bound * 2);
+    let a = env.assignment("standin:success").await;
+    let svid = job_svid(&env, "build");
+
+    let head = format!(
+        "GET /slow HTTP/1.1\r\nhost: facade\r\n{}connection: close\r\n\r\n",
+        env.credential_lines(&a)
+    );
+    let (mut tls, mut answer) = exchange(&env, &svid, &head, b"").await;
+    assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 200 OK"));
+    // Chunked: each one-byte chunk is "1\r\nx\r\n", the end "0\r\n\r\n".
+    let text = answer
+        .read_on(&mut tls, |t| t.ends_with("\r\n0\r\n\r\n"))
+        .await;
+    assert_eq!(text.matches("\r\nx\r\n").count(), CHUNKS, "{text}");
+
+    let mut tls = tls_to(env.facade_addr, &svid, &[b"http/1.1"]).await;
+    let head = format!(
+        "PUT /slow HTTP/1.1\r\nhost: facade\r\n{}content-length: {CHUNKS}\r\nconnection: close\r\n\r\n",
+        env.credential_lines(&a)
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut tls, head.as_bytes())
+        .await
+        .expect("write head");
+    for _ in 0..CHUNKS {
+        tokio::time::sleep(pause).await;
+        tokio::io::AsyncWriteExt::write_all(&mut tls, b"y")
+            .await
+            .expect("write");
+    }
+    let mut answer = Answer(Vec::new());
+    let text = answer
+        .read_on(&mut tls, |t| t.ends_with(&format!("{CHUNKS} bytes")))
+        .await;
+    assert!(
+        text.starts_with("HTTP/1.1 200 OK") && text.ends_with(&format!("{CHUNKS} bytes")),
+        "{text}"
     );
 }
 

@@ -47,7 +47,8 @@ const LOG_INTERVAL_SECS: f64 = 10.0;
 /// shares with them.
 const HALF_OPEN_PEERS: [Ipv4Addr; 2] = [Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::new(127, 0, 0, 3)];
 const SESSION_PEER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 4);
-/// Source of one job's SVID opening sessions beyond its per-identity share.
+/// Source of one job's SVID opening sessions beyond its per-identity share of sessions not
+/// bound to an assignment.
 const GREEDY_PEER: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 5);
 const GREEDY_SESSIONS: usize = 6;
 /// Connections the first burst opens and holds (fewer if the hard open-file limit is low).
@@ -404,7 +405,8 @@ fn per_connection_lines<'a>(log: &'a str, peers: &[Ipv4Addr]) -> Vec<&'a str> {
 /// two addresses, flood clients reopening them as fast as the facade closes them, and idle
 /// HTTP/2 sessions of twenty SPIFFE IDs of the trust domain (each above its per-identity
 /// limit, together above the per-peer limit) never hold more than the connection limit, and
-/// one job's SVID gets only its share of sessions served; meanwhile a job queued in Gitea
+/// one job's SVID gets only its share of sessions served while no assignment's credentials
+/// bind them (its requests carry none); meanwhile a job queued in Gitea
 /// starts and finishes with its result in Gitea, `/readyz` answers 200 to every probe on a
 /// fresh connection, and the controller's log grows by a bounded amount with no line per
 /// connection.

@@ -462,16 +462,44 @@ async fn the_task_context_tells_the_trigger_as_gitea_does() {
     assert!(task.context.as_option().unwrap().get("ref").is_none());
 }
 
-/// Peer fidelity (a stated limit): the mock does not expand matrix jobs and says so, instead of
+/// Peer fidelity: a matrix of plain lists becomes one job per combination, as Gitea's
+/// jobparser expands it: every task has the same repository and job key (`context.job`),
+/// its own task ID and token, and a name carrying its values. The mock says "not
+/// supported" for what it cannot evaluate (`include`/`exclude`, expressions) instead of
 /// serving tasks Gitea would not.
 #[tokio::test]
-async fn a_matrix_job_is_rejected_as_not_supported() {
+async fn a_matrix_job_becomes_one_task_per_combination_with_the_same_repository_and_job_key() {
     let mock = start().await;
+    let (c, _) = runner(&mock, &["l"], false);
+    let jobs = mock
+        .handle
+        .queue_workflow(
+            "o/r",
+            "on: push\njobs:\n  m:\n    runs-on: l\n    strategy:\n      matrix:\n        v: [1, 2, 3]\n",
+        )
+        .unwrap();
+    assert_eq!(jobs.len(), 3);
+    let mut tokens = HashSet::new();
+    for _ in 0..3 {
+        let task = fetch_task(&c).await;
+        let ctx = task.context.as_option().unwrap();
+        let s = |k: &str| ctx.get(k).and_then(|v| v.as_str()).map(str::to_owned);
+        assert_eq!(s("repository").as_deref(), Some("o/r"));
+        assert_eq!(s("job").as_deref(), Some("m"));
+        tokens.insert(s("token").unwrap());
+    }
+    assert_eq!(tokens.len(), 3, "each task has its own token");
+    let mut names: Vec<String> = jobs
+        .iter()
+        .map(|j| mock.handle.job(*j).unwrap().name)
+        .collect();
+    names.sort();
+    assert_eq!(names, ["m (1)", "m (2)", "m (3)"]);
     let err = mock
         .handle
         .queue_workflow(
             "o/r",
-            "on: push\njobs:\n  m:\n    runs-on: l\n    strategy:\n      matrix:\n        v: [1, 2]\n",
+            "on: push\njobs:\n  m:\n    runs-on: l\n    strategy:\n      matrix:\n        include: [{v: 1}]\n",
         )
         .unwrap_err();
     assert!(err.to_string().contains("not supported"), "{err}");

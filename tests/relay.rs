@@ -114,17 +114,25 @@ impl Runner {
         )
         .expect("relay");
         let serving = relay.clone();
-        tokio::spawn(async move {
-            let _source = source;
-            gdr_executor::proxy::serve_loopback_proxy(listener, serving, std::future::pending())
-                .await
-        });
         let capability = env
             .dispatch
             .capability_key()
             .issue(assignment.id())
             .expose()
             .to_string();
+        let credentials =
+            gdr_executor::proxy::RunnerCredentials::new(assignment.id().as_str(), &capability)
+                .expect("credentials");
+        tokio::spawn(async move {
+            let _source = source;
+            gdr_executor::proxy::serve_loopback_proxy(
+                listener,
+                serving,
+                credentials,
+                std::future::pending(),
+            )
+            .await
+        });
         let mut config =
             ClientConfig::new(format!("http://{local}/api/actions").parse().expect("uri"))
                 .with_default_header("x-runner-uuid", assignment.id().as_str())

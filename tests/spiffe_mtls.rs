@@ -18,7 +18,7 @@ use axum::routing::{get, post};
 use axum::{Extension, Router};
 use bytes::Bytes;
 use gdr_controller::facade::tls::serve_tls;
-use gdr_executor::proxy::serve_loopback_proxy;
+use gdr_executor::proxy::{RunnerCredentials, serve_loopback_proxy};
 use gdr_executor::relay::Relay;
 use gdr_identity::tls::{
     PeerSpiffeId, executor_client_config, facade_server_config, x509_source_with_timeout,
@@ -43,6 +43,9 @@ const TD: &str = "example.test";
 const FACADE_ID: &str = "spiffe://example.test/ns/ci/sa/facade";
 const EXECUTOR_ID: &str = "spiffe://example.test/ci/owner/repo/build";
 const WAIT: Duration = Duration::from_secs(20);
+/// The assignment the loopback proxies here speak for, and its capability.
+const ASSIGNMENT: &str = "gitea-task-7";
+const CAPABILITY: &str = "capability-of-gitea-task-7";
 /// How long the loopback proxy waits out an unreachable facade in these tests.
 const TOLERANCE: Duration = Duration::from_secs(1);
 
@@ -426,11 +429,13 @@ fn upstream_app() -> Router {
                         .map(|a| a.to_string())
                         .unwrap_or_else(|| header("host"));
                     format!(
-                        "{} {} x-test={} proxy-authorization={} peer={id}",
+                        "{} {} x-test={} proxy-authorization={} x-runner-uuid={} x-runner-token={} peer={id}",
                         uri.path_and_query().map(|p| p.as_str()).unwrap_or(""),
                         host,
                         header("x-test"),
                         header("proxy-authorization"),
+                        header("x-runner-uuid"),
+                        header("x-runner-token"),
                     )
                 },
             ),
@@ -445,14 +450,15 @@ async fn proxy_to(pki: &Pki, upstream: SocketAddr) -> (String, oneshot::Sender<(
     let config = executor_client_config(&pki.executor, FACADE_ID).unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
     let relay = Relay::new(
-        "gitea-task-1",
+        ASSIGNMENT,
         &format!("https://{upstream}"),
         &config,
         TOLERANCE,
     )
     .unwrap();
+    let credentials = RunnerCredentials::new(ASSIGNMENT, CAPABILITY).unwrap();
     tokio::spawn(async move {
-        serve_loopback_proxy(listener, relay, async {
+        serve_loopback_proxy(listener, relay, credentials, async {
             let _ = stopped.await;
         })
         .await
@@ -463,7 +469,9 @@ async fn proxy_to(pki: &Pki, upstream: SocketAddr) -> (String, oneshot::Sender<(
 
 /// DESIGN invariants 15, 16: the loopback proxy forwards path, query and end-to-end headers
 /// (not hop-by-hop ones) to the facade over mTLS under the executor's identity, so non-API
-/// traffic such as a git checkout reaches the facade as the runner sent it.
+/// traffic such as a git checkout reaches the facade as the runner sent it — with the
+/// assignment's runner credentials, which the official runner sets only on RunnerService
+/// calls and the facade wants on every request (a client's own are replaced).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_loopback_proxy_forwards_path_query_and_end_to_end_headers_with_the_executor_identity()
 {
@@ -480,6 +488,7 @@ async fn the_loopback_proxy_forwards_path_query_and_end_to_end_headers_with_the_
     ))
     .header("x-test", "kept")
     .header("proxy-authorization", "hop-by-hop")
+    .header("x-runner-uuid", "gitea-task-666")
     .body(Empty::new())
     .unwrap();
     let resp = client.request(req).await.unwrap();
@@ -496,7 +505,7 @@ async fn the_loopback_proxy_forwards_path_query_and_end_to_end_headers_with_the_
     assert_eq!(
         text,
         format!(
-            "/echo/owner/repo.git/info/refs?service=git-upload-pack {} x-test=kept proxy-authorization=- peer={EXECUTOR_ID}",
+            "/echo/owner/repo.git/info/refs?service=git-upload-pack {} x-test=kept proxy-authorization=- x-runner-uuid={ASSIGNMENT} x-runner-token={CAPABILITY} peer={EXECUTOR_ID}",
             upstream.addr
         )
     );
@@ -563,15 +572,16 @@ async fn the_loopback_proxy_answers_502_when_the_facade_is_not_the_expected_iden
         executor_client_config(&pki.executor, "spiffe://example.test/ns/ci/sa/impostor").unwrap();
     // A TLS failure is waited out like an outage, for as long as the tolerance allows.
     let relay = Relay::new(
-        "gitea-task-1",
+        ASSIGNMENT,
         &format!("https://{}", upstream.addr),
         &config,
         TOLERANCE,
     )
     .unwrap();
+    let credentials = RunnerCredentials::new(ASSIGNMENT, CAPABILITY).unwrap();
     let (_stop, stopped) = oneshot::channel::<()>();
     tokio::spawn(async move {
-        serve_loopback_proxy(listener, relay, async {
+        serve_loopback_proxy(listener, relay, credentials, async {
             let _ = stopped.await;
         })
         .await

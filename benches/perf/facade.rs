@@ -19,7 +19,7 @@ use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::{ExecutorBackend, ExecutorSpec};
 use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
-use gdr_executor::proxy::serve_loopback_proxy;
+use gdr_executor::proxy::{RunnerCredentials, serve_loopback_proxy};
 use gdr_executor::relay::Relay;
 use gdr_identity::tls::{executor_client_config, facade_server_config, x509_source};
 use gdr_proto::runner::v1 as pb;
@@ -167,7 +167,14 @@ pub async fn run(table: &mut Table) {
         Duration::from_secs(1800),
     )
     .expect("relay");
-    tokio::spawn(serve_loopback_proxy(proxy, relay, std::future::pending()));
+    let credentials =
+        RunnerCredentials::new(assignment.id().as_str(), capability.expose()).expect("credentials");
+    tokio::spawn(serve_loopback_proxy(
+        proxy,
+        relay,
+        credentials,
+        std::future::pending(),
+    ));
 
     let via = runner_client(&proxy_url, assignment.id().as_str(), capability.expose());
     let direct = runner_client(&mock.url, &uuid, &token);

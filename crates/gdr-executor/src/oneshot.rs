@@ -350,10 +350,13 @@ async fn run_executor(
         &client_config,
         config.report_outage_tolerance,
     )?;
+    let credentials =
+        crate::proxy::RunnerCredentials::new(config.assignment_id.as_str(), &config.capability)?;
     let (stop_proxy, proxy_stopped) = tokio::sync::oneshot::channel::<()>();
     let proxy = tokio::spawn(crate::proxy::serve_loopback_proxy(
         listener,
         relay.clone(),
+        credentials,
         async {
             let _ = proxy_stopped.await;
         },

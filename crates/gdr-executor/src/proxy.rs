@@ -13,6 +13,11 @@
 //! request is sent again, for as long as its caller's deadline (`Connect-Timeout-Ms`) or
 //! the outage tolerance allows. A streamed body is replayed only if none of it was read.
 //!
+//! Every request the proxy sends carries the assignment's runner credentials
+//! (`x-runner-uuid`, `x-runner-token`), not only the RunnerService calls the runner itself
+//! authenticates: the facade binds each connection to the assignment they name and lets
+//! only a live assignment's executor use its pass-through to Gitea (checkout, artifacts).
+//!
 //! The TLS client configuration comes from `spiffe-rustls`; it resolves the current SVID
 //! on every handshake, so new connections after a rotation present the new certificate
 //! while established ones carry on.
@@ -70,6 +75,9 @@ pub enum ProxyError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The assignment ID or capability cannot be sent as a header value.
+    #[error("the assignment's runner credentials are not valid header values")]
+    Credentials,
     /// Accepting connections failed for good.
     #[error("loopback proxy listener {addr}: {source}")]
     Accept {
@@ -79,6 +87,47 @@ pub enum ProxyError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// Header naming the assignment (the runner UUID of its `.runner`).
+const UUID_HEADER: HeaderName = HeaderName::from_static("x-runner-uuid");
+/// Header carrying the assignment's capability (the runner token of its `.runner`).
+const TOKEN_HEADER: HeaderName = HeaderName::from_static("x-runner-token");
+
+/// The assignment's runner credentials, set on every request the proxy sends.
+#[derive(Clone)]
+pub struct RunnerCredentials {
+    uuid: http::HeaderValue,
+    token: http::HeaderValue,
+}
+
+impl RunnerCredentials {
+    /// The credentials of `assignment_id` with its `capability`.
+    pub fn new(assignment_id: &str, capability: &str) -> Result<Self, ProxyError> {
+        let uuid =
+            http::HeaderValue::from_str(assignment_id).map_err(|_| ProxyError::Credentials)?;
+        let mut token =
+            http::HeaderValue::from_str(capability).map_err(|_| ProxyError::Credentials)?;
+        // Kept out of HPACK tables and `Debug` output.
+        token.set_sensitive(true);
+        Ok(RunnerCredentials { uuid, token })
+    }
+
+    /// Sets them on `headers`, replacing whatever a client sent: the proxy speaks for its
+    /// assignment only.
+    fn apply(&self, headers: &mut HeaderMap) {
+        headers.insert(UUID_HEADER, self.uuid.clone());
+        headers.insert(TOKEN_HEADER, self.token.clone());
+    }
+}
+
+impl std::fmt::Debug for RunnerCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunnerCredentials")
+            .field("uuid", &self.uuid)
+            .field("token", &"<redacted>")
+            .finish()
+    }
 }
 
 /// Where requests go: the facade's scheme, authority and optional base path.
@@ -287,12 +336,15 @@ impl Facade {
 }
 
 /// Serves the loopback proxy on `listener` until `shutdown` resolves, then lets open
-/// requests finish. The relay holds the facade client (see [`Relay::new`]).
+/// requests finish. The relay holds the facade client (see [`Relay::new`]); every request
+/// it sends carries `credentials`.
 pub async fn serve_loopback_proxy(
     listener: TcpListener,
     relay: Arc<Relay>,
+    credentials: RunnerCredentials,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ProxyError> {
+    let credentials = Arc::new(credentials);
     let local = listener
         .local_addr()
         .map(|a| a.to_string())
@@ -315,9 +367,13 @@ pub async fn serve_loopback_proxy(
         };
         let _ = stream.set_nodelay(true);
         let relay = relay.clone();
+        let credentials = credentials.clone();
         let service = hyper::service::service_fn(move |req: Request<Incoming>| {
             let relay = relay.clone();
-            async move { Ok::<_, std::convert::Infallible>(handle(&relay, req, peer).await) }
+            let credentials = credentials.clone();
+            async move {
+                Ok::<_, std::convert::Infallible>(handle(&relay, &credentials, req, peer).await)
+            }
         });
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
@@ -380,11 +436,20 @@ impl Rpc {
     }
 }
 
-async fn handle(relay: &Relay, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+async fn handle(
+    relay: &Relay,
+    credentials: &RunnerCredentials,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<Body> {
     let (mut parts, body) = req.into_parts();
     strip_hop_by_hop(&mut parts.headers);
     // The Host the runner used names the loopback socket; the client sets the facade's.
     parts.headers.remove(header::HOST);
+    // The official runner authenticates only its RunnerService calls; the facade wants
+    // every request, pass-through included, to name the assignment. The relay's deliveries
+    // are built from these heads, so they carry them too.
+    credentials.apply(&mut parts.headers);
     let mut head = Head {
         method: parts.method,
         path_and_query: parts

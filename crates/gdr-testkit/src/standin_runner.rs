@@ -22,6 +22,7 @@
 //! | `standin:sleep <ms>` | heartbeats for `<ms>` milliseconds, reports SUCCESS |
 //! | `standin:crash` | logs one row, exits with status 3 and no final report |
 //! | `standin:checkout <n>` | streams `GET <address>/_mock/blob/<n>`, logs the byte count, SUCCESS iff all `n` bytes arrived |
+//! | `standin:wait-for <path>` | heartbeats until the file `<path>` exists (a test's release of many jobs at once), reports SUCCESS |
 //!
 //! A payload without any `standin:` step runs as `standin:success`. Cancellation (server
 //! answer or signal) wins over every script but `crash`.
@@ -190,6 +191,7 @@ pub enum Script {
     Sleep(Duration),
     Crash,
     Checkout(u64),
+    WaitFor(PathBuf),
 }
 
 impl Script {
@@ -198,7 +200,11 @@ impl Script {
         let rest = text.trim().strip_prefix("standin:")?;
         let mut words = rest.split_whitespace();
         let verb = words.next()?;
-        let arg = words.next().and_then(|a| a.parse::<u64>().ok());
+        let word = words.next();
+        if verb == "wait-for" {
+            return word.map(|path| Script::WaitFor(PathBuf::from(path)));
+        }
+        let arg = word.and_then(|a| a.parse::<u64>().ok());
         match (verb, arg) {
             ("success", _) => Some(Script::Success),
             ("failure", _) => Some(Script::Failure),
@@ -434,6 +440,14 @@ async fn run_script(reporter: &Reporter, script: &Script, address: &str) -> Opti
         Script::Sleep(d) => {
             tokio::time::sleep(*d).await;
             reporter.log(format!("slept {d:?}"));
+            Some(pb::TaskResult::RESULT_SUCCESS)
+        }
+        Script::WaitFor(path) => {
+            // Polling a file is the least a test needs to release many jobs at once.
+            while !path.exists() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            reporter.log(format!("{} appeared", path.display()));
             Some(pb::TaskResult::RESULT_SUCCESS)
         }
         Script::Crash => {

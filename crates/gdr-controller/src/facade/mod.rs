@@ -13,6 +13,10 @@
 //!   result is persisted on the backend and releases the slot before the runner hears
 //!   back (invariant 10);
 //! - `Register` is refused.
+//!
+//! Everything else is reverse-proxied to Gitea ([`proxy`]), for the executor of a live
+//! assignment only: the same credentials and peer identity are checked first, before the
+//! body is read, and a finished assignment's executor is refused.
 
 #![allow(refining_impl_trait)]
 
@@ -45,6 +49,8 @@ pub struct Facade {
     /// Label of each backend as declared to the runner.
     labels: BackendLabels,
     metrics: Option<Arc<crate::metrics::Metrics>>,
+    /// Pass-through requests without runner credentials, logged once per interval.
+    uncredentialed: std::sync::Mutex<tls::Throttle>,
 }
 
 impl Facade {
@@ -62,6 +68,7 @@ impl Facade {
             server_capabilities: std::sync::RwLock::new(server_capabilities),
             labels,
             metrics: None,
+            uncredentialed: std::sync::Mutex::new(tls::Throttle::new(tls::LOG_INTERVAL)),
         }
     }
 
@@ -86,20 +93,27 @@ impl Facade {
     }
 
     /// The whole facade application: the RunnerService under `/api/actions`, everything
-    /// else reverse-proxied to Gitea. Every RunnerService call is authenticated from its
-    /// headers and the peer's SPIFFE ID before its body is read (DESIGN invariant 21): a
-    /// peer without a valid assignment credential cannot make the facade buffer a body.
+    /// else reverse-proxied to Gitea. Every request is authenticated from its headers and
+    /// the peer's SPIFFE ID before its body is read (DESIGN invariant 21): a peer without a
+    /// valid assignment credential cannot make the facade buffer a body, and only the
+    /// executor of a live assignment reaches Gitea through the pass-through (invariant 15).
     pub fn app(self: Arc<Self>, proxy: proxy::ReverseProxy) -> axum::Router {
         let runner_api = axum::Router::new()
             .fallback_service(self.clone().router().into_axum_service())
             .layer(axum::middleware::from_fn_with_state(
-                self,
+                self.clone(),
                 authenticate_request,
+            ));
+        let pass_through = axum::Router::new()
+            .fallback(proxy::handler)
+            .with_state(proxy)
+            .layer(axum::middleware::from_fn_with_state(
+                self,
+                authenticate_pass_through,
             ));
         axum::Router::new()
             .nest("/api/actions", runner_api)
-            .fallback(proxy::handler)
-            .with_state(proxy)
+            .fallback_service(pass_through)
     }
 
     /// Serves the facade over SPIFFE mTLS with the default connection limits until
@@ -134,7 +148,17 @@ impl Facade {
         stats: Arc<tls::FacadeStats>,
         shutdown: Shutdown,
     ) -> std::io::Result<()> {
-        tls::serve_tls_limited(listener, tls, self.app(proxy), limits, stats, shutdown).await
+        let capabilities = Some(self.dispatch.capability_key().clone());
+        tls::serve_tls_limited(
+            listener,
+            tls,
+            self.app(proxy),
+            limits,
+            capabilities,
+            stats,
+            shutdown,
+        )
+        .await
     }
 
     /// Like [`Self::authenticate`], but also accepts a runner whose assignment this
@@ -312,6 +336,67 @@ async fn authenticate_request(
         }
         Err(e) => e.into_response(),
     }
+}
+
+/// Lets only the executor of a live assignment use the pass-through to Gitea: its
+/// credentials and peer SPIFFE ID are checked as a RunnerService call's are (offered here,
+/// or found on a backend after a restart), before anything reads the body; an assignment
+/// whose result Gitea has is refused. The credentials never reach Gitea (the proxy
+/// forwards only its allow-listed headers).
+async fn authenticate_pass_through(
+    axum::extract::State(facade): axum::extract::State<Arc<Facade>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    const WHO: &str = "the facade forwards to Gitea only for the executor of a live assignment";
+    if !request.headers().contains_key(UUID_HEADER) || !request.headers().contains_key(TOKEN_HEADER)
+    {
+        // Any peer of the trust domain can send these, as often as it likes: one line per
+        // interval, not per request.
+        let count = facade
+            .uncredentialed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .note();
+        if let Some(count) = count {
+            let peer = request
+                .extensions()
+                .get::<PeerSpiffeId>()
+                .map(|p| p.0.clone());
+            tracing::warn!(peer = peer.as_deref().unwrap_or(""), path = request.uri().path(), count, interval = ?tls::LOG_INTERVAL, "pass-through requests without runner credentials refused");
+        }
+        return (
+            http::StatusCode::UNAUTHORIZED,
+            format!("{WHO}: x-runner-uuid and x-runner-token are required\n"),
+        )
+            .into_response();
+    }
+    let peer = request.extensions().get::<PeerSpiffeId>().cloned();
+    let auth = match facade
+        .authenticate_waiting(request.headers(), peer.as_ref(), "pass-through")
+        .await
+    {
+        Ok(auth) => auth,
+        Err(e) => {
+            let status = match e.code {
+                connectrpc::ErrorCode::PermissionDenied => http::StatusCode::FORBIDDEN,
+                connectrpc::ErrorCode::Unavailable => http::StatusCode::SERVICE_UNAVAILABLE,
+                _ => http::StatusCode::UNAUTHORIZED,
+            };
+            let why = e.message.as_deref().unwrap_or("refused");
+            return (status, format!("{WHO}: {why}\n")).into_response();
+        }
+    };
+    if facade.dispatch.claim_state(&auth.id) == Some(crate::dispatch::ClaimState::Terminal) {
+        tracing::warn!(assignment_id = %auth.id, path = request.uri().path(), "pass-through request of a finished assignment refused");
+        return (
+            http::StatusCode::FORBIDDEN,
+            format!("{WHO}: {} has finished\n", auth.id),
+        )
+            .into_response();
+    }
+    next.run(request).await
 }
 
 /// The caller as [`authenticate_request`] authenticated it.

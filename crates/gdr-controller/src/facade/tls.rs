@@ -6,14 +6,28 @@
 //!   in its TLS handshake makes room for the new one (nothing a legitimate client holds is
 //!   ever evicted, and a flood cannot keep a real executor's fresh connection out), or the
 //!   new one is closed at once, before any TLS work.
-//! - The TLS handshake is bounded; after it, at most `max_connections_per_identity`
-//!   connections per SPIFFE ID (one job cannot hold the facade).
+//! - The TLS handshake is bounded. A connection is then *bound* to one assignment by its
+//!   first request carrying that assignment's credentials (`x-runner-uuid` and a
+//!   capability that verifies for it — a stateless HMAC check; the application checks the
+//!   rest); at most `max_connections_per_assignment` connections are bound to one
+//!   assignment, and a request on a connection bound to another assignment is refused. The
+//!   SPIFFE ID of a job is the same for every run of it (matrix entries, pull requests,
+//!   re-runs), so it bounds only connections not bound yet: at most
+//!   `max_connections_per_identity` of them are held per SPIFFE ID (one executor opening
+//!   sessions without sending anything cannot hold the facade). A connection beyond that
+//!   share stays evictable like a handshake until its first request binds it, and is
+//!   closed unanswered if that request does not: a crowd of one job's executors connecting
+//!   at once is never refused for it.
 //! - The first request bytes, and every HTTP/1.1 request head, are bounded by the header
-//!   timeout; a connection without a request in flight for `idle_timeout` is closed
-//!   (HTTP/1.1 and HTTP/2), and HTTP/2 peers are pinged so a dead one is dropped.
+//!   timeout, and so is the idleness of a connection not bound to an assignment; a bound
+//!   connection without a request in flight for `idle_timeout` is closed (HTTP/1.1 and
+//!   HTTP/2), and HTTP/2 peers are pinged so a dead one is dropped.
 //! - Accept errors back off instead of spinning (file descriptors exhausted makes
 //!   `accept` fail at once, forever), and every refusal is counted and logged at most once
 //!   per interval with the count, never once per connection.
+//!
+//! Without a capability key (a server that is not a facade) nothing binds: every connection
+//! counts against its SPIFFE ID, and the header timeout bounds it until its first request.
 //!
 //! Every request reaches the application with the peer's [`PeerSpiffeId`] and
 //! connectrpc's `PeerCerts` / `PeerAddr` in its extensions.
@@ -27,7 +41,9 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::response::IntoResponse;
 use connectrpc::server::{PeerAddr, PeerCerts};
+use gdr_core::capability::CapabilityKey;
 use gdr_identity::tls::{PeerSpiffeId, peer_spiffe_id};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
@@ -36,6 +52,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
+use crate::gitea::{TOKEN_HEADER, UUID_HEADER};
 use crate::settings::FacadeLimits;
 use crate::shutdown::Shutdown;
 
@@ -71,8 +88,11 @@ pub struct FacadeStats {
     pub evicted: AtomicU64,
     /// Handshakes that failed or timed out.
     pub handshake_failures: AtomicU64,
-    /// Connections closed after the handshake because their SPIFFE ID holds its limit.
+    /// Connections closed after the handshake because their SPIFFE ID holds its share of
+    /// connections not bound to an assignment, and their first request did not bind them.
     pub identity_refused: AtomicU64,
+    /// Requests refused because their assignment holds its connection limit.
+    pub assignment_refused: AtomicU64,
     /// Connections closed for idleness (or for not sending a request in time).
     pub idle_closed: AtomicU64,
     /// Failed `accept` calls.
@@ -119,18 +139,30 @@ impl Throttle {
 /// Where a tracked connection stands.
 struct Entry {
     peer: IpAddr,
-    /// Set once the handshake succeeded; such connections are never evicted.
+    /// Set once the handshake succeeded.
     identity: Option<String>,
+    /// Counted in its identity's share of unbound connections (never evicted).
+    held: bool,
+    /// The assignment its first credentialed request bound it to (never evicted).
+    assignment: Option<Bound>,
     evict: Arc<Notify>,
 }
+
+/// What a bound connection is counted under: the assignment, and the SPIFFE ID that bound
+/// it, so a stolen capability presented by another workload cannot use up the share of
+/// the assignment's own executor (the application refuses that workload anyway).
+type Bound = (String, String);
 
 #[derive(Default)]
 struct TrackerState {
     next_id: u64,
     entries: HashMap<u64, Entry>,
     per_peer: HashMap<IpAddr, usize>,
+    /// Held connections of each SPIFFE ID not bound to an assignment.
     per_identity: HashMap<String, usize>,
-    /// Connections still in their handshake, oldest (lowest ID) first.
+    per_assignment: HashMap<Bound, usize>,
+    /// Connections that may be evicted, oldest (lowest ID) first: those still in their
+    /// handshake, and those beyond their identity's share that no request has bound yet.
     handshaking: BTreeMap<u64, IpAddr>,
 }
 
@@ -139,8 +171,13 @@ impl TrackerState {
         let entry = self.entries.remove(&id)?;
         self.handshaking.remove(&id);
         decrement(&mut self.per_peer, &entry.peer);
-        if let Some(identity) = &entry.identity {
+        if entry.held
+            && let Some(identity) = &entry.identity
+        {
             decrement(&mut self.per_identity, identity);
+        }
+        if let Some(bound) = &entry.assignment {
+            decrement(&mut self.per_assignment, bound);
         }
         Some(entry)
     }
@@ -170,11 +207,37 @@ enum Refusal {
     Peer,
 }
 
+/// Where a connection stands once its handshake succeeded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Standing {
+    /// Within its identity's share of unbound connections: never evicted.
+    Held,
+    /// Beyond that share: evictable until a request binds it, closed if one does not.
+    Probation,
+}
+
+/// What binding a connection to an assignment came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Binding {
+    /// Bound now, or before to the same assignment.
+    Bound,
+    /// Bound to another assignment before.
+    Other,
+    /// The assignment holds its connection limit.
+    Full,
+    /// The connection was evicted meanwhile.
+    Gone,
+}
+
 /// The connection limits, shared by the accept loop and the connection tasks.
 struct Tracker {
     limits: FacadeLimits,
+    /// Verifies the capabilities that bind connections to assignments.
+    capabilities: Option<CapabilityKey>,
     state: Mutex<TrackerState>,
     stats: Arc<FacadeStats>,
+    /// Requests refused at an assignment's connection limit, logged once per interval.
+    refusals: Mutex<Throttle>,
 }
 
 /// A tracked connection; dropping it gives its place back.
@@ -222,6 +285,8 @@ impl Tracker {
             Entry {
                 peer,
                 identity: None,
+                held: false,
+                assignment: None,
                 evict: evict.clone(),
             },
         );
@@ -246,22 +311,57 @@ impl Tracker {
         }
     }
 
-    /// The handshake of `slot` succeeded for `identity`: established (never evicted) if
-    /// the identity is below its limit.
-    fn established(&self, slot: &Slot, identity: &str) -> bool {
+    /// The handshake of `slot` succeeded for `identity`: held (never evicted) within the
+    /// identity's share of unbound connections, on probation beyond it; `None` if it was
+    /// evicted while the handshake finished.
+    fn established(&self, slot: &Slot, identity: &str) -> Option<Standing> {
         let mut s = self.lock();
         let held = s.per_identity.get(identity).copied().unwrap_or(0);
-        if held >= self.limits.max_connections_per_identity {
-            return false;
-        }
-        let Some(entry) = s.entries.get_mut(&slot.id) else {
-            // Evicted while the handshake finished.
-            return false;
-        };
+        let within = held < self.limits.max_connections_per_identity;
+        let entry = s.entries.get_mut(&slot.id)?;
         entry.identity = Some(identity.to_owned());
+        if !within {
+            return Some(Standing::Probation);
+        }
+        entry.held = true;
         s.handshaking.remove(&slot.id);
         *s.per_identity.entry(identity.to_owned()).or_default() += 1;
-        true
+        Some(Standing::Held)
+    }
+
+    /// Binds the connection of `slot` to `assignment` (whose capability the caller
+    /// verified): it leaves its identity's share of unbound connections (and the evictable
+    /// ones) and counts against the assignment's limit instead.
+    fn bind(&self, slot: &Slot, assignment: &str) -> Binding {
+        let mut s = self.lock();
+        let Some(entry) = s.entries.get(&slot.id) else {
+            return Binding::Gone;
+        };
+        if let Some((bound, _)) = &entry.assignment {
+            return if bound == assignment {
+                Binding::Bound
+            } else {
+                Binding::Other
+            };
+        }
+        let identity = entry.identity.clone().unwrap_or_default();
+        let key = (assignment.to_owned(), identity.clone());
+        if s.per_assignment.get(&key).copied().unwrap_or(0)
+            >= self.limits.max_connections_per_assignment
+        {
+            return Binding::Full;
+        }
+        let held = entry.held;
+        if held {
+            decrement(&mut s.per_identity, &identity);
+        }
+        s.handshaking.remove(&slot.id);
+        *s.per_assignment.entry(key.clone()).or_default() += 1;
+        if let Some(entry) = s.entries.get_mut(&slot.id) {
+            entry.held = false;
+            entry.assignment = Some(key);
+        }
+        Binding::Bound
     }
 }
 
@@ -331,13 +431,24 @@ pub async fn serve_tls(
         trigger.trigger();
     });
     let stats = Arc::new(FacadeStats::default());
-    let result = serve_with(listener, config, app, FacadeLimits::default(), stats, stop).await;
+    let result = serve_with(
+        listener,
+        config,
+        app,
+        FacadeLimits::default(),
+        None,
+        stats,
+        stop,
+    )
+    .await;
     watcher.abort();
     result
 }
 
 /// Serves `app` over mTLS on `listener` until `shutdown`, then closes connections
 /// gracefully (each within [`CLOSE_GRACE`]). HTTP/1.1 and h2 are both served (ALPN).
+/// Connections are bound to the assignment whose capability under `capabilities` their
+/// first request presents (see the module documentation); with `None` nothing binds.
 ///
 /// The result is `Err` only when the listener itself fails for good.
 pub async fn serve_tls_limited(
@@ -345,10 +456,11 @@ pub async fn serve_tls_limited(
     config: Arc<rustls::ServerConfig>,
     app: axum::Router,
     limits: FacadeLimits,
+    capabilities: Option<CapabilityKey>,
     stats: Arc<FacadeStats>,
     shutdown: Shutdown,
 ) -> std::io::Result<()> {
-    serve_with(listener, config, app, limits, stats, shutdown).await
+    serve_with(listener, config, app, limits, capabilities, stats, shutdown).await
 }
 
 pub(crate) async fn serve_with(
@@ -356,13 +468,16 @@ pub(crate) async fn serve_with(
     config: Arc<rustls::ServerConfig>,
     app: axum::Router,
     limits: FacadeLimits,
+    capabilities: Option<CapabilityKey>,
     stats: Arc<FacadeStats>,
     shutdown: Shutdown,
 ) -> std::io::Result<()> {
     let tracker = Arc::new(Tracker {
         limits,
+        capabilities,
         state: Mutex::new(TrackerState::default()),
         stats: stats.clone(),
+        refusals: Mutex::new(Throttle::new(LOG_INTERVAL)),
     });
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
     let mut builder = Builder::new(TokioExecutor::new());
@@ -557,31 +672,46 @@ async fn connection(
         tracing::debug!(peer = %remote, "facade peer without a SPIFFE ID closed");
         return;
     };
-    if !tracker.established(&slot, &identity) {
-        inc(&stats.identity_refused);
-        tracing::debug!(peer = %remote, %identity, "facade connection closed: this SPIFFE ID holds its connection limit");
+    let Some(standing) = tracker.established(&slot, &identity) else {
         return;
-    }
+    };
 
     let activity = Arc::new(Activity {
         in_flight: AtomicUsize::new(0),
         requests: AtomicU64::new(0),
         last: Mutex::new(Instant::now()),
     });
+    let conn_state = Arc::new(ConnectionState {
+        slot,
+        standing,
+        bound: std::sync::OnceLock::new(),
+        close: Notify::new(),
+    });
     let service = {
         let activity = activity.clone();
+        let conn_state = conn_state.clone();
+        let tracker = tracker.clone();
         let peer_id = PeerSpiffeId(identity.clone());
         hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
             let in_flight = InFlight::start(&activity);
+            let admitted = admit_request(&tracker, &conn_state, req.headers(), remote, &peer_id.0);
             let extensions = req.extensions_mut();
             extensions.insert(PeerAddr(remote));
             extensions.insert(peer_id.clone());
             if let Some(certs) = &certs {
                 extensions.insert(certs.clone());
             }
-            let response = app.clone().oneshot(req.map(axum::body::Body::new));
+            let response = match admitted {
+                Admitted::Serve => Some(app.clone().oneshot(req.map(axum::body::Body::new))),
+                Admitted::Refuse(..) | Admitted::Close => None,
+            };
             async move {
-                let response = response.await?;
+                let response = match (admitted, response) {
+                    (_, Some(response)) => response.await?,
+                    (Admitted::Refuse(status, text), _) => (status, text).into_response(),
+                    // The connection task drops the connection; nothing is answered.
+                    _ => std::future::pending::<axum::response::Response>().await,
+                };
                 Ok::<_, std::convert::Infallible>(response.map(|inner| Tracked {
                     inner,
                     _in_flight: in_flight,
@@ -600,6 +730,13 @@ async fn connection(
                 }
                 return;
             }
+            // Evicted while on probation, or closed by its first request.
+            _ = conn_state.slot.evict.notified() => return,
+            _ = conn_state.close.notified() => {
+                inc(&stats.identity_refused);
+                tracing::debug!(peer = %remote, %identity, "facade connection closed: this SPIFFE ID holds its share of connections not bound to an assignment, and the first request did not bind this one");
+                return;
+            }
             _ = shutdown.wait(), if closing.is_none() => {
                 conn.as_mut().graceful_shutdown();
                 closing = Some(Instant::now() + CLOSE_GRACE);
@@ -612,9 +749,15 @@ async fn connection(
                     }
                     continue;
                 }
-                // Until its first request a connection gets the header timeout: a peer
-                // that connects and sends nothing holds nothing for long.
-                let bound = if activity.requests.load(Ordering::Relaxed) == 0 {
+                // Until it is bound to an assignment (or, where nothing binds, until its
+                // first request) a connection gets the header timeout: a peer that connects
+                // and sends nothing useful holds nothing for long.
+                let unbound = if tracker.capabilities.is_some() {
+                    conn_state.bound.get().is_none()
+                } else {
+                    activity.requests.load(Ordering::Relaxed) == 0
+                };
+                let bound = if unbound {
                     limits.header_read_timeout
                 } else {
                     limits.idle_timeout
@@ -627,6 +770,100 @@ async fn connection(
                 }
             }
         }
+    }
+}
+
+/// One established connection's standing, shared by its requests.
+struct ConnectionState {
+    slot: Slot,
+    standing: Standing,
+    /// The assignment it is bound to, once bound.
+    bound: std::sync::OnceLock<String>,
+    /// Its first request did not bind a connection on probation: drop it unanswered.
+    close: Notify,
+}
+
+/// What becomes of one request before the application sees it.
+enum Admitted {
+    Serve,
+    Refuse(http::StatusCode, String),
+    Close,
+}
+
+fn header<'a>(headers: &'a http::HeaderMap, name: &str) -> &'a str {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+}
+
+/// Binds the connection to the assignment the request's credentials name, or refuses the
+/// request; a request that binds nothing goes on to the application (which refuses it),
+/// unless its connection is on probation.
+fn admit_request(
+    tracker: &Tracker,
+    conn: &ConnectionState,
+    headers: &http::HeaderMap,
+    remote: SocketAddr,
+    identity: &str,
+) -> Admitted {
+    let uuid = header(headers, UUID_HEADER);
+    if let Some(bound) = conn.bound.get() {
+        return if uuid == bound {
+            Admitted::Serve
+        } else {
+            tracing::debug!(peer = %remote, %identity, assignment_id = bound.as_str(), other = uuid, "facade request for another assignment than its connection's refused");
+            Admitted::Refuse(
+                http::StatusCode::FORBIDDEN,
+                format!(
+                    "this connection belongs to assignment {bound}; a request for another assignment needs its own connection\n"
+                ),
+            )
+        };
+    }
+    let verified = tracker
+        .capabilities
+        .as_ref()
+        .is_some_and(|key| key.verify(uuid, header(headers, TOKEN_HEADER)));
+    if !verified {
+        return match conn.standing {
+            Standing::Held => Admitted::Serve,
+            Standing::Probation => {
+                conn.close.notify_one();
+                Admitted::Close
+            }
+        };
+    }
+    match tracker.bind(&conn.slot, uuid) {
+        Binding::Bound => {
+            // Set once; a concurrent first request of the same assignment finds it set.
+            let _ = conn.bound.set(uuid.to_owned());
+            Admitted::Serve
+        }
+        Binding::Other => Admitted::Refuse(
+            http::StatusCode::FORBIDDEN,
+            "this connection belongs to another assignment; a request for another assignment needs its own connection\n".to_owned(),
+        ),
+        Binding::Full => {
+            inc(&tracker.stats.assignment_refused);
+            let limit = tracker.limits.max_connections_per_assignment;
+            let count = tracker
+                .refusals
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .note();
+            if let Some(count) = count {
+                tracing::warn!(assignment_id = uuid, peer = %remote, limit = "runner_facade_max_connections_per_assignment", count, interval = ?LOG_INTERVAL, "the facade refused requests on new connections of an assignment at its connection limit");
+            }
+            Admitted::Refuse(
+                http::StatusCode::TOO_MANY_REQUESTS,
+                format!(
+                    "assignment {uuid} holds {limit} connections to the facade, its limit; use one of them\n"
+                ),
+            )
+        }
+        // Evicted meanwhile: its eviction ends the connection.
+        Binding::Gone => Admitted::Close,
     }
 }
 

@@ -519,6 +519,7 @@ fn facade_limits(mut limits: FacadeLimits, open_files: &crate::limits::OpenFiles
         max_connections = limits.max_connections,
         per_peer = limits.max_connections_per_peer,
         per_identity = limits.max_connections_per_identity,
+        per_assignment = limits.max_connections_per_assignment,
         "facade connection limits"
     );
     limits

@@ -435,9 +435,14 @@ keys! {
     /// Most connections from one peer address (all executors of a host share its address;
     /// in single-host mode all of them come from 127.0.0.1).
     runner_facade_max_connections_per_peer: u32 = 512;
-    /// Most connections one SPIFFE ID (one job's executor) holds after its handshake; the
-    /// executor's proxy multiplexes over one or two.
+    /// Most connections one SPIFFE ID holds after its handshake that no request has bound
+    /// to an assignment yet. Every run of a job shares its SPIFFE ID (matrix entries, pull
+    /// requests, re-runs); each executor binds its connections with its first request, so
+    /// this bounds only sessions that send nothing useful.
     runner_facade_max_connections_per_identity: u32 = 16;
+    /// Most connections bound to one assignment (one job's executor, which multiplexes
+    /// over one or two). A request on a new connection beyond it is answered 429.
+    runner_facade_max_connections_per_assignment: u32 = 16;
     /// A TLS handshake not finished within this closes the connection.
     runner_facade_tls_handshake_timeout: Secs = Secs::from_secs(10);
     /// The first bytes after the handshake and every HTTP/1.1 request head must arrive

@@ -372,8 +372,10 @@ pub struct FacadeLimits {
     pub max_connections: usize,
     /// Open connections from one peer address.
     pub max_connections_per_peer: usize,
-    /// Established connections of one SPIFFE ID.
+    /// Established connections of one SPIFFE ID not bound to an assignment yet.
     pub max_connections_per_identity: usize,
+    /// Connections bound to one assignment.
+    pub max_connections_per_assignment: usize,
     /// Bound of the TLS handshake.
     pub tls_handshake_timeout: Duration,
     /// Bound of the first bytes and of each HTTP/1.1 request head.
@@ -728,6 +730,7 @@ impl TryFrom<Raw> for Settings {
             runner_facade_max_connections,
             runner_facade_max_connections_per_peer,
             runner_facade_max_connections_per_identity,
+            runner_facade_max_connections_per_assignment,
             runner_facade_tls_handshake_timeout,
             runner_facade_header_read_timeout,
             runner_facade_idle_timeout,
@@ -1047,6 +1050,7 @@ impl TryFrom<Raw> for Settings {
                 max_connections: runner_facade_max_connections,
                 max_connections_per_peer: runner_facade_max_connections_per_peer,
                 max_connections_per_identity: runner_facade_max_connections_per_identity,
+                max_connections_per_assignment: runner_facade_max_connections_per_assignment,
                 tls_handshake_timeout: runner_facade_tls_handshake_timeout.0,
                 header_read_timeout: runner_facade_header_read_timeout.0,
                 idle_timeout: runner_facade_idle_timeout.0,
@@ -1181,6 +1185,7 @@ struct FacadeLimitKeys {
     max_connections: u32,
     max_connections_per_peer: u32,
     max_connections_per_identity: u32,
+    max_connections_per_assignment: u32,
     tls_handshake_timeout: Duration,
     header_read_timeout: Duration,
     idle_timeout: Duration,
@@ -1196,6 +1201,7 @@ impl Default for FacadeLimits {
                 max_connections: raw.runner_facade_max_connections,
                 max_connections_per_peer: raw.runner_facade_max_connections_per_peer,
                 max_connections_per_identity: raw.runner_facade_max_connections_per_identity,
+                max_connections_per_assignment: raw.runner_facade_max_connections_per_assignment,
                 tls_handshake_timeout: raw.runner_facade_tls_handshake_timeout.0,
                 header_read_timeout: raw.runner_facade_header_read_timeout.0,
                 idle_timeout: raw.runner_facade_idle_timeout.0,
@@ -1221,6 +1227,11 @@ fn facade_limits(check: &mut Check, keys: FacadeLimitKeys) -> FacadeLimits {
         check,
         "runner_facade_max_connections_per_identity",
         keys.max_connections_per_identity,
+    );
+    let per_assignment = count(
+        check,
+        "runner_facade_max_connections_per_assignment",
+        keys.max_connections_per_assignment,
     );
     for (key, value, least) in [
         (
@@ -1255,6 +1266,7 @@ fn facade_limits(check: &mut Check, keys: FacadeLimitKeys) -> FacadeLimits {
         max_connections,
         max_connections_per_peer: per_peer,
         max_connections_per_identity: per_identity,
+        max_connections_per_assignment: per_assignment,
         tls_handshake_timeout: keys.tls_handshake_timeout,
         header_read_timeout: keys.header_read_timeout,
         idle_timeout: keys.idle_timeout,

@@ -86,7 +86,12 @@ impl Drop for InFlight {
 /// Runs before routing: records non-API paths, applies injected faults and the fetch delay.
 async fn front(State(mock): State<MockGitea>, req: Request, next: Next) -> HttpResponse {
     let path = req.uri().path().to_owned();
-    let Some(procedure) = path.strip_prefix("/api/actions") else {
+    // `/api/actions_pipeline` (artifacts) is not the runner API, which is nested under
+    // `/api/actions/`.
+    let Some(procedure) = path
+        .strip_prefix("/api/actions")
+        .filter(|rest| rest.starts_with('/'))
+    else {
         let seen = req
             .uri()
             .path_and_query()

@@ -4,6 +4,11 @@
 //! to the runner as `Task.workflow_payload`. The mock reproduces the shape the runner relies
 //! on: top-level `name`/`on`/`env`/…, exactly one entry under `jobs`, `runs-on` re-encoded
 //! (scalar for one label, sequence otherwise) and `needs` erased.
+//!
+//! A `strategy.matrix` of plain lists becomes one job per combination, as jobparser expands
+//! it: the same job key, the name followed by the combination's values in key order
+//! (`build (1, a)`), and the payload's matrix narrowed to that combination. `include`,
+//! `exclude` and expressions need evaluation the mock does not pretend to do.
 
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -79,65 +84,132 @@ pub(crate) fn parse_workflow(yaml: &str) -> Result<ParsedWorkflow, MockError> {
         let Value::Object(job) = job else {
             return Err(invalid(format!("job `{key}` must be a mapping")));
         };
-        if job
-            .get("strategy")
-            .and_then(|s| s.get("matrix"))
-            .is_some_and(|m| !m.is_null())
-        {
-            // Expanding a matrix needs expression evaluation; the mock does not pretend to.
-            return Err(MockError::Unsupported(format!(
-                "job `{key}` uses strategy.matrix, which the mock Gitea does not support"
-            )));
-        }
+        let combinations = match job.get("strategy").and_then(|s| s.get("matrix")) {
+            None | Some(Value::Null) => vec![Map::new()],
+            Some(matrix) => expand_matrix(key, matrix)?,
+        };
         let runs_on = match job.get("runs-on") {
             None | Some(Value::Null) => Vec::new(),
             Some(v) => parse_runs_on(v).map_err(|e| invalid(format!("job `{key}`: {e}")))?,
         };
-        let job_name = match job.get("name") {
+        let base_name = match job.get("name") {
             Some(v) => scalar_to_string(v).unwrap_or_else(|| key.clone()),
             None => key.clone(),
         };
-
-        let mut out_job = job.clone();
-        // Gitea erases `needs` before storing the payload; the runner rebuilds it from
-        // `Task.needs`.
-        out_job.remove("needs");
-        out_job.insert("name".to_owned(), Value::String(job_name.clone()));
-        match runs_on.as_slice() {
-            [] => {
-                out_job.remove("runs-on");
+        for combination in combinations {
+            let job_name = if combination.is_empty() {
+                base_name.clone()
+            } else {
+                let values: Vec<String> = combination
+                    .values()
+                    .map(|v| scalar_to_string(v).unwrap_or_default())
+                    .collect();
+                format!("{base_name} ({})", values.join(", "))
+            };
+            let mut out_job = job.clone();
+            if !combination.is_empty() {
+                let narrowed: Map<String, Value> = combination
+                    .into_iter()
+                    .map(|(k, v)| (k, Value::Array(vec![v])))
+                    .collect();
+                let mut strategy = match job.get("strategy") {
+                    Some(Value::Object(s)) => s.clone(),
+                    _ => Map::new(),
+                };
+                strategy.insert("matrix".to_owned(), Value::Object(narrowed));
+                out_job.insert("strategy".to_owned(), Value::Object(strategy));
             }
-            [one] => {
-                out_job.insert("runs-on".to_owned(), Value::String(one.clone()));
-            }
-            many => {
-                out_job.insert(
-                    "runs-on".to_owned(),
-                    Value::Array(many.iter().cloned().map(Value::String).collect()),
-                );
-            }
+            parsed.push(single_job(&top, &name, key, job_name, &runs_on, out_job)?);
         }
-        let mut single_jobs = Map::new();
-        single_jobs.insert(key.clone(), Value::Object(out_job));
-        let single = SingleWorkflow {
-            name: &name,
-            on: top.get("on"),
-            env: top.get("env"),
-            jobs: single_jobs,
-            defaults: top.get("defaults"),
-            permissions: top.get("permissions"),
-            run_name: top.get("run-name"),
-        };
-        let payload = serde_saphyr::to_string(&single)
-            .map_err(|e| invalid(format!("cannot re-encode job `{key}`: {e}")))?;
-        parsed.push(ParsedJob {
-            key: key.clone(),
-            name: job_name,
-            runs_on,
-            payload,
-        });
     }
     Ok(ParsedWorkflow { name, jobs: parsed })
+}
+
+/// The combinations of a matrix of plain lists, each a mapping from matrix key to value
+/// (keys in order, as jobparser names them).
+fn expand_matrix(key: &str, matrix: &Value) -> Result<Vec<Map<String, Value>>, MockError> {
+    let unsupported = |what: &str| {
+        MockError::Unsupported(format!(
+            "job `{key}`: strategy.matrix {what} is not supported by the mock Gitea"
+        ))
+    };
+    let Value::Object(axes) = matrix else {
+        return Err(unsupported("that is not a mapping"));
+    };
+    let mut combinations = vec![Map::new()];
+    for (axis, values) in axes {
+        if axis == "include" || axis == "exclude" {
+            return Err(unsupported(&format!("`{axis}`")));
+        }
+        let Value::Array(values) = values else {
+            return Err(unsupported(&format!("`{axis}` that is not a list")));
+        };
+        if values.iter().any(|v| scalar_to_string(v).is_none()) {
+            return Err(unsupported(&format!("`{axis}` with non-scalar values")));
+        }
+        combinations = combinations
+            .into_iter()
+            .flat_map(|c| {
+                values.iter().map(move |v| {
+                    let mut c = c.clone();
+                    c.insert(axis.clone(), v.clone());
+                    c
+                })
+            })
+            .collect();
+    }
+    if combinations.iter().all(Map::is_empty) {
+        return Err(unsupported("without values"));
+    }
+    Ok(combinations)
+}
+
+/// One job's single-job workflow.
+fn single_job(
+    top: &Map<String, Value>,
+    name: &str,
+    key: &str,
+    job_name: String,
+    runs_on: &[String],
+    mut out_job: Map<String, Value>,
+) -> Result<ParsedJob, MockError> {
+    // Gitea erases `needs` before storing the payload; the runner rebuilds it from
+    // `Task.needs`.
+    out_job.remove("needs");
+    out_job.insert("name".to_owned(), Value::String(job_name.clone()));
+    match runs_on {
+        [] => {
+            out_job.remove("runs-on");
+        }
+        [one] => {
+            out_job.insert("runs-on".to_owned(), Value::String(one.clone()));
+        }
+        many => {
+            out_job.insert(
+                "runs-on".to_owned(),
+                Value::Array(many.iter().cloned().map(Value::String).collect()),
+            );
+        }
+    }
+    let mut single_jobs = Map::new();
+    single_jobs.insert(key.to_owned(), Value::Object(out_job));
+    let single = SingleWorkflow {
+        name,
+        on: top.get("on"),
+        env: top.get("env"),
+        jobs: single_jobs,
+        defaults: top.get("defaults"),
+        permissions: top.get("permissions"),
+        run_name: top.get("run-name"),
+    };
+    let payload = serde_saphyr::to_string(&single)
+        .map_err(|e| invalid(format!("cannot re-encode job `{key}`: {e}")))?;
+    Ok(ParsedJob {
+        key: key.to_owned(),
+        name: job_name,
+        runs_on: runs_on.to_vec(),
+        payload,
+    })
 }
 
 /// `runs-on` as a string, a list of strings, or `{group, labels}` (labels + [group]).
@@ -220,7 +292,50 @@ jobs:
     }
 
     #[test]
-    fn a_single_label_is_a_scalar_and_matrix_is_rejected() {
+    fn a_matrix_of_lists_becomes_one_job_per_combination_with_the_same_key() {
+        let wf = parse_workflow(
+            "on: push\njobs:\n  build:\n    runs-on: x\n    strategy:\n      fail-fast: false\n      matrix:\n        os: [a, b]\n        v: [1, 2, 3]\n    steps:\n      - run: echo ${{ matrix.v }}\n",
+        )
+        .unwrap();
+        assert_eq!(wf.jobs.len(), 6);
+        assert!(wf.jobs.iter().all(|j| j.key == "build"));
+        let names: Vec<&str> = wf.jobs.iter().map(|j| j.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "build (a, 1)",
+                "build (a, 2)",
+                "build (a, 3)",
+                "build (b, 1)",
+                "build (b, 2)",
+                "build (b, 3)"
+            ]
+        );
+        let v: Value = serde_saphyr::from_str(&wf.jobs[4].payload).unwrap();
+        let strategy = &v["jobs"]["build"]["strategy"];
+        assert_eq!(
+            strategy["matrix"],
+            serde_json::json!({"os": ["b"], "v": [2]})
+        );
+        assert_eq!(strategy["fail-fast"], false);
+        for unsupported in [
+            "matrix:\n        include: [{v: 1}]",
+            "matrix:\n        v: ${{ fromJSON('[1]') }}",
+            "matrix:\n        v: []",
+        ] {
+            let err = parse_workflow(&format!(
+                "on: push\njobs:\n  a:\n    runs-on: x\n    strategy:\n      {unsupported}\n"
+            ))
+            .unwrap_err();
+            assert!(
+                matches!(err, MockError::Unsupported(_)),
+                "{unsupported}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_single_label_is_a_scalar() {
         let wf = parse_workflow("on: push\njobs:\n  a:\n    runs-on: [x]\n").unwrap();
         let v: Value = serde_saphyr::from_str(&wf.jobs[0].payload).unwrap();
         assert_eq!(v["jobs"]["a"]["runs-on"], "x");
@@ -230,10 +345,5 @@ jobs:
             "{}",
             wf.jobs[0].payload
         );
-        let err = parse_workflow(
-            "on: push\njobs:\n  a:\n    runs-on: x\n    strategy:\n      matrix:\n        v: [1, 2]\n",
-        )
-        .unwrap_err();
-        assert!(matches!(err, MockError::Unsupported(_)), "{err}");
     }
 }

@@ -16,10 +16,15 @@ fn limits(total: usize, per_peer: usize, per_identity: usize) -> FacadeLimits {
 fn tracker(limits: FacadeLimits) -> Arc<Tracker> {
     Arc::new(Tracker {
         limits,
+        capabilities: None,
         state: Mutex::new(TrackerState::default()),
         stats: Arc::new(FacadeStats::default()),
+        refusals: Mutex::new(Throttle::new(LOG_INTERVAL)),
     })
 }
+
+const HELD: Option<Standing> = Some(Standing::Held);
+const PROBATION: Option<Standing> = Some(Standing::Probation);
 
 const A: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 1));
 const B: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 2));
@@ -34,17 +39,24 @@ fn at_the_limit_the_oldest_handshake_makes_room_and_established_connections_stay
     let first = t.admit(A).unwrap();
     let second = t.admit(B).unwrap();
     let third = t.admit(A).unwrap();
-    assert!(t.established(&second, "spiffe://example.org/ci/o/r/job"));
+    assert_eq!(
+        t.established(&second, "spiffe://example.org/ci/o/r/job"),
+        HELD
+    );
     let fourth = t
         .admit(B)
         .expect("room made by evicting the oldest handshake");
     assert_eq!(t.stats.evicted.load(Ordering::Relaxed), 1);
-    assert!(
-        !t.established(&first, "spiffe://example.org/ci/o/r/other"),
+    assert_eq!(
+        t.established(&first, "spiffe://example.org/ci/o/r/other"),
+        None,
         "an evicted connection cannot become established"
     );
-    assert!(t.established(&third, "spiffe://example.org/ci/o/r/x"));
-    assert!(t.established(&fourth, "spiffe://example.org/ci/o/r/y"));
+    assert_eq!(t.established(&third, "spiffe://example.org/ci/o/r/x"), HELD);
+    assert_eq!(
+        t.established(&fourth, "spiffe://example.org/ci/o/r/y"),
+        HELD
+    );
     assert_eq!(t.admit(A).err(), Some(Refusal::Total));
     assert_eq!(t.stats.open.load(Ordering::Relaxed), 3);
     drop(second);
@@ -65,17 +77,19 @@ fn one_peer_address_and_one_identity_hold_only_their_own_share() {
     let t = tracker(limits(100, 2, 1));
     let a1 = t.admit(A).unwrap();
     let a2 = t.admit(A).unwrap();
-    assert!(t.established(&a1, "spiffe://example.org/ci/o/r/job"));
-    assert!(t.established(&a2, "spiffe://example.org/ci/o/r/job2"));
+    assert_eq!(t.established(&a1, "spiffe://example.org/ci/o/r/job"), HELD);
+    assert_eq!(t.established(&a2, "spiffe://example.org/ci/o/r/job2"), HELD);
     assert_eq!(t.admit(A).err(), Some(Refusal::Peer));
     let b1 = t.admit(B).expect("another address is not held back");
-    assert!(
-        !t.established(&b1, "spiffe://example.org/ci/o/r/job"),
-        "a second connection of one SPIFFE ID over its limit is refused"
+    assert_eq!(
+        t.established(&b1, "spiffe://example.org/ci/o/r/job"),
+        PROBATION,
+        "a second unbound connection of one SPIFFE ID over its share is not held"
     );
+    drop(b1);
     drop(a1);
     let b2 = t.admit(B).unwrap();
-    assert!(t.established(&b2, "spiffe://example.org/ci/o/r/job"));
+    assert_eq!(t.established(&b2, "spiffe://example.org/ci/o/r/job"), HELD);
 
     // At the per-peer limit, the peer's own oldest handshake makes room.
     let t = tracker(limits(100, 2, 8));
@@ -85,16 +99,107 @@ fn one_peer_address_and_one_identity_hold_only_their_own_share() {
     let h3 = t
         .admit(A)
         .expect("the oldest handshake of this peer makes room");
-    assert!(
-        !t.established(&h1, "spiffe://example.org/ci/o/r/one"),
+    assert_eq!(
+        t.established(&h1, "spiffe://example.org/ci/o/r/one"),
+        None,
         "evicted"
     );
-    assert!(
+    assert_eq!(
         t.established(&b, "spiffe://example.org/ci/o/r/b"),
+        HELD,
         "another peer is untouched"
     );
-    assert!(t.established(&h2, "spiffe://example.org/ci/o/r/two"));
-    assert!(t.established(&h3, "spiffe://example.org/ci/o/r/three"));
+    assert_eq!(t.established(&h2, "spiffe://example.org/ci/o/r/two"), HELD);
+    assert_eq!(
+        t.established(&h3, "spiffe://example.org/ci/o/r/three"),
+        HELD
+    );
+}
+
+/// DESIGN invariant 21: every run of one job shares its SPIFFE ID, so connections are
+/// counted per assignment once a request binds them. Binding frees the identity's share of
+/// unbound connections (and makes a connection on probation unevictable); one assignment
+/// holds at most its own limit, and a connection stays with the assignment it was bound to.
+#[test]
+fn bound_connections_count_per_assignment_and_leave_their_identitys_share() {
+    const JOB: &str = "spiffe://example.org/ci/o/r/job";
+    let t = tracker(FacadeLimits {
+        max_connections: 4,
+        max_connections_per_peer: 100,
+        max_connections_per_identity: 1,
+        max_connections_per_assignment: 2,
+        ..FacadeLimits::default()
+    });
+    // Three runs of one job: each connection binds to its own assignment.
+    let mut bound = Vec::new();
+    for run in ["gitea-task-1", "gitea-task-2", "gitea-task-3"] {
+        let slot = t.admit(A).unwrap();
+        assert_eq!(
+            t.established(&slot, JOB),
+            HELD,
+            "{run}: the identity's share is free again once the previous run bound its connection"
+        );
+        assert_eq!(t.bind(&slot, run), Binding::Bound);
+        assert_eq!(
+            t.bind(&slot, run),
+            Binding::Bound,
+            "binding again is a no-op"
+        );
+        assert_eq!(t.bind(&slot, "gitea-task-9"), Binding::Other);
+        bound.push(slot);
+    }
+    // At the total limit nothing bound is evicted: a new connection is refused.
+    let fourth = t.admit(A).unwrap();
+    assert_eq!(t.established(&fourth, JOB), HELD);
+    assert_eq!(t.admit(A).err(), Some(Refusal::Total));
+
+    // The identity's share is taken (by `fourth`): a further connection is on probation,
+    // evictable until it binds; a bound one is not.
+    drop(bound.pop());
+    let probation = t.admit(A).unwrap();
+    assert_eq!(t.established(&probation, JOB), PROBATION);
+    assert_eq!(t.bind(&probation, "gitea-task-1"), Binding::Bound);
+    assert_eq!(
+        t.admit(A).err(),
+        Some(Refusal::Total),
+        "a bound connection is not evicted"
+    );
+
+    // The assignment's own limit: two connections of gitea-task-1 are bound now.
+    drop(bound.remove(1));
+    let third_of_one = t.admit(A).unwrap();
+    assert_eq!(t.established(&third_of_one, JOB), PROBATION);
+    assert_eq!(t.bind(&third_of_one, "gitea-task-1"), Binding::Full);
+    assert_eq!(
+        t.bind(&third_of_one, "gitea-task-2"),
+        Binding::Bound,
+        "another assignment of the same job is not held back"
+    );
+    drop(probation);
+    let again = t.admit(A).unwrap();
+    assert_eq!(t.established(&again, JOB), PROBATION);
+    assert_eq!(
+        t.bind(&again, "gitea-task-1"),
+        Binding::Bound,
+        "a closed connection gives its assignment's place back"
+    );
+    // The same assignment presented by another workload counts on its own.
+    drop(third_of_one);
+    let stranger = t.admit(B).unwrap();
+    assert_eq!(
+        t.established(&stranger, "spiffe://example.org/ci/o/other/job"),
+        HELD
+    );
+    assert_eq!(t.bind(&stranger, "gitea-task-1"), Binding::Bound);
+    drop((bound, fourth, again, stranger));
+    let s = t.lock();
+    assert!(
+        s.entries.is_empty()
+            && s.per_identity.is_empty()
+            && s.per_assignment.is_empty()
+            && s.handshaking.is_empty(),
+        "every count is given back"
+    );
 }
 
 /// An acceptor whose `accept` always fails with `EMFILE`, as a process out of file
@@ -176,6 +281,7 @@ fn accept_errors_back_off_and_are_logged_once_per_interval_with_a_count() {
                 config,
                 axum::Router::new(),
                 FacadeLimits::default(),
+                None,
                 stats.clone(),
                 shutdown,
             ));
