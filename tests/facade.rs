@@ -1002,7 +1002,7 @@ async fn an_executor_whose_facade_stays_away_past_the_tolerance_gives_up_and_say
 fn job_svid(env: &Env, job: &str) -> gdr_testkit::spiffe::Svid {
     env.ca
         .issue(
-            &format!("spiffe://example.org/ci/owner/repo/{job}"),
+            &format!("spiffe://example.org/ci/owner/repo/branch/main/{job}"),
             Duration::from_secs(600),
         )
         .expect("svid")
