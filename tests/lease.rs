@@ -757,14 +757,6 @@ async fn a_stopped_fake_is_unreachable_until_restarted() {
 async fn a_registered_cluster_scoped_custom_resource_is_served() {
     use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
     let fake = fake_kube::start().await.expect("fake API");
-    fake.handle.register(ResourceType {
-        group: "spire.spiffe.io".into(),
-        version: "v1alpha1".into(),
-        plural: "clusterstaticentries".into(),
-        kind: "ClusterStaticEntry".into(),
-        namespaced: false,
-        allow_create_on_update: false,
-    });
     let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
         "spire.spiffe.io",
         "v1alpha1",
@@ -774,8 +766,9 @@ async fn a_registered_cluster_scoped_custom_resource_is_served() {
     let mut entry = DynamicObject::new("task-42", &ar).data(json!({
         "spec": {
             "spiffeID": "spiffe://example.org/task/42",
-            "parentID": "spiffe://example.org/spire/agent/k8s_psat/c/node-uid",
-            "selectors": ["k8s:pod-uid:42"]
+            "parentID": "spiffe://example.org/spire/agent/k8s_psat/c/0f8fad5b-d9cb-469f-a165-70867728950e",
+            "selectors": ["k8s:pod-uid:7c9e6679-7425-40de-944b-e07fc1f90ae7"],
+            "className": "spire-mgmt"
         }
     }));
     entry.metadata.labels = Some(BTreeMap::from([("task".to_owned(), "42".to_owned())]));
@@ -793,7 +786,7 @@ async fn a_registered_cluster_scoped_custom_resource_is_served() {
         .patch(
             "task-42",
             &PatchParams::default(),
-            &Patch::Merge(json!({ "spec": { "ttl": "1h" } })),
+            &Patch::Merge(json!({ "spec": { "x509SVIDTTL": "1h" } })),
         )
         .await
         .expect("patch");
@@ -801,7 +794,7 @@ async fn a_registered_cluster_scoped_custom_resource_is_served() {
         patched.data["spec"]["spiffeID"],
         "spiffe://example.org/task/42"
     );
-    assert_eq!(patched.data["spec"]["ttl"], "1h");
+    assert_eq!(patched.data["spec"]["x509SVIDTTL"], "1h");
     entries
         .delete("task-42", &DeleteParams::default())
         .await

@@ -443,7 +443,10 @@ async fn a_job_whose_identity_is_never_bound_is_failed_with_the_executors_error(
     let c = Chain::new(|f| {
         f.set(
             "spire_agent_id",
-            format!("spiffe://{TRUST_DOMAIN}/spire/agent/k8s_psat/{CLUSTER}/another-node"),
+            // A well-formed agent ID of a node that is not the Pod's.
+            format!(
+                "spiffe://{TRUST_DOMAIN}/spire/agent/k8s_psat/{CLUSTER}/00000000-0000-4000-8000-0000000000aa"
+            ),
         )
         .set("pod_identity_bind_deadline", "3s")
     })

@@ -10,7 +10,7 @@ use gdr_core::metadata::MetadataCodec;
 use gdr_sandbox_identity::{Metrics, Reconciler, Settings, batchsandbox_resource, entry_resource};
 use gdr_testkit::backend_contract;
 use gdr_testkit::eventually;
-use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use gdr_testkit::fake_kube::{self, RunningFakeKube};
 use http::{Method, StatusCode};
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
@@ -30,22 +30,6 @@ struct Cluster {
 impl Cluster {
     async fn start() -> Self {
         let fake = fake_kube::start().await.unwrap();
-        fake.handle.register(ResourceType {
-            group: "sandbox.opensandbox.io".into(),
-            version: "v1alpha1".into(),
-            plural: "batchsandboxes".into(),
-            kind: "BatchSandbox".into(),
-            namespaced: true,
-            allow_create_on_update: false,
-        });
-        fake.handle.register(ResourceType {
-            group: "spire.spiffe.io".into(),
-            version: "v1alpha1".into(),
-            plural: "clusterstaticentries".into(),
-            kind: "ClusterStaticEntry".into(),
-            namespaced: false,
-            allow_create_on_update: false,
-        });
         let client = Client::try_from(kube::Config::new(fake.url.parse().unwrap())).unwrap();
         Cluster { fake, client }
     }
@@ -397,7 +381,7 @@ async fn a_restart_writes_nothing_and_drift_is_repaired() {
     let uid = cluster.pod("ci-vm-1").await;
     cluster.sandbox("sb-a", &["ci-vm-1"], Some(JOB_A)).await;
     let mut foreign = DynamicObject::new("someone-elses", &entry_resource())
-        .data(json!({"spec": {"spiffeID": JOB_B, "parentID": "spiffe://example.org/x", "selectors": ["unix:uid:0"]}}));
+        .data(json!({"spec": {"spiffeID": JOB_B, "parentID": "spiffe://example.org/x", "selectors": ["unix:uid:0"], "className": "spire-mgmt-spire"}}));
     foreign.metadata.labels = Some(BTreeMap::from([("team".into(), "infra".into())]));
     cluster
         .entries_api()
@@ -405,7 +389,7 @@ async fn a_restart_writes_nothing_and_drift_is_repaired() {
         .await
         .unwrap();
     let mut python = DynamicObject::new("gitea-ci-0123456789ab", &entry_resource())
-        .data(json!({"spec": {"spiffeID": JOB_A, "parentID": parent("old-uid"), "selectors": ["unix:uid:2000"]}}));
+        .data(json!({"spec": {"spiffeID": JOB_A, "parentID": parent("00000000-0000-4000-8000-000000000001"), "selectors": ["unix:uid:2000"], "className": "spire-mgmt-spire"}}));
     python.metadata.labels = Some(BTreeMap::from([
         (
             "app.kubernetes.io/component".into(),

@@ -39,6 +39,7 @@
 //! an error Status; [`RunningFakeKube::stop`] makes the server unreachable (listener closed,
 //! open connections reset) and [`RunningFakeKube::restart`] brings it back on the same port.
 
+pub mod schema;
 mod selector;
 pub mod validate;
 mod watch;
@@ -72,6 +73,9 @@ pub struct ResourceType {
     pub namespaced: bool,
     /// Whether a PUT of a missing object creates it (true for Leases on the real server).
     pub allow_create_on_update: bool,
+    /// Whether the kind has a `status` subresource (writes to the main resource keep the
+    /// stored status; writes to `/status` change only the status).
+    pub status_subresource: bool,
 }
 
 impl ResourceType {
@@ -107,19 +111,15 @@ impl ResourceType {
         format!("{}/{}/{}", self.group, self.version, self.plural)
     }
 
-    /// Whether the kind has a `status` subresource (Pods, Nodes, ClusterStaticEntries).
     fn has_status(&self) -> bool {
-        matches!(
-            (self.group.as_str(), self.plural.as_str()),
-            ("", "pods") | ("", "nodes") | ("spire.spiffe.io", "clusterstaticentries")
-        )
+        self.status_subresource
     }
 
     fn is(&self, group: &str, plural: &str) -> bool {
         self.group == group && self.plural == plural
     }
 
-    fn core(plural: &str, kind: &str, namespaced: bool) -> Self {
+    fn core(plural: &str, kind: &str, namespaced: bool, status: bool) -> Self {
         ResourceType {
             group: String::new(),
             version: "v1".into(),
@@ -127,6 +127,28 @@ impl ResourceType {
             kind: kind.into(),
             namespaced,
             allow_create_on_update: false,
+            status_subresource: status,
+        }
+    }
+
+    /// A custom resource as its CRD declares it (scope, plural, status subresource).
+    pub fn from_crd(crd: &schema::Crd) -> Self {
+        ResourceType {
+            group: crd.group.clone(),
+            version: crd.version.clone(),
+            plural: crd.plural.clone(),
+            kind: crd.kind.clone(),
+            namespaced: crd.namespaced,
+            allow_create_on_update: false,
+            status_subresource: crd.status_subresource,
+        }
+    }
+
+    #[allow(clippy::panic)]
+    fn shipped_crd(group: &str, plural: &str) -> Self {
+        match schema::crd(group, plural) {
+            Some(crd) => Self::from_crd(crd),
+            None => panic!("the test kit ships no CRD schema of {plural}.{group}"),
         }
     }
 
@@ -139,34 +161,34 @@ impl ResourceType {
             kind: "Lease".into(),
             namespaced: true,
             allow_create_on_update: true,
+            status_subresource: false,
         }
     }
 
     /// Core `v1` Pod.
     pub fn pods() -> Self {
-        Self::core("pods", "Pod", true)
+        Self::core("pods", "Pod", true, true)
     }
 
     /// Core `v1` Node (cluster-scoped).
     pub fn nodes() -> Self {
-        Self::core("nodes", "Node", false)
+        Self::core("nodes", "Node", false, true)
     }
 
     /// Core `v1` Secret.
     pub fn secrets() -> Self {
-        Self::core("secrets", "Secret", true)
+        Self::core("secrets", "Secret", true, false)
     }
 
-    /// `spire.spiffe.io/v1alpha1` ClusterStaticEntry (cluster-scoped).
+    /// `spire.spiffe.io/v1alpha1` ClusterStaticEntry, as spire-controller-manager's CRD
+    /// declares it (cluster-scoped).
     pub fn cluster_static_entries() -> Self {
-        ResourceType {
-            group: "spire.spiffe.io".into(),
-            version: "v1alpha1".into(),
-            plural: "clusterstaticentries".into(),
-            kind: "ClusterStaticEntry".into(),
-            namespaced: false,
-            allow_create_on_update: false,
-        }
+        Self::shipped_crd("spire.spiffe.io", "clusterstaticentries")
+    }
+
+    /// `sandbox.opensandbox.io/v1alpha1` BatchSandbox, as OpenSandbox's CRD declares it.
+    pub fn batch_sandboxes() -> Self {
+        Self::shipped_crd("sandbox.opensandbox.io", "batchsandboxes")
     }
 }
 
@@ -231,8 +253,19 @@ impl Default for FakeKube {
 }
 
 impl FakeKube {
-    /// An empty store with Leases, Pods, Nodes, Secrets and ClusterStaticEntries registered.
+    /// An empty store with Leases, Pods, Nodes, Secrets, ClusterStaticEntries and
+    /// BatchSandboxes registered, checking every write against the real schemas.
+    ///
+    /// # Panics
+    /// When the Kubernetes schemas cannot be found: the message says how to install them
+    /// (a fake that checked nothing would let every test pass unchecked).
+    #[allow(clippy::panic)]
     pub fn new() -> Self {
+        if let Err(e) = schema::schemas() {
+            panic!(
+                "the fake Kubernetes API server checks every object against the real schemas: {e}"
+            );
+        }
         let kube = FakeKube::default();
         for rt in [
             ResourceType::leases(),
@@ -240,6 +273,7 @@ impl FakeKube {
             ResourceType::nodes(),
             ResourceType::secrets(),
             ResourceType::cluster_static_entries(),
+            ResourceType::batch_sandboxes(),
         ] {
             kube.register(rt);
         }
@@ -809,7 +843,14 @@ fn create(s: &mut Store, t: &Target, body: &[u8]) -> Response {
     if let Some(Value::Object(meta)) = obj.get_mut("metadata") {
         meta.insert("name".into(), name.clone().into());
     }
-    let causes = validate::validate(&t.rt.group, &t.rt.plural, &obj);
+    let schema_causes = match schema_check(&t.rt, &Value::Object(obj.clone())) {
+        Ok(c) => c,
+        Err(r) => return *r,
+    };
+    let causes = merge_causes(
+        schema_causes,
+        validate::validate(&t.rt.group, &t.rt.plural, &obj),
+    );
     if !causes.is_empty() {
         return invalid(&t.rt, &name, &causes);
     }
@@ -884,6 +925,145 @@ fn mutable_pod_spec(spec: &Value) -> Value {
     spec
 }
 
+/// Checks a write against the real schema of its kind ([`schema`]), as the API server does
+/// with `fieldValidation=Strict`: an undeclared field, or (for a built-in kind) a value that
+/// cannot decode into the Go type, is a `400 BadRequest` strict decoding error; a missing
+/// required field, a value outside an enum or a format, or (for a custom resource) a value
+/// of the wrong type is `422 Invalid` with field causes.
+///
+/// Returns the `422` causes, for the caller to answer together with its own validation's.
+fn schema_check(rt: &ResourceType, obj: &Value) -> Result<Vec<validate::Cause>, Box<Response>> {
+    let schemas = match schema::schemas() {
+        Ok(s) => s,
+        Err(e) => {
+            return Err(Box::new(status(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalError",
+                e,
+                None,
+            )));
+        }
+    };
+    if !schemas.knows(&rt.group, &rt.version, &rt.kind) {
+        return Err(Box::new(status(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalError",
+            &format!(
+                "the fake has no schema for {} {}: add one before serving it",
+                rt.api_version(),
+                rt.kind
+            ),
+            None,
+        )));
+    }
+    let findings = schemas.check(&rt.group, &rt.version, &rt.kind, obj);
+    if findings.is_empty() {
+        return Ok(Vec::new());
+    }
+    let unknown: Vec<String> = findings
+        .iter()
+        .filter_map(|f| match &f.violation {
+            schema::Violation::Unknown { path } => {
+                Some(format!("unknown field {path:?}{}", f.release()))
+            }
+            _ => None,
+        })
+        .collect();
+    if !unknown.is_empty() {
+        return Err(Box::new(bad_request(&format!(
+            "strict decoding error: {}",
+            unknown.join(", ")
+        ))));
+    }
+    let custom = schema::crd(&rt.group, &rt.plural).is_some();
+    if !custom
+        && let Some((
+            schema::Violation::Type {
+                path,
+                expected,
+                found,
+            },
+            release,
+        )) = findings.iter().find_map(|f| match &f.violation {
+            t @ schema::Violation::Type { .. } => Some((t, f.release())),
+            _ => None,
+        })
+    {
+        return Err(Box::new(bad_request(&format!(
+            "{kind} in version {version:?} cannot be handled as a {kind}: json: cannot unmarshal {found} into Go struct field {path} of type {expected}{release}",
+            kind = rt.kind,
+            version = rt.version,
+        ))));
+    }
+    let causes: Vec<validate::Cause> = findings
+        .into_iter()
+        .map(|f| {
+            let release = f.release();
+            match f.violation {
+                schema::Violation::Type {
+                    path,
+                    expected,
+                    found,
+                } => validate::Cause {
+                    reason: "FieldValueTypeInvalid",
+                    message: format!(
+                        "Invalid value: {found:?}: {path} in body must be of type {expected}: {found:?}{release}"
+                    ),
+                    field: path,
+                },
+                schema::Violation::Required { path } => validate::Cause {
+                    reason: "FieldValueRequired",
+                    message: format!("Required value{release}"),
+                    field: path,
+                },
+                schema::Violation::NotSupported {
+                    path,
+                    value,
+                    supported,
+                } => validate::Cause {
+                    reason: "FieldValueNotSupported",
+                    message: format!(
+                        "Unsupported value: {value:?}: supported values: {}{release}",
+                        supported
+                            .iter()
+                            .map(|s| format!("{s:?}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                    field: path,
+                },
+                schema::Violation::Invalid {
+                    path,
+                    value,
+                    detail,
+                } => validate::Cause {
+                    reason: "FieldValueInvalid",
+                    message: format!("Invalid value: {value:?}: {detail}{release}"),
+                    field: path,
+                },
+                schema::Violation::Unknown { path } => validate::Cause {
+                    reason: "FieldValueInvalid",
+                    message: format!("unknown field{release}"),
+                    field: path,
+                },
+            }
+        })
+        .collect();
+    Ok(causes)
+}
+
+/// Schema causes first, then validation's, without repeating a (field, reason) the schema
+/// already reported (an enum both check, say).
+fn merge_causes(schema: Vec<validate::Cause>, more: Vec<validate::Cause>) -> Vec<validate::Cause> {
+    let seen: Vec<(String, &str)> = schema.iter().map(|c| (c.field.clone(), c.reason)).collect();
+    let mut all = schema;
+    all.extend(
+        more.into_iter()
+            .filter(|c| !seen.iter().any(|(f, r)| *f == c.field && *r == c.reason)),
+    );
+    all
+}
+
 /// Turns a proposed new state of `old` into what the server stores: subresource rules,
 /// immutability and validation, server-owned metadata and the resourceVersion bump.
 fn apply_update(
@@ -911,9 +1091,22 @@ fn apply_update(
             None => obj.remove("status"),
         };
     }
+    let schema_causes = schema_check(&t.rt, &Value::Object(obj.clone()))?;
+    if status_write && !schema_causes.is_empty() {
+        return Err(Box::new(invalid(&t.rt, name, &schema_causes)));
+    }
     normalise(&t.rt, &mut obj);
     if !status_write {
-        let mut causes = validate::validate(&t.rt.group, &t.rt.plural, &obj);
+        let mut causes = merge_causes(
+            schema_causes,
+            validate::validate(&t.rt.group, &t.rt.plural, &obj),
+        );
+        causes.extend(validate::validate_update(
+            &t.rt.group,
+            &t.rt.plural,
+            old,
+            &obj,
+        ));
         if t.rt.is("", "pods")
             && mutable_pod_spec(obj.get("spec").unwrap_or(&Value::Null))
                 != mutable_pod_spec(old.get("spec").unwrap_or(&Value::Null))
@@ -1072,6 +1265,12 @@ fn bind(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
         Ok(b) => b,
         Err(r) => return *r,
     };
+    let binding_type = ResourceType::core("bindings", "Binding", true, false);
+    match schema_check(&binding_type, &Value::Object(binding.clone())) {
+        Ok(causes) if causes.is_empty() => {}
+        Ok(causes) => return invalid(&binding_type, name, &causes),
+        Err(r) => return *r,
+    }
     let Some(node) = binding
         .get("target")
         .and_then(|t| t.get("name"))
