@@ -15,7 +15,7 @@ use std::time::Duration;
 use futures::FutureExt;
 use gdr_controller::lease::{LeaderElector, Leadership, LeaseError, LeaseSettings};
 use gdr_controller::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
-use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube, ServiceAccount};
 use gdr_testkit::until_sync;
 use http::{Method, StatusCode};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -34,6 +34,14 @@ const DEADLINE: Duration = Duration::from_secs(20);
 fn client(url: &str) -> kube::Client {
     let config = kube::Config::new(url.parse().expect("fake API URL"));
     kube::Client::try_from(config).expect("kube client")
+}
+
+/// The elector's client: the controller's service account, under the shipped RBAC with
+/// its Role applied in `NS` too.
+fn elector_client(fake: &RunningFakeKube) -> kube::Client {
+    fake.handle.enforce_shipped_rbac(&[("gitea-actions", NS)]);
+    fake.client_as(&ServiceAccount::controller())
+        .expect("kube client")
 }
 
 /// Short timings: a 2 s lease, stepping down after 1 s without a renewal.
@@ -57,7 +65,7 @@ fn campaign(fake: &RunningFakeKube, settings: LeaseSettings) -> Candidate {
     let identity = settings.identity.clone();
     let (tx, leadership) = Leadership::channel();
     let (stop, stopped) = shutdown_channel();
-    let elector = LeaderElector::new(client(&fake.url), settings);
+    let elector = LeaderElector::new(elector_client(fake), settings);
     let task = tokio::spawn(elector.run(tx, stopped));
     Candidate {
         identity,
@@ -439,7 +447,7 @@ async fn timings_under_which_two_replicas_could_both_lead_are_rejected() {
     };
     assert!(matches!(bad.validate(), Err(LeaseError::Config(_))));
     let (tx, leadership) = Leadership::channel();
-    let result = LeaderElector::new(client(&fake.url), bad)
+    let result = LeaderElector::new(elector_client(&fake), bad)
         .run(tx, Shutdown::never())
         .await;
     assert!(matches!(result, Err(LeaseError::Config(_))), "{result:?}");

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use gdr_testkit::controller::{ControllerFixture, FACADE_SPIFFE_ID, Value, listener};
 use gdr_testkit::eventually;
-use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube, ServiceAccount};
 use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
 use gdr_testkit::fake_spire::FakeSpireAgent;
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
@@ -65,6 +65,8 @@ impl Chain {
         let nats = NatsServer::start().await.expect("nats");
         let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
         let fake = fake_kube::start().await.expect("fake API server");
+        // The shipped RBAC, the controller's Role applied in the executor namespace too.
+        fake.handle.enforce_shipped_rbac(&[("gitea-actions", NS)]);
         let dir = tempfile::Builder::new().prefix("pc").tempdir().unwrap();
         let ca = TestCa::new(TRUST_DOMAIN).unwrap();
         let node_labels = BTreeMap::from([
@@ -130,7 +132,10 @@ impl Chain {
             )
             .set("pod_profile_max", Value::Inline(r#"{ memory = "8Gi" }"#.into()));
         let fixture = configure(fixture);
-        let kubeconfig = fixture.file("kubeconfig", &fake.kubeconfig("gitea-actions"));
+        let kubeconfig = fixture.file(
+            "kubeconfig",
+            &fake.kubeconfig_as("gitea-actions", &ServiceAccount::controller()),
+        );
         Chain {
             mock,
             fake,

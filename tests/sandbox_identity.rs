@@ -10,7 +10,7 @@ use gdr_core::metadata::MetadataCodec;
 use gdr_sandbox_identity::{Metrics, Reconciler, Settings, batchsandbox_resource, entry_resource};
 use gdr_testkit::backend_contract;
 use gdr_testkit::eventually;
-use gdr_testkit::fake_kube::{self, RunningFakeKube};
+use gdr_testkit::fake_kube::{self, RunningFakeKube, ServiceAccount};
 use http::{Method, StatusCode};
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
@@ -24,14 +24,23 @@ const JOB_B: &str = "spiffe://example.org/ci/octo-org/other-repo/deploy";
 
 struct Cluster {
     fake: RunningFakeKube,
+    /// The test's own (cluster admin): sets up sandboxes and Pods, inspects entries.
     client: Client,
+    /// sandbox-identity's service account, under the shipped RBAC.
+    identity: Client,
 }
 
 impl Cluster {
     async fn start() -> Self {
         let fake = fake_kube::start().await.unwrap();
+        fake.handle.enforce_shipped_rbac(&[]);
         let client = Client::try_from(kube::Config::new(fake.url.parse().unwrap())).unwrap();
-        Cluster { fake, client }
+        let identity = fake.client_as(&ServiceAccount::sandbox_identity()).unwrap();
+        Cluster {
+            fake,
+            client,
+            identity,
+        }
     }
 
     fn settings() -> Settings {
@@ -43,7 +52,7 @@ impl Cluster {
     }
 
     fn reconciler_with(&self, settings: Settings, metrics: Metrics) -> Reconciler {
-        Reconciler::new(self.client.clone(), settings, metrics)
+        Reconciler::new(self.identity.clone(), settings, metrics)
     }
 
     fn sandboxes(&self) -> Api<DynamicObject> {
@@ -587,7 +596,13 @@ async fn the_subcommand_leads_reconciles_and_hands_over_on_sigterm() {
     let cluster = Cluster::start().await;
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(&kubeconfig, cluster.fake.kubeconfig(NS)).unwrap();
+    std::fs::write(
+        &kubeconfig,
+        cluster
+            .fake
+            .kubeconfig_as(NS, &ServiceAccount::sandbox_identity()),
+    )
+    .unwrap();
     let holder = || async {
         let leases: Api<Lease> = Api::namespaced(cluster.client.clone(), NS);
         leases

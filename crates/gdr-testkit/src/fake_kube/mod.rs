@@ -39,6 +39,7 @@
 //! an error Status; [`RunningFakeKube::stop`] makes the server unreachable (listener closed,
 //! open connections reset) and [`RunningFakeKube::restart`] brings it back on the same port.
 
+pub mod rbac;
 pub mod schema;
 mod selector;
 pub mod validate;
@@ -55,6 +56,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use http::{HeaderMap, Method, StatusCode, Uri};
+pub use rbac::{Grant, Rbac, ServiceAccount};
 pub use selector::{FieldSelector, LabelSelector};
 use serde_json::{Map, Value, json};
 use tokio::task::{JoinHandle, JoinSet};
@@ -233,6 +235,12 @@ struct Store {
     bookmarks: u64,
     /// Watches currently streaming.
     open_watches: usize,
+    /// The authorizer's grants, when RBAC is enforced ([`FakeKube::enforce_rbac`]).
+    rbac: Option<Rbac>,
+    /// Indices of the grants that allowed a request.
+    exercised: std::collections::BTreeSet<usize>,
+    /// The message of every request RBAC denied.
+    denied: Vec<String>,
 }
 
 /// Handle to the fake's state; cheap to clone.
@@ -315,6 +323,54 @@ impl FakeKube {
             status,
             remaining: n,
         });
+    }
+
+    /// Enforces `rbac` for every request presenting a ServiceAccount's token (see
+    /// [`rbac`]); requests without one stay the test's own, unchecked.
+    pub fn enforce_rbac(&self, rbac: Rbac) {
+        let mut s = self.lock();
+        if s.rbac.as_ref() != Some(&rbac) {
+            s.rbac = Some(rbac);
+            s.exercised.clear();
+        }
+    }
+
+    /// Enforces the RBAC of the shipped manifests, with the Roles of each `(from, to)`
+    /// namespace pair also applied in `to` (where a test deploys executors elsewhere).
+    ///
+    /// # Panics
+    /// When the manifests cannot be rendered (kubectl missing): such a test must not pass
+    /// with RBAC unchecked.
+    #[allow(clippy::panic)]
+    pub fn enforce_shipped_rbac(&self, also_in: &[(&str, &str)]) {
+        let mut rbac = Rbac::shipped().unwrap_or_else(|e| {
+            panic!("the fake Kubernetes API server enforces the shipped RBAC: {e}")
+        });
+        for (from, to) in also_in {
+            rbac = rbac.also_in(from, to);
+        }
+        self.enforce_rbac(rbac);
+    }
+
+    /// The grants of the enforced RBAC that allowed no request so far.
+    pub fn unused_grants(&self) -> Vec<Grant> {
+        let s = self.lock();
+        s.rbac
+            .as_ref()
+            .map(|r| {
+                r.grants()
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| !s.exercised.contains(i))
+                    .map(|(_, g)| g.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The messages of the requests RBAC denied so far.
+    pub fn denied(&self) -> Vec<String> {
+        self.lock().denied.clone()
     }
 
     /// Removes all injected faults.
@@ -446,8 +502,30 @@ impl RunningFakeKube {
     /// A kubeconfig for this server (default namespace `namespace`), for a process that
     /// finds the cluster through `KUBECONFIG`.
     pub fn kubeconfig(&self, namespace: &str) -> String {
+        self.kubeconfig_with(namespace, "{}")
+    }
+
+    /// A real `kube` client authenticated as `account` (its bearer token): under
+    /// [`FakeKube::enforce_rbac`] it may do what the RBAC grants that account.
+    pub fn client_as(&self, account: &ServiceAccount) -> Result<kube::Client, kube::Error> {
+        let url = self
+            .url
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| kube::Error::Service(Box::new(e)))?;
+        let mut config = kube::Config::new(url);
+        config.auth_info = serde_json::from_value(json!({ "token": account.token() }))
+            .map_err(|e| kube::Error::Service(Box::new(e)))?;
+        kube::Client::try_from(config)
+    }
+
+    /// Like [`Self::kubeconfig`], authenticating as `account`.
+    pub fn kubeconfig_as(&self, namespace: &str, account: &ServiceAccount) -> String {
+        self.kubeconfig_with(namespace, &format!("{{ token: {:?} }}", account.token()))
+    }
+
+    fn kubeconfig_with(&self, namespace: &str, user: &str) -> String {
         format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: {namespace}\ncurrent-context: fake\nusers:\n- name: fake\n  user: {{}}\n",
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: {namespace}\ncurrent-context: fake\nusers:\n- name: fake\n  user: {user}\n",
             self.url
         )
     }
@@ -554,6 +632,9 @@ fn handle_locked(
     let params: BTreeMap<String, String> = url::form_urlencoded::parse(query.as_bytes())
         .into_owned()
         .collect();
+    if let Err(r) = authorize(&mut s, &headers, &method, &target, &params) {
+        return *r;
+    }
     let sub = target.subresource.as_deref();
     match (method.clone(), target.name.clone(), sub) {
         (Method::GET, Some(name), None | Some("status")) => get(&s, &target, &name),
@@ -581,6 +662,86 @@ fn handle_locked(
             ),
             None,
         ),
+    }
+}
+
+/// The RBAC verb of a request.
+fn verb(method: &Method, t: &Target, params: &BTreeMap<String, String>) -> &'static str {
+    let named = t.name.is_some();
+    match *method {
+        Method::GET if named => "get",
+        Method::GET if params.get("watch").is_some_and(|w| w == "true" || w == "1") => "watch",
+        Method::GET => "list",
+        Method::POST => "create",
+        Method::PUT => "update",
+        Method::PATCH => "patch",
+        Method::DELETE if named => "delete",
+        Method::DELETE => "deletecollection",
+        _ => "unknown",
+    }
+}
+
+/// Authenticates the request's bearer token and, for a ServiceAccount, authorizes it
+/// against the enforced RBAC: `401` for a token the fake did not issue, `403` with the real
+/// server's Status when no grant allows it.
+fn authorize(
+    s: &mut Store,
+    headers: &HeaderMap,
+    method: &Method,
+    t: &Target,
+    params: &BTreeMap<String, String>,
+) -> Result<(), Box<Response>> {
+    let Some(auth) = headers.get(http::header::AUTHORIZATION) else {
+        return Ok(());
+    };
+    let token = auth
+        .to_str()
+        .ok()
+        .and_then(|a| a.strip_prefix("Bearer "))
+        .unwrap_or_default();
+    let Some(account) = ServiceAccount::from_token(token) else {
+        return Err(Box::new(status(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized",
+            "Unauthorized",
+            None,
+        )));
+    };
+    let attributes = rbac::Attributes {
+        user: account.user(),
+        verb: verb(method, t, params).to_owned(),
+        group: t.rt.group.clone(),
+        resource: match &t.subresource {
+            Some(sub) => format!("{}/{sub}", t.rt.plural),
+            None => t.rt.plural.clone(),
+        },
+        plural: t.rt.plural.clone(),
+        namespace: t.namespace.clone(),
+        name: t.name.clone(),
+    };
+    match s.rbac.as_ref().map(|r| r.authorize(&attributes)) {
+        Some(Some(i)) => {
+            s.exercised.insert(i);
+            Ok(())
+        }
+        // A token without enforced RBAC is a test set up wrongly: deny, never allow.
+        _ => {
+            let message = rbac::forbidden_message(&attributes);
+            s.denied.push(message.clone());
+            let mut details = json!({ "kind": t.rt.plural });
+            if let Some(name) = &t.name {
+                details["name"] = name.clone().into();
+            }
+            if !t.rt.group.is_empty() {
+                details["group"] = t.rt.group.clone().into();
+            }
+            Err(Box::new(status(
+                StatusCode::FORBIDDEN,
+                "Forbidden",
+                &message,
+                Some(details),
+            )))
+        }
     }
 }
 
