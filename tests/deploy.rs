@@ -351,16 +351,16 @@ fn sandbox_identity_runs_leader_elected_with_its_own_least_privilege_and_no_secr
         "gitea-dynamic-runner-sandbox-identity",
     );
     let t = |g: &str, r: &str, v: &str| (g.to_owned(), r.to_owned(), v.to_owned());
-    let mut want: BTreeSet<_> = ["get", "list", "watch"]
+    let mut want: BTreeSet<_> = ["list", "watch"]
         .iter()
         .map(|v| t("sandbox.opensandbox.io", "batchsandboxes", v))
         .collect();
     want.insert(t("", "pods", "get"));
-    for v in ["get", "create", "update", "patch"] {
+    for v in ["get", "create", "update"] {
         want.insert(t("coordination.k8s.io", "leases", v));
     }
     assert_eq!(grants(role), want, "the namespaced grants");
-    let want: BTreeSet<_> = ["get", "list", "watch", "create", "patch", "delete"]
+    let want: BTreeSet<_> = ["list", "watch", "create", "patch", "delete"]
         .iter()
         .map(|v| t("spire.spiffe.io", "clusterstaticentries", v))
         .collect();
