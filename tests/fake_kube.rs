@@ -887,3 +887,110 @@ async fn leases_env_vars_immutable_secrets_and_selectors_are_validated_as_on_a_r
     );
     assert_eq!((s.code, s.reason.as_str()), (400, "BadRequest"));
 }
+
+/// Peer fidelity: deletion as the real API server does it: an object with finalizers is
+/// only marked (`deletionTimestamp`), takes no new finalizer, and goes when its last one is
+/// removed; a Pod a node runs terminates gracefully (marked with its grace period until
+/// deleted with none left, as the kubelet does), while an unscheduled or finished Pod goes
+/// at once.
+#[tokio::test]
+async fn finalizers_and_graceful_pod_termination_keep_objects_until_released() {
+    let fake = fake_kube::start().await.unwrap();
+    let client = fake.client().unwrap();
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), NS);
+    let held = Secret {
+        metadata: ObjectMeta {
+            name: Some("held".into()),
+            finalizers: Some(vec!["example.org/a".into()]),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    secrets.create(&PostParams::default(), &held).await.unwrap();
+    secrets
+        .delete("held", &DeleteParams::default())
+        .await
+        .unwrap();
+    let marked = secrets.get("held").await.unwrap();
+    assert!(
+        marked.metadata.deletion_timestamp.is_some(),
+        "marked, not gone"
+    );
+    let s = api_error(
+        secrets
+            .patch(
+                "held",
+                &PatchParams::default(),
+                &Patch::Merge(
+                    json!({"metadata": {"finalizers": ["example.org/a", "example.org/b"]}}),
+                ),
+            )
+            .await,
+    );
+    assert!(s.message.contains("no new finalizers"), "{}", s.message);
+    secrets
+        .patch(
+            "held",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .unwrap();
+    assert!(
+        secrets.get_opt("held").await.unwrap().is_none(),
+        "gone with its last finalizer"
+    );
+
+    let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
+    for name in ["running", "pending", "finished"] {
+        pods.create(&PostParams::default(), &pod(name, &[]))
+            .await
+            .unwrap();
+    }
+    let bind = |name: &'static str| {
+        let url = format!("{}/api/v1/namespaces/{NS}/pods/{name}/binding", fake.url);
+        async move {
+            let body = json!({"apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
+                              "target": {"apiVersion": "v1", "kind": "Node", "name": "node-a"}});
+            let resp = reqwest::Client::new()
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 201);
+        }
+    };
+    bind("running").await;
+    bind("finished").await;
+    pods.patch_status(
+        "finished",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"status": {"phase": "Succeeded"}})),
+    )
+    .await
+    .unwrap();
+    for name in ["running", "pending", "finished"] {
+        pods.delete(name, &DeleteParams::default()).await.unwrap();
+    }
+    let terminating = pods.get("running").await.unwrap();
+    assert_eq!(terminating.metadata.deletion_grace_period_seconds, Some(30));
+    assert!(terminating.metadata.deletion_timestamp.is_some());
+    assert!(
+        pods.get_opt("pending").await.unwrap().is_none(),
+        "unscheduled: at once"
+    );
+    assert!(
+        pods.get_opt("finished").await.unwrap().is_none(),
+        "finished: at once"
+    );
+    let now = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..Default::default()
+    };
+    pods.delete("running", &now).await.unwrap();
+    assert!(
+        pods.get_opt("running").await.unwrap().is_none(),
+        "deleted with no grace left"
+    );
+}

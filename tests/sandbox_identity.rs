@@ -287,6 +287,38 @@ async fn released_pods_and_deleted_sandboxes_lose_their_entries() {
     );
 }
 
+/// DESIGN invariant 13: a Pod being deleted (its `deletionTimestamp` set while a finalizer
+/// or the kubelet holds it, as a real API server keeps it) loses its identity at once,
+/// before it is gone.
+#[tokio::test]
+async fn a_pod_being_deleted_loses_its_entry_before_it_is_gone() {
+    let cluster = Cluster::start().await;
+    cluster.pod("ci-vm-1").await;
+    cluster.sandbox("sb-a", &["ci-vm-1"], Some(JOB_A)).await;
+    let reconciler = cluster.reconciler();
+    reconciler.reconcile_once().await.unwrap();
+    assert_eq!(cluster.entries().await.len(), 1);
+    cluster
+        .pods()
+        .patch(
+            "ci-vm-1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": ["example.org/hold"]}})),
+        )
+        .await
+        .unwrap();
+    cluster
+        .pods()
+        .delete("ci-vm-1", &DeleteParams::default())
+        .await
+        .unwrap();
+    let terminating = cluster.pods().get("ci-vm-1").await.unwrap();
+    assert!(terminating.metadata.deletion_timestamp.is_some());
+    let pass = reconciler.reconcile_once().await.unwrap();
+    assert_eq!(pass.deleted, 1);
+    assert!(cluster.entries().await.is_empty());
+}
+
 /// The invariant this reconciler exists for: a Pod handed to the next job (the same Pod
 /// with its UID under `recycleStrategy: Noop`, or a new Pod of the same name) never keeps
 /// the previous job's identity, and gets the new job's.
