@@ -51,7 +51,7 @@
 //! an error Status; [`RunningFakeKube::stop`] makes the server unreachable (listener closed,
 //! open connections reset) and [`RunningFakeKube::restart`] brings it back on the same port.
 
-mod rbac;
+pub mod rbac;
 pub mod schema;
 mod selector;
 pub mod validate;
