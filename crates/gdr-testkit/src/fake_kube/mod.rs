@@ -1052,6 +1052,8 @@ fn create(s: &mut Store, t: &Target, body: &[u8]) -> Response {
     }
     let mut meta = take_metadata(&mut obj);
     meta.remove("generateName");
+    meta.remove("deletionTimestamp");
+    meta.remove("deletionGracePeriodSeconds");
     meta.insert("name".into(), name.clone().into());
     if t.rt.namespaced {
         meta.insert("namespace".into(), namespace.into());
@@ -1297,7 +1299,35 @@ fn apply_update(
     obj.insert("kind".into(), t.rt.kind.clone().into());
     obj.insert("apiVersion".into(), t.rt.api_version().into());
     let mut meta = take_metadata(&mut obj);
-    for field in ["name", "namespace", "uid", "creationTimestamp"] {
+    if old["metadata"]["deletionTimestamp"].is_string() && !status_write {
+        let before: Vec<&Value> = old["metadata"]["finalizers"]
+            .as_array()
+            .map(|f| f.iter().collect())
+            .unwrap_or_default();
+        let added = meta
+            .get("finalizers")
+            .and_then(Value::as_array)
+            .is_some_and(|f| f.iter().any(|x| !before.contains(&x)));
+        if added {
+            s.revision -= 1;
+            return Err(Box::new(invalid(
+                &t.rt,
+                name,
+                &[validate::Cause::forbidden(
+                    "metadata.finalizers",
+                    "no new finalizers can be added if the object is being deleted",
+                )],
+            )));
+        }
+    }
+    for field in [
+        "name",
+        "namespace",
+        "uid",
+        "creationTimestamp",
+        "deletionTimestamp",
+        "deletionGracePeriodSeconds",
+    ] {
         match old.get("metadata").and_then(|m| m.get(field)) {
             Some(v) => meta.insert(field.into(), v.clone()),
             None => meta.remove(field),
@@ -1350,8 +1380,9 @@ fn replace(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
     }
     match apply_update(s, t, name, &old, obj) {
         Ok(updated) => {
-            commit(s, k, Some(old), Some(updated.clone()));
-            (StatusCode::OK, axum::Json(updated)).into_response()
+            commit(s, k.clone(), Some(old), Some(updated.clone()));
+            finish_deletion(s, k, &updated)
+                .unwrap_or_else(|| (StatusCode::OK, axum::Json(updated)).into_response())
         }
         Err(r) => *r,
     }
@@ -1408,8 +1439,9 @@ fn patch(s: &mut Store, t: &Target, name: &str, headers: &HeaderMap, body: &[u8]
         s.revision -= 1;
         return (StatusCode::OK, axum::Json(old)).into_response();
     }
-    commit(s, k, Some(old), Some(updated.clone()));
-    (StatusCode::OK, axum::Json(updated)).into_response()
+    commit(s, k.clone(), Some(old), Some(updated.clone()));
+    finish_deletion(s, k, &updated)
+        .unwrap_or_else(|| (StatusCode::OK, axum::Json(updated)).into_response())
 }
 
 /// RFC 7386 JSON merge patch: objects merge recursively, `null` deletes, anything else replaces.
@@ -1506,6 +1538,32 @@ fn delete(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
         }
     }
     let orphan = options["propagationPolicy"] == "Orphan";
+    let deleting = old["metadata"]["deletionTimestamp"].is_string();
+    let grace = graceful_period(&t.rt, &old, &options);
+    if grace.is_some() || has_finalizers(&old) {
+        // Marked, not removed: the kubelet ends a running Pod's containers and then removes
+        // it; an object with finalizers stays until whoever owns them removes the last one.
+        let secs = grace.unwrap_or(0);
+        let earlier = old["metadata"]["deletionGracePeriodSeconds"]
+            .as_i64()
+            .is_some_and(|current| current <= secs);
+        if deleting && earlier {
+            return (StatusCode::OK, axum::Json(old)).into_response();
+        }
+        let mut marked = old.clone();
+        s.revision += 1;
+        marked["metadata"]["deletionTimestamp"] = rfc3339_after(secs).into();
+        marked["metadata"]["deletionGracePeriodSeconds"] = secs.into();
+        marked["metadata"]["resourceVersion"] = s.revision.to_string().into();
+        commit(s, k, Some(old), Some(marked.clone()));
+        return (StatusCode::OK, axum::Json(marked)).into_response();
+    }
+    remove(s, k, &old, orphan)
+}
+
+/// Removes a stored object and collects its dependents; the answer is the object, as the
+/// real server answers an immediate delete.
+fn remove(s: &mut Store, k: ObjectKey, old: &Value, orphan: bool) -> Response {
     s.revision += 1;
     let mut gone = old.clone();
     gone["metadata"]["resourceVersion"] = s.revision.to_string().into();
@@ -1513,9 +1571,47 @@ fn delete(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
     if let Some(uid) = old["metadata"]["uid"].as_str() {
         collect_garbage(s, uid, orphan);
     }
-    // Pods are deleted immediately here (the fake kubelet stops the process on the DELETED
-    // event): the real server's answer for an immediate delete is the object itself.
     (StatusCode::OK, axum::Json(gone)).into_response()
+}
+
+fn has_finalizers(obj: &Value) -> bool {
+    obj["metadata"]["finalizers"]
+        .as_array()
+        .is_some_and(|f| !f.is_empty())
+}
+
+/// The grace period of a Pod's deletion, as the API server's Pod strategy decides it:
+/// `None` (removed at once) for a Pod no node runs, one in a terminal phase, or a zero
+/// grace; else `gracePeriodSeconds` of the request, the Pod's
+/// `terminationGracePeriodSeconds`, or 30.
+fn graceful_period(rt: &ResourceType, pod: &Value, options: &Value) -> Option<i64> {
+    if !rt.is("", "pods") || !pod["spec"]["nodeName"].is_string() {
+        return None;
+    }
+    if matches!(
+        pod["status"]["phase"].as_str(),
+        Some("Succeeded" | "Failed")
+    ) {
+        return None;
+    }
+    let secs = options["gracePeriodSeconds"]
+        .as_i64()
+        .or_else(|| pod["spec"]["terminationGracePeriodSeconds"].as_i64())
+        .unwrap_or(30);
+    (secs > 0).then_some(secs)
+}
+
+/// Completes the deletion of an object being deleted once its last finalizer is gone
+/// (and, for a Pod, once it was deleted with no grace left).
+fn finish_deletion(s: &mut Store, k: ObjectKey, updated: &Value) -> Option<Response> {
+    let meta = &updated["metadata"];
+    if !meta["deletionTimestamp"].is_string()
+        || has_finalizers(updated)
+        || meta["deletionGracePeriodSeconds"].as_i64().unwrap_or(0) > 0
+    {
+        return None;
+    }
+    Some(remove(s, k, updated, false))
 }
 
 /// Deletes (or orphans) every object owned by `uid`, then their dependents, as the garbage
@@ -1541,6 +1637,14 @@ fn collect_garbage(s: &mut Store, uid: &str, orphan: bool) {
             }
             new["metadata"]["resourceVersion"] = s.revision.to_string().into();
             commit(s, k, Some(old), Some(new));
+        } else if has_finalizers(&old) {
+            let mut marked = old.clone();
+            if !marked["metadata"]["deletionTimestamp"].is_string() {
+                marked["metadata"]["deletionTimestamp"] = now_rfc3339().into();
+                marked["metadata"]["deletionGracePeriodSeconds"] = 0.into();
+            }
+            marked["metadata"]["resourceVersion"] = s.revision.to_string().into();
+            commit(s, k, Some(old), Some(marked));
         } else {
             commit(s, k, Some(old.clone()), None);
             if let Some(child) = old["metadata"]["uid"].as_str() {
@@ -1654,6 +1758,17 @@ fn random_suffix() -> String {
     (0..5)
         .map(|_| ALPHABET[rand::random_range(0..ALPHABET.len())] as char)
         .collect()
+}
+
+/// `now_rfc3339` plus `secs` seconds (a deletion deadline).
+fn rfc3339_after(secs: i64) -> String {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    k8s_openapi::jiff::Timestamp::from_second(now.saturating_add(secs))
+        .map(|t| t.to_string())
+        .unwrap_or_else(|_| "1970-01-01T00:00:00Z".into())
 }
 
 /// `creationTimestamp` format: RFC 3339, whole seconds, UTC.
