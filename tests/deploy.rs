@@ -3,7 +3,7 @@
 //! or ClusterStaticEntries), and run the controller as DESIGN invariant 18 requires.
 //! Schema validation is `deploy/validate.sh` (kubernetes-validate, pinned).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 use gdr_backends::kubernetes::{API_CALLS, ApiCall};
@@ -351,16 +351,16 @@ fn sandbox_identity_runs_leader_elected_with_its_own_least_privilege_and_no_secr
         "gitea-dynamic-runner-sandbox-identity",
     );
     let t = |g: &str, r: &str, v: &str| (g.to_owned(), r.to_owned(), v.to_owned());
-    let mut want: BTreeSet<_> = ["get", "list", "watch"]
+    let mut want: BTreeSet<_> = ["list", "watch"]
         .iter()
         .map(|v| t("sandbox.opensandbox.io", "batchsandboxes", v))
         .collect();
     want.insert(t("", "pods", "get"));
-    for v in ["get", "create", "update", "patch"] {
+    for v in ["get", "create", "update"] {
         want.insert(t("coordination.k8s.io", "leases", v));
     }
     assert_eq!(grants(role), want, "the namespaced grants");
-    let want: BTreeSet<_> = ["get", "list", "watch", "create", "patch", "delete"]
+    let want: BTreeSet<_> = ["list", "watch", "create", "patch", "delete"]
         .iter()
         .map(|v| t("spire.spiffe.io", "clusterstaticentries", v))
         .collect();
@@ -382,4 +382,146 @@ fn sandbox_identity_runs_leader_elected_with_its_own_least_privilege_and_no_secr
         .lines()
         .any(|l| l == "lease_namespace = \"opensandbox\"");
     assert!(lease_namespace, "the Lease lives where the Role grants it");
+}
+
+/// The kustomizations the project ships (every overlay included).
+fn kustomizations() -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut dirs = vec![
+        "deploy/kubernetes/base".to_owned(),
+        "deploy/kubernetes/sandbox-identity".to_owned(),
+    ];
+    let mut overlays: Vec<String> = std::fs::read_dir(root.join("deploy/kubernetes/overlays"))
+        .unwrap()
+        .map(|e| {
+            format!(
+                "deploy/kubernetes/overlays/{}",
+                e.unwrap().file_name().to_string_lossy()
+            )
+        })
+        .collect();
+    overlays.sort();
+    dirs.extend(overlays);
+    dirs
+}
+
+/// The file a mounted path names: (volume name, path inside the volume), by the container's
+/// mount whose directory holds `path`.
+fn mounted<'a>(container: &'a Value, path: &str) -> Option<(&'a str, String)> {
+    container["volumeMounts"].as_array()?.iter().find_map(|m| {
+        let dir = m["mountPath"].as_str()?;
+        let rest = path.strip_prefix(dir)?.strip_prefix('/')?;
+        Some((m["name"].as_str()?, rest.to_owned()))
+    })
+}
+
+/// No DESIGN invariant (deployment): in every shipped kustomization, each Deployment's
+/// service account, ConfigMaps and Secrets exist under the names it mounts, the
+/// configuration file its arguments name is a key of the mounted ConfigMap, and every
+/// `*_file` the configuration reads lies in a mounted Secret under a key the documented
+/// `kubectl create secret` command (deploy/kubernetes/base/config.yaml) creates.
+#[test]
+fn every_name_a_deployment_mounts_exists_in_what_ships() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let secret_doc =
+        std::fs::read_to_string(root.join("deploy/kubernetes/base/config.yaml")).unwrap();
+    let documented_keys: BTreeSet<&str> = secret_doc
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix("--from-file="))
+        .collect();
+    for dir in kustomizations() {
+        let objects = render(&dir);
+        let exists = |kind: &str, ns: &Value, name: &str| {
+            objects.iter().any(|o| {
+                o["kind"] == kind
+                    && o["metadata"]["name"] == name
+                    && o["metadata"]["namespace"] == *ns
+            })
+        };
+        for d in objects.iter().filter(|o| o["kind"] == "Deployment") {
+            let ns = &d["metadata"]["namespace"];
+            let what = format!("{dir}: Deployment {}", d["metadata"]["name"]);
+            let pod = &d["spec"]["template"]["spec"];
+            let sa = pod["serviceAccountName"].as_str().unwrap();
+            assert!(
+                exists("ServiceAccount", ns, sa),
+                "{what}: no ServiceAccount {sa}"
+            );
+            let mut configmaps = BTreeMap::new();
+            let mut secrets = BTreeMap::new();
+            for v in pod["volumes"].as_array().into_iter().flatten() {
+                let vname = v["name"].as_str().unwrap();
+                if let Some(cm) = v["configMap"]["name"].as_str() {
+                    assert!(exists("ConfigMap", ns, cm), "{what}: no ConfigMap {cm}");
+                    configmaps.insert(vname, cm);
+                }
+                if let Some(secret) = v["secret"]["secretName"].as_str() {
+                    assert!(exists("Secret", ns, secret), "{what}: no Secret {secret}");
+                    assert!(
+                        secret_doc.contains(&format!("create secret generic {secret}")),
+                        "{what}: the Secret {secret} is not in the documented create command"
+                    );
+                    secrets.insert(vname, secret);
+                }
+            }
+            let c = &pod["containers"][0];
+            let args = strings(&c["args"]);
+            let config_path = args[args.iter().position(|a| *a == "--config").unwrap() + 1];
+            let (volume, key) = mounted(c, config_path)
+                .unwrap_or_else(|| panic!("{what}: {config_path} is in no mounted volume"));
+            let cm = configmaps
+                .get(volume)
+                .unwrap_or_else(|| panic!("{what}: {config_path} is not in a ConfigMap"));
+            let config = objects
+                .iter()
+                .find(|o| o["kind"] == "ConfigMap" && o["metadata"]["name"] == *cm)
+                .unwrap()["data"][&key]
+                .as_str()
+                .unwrap_or_else(|| panic!("{what}: ConfigMap {cm} has no key {key}"));
+            for line in config.lines().filter(|l| l.contains("_file = \"/")) {
+                let path = line.split('"').nth(1).unwrap();
+                let (volume, key) = mounted(c, path)
+                    .unwrap_or_else(|| panic!("{what}: {path} ({line}) is in no mounted volume"));
+                assert!(
+                    secrets.contains_key(volume),
+                    "{what}: {path} is not in a Secret"
+                );
+                assert!(
+                    documented_keys.contains(key.as_str()),
+                    "{what}: {path} reads key {key}, which the documented create command does not create (it creates {documented_keys:?})"
+                );
+            }
+        }
+    }
+}
+
+/// The schema check of the fake API server uses the Kubernetes releases the docs and
+/// deploy/validate.sh claim: the oldest the manifests are validated against, and the
+/// newest the pinned kubernetes-validate ships.
+#[test]
+fn the_fake_api_server_checks_against_the_oldest_and_newest_kubernetes_the_docs_claim() {
+    use gdr_testkit::fake_kube::schema::{KUBERNETES_VERSIONS, schemas};
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let script = std::fs::read_to_string(root.join("deploy/validate.sh")).unwrap();
+    let value = |key: &str| {
+        script
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{key}=")))
+            .unwrap_or_else(|| panic!("deploy/validate.sh sets no {key}"))
+            .to_owned()
+    };
+    assert_eq!(KUBERNETES_VERSIONS[0], value("KUBERNETES_VERSION"));
+    assert_eq!(KUBERNETES_VERSIONS[1], value("KUBERNETES_VALIDATE_VERSION"));
+    let oldest = KUBERNETES_VERSIONS[0].trim_end_matches(".0");
+    for doc in ["README.md", "docs/pod-backend.md"] {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap();
+        assert!(
+            text.contains(&format!("Kubernetes ≥ {oldest}")),
+            "{doc} claims another oldest Kubernetes"
+        );
+    }
+    assert_eq!(
+        schemas().expect("the schemas load").versions(),
+        KUBERNETES_VERSIONS
+    );
 }

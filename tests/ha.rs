@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use gdr_testkit::controller::{ControllerFixture, listener};
-use gdr_testkit::fake_kube::FakeKube;
+use gdr_testkit::fake_kube::{FakeKube, ServiceAccount};
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, Status};
 use gdr_testkit::nats_server::NatsServer;
 use gdr_testkit::service::{ReadyService, is_ready};
@@ -38,6 +38,7 @@ async fn exactly_one_replica_leads_and_killing_it_hands_over_without_losing_or_r
     let nats = NatsServer::start().await.expect("nats");
     let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
     let kube = FakeKube::start().await.expect("fake kube");
+    kube.handle.enforce_shipped_rbac(&[]);
     let svc = ReadyService::start().await.expect("svc");
     let svc_addr = svc.addr();
     let fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref())
@@ -50,7 +51,10 @@ async fn exactly_one_replica_leads_and_killing_it_hands_over_without_losing_or_r
         .set("leader_election", true)
         .set("lease_duration", "3s")
         .set("nats_ack_wait", "5s");
-    let kubeconfig = fixture.file("kubeconfig", &kube.kubeconfig("gitea-actions"));
+    let kubeconfig = fixture.file(
+        "kubeconfig",
+        &kube.kubeconfig_as("gitea-actions", &ServiceAccount::controller()),
+    );
     let kubeconfig = kubeconfig.display().to_string();
     let mut replicas = Vec::new();
     for name in ["replica-a", "replica-b"] {

@@ -45,6 +45,7 @@ mod process_backend;
 #[cfg(feature = "testkit")]
 mod queue_trust;
 mod quick_start;
+mod rbac;
 #[cfg(feature = "testkit")]
 mod relay;
 mod sandbox_identity;

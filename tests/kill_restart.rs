@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use gdr_testkit::controller::{ControllerFixture, listener};
-use gdr_testkit::fake_kube::FakeKube;
+use gdr_testkit::fake_kube::{FakeKube, ServiceAccount};
 use gdr_testkit::local_controller::{
     LocalController, Stop, executor_logs, killed_at_its_fail_point, started_in_a_runner, stop,
 };
@@ -435,6 +435,7 @@ async fn a_leader_killed_while_jobs_end_loses_no_result_after_failover() {
     let nats = NatsServer::start().await.expect("nats");
     let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
     let kube = FakeKube::start().await.expect("fake kube");
+    kube.handle.enforce_shipped_rbac(&[]);
     let svc = ReadyService::start().await.expect("service");
     let fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref())
         .facade_at(svc.addr())
@@ -448,10 +449,7 @@ async fn a_leader_killed_while_jobs_end_loses_no_result_after_failover() {
         .set("nats_ack_wait", "5s");
     let kubeconfig = fixture.file(
         "kubeconfig",
-        &format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: gitea-actions\ncurrent-context: fake\nusers:\n- name: fake\n  user: {{}}\n",
-            kube.url
-        ),
+        &kube.kubeconfig_as("gitea-actions", &ServiceAccount::controller()),
     );
     let kubeconfig = kubeconfig.display().to_string();
     let mut replicas = Vec::new();

@@ -15,7 +15,7 @@ use std::time::Duration;
 use futures::FutureExt;
 use gdr_controller::lease::{LeaderElector, Leadership, LeaseError, LeaseSettings};
 use gdr_controller::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
-use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube, ServiceAccount};
 use gdr_testkit::until_sync;
 use http::{Method, StatusCode};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
@@ -34,6 +34,14 @@ const DEADLINE: Duration = Duration::from_secs(20);
 fn client(url: &str) -> kube::Client {
     let config = kube::Config::new(url.parse().expect("fake API URL"));
     kube::Client::try_from(config).expect("kube client")
+}
+
+/// The elector's client: the controller's service account, under the shipped RBAC with
+/// its Role applied in `NS` too.
+fn elector_client(fake: &RunningFakeKube) -> kube::Client {
+    fake.handle.enforce_shipped_rbac(&[("gitea-actions", NS)]);
+    fake.client_as(&ServiceAccount::controller())
+        .expect("kube client")
 }
 
 /// Short timings: a 2 s lease, stepping down after 1 s without a renewal.
@@ -57,7 +65,7 @@ fn campaign(fake: &RunningFakeKube, settings: LeaseSettings) -> Candidate {
     let identity = settings.identity.clone();
     let (tx, leadership) = Leadership::channel();
     let (stop, stopped) = shutdown_channel();
-    let elector = LeaderElector::new(client(&fake.url), settings);
+    let elector = LeaderElector::new(elector_client(fake), settings);
     let task = tokio::spawn(elector.run(tx, stopped));
     Candidate {
         identity,
@@ -439,7 +447,7 @@ async fn timings_under_which_two_replicas_could_both_lead_are_rejected() {
     };
     assert!(matches!(bad.validate(), Err(LeaseError::Config(_))));
     let (tx, leadership) = Leadership::channel();
-    let result = LeaderElector::new(client(&fake.url), bad)
+    let result = LeaderElector::new(elector_client(&fake), bad)
         .run(tx, Shutdown::never())
         .await;
     assert!(matches!(result, Err(LeaseError::Config(_))), "{result:?}");
@@ -757,14 +765,6 @@ async fn a_stopped_fake_is_unreachable_until_restarted() {
 async fn a_registered_cluster_scoped_custom_resource_is_served() {
     use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
     let fake = fake_kube::start().await.expect("fake API");
-    fake.handle.register(ResourceType {
-        group: "spire.spiffe.io".into(),
-        version: "v1alpha1".into(),
-        plural: "clusterstaticentries".into(),
-        kind: "ClusterStaticEntry".into(),
-        namespaced: false,
-        allow_create_on_update: false,
-    });
     let ar = ApiResource::from_gvk(&GroupVersionKind::gvk(
         "spire.spiffe.io",
         "v1alpha1",
@@ -774,8 +774,9 @@ async fn a_registered_cluster_scoped_custom_resource_is_served() {
     let mut entry = DynamicObject::new("task-42", &ar).data(json!({
         "spec": {
             "spiffeID": "spiffe://example.org/task/42",
-            "parentID": "spiffe://example.org/spire/agent/k8s_psat/c/node-uid",
-            "selectors": ["k8s:pod-uid:42"]
+            "parentID": "spiffe://example.org/spire/agent/k8s_psat/c/0f8fad5b-d9cb-469f-a165-70867728950e",
+            "selectors": ["k8s:pod-uid:7c9e6679-7425-40de-944b-e07fc1f90ae7"],
+            "className": "spire-mgmt"
         }
     }));
     entry.metadata.labels = Some(BTreeMap::from([("task".to_owned(), "42".to_owned())]));
@@ -793,7 +794,7 @@ async fn a_registered_cluster_scoped_custom_resource_is_served() {
         .patch(
             "task-42",
             &PatchParams::default(),
-            &Patch::Merge(json!({ "spec": { "ttl": "1h" } })),
+            &Patch::Merge(json!({ "spec": { "x509SVIDTTL": "1h" } })),
         )
         .await
         .expect("patch");
@@ -801,7 +802,7 @@ async fn a_registered_cluster_scoped_custom_resource_is_served() {
         patched.data["spec"]["spiffeID"],
         "spiffe://example.org/task/42"
     );
-    assert_eq!(patched.data["spec"]["ttl"], "1h");
+    assert_eq!(patched.data["spec"]["x509SVIDTTL"], "1h");
     entries
         .delete("task-42", &DeleteParams::default())
         .await

@@ -18,7 +18,7 @@ use gdr_core::executor::{
 use gdr_core::identity::TrustDomain;
 use gdr_identity::tls::{PeerSpiffeId, facade_server_config, x509_source_with_timeout};
 use gdr_testkit::backend_contract::{self, Contract, FACADE_ID, TRUST_DOMAIN, task_spec as spec};
-use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube, ServiceAccount};
 use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig, secret_value};
 use gdr_testkit::fake_spire::FakeSpireAgent;
 use gdr_testkit::spiffe::{FakeWorkloadApi, RunningWorkloadApi, TestCa};
@@ -47,7 +47,7 @@ struct Cluster {
 }
 
 async fn cluster() -> Cluster {
-    let fake = fake_kube::start().await.unwrap();
+    let fake = cluster_api().await;
     let dir = tempfile::Builder::new().prefix("k").tempdir().unwrap();
     let ca = TestCa::new(TRUST_DOMAIN).unwrap();
     let node_name = "node-a";
@@ -104,8 +104,18 @@ fn settings() -> KubernetesSettings {
     s
 }
 
+/// The fake API server enforcing the shipped RBAC, the controller's Role applied in the
+/// executor namespace too (as an operator deploying executors to `NS` does).
+async fn cluster_api() -> RunningFakeKube {
+    let fake = fake_kube::start().await.unwrap();
+    fake.handle.enforce_shipped_rbac(&[("gitea-actions", NS)]);
+    fake
+}
+
+/// The backend as the controller runs it: as the controller's service account.
 fn backend(fake: &RunningFakeKube, settings: KubernetesSettings) -> Arc<KubernetesBackend> {
-    Arc::new(KubernetesBackend::new(fake.client().unwrap(), settings).unwrap())
+    let client = fake.client_as(&ServiceAccount::controller()).unwrap();
+    Arc::new(KubernetesBackend::new(client, settings).unwrap())
 }
 
 fn pod_spec(task: i64, runs_on: &str) -> ExecutorSpec {
@@ -156,7 +166,7 @@ fn pod_uid(record: &gdr_core::executor::ExecutorRecord) -> String {
 /// API server is a restarted controller (Pods, markers and entries live on the cluster).
 #[tokio::test]
 async fn the_pod_backend_keeps_the_backend_contract() {
-    let fake = fake_kube::start().await.unwrap();
+    let fake = cluster_api().await;
     // Nothing schedules these Pods: a fixed agent ID lets the entry name its parent
     // without a Node.
     let mut fixed_parent = settings();
@@ -179,7 +189,7 @@ async fn the_pod_backend_keeps_the_backend_contract() {
 #[tokio::test]
 async fn the_pod_carries_the_contract_metadata_and_spec_and_its_capability_only_in_its_own_secret()
 {
-    let fake = fake_kube::start().await.unwrap();
+    let fake = cluster_api().await;
     let b = backend(&fake, settings());
     let spec = pod_spec(42, "[self-hosted, pod]");
     b.create(&spec).await.unwrap();
@@ -283,7 +293,7 @@ async fn the_pod_carries_the_contract_metadata_and_spec_and_its_capability_only_
 /// label or two profiles are refused permanently, naming the labels, and create nothing.
 #[tokio::test]
 async fn profiles_apply_and_an_unknown_label_or_two_profiles_are_refused_naming_the_labels() {
-    let fake = fake_kube::start().await.unwrap();
+    let fake = cluster_api().await;
     let b = backend(&fake, settings());
     assert_eq!(b.profile_labels(), ["gpu", "large"]);
     for (runs_on, names) in [
@@ -767,7 +777,7 @@ async fn oom_kills_evictions_and_lost_nodes_end_the_executor_with_their_reasons(
 /// 409/429/5xx are retried, 422 is permanent with the server's message.
 #[tokio::test]
 async fn api_errors_map_to_retry_or_a_permanent_failure_naming_the_missing_grant() {
-    let fake = fake_kube::start().await.unwrap();
+    let fake = cluster_api().await;
     // The kube client itself retries 429/503/504 (15 times, backing off up to 1000 s)
     // unless told not to; what is checked here is the backend's own mapping.
     let mut config = kube::Config::new(fake.url.parse().unwrap());

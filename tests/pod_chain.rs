@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use gdr_testkit::controller::{ControllerFixture, FACADE_SPIFFE_ID, Value, listener};
 use gdr_testkit::eventually;
-use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube, ServiceAccount};
 use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
 use gdr_testkit::fake_spire::FakeSpireAgent;
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
@@ -65,6 +65,8 @@ impl Chain {
         let nats = NatsServer::start().await.expect("nats");
         let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
         let fake = fake_kube::start().await.expect("fake API server");
+        // The shipped RBAC, the controller's Role applied in the executor namespace too.
+        fake.handle.enforce_shipped_rbac(&[("gitea-actions", NS)]);
         let dir = tempfile::Builder::new().prefix("pc").tempdir().unwrap();
         let ca = TestCa::new(TRUST_DOMAIN).unwrap();
         let node_labels = BTreeMap::from([
@@ -130,7 +132,10 @@ impl Chain {
             )
             .set("pod_profile_max", Value::Inline(r#"{ memory = "8Gi" }"#.into()));
         let fixture = configure(fixture);
-        let kubeconfig = fixture.file("kubeconfig", &fake.kubeconfig("gitea-actions"));
+        let kubeconfig = fixture.file(
+            "kubeconfig",
+            &fake.kubeconfig_as("gitea-actions", &ServiceAccount::controller()),
+        );
         Chain {
             mock,
             fake,
@@ -443,7 +448,10 @@ async fn a_job_whose_identity_is_never_bound_is_failed_with_the_executors_error(
     let c = Chain::new(|f| {
         f.set(
             "spire_agent_id",
-            format!("spiffe://{TRUST_DOMAIN}/spire/agent/k8s_psat/{CLUSTER}/another-node"),
+            // A well-formed agent ID of a node that is not the Pod's.
+            format!(
+                "spiffe://{TRUST_DOMAIN}/spire/agent/k8s_psat/{CLUSTER}/00000000-0000-4000-8000-0000000000aa"
+            ),
         )
         .set("pod_identity_bind_deadline", "3s")
     })

@@ -10,7 +10,7 @@ use gdr_core::metadata::MetadataCodec;
 use gdr_sandbox_identity::{Metrics, Reconciler, Settings, batchsandbox_resource, entry_resource};
 use gdr_testkit::backend_contract;
 use gdr_testkit::eventually;
-use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube};
+use gdr_testkit::fake_kube::{self, RunningFakeKube, ServiceAccount};
 use http::{Method, StatusCode};
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
@@ -26,30 +26,23 @@ const JOB_B: &str = "spiffe://example.org/ci/octo-org/other-repo/deploy";
 
 struct Cluster {
     fake: RunningFakeKube,
+    /// The test's own (cluster admin): sets up sandboxes and Pods, inspects entries.
     client: Client,
+    /// sandbox-identity's service account, under the shipped RBAC.
+    identity: Client,
 }
 
 impl Cluster {
     async fn start() -> Self {
         let fake = fake_kube::start().await.unwrap();
-        fake.handle.register(ResourceType {
-            group: "sandbox.opensandbox.io".into(),
-            version: "v1alpha1".into(),
-            plural: "batchsandboxes".into(),
-            kind: "BatchSandbox".into(),
-            namespaced: true,
-            allow_create_on_update: false,
-        });
-        fake.handle.register(ResourceType {
-            group: "spire.spiffe.io".into(),
-            version: "v1alpha1".into(),
-            plural: "clusterstaticentries".into(),
-            kind: "ClusterStaticEntry".into(),
-            namespaced: false,
-            allow_create_on_update: false,
-        });
+        fake.handle.enforce_shipped_rbac(&[]);
         let client = Client::try_from(kube::Config::new(fake.url.parse().unwrap())).unwrap();
-        Cluster { fake, client }
+        let identity = fake.client_as(&ServiceAccount::sandbox_identity()).unwrap();
+        Cluster {
+            fake,
+            client,
+            identity,
+        }
     }
 
     fn settings() -> Settings {
@@ -61,7 +54,7 @@ impl Cluster {
     }
 
     fn reconciler_with(&self, settings: Settings, metrics: Metrics) -> Reconciler {
-        Reconciler::new(self.client.clone(), settings, metrics)
+        Reconciler::new(self.identity.clone(), settings, metrics)
     }
 
     fn sandboxes(&self) -> Api<DynamicObject> {
@@ -296,6 +289,38 @@ async fn released_pods_and_deleted_sandboxes_lose_their_entries() {
     );
 }
 
+/// DESIGN invariant 13: a Pod being deleted (its `deletionTimestamp` set while a finalizer
+/// or the kubelet holds it, as a real API server keeps it) loses its identity at once,
+/// before it is gone.
+#[tokio::test]
+async fn a_pod_being_deleted_loses_its_entry_before_it_is_gone() {
+    let cluster = Cluster::start().await;
+    cluster.pod("ci-vm-1").await;
+    cluster.sandbox("sb-a", &["ci-vm-1"], Some(JOB_A)).await;
+    let reconciler = cluster.reconciler();
+    reconciler.reconcile_once().await.unwrap();
+    assert_eq!(cluster.entries().await.len(), 1);
+    cluster
+        .pods()
+        .patch(
+            "ci-vm-1",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": ["example.org/hold"]}})),
+        )
+        .await
+        .unwrap();
+    cluster
+        .pods()
+        .delete("ci-vm-1", &DeleteParams::default())
+        .await
+        .unwrap();
+    let terminating = cluster.pods().get("ci-vm-1").await.unwrap();
+    assert!(terminating.metadata.deletion_timestamp.is_some());
+    let pass = reconciler.reconcile_once().await.unwrap();
+    assert_eq!(pass.deleted, 1);
+    assert!(cluster.entries().await.is_empty());
+}
+
 /// The invariant this reconciler exists for: a Pod handed to the next job (the same Pod
 /// with its UID under `recycleStrategy: Noop`, or a new Pod of the same name) never keeps
 /// the previous job's identity, and gets the new job's.
@@ -399,7 +424,7 @@ async fn a_restart_writes_nothing_and_drift_is_repaired() {
     let uid = cluster.pod("ci-vm-1").await;
     cluster.sandbox("sb-a", &["ci-vm-1"], Some(JOB_A)).await;
     let mut foreign = DynamicObject::new("someone-elses", &entry_resource())
-        .data(json!({"spec": {"spiffeID": JOB_B, "parentID": "spiffe://example.org/x", "selectors": ["unix:uid:0"]}}));
+        .data(json!({"spec": {"spiffeID": JOB_B, "parentID": "spiffe://example.org/x", "selectors": ["unix:uid:0"], "className": "spire-mgmt-spire"}}));
     foreign.metadata.labels = Some(BTreeMap::from([("team".into(), "infra".into())]));
     cluster
         .entries_api()
@@ -407,7 +432,7 @@ async fn a_restart_writes_nothing_and_drift_is_repaired() {
         .await
         .unwrap();
     let mut python = DynamicObject::new("gitea-ci-0123456789ab", &entry_resource())
-        .data(json!({"spec": {"spiffeID": JOB_A, "parentID": parent("old-uid"), "selectors": ["unix:uid:2000"]}}));
+        .data(json!({"spec": {"spiffeID": JOB_A, "parentID": parent("00000000-0000-4000-8000-000000000001"), "selectors": ["unix:uid:2000"], "className": "spire-mgmt-spire"}}));
     python.metadata.labels = Some(BTreeMap::from([
         (
             "app.kubernetes.io/component".into(),
@@ -605,7 +630,13 @@ async fn the_subcommand_leads_reconciles_and_hands_over_on_sigterm() {
     let cluster = Cluster::start().await;
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(&kubeconfig, cluster.fake.kubeconfig(NS)).unwrap();
+    std::fs::write(
+        &kubeconfig,
+        cluster
+            .fake
+            .kubeconfig_as(NS, &ServiceAccount::sandbox_identity()),
+    )
+    .unwrap();
     let holder = || async {
         let leases: Api<Lease> = Api::namespaced(cluster.client.clone(), NS);
         leases

@@ -32,7 +32,7 @@ use std::time::Duration;
 use base64::Engine;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
 use serde_json::{Value, json};
@@ -305,8 +305,45 @@ impl Shared {
         .map(|_| ())
     }
 
+    /// A Pod of this node being deleted: its containers are killed (the real kubelet sends
+    /// SIGTERM and, after the grace period, SIGKILL) and the Pod is removed from the API with
+    /// no grace left, as the kubelet does once they have stopped.
+    async fn terminate(&self, pod: &Pod, uid: &str) -> Result<(), kube::Error> {
+        let pid = self
+            .running
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(uid)
+            .and_then(|s| s.pid);
+        if let Some(pid) = pid {
+            kill_group(pid);
+        }
+        let api: Api<Pod> =
+            Api::namespaced(self.secrets.clone(), &pod.namespace().unwrap_or_default());
+        let dp = DeleteParams {
+            grace_period_seconds: Some(0),
+            preconditions: Some(Preconditions {
+                uid: Some(uid.to_owned()),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match api.delete(&pod.name_any(), &dp).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
     async fn sync(self: &Arc<Self>, pod: &Pod) -> Result<(), kube::Error> {
         let Some(uid) = pod.uid() else { return Ok(()) };
+        if pod.metadata.deletion_timestamp.is_some() {
+            return if self.ours(pod) {
+                self.terminate(pod, &uid).await
+            } else {
+                Ok(())
+            };
+        }
         let phase = pod
             .status
             .as_ref()

@@ -5,7 +5,8 @@
 //! - [`standin_runner`]: the official runner's side of the protocol, for executors to run.
 //! - [`standin_dockerd`]: a stand-in `dockerd` for the executor's job Docker daemon, and a
 //!   recording wrapper around the stand-in runner.
-//! - [`fake_kube`]: an in-process Kubernetes API server for the real `kube` client.
+//! - [`fake_kube`]: an in-process Kubernetes API server for the real `kube` client, checking
+//!   every write against the real schemas and enforcing the shipped RBAC.
 //! - [`fake_kubelet`]: runs the Pods of one fake Node as local processes.
 //! - [`fake_spire`]: a SPIRE agent issuing SVIDs only to Pods a ClusterStaticEntry selects.
 //! - [`backend_contract`]: the executor-backend contract suite every backend passes.

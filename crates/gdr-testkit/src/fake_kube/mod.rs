@@ -4,20 +4,28 @@
 //! kubelet and the fake SPIRE agent use, and nothing more:
 //! - one generic object store keyed by (resource type, namespace, name), so a new kind is
 //!   one [`ResourceType`] registration ([`FakeKube::register`]); registered: `leases`,
-//!   `pods`, `nodes`, `secrets` and `clusterstaticentries` (`spire.spiffe.io/v1alpha1`,
-//!   cluster-scoped);
-//! - GET, LIST (label selectors with equality, existence and set-based `in`/`notin`; field
-//!   selectors on dotted paths), POST, PUT, DELETE and PATCH
+//!   `pods`, `nodes`, `secrets`, and as their CRDs declare them `clusterstaticentries`
+//!   (`spire.spiffe.io/v1alpha1`, cluster-scoped) and `batchsandboxes`
+//!   (`sandbox.opensandbox.io/v1alpha1`);
+//! - **the real schemas** ([`schema`]): every create, update and patch is checked against
+//!   the OpenAPI schema of its kind in the oldest and the newest Kubernetes release the docs
+//!   claim (unknown fields refused as under `fieldValidation=Strict`), custom resources
+//!   against schemas written from their upstream CRDs; then the API server's own validation
+//!   and what SPIRE and the SPIFFE CSI driver would refuse ([`validate`]), answered with the
+//!   real `400`/`422` Status shapes;
+//! - **RBAC** ([`rbac`]): requests presenting a ServiceAccount's token
+//!   ([`RunningFakeKube::client_as`]) are authorised against the shipped Roles and
+//!   ClusterRoles ([`FakeKube::enforce_shipped_rbac`]) and refused with the real `403`; the
+//!   grants used are recorded ([`FakeKube::unused_grants`]);
+//! - GET, LIST (label selectors with equality, existence and set-based `in`/`notin`, keys
+//!   and values validated; field selectors on dotted paths), POST, PUT, DELETE and PATCH
 //!   (`application/merge-patch+json`, RFC 7386);
-//! - the `status` subresource of Pods, Nodes and ClusterStaticEntries (writes to the main
-//!   resource keep the stored status, writes to `/status` change only the status), the Pod
-//!   `binding` subresource (how a scheduler sets `spec.nodeName`), and Pod spec
-//!   immutability;
+//! - the `status` subresource of kinds that have one (writes to the main resource keep the
+//!   stored status, writes to `/status` change only the status), the Pod `binding`
+//!   subresource (how a scheduler sets `spec.nodeName`), and Pod spec immutability;
 //! - optimistic concurrency: one monotonically increasing `resourceVersion` counter; a PUT
 //!   (or a merge patch, or a delete precondition) carrying a stale one is refused with 409
-//!   `Conflict`; POST of an existing name is 409 `AlreadyExists`; errors are `Status`
-//!   objects shaped like the real server's, so `kube::Error::Api` carries the same reason
-//!   and code;
+//!   `Conflict`; POST of an existing name is 409 `AlreadyExists`;
 //! - **watch** (`?watch=true`): from a `resourceVersion` (replaying what happened after it)
 //!   or from now (synthetic `ADDED` for what exists), newline-delimited events filtered by
 //!   namespace and selectors (an object that stops matching is `DELETED`, one that starts
@@ -26,19 +34,25 @@
 //!   event in a `200` stream, as the real server answers a compacted resourceVersion
 //!   ([`FakeKube::expire_watches`]);
 //! - server-set metadata: `uid`, `creationTimestamp`, `resourceVersion`, `generation`,
-//!   `generateName`; Secrets' `stringData` folded into base64 `data`;
+//!   `generateName`, `deletionTimestamp`; Secrets' `stringData` folded into base64 `data`;
+//! - **deletion**: an object with finalizers is only marked (`deletionTimestamp`), takes no
+//!   new finalizer and goes with its last one; a Pod a node runs terminates gracefully
+//!   (marked for its grace period until deleted with none left, which the fake kubelet does
+//!   once it has killed the containers), an unscheduled or finished Pod goes at once;
 //! - garbage collection: deleting an object deletes (or, with
-//!   `propagationPolicy=Orphan`, orphans) the objects whose `ownerReferences` name its uid;
-//! - server-side validation ([`validate`]) answered with `422 Invalid` and field causes.
+//!   `propagationPolicy=Orphan`, orphans) the objects whose `ownerReferences` name its uid.
 //!
-//! Pods are deleted immediately (no grace period): the fake kubelet sees the `DELETED`
-//! event and kills the process. Not implemented: strategic merge, JSON patch and
-//! server-side apply (415), pagination (`limit` returns everything), namespaces as objects.
+//! Not implemented: strategic merge, JSON patch and server-side apply (415), pagination
+//! (`limit` returns everything), `Foreground` propagation, admission plugins (Pod Security,
+//! quotas, LimitRanges, webhooks), namespaces as objects, CEL validation rules of CRDs
+//! (neither shipped CRD has any). docs/pod-backend.md lists what that leaves unverified.
 //!
 //! Faults: [`FakeKube::fail_next`] / [`FakeKube::fail_always`] answer matching requests with
 //! an error Status; [`RunningFakeKube::stop`] makes the server unreachable (listener closed,
 //! open connections reset) and [`RunningFakeKube::restart`] brings it back on the same port.
 
+pub mod rbac;
+pub mod schema;
 mod selector;
 pub mod validate;
 mod watch;
@@ -54,6 +68,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use http::{HeaderMap, Method, StatusCode, Uri};
+pub use rbac::{Grant, Rbac, ServiceAccount};
 pub use selector::{FieldSelector, LabelSelector};
 use serde_json::{Map, Value, json};
 use tokio::task::{JoinHandle, JoinSet};
@@ -72,6 +87,9 @@ pub struct ResourceType {
     pub namespaced: bool,
     /// Whether a PUT of a missing object creates it (true for Leases on the real server).
     pub allow_create_on_update: bool,
+    /// Whether the kind has a `status` subresource (writes to the main resource keep the
+    /// stored status; writes to `/status` change only the status).
+    pub status_subresource: bool,
 }
 
 impl ResourceType {
@@ -107,19 +125,15 @@ impl ResourceType {
         format!("{}/{}/{}", self.group, self.version, self.plural)
     }
 
-    /// Whether the kind has a `status` subresource (Pods, Nodes, ClusterStaticEntries).
     fn has_status(&self) -> bool {
-        matches!(
-            (self.group.as_str(), self.plural.as_str()),
-            ("", "pods") | ("", "nodes") | ("spire.spiffe.io", "clusterstaticentries")
-        )
+        self.status_subresource
     }
 
     fn is(&self, group: &str, plural: &str) -> bool {
         self.group == group && self.plural == plural
     }
 
-    fn core(plural: &str, kind: &str, namespaced: bool) -> Self {
+    fn core(plural: &str, kind: &str, namespaced: bool, status: bool) -> Self {
         ResourceType {
             group: String::new(),
             version: "v1".into(),
@@ -127,6 +141,28 @@ impl ResourceType {
             kind: kind.into(),
             namespaced,
             allow_create_on_update: false,
+            status_subresource: status,
+        }
+    }
+
+    /// A custom resource as its CRD declares it (scope, plural, status subresource).
+    pub fn from_crd(crd: &schema::Crd) -> Self {
+        ResourceType {
+            group: crd.group.clone(),
+            version: crd.version.clone(),
+            plural: crd.plural.clone(),
+            kind: crd.kind.clone(),
+            namespaced: crd.namespaced,
+            allow_create_on_update: false,
+            status_subresource: crd.status_subresource,
+        }
+    }
+
+    #[allow(clippy::panic)]
+    fn shipped_crd(group: &str, plural: &str) -> Self {
+        match schema::crd(group, plural) {
+            Some(crd) => Self::from_crd(crd),
+            None => panic!("the test kit ships no CRD schema of {plural}.{group}"),
         }
     }
 
@@ -139,34 +175,34 @@ impl ResourceType {
             kind: "Lease".into(),
             namespaced: true,
             allow_create_on_update: true,
+            status_subresource: false,
         }
     }
 
     /// Core `v1` Pod.
     pub fn pods() -> Self {
-        Self::core("pods", "Pod", true)
+        Self::core("pods", "Pod", true, true)
     }
 
     /// Core `v1` Node (cluster-scoped).
     pub fn nodes() -> Self {
-        Self::core("nodes", "Node", false)
+        Self::core("nodes", "Node", false, true)
     }
 
     /// Core `v1` Secret.
     pub fn secrets() -> Self {
-        Self::core("secrets", "Secret", true)
+        Self::core("secrets", "Secret", true, false)
     }
 
-    /// `spire.spiffe.io/v1alpha1` ClusterStaticEntry (cluster-scoped).
+    /// `spire.spiffe.io/v1alpha1` ClusterStaticEntry, as spire-controller-manager's CRD
+    /// declares it (cluster-scoped).
     pub fn cluster_static_entries() -> Self {
-        ResourceType {
-            group: "spire.spiffe.io".into(),
-            version: "v1alpha1".into(),
-            plural: "clusterstaticentries".into(),
-            kind: "ClusterStaticEntry".into(),
-            namespaced: false,
-            allow_create_on_update: false,
-        }
+        Self::shipped_crd("spire.spiffe.io", "clusterstaticentries")
+    }
+
+    /// `sandbox.opensandbox.io/v1alpha1` BatchSandbox, as OpenSandbox's CRD declares it.
+    pub fn batch_sandboxes() -> Self {
+        Self::shipped_crd("sandbox.opensandbox.io", "batchsandboxes")
     }
 }
 
@@ -211,6 +247,12 @@ struct Store {
     bookmarks: u64,
     /// Watches currently streaming.
     open_watches: usize,
+    /// The authorizer's grants, when RBAC is enforced ([`FakeKube::enforce_rbac`]).
+    rbac: Option<Rbac>,
+    /// Indices of the grants that allowed a request.
+    exercised: std::collections::BTreeSet<usize>,
+    /// The message of every request RBAC denied.
+    denied: Vec<String>,
 }
 
 /// Handle to the fake's state; cheap to clone.
@@ -231,8 +273,19 @@ impl Default for FakeKube {
 }
 
 impl FakeKube {
-    /// An empty store with Leases, Pods, Nodes, Secrets and ClusterStaticEntries registered.
+    /// An empty store with Leases, Pods, Nodes, Secrets, ClusterStaticEntries and
+    /// BatchSandboxes registered, checking every write against the real schemas.
+    ///
+    /// # Panics
+    /// When the Kubernetes schemas cannot be found: the message says how to install them
+    /// (a fake that checked nothing would let every test pass unchecked).
+    #[allow(clippy::panic)]
     pub fn new() -> Self {
+        if let Err(e) = schema::schemas() {
+            panic!(
+                "the fake Kubernetes API server checks every object against the real schemas: {e}"
+            );
+        }
         let kube = FakeKube::default();
         for rt in [
             ResourceType::leases(),
@@ -240,6 +293,7 @@ impl FakeKube {
             ResourceType::nodes(),
             ResourceType::secrets(),
             ResourceType::cluster_static_entries(),
+            ResourceType::batch_sandboxes(),
         ] {
             kube.register(rt);
         }
@@ -281,6 +335,54 @@ impl FakeKube {
             status,
             remaining: n,
         });
+    }
+
+    /// Enforces `rbac` for every request presenting a ServiceAccount's token (see
+    /// [`rbac`]); requests without one stay the test's own, unchecked.
+    pub fn enforce_rbac(&self, rbac: Rbac) {
+        let mut s = self.lock();
+        if s.rbac.as_ref() != Some(&rbac) {
+            s.rbac = Some(rbac);
+            s.exercised.clear();
+        }
+    }
+
+    /// Enforces the RBAC of the shipped manifests, with the Roles of each `(from, to)`
+    /// namespace pair also applied in `to` (where a test deploys executors elsewhere).
+    ///
+    /// # Panics
+    /// When the manifests cannot be rendered (kubectl missing): such a test must not pass
+    /// with RBAC unchecked.
+    #[allow(clippy::panic)]
+    pub fn enforce_shipped_rbac(&self, also_in: &[(&str, &str)]) {
+        let mut rbac = Rbac::shipped().unwrap_or_else(|e| {
+            panic!("the fake Kubernetes API server enforces the shipped RBAC: {e}")
+        });
+        for (from, to) in also_in {
+            rbac = rbac.also_in(from, to);
+        }
+        self.enforce_rbac(rbac);
+    }
+
+    /// The grants of the enforced RBAC that allowed no request so far.
+    pub fn unused_grants(&self) -> Vec<Grant> {
+        let s = self.lock();
+        s.rbac
+            .as_ref()
+            .map(|r| {
+                r.grants()
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| !s.exercised.contains(i))
+                    .map(|(_, g)| g.clone())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The messages of the requests RBAC denied so far.
+    pub fn denied(&self) -> Vec<String> {
+        self.lock().denied.clone()
     }
 
     /// Removes all injected faults.
@@ -412,8 +514,30 @@ impl RunningFakeKube {
     /// A kubeconfig for this server (default namespace `namespace`), for a process that
     /// finds the cluster through `KUBECONFIG`.
     pub fn kubeconfig(&self, namespace: &str) -> String {
+        self.kubeconfig_with(namespace, "{}")
+    }
+
+    /// A real `kube` client authenticated as `account` (its bearer token): under
+    /// [`FakeKube::enforce_rbac`] it may do what the RBAC grants that account.
+    pub fn client_as(&self, account: &ServiceAccount) -> Result<kube::Client, kube::Error> {
+        let url = self
+            .url
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| kube::Error::Service(Box::new(e)))?;
+        let mut config = kube::Config::new(url);
+        config.auth_info = serde_json::from_value(json!({ "token": account.token() }))
+            .map_err(|e| kube::Error::Service(Box::new(e)))?;
+        kube::Client::try_from(config)
+    }
+
+    /// Like [`Self::kubeconfig`], authenticating as `account`.
+    pub fn kubeconfig_as(&self, namespace: &str, account: &ServiceAccount) -> String {
+        self.kubeconfig_with(namespace, &format!("{{ token: {:?} }}", account.token()))
+    }
+
+    fn kubeconfig_with(&self, namespace: &str, user: &str) -> String {
         format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: {namespace}\ncurrent-context: fake\nusers:\n- name: fake\n  user: {{}}\n",
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: fake\n    namespace: {namespace}\ncurrent-context: fake\nusers:\n- name: fake\n  user: {user}\n",
             self.url
         )
     }
@@ -520,6 +644,9 @@ fn handle_locked(
     let params: BTreeMap<String, String> = url::form_urlencoded::parse(query.as_bytes())
         .into_owned()
         .collect();
+    if let Err(r) = authorize(&mut s, &headers, &method, &target, &params) {
+        return *r;
+    }
     let sub = target.subresource.as_deref();
     match (method.clone(), target.name.clone(), sub) {
         (Method::GET, Some(name), None | Some("status")) => get(&s, &target, &name),
@@ -547,6 +674,86 @@ fn handle_locked(
             ),
             None,
         ),
+    }
+}
+
+/// The RBAC verb of a request.
+fn verb(method: &Method, t: &Target, params: &BTreeMap<String, String>) -> &'static str {
+    let named = t.name.is_some();
+    match *method {
+        Method::GET if named => "get",
+        Method::GET if params.get("watch").is_some_and(|w| w == "true" || w == "1") => "watch",
+        Method::GET => "list",
+        Method::POST => "create",
+        Method::PUT => "update",
+        Method::PATCH => "patch",
+        Method::DELETE if named => "delete",
+        Method::DELETE => "deletecollection",
+        _ => "unknown",
+    }
+}
+
+/// Authenticates the request's bearer token and, for a ServiceAccount, authorizes it
+/// against the enforced RBAC: `401` for a token the fake did not issue, `403` with the real
+/// server's Status when no grant allows it.
+fn authorize(
+    s: &mut Store,
+    headers: &HeaderMap,
+    method: &Method,
+    t: &Target,
+    params: &BTreeMap<String, String>,
+) -> Result<(), Box<Response>> {
+    let Some(auth) = headers.get(http::header::AUTHORIZATION) else {
+        return Ok(());
+    };
+    let token = auth
+        .to_str()
+        .ok()
+        .and_then(|a| a.strip_prefix("Bearer "))
+        .unwrap_or_default();
+    let Some(account) = ServiceAccount::from_token(token) else {
+        return Err(Box::new(status(
+            StatusCode::UNAUTHORIZED,
+            "Unauthorized",
+            "Unauthorized",
+            None,
+        )));
+    };
+    let attributes = rbac::Attributes {
+        user: account.user(),
+        verb: verb(method, t, params).to_owned(),
+        group: t.rt.group.clone(),
+        resource: match &t.subresource {
+            Some(sub) => format!("{}/{sub}", t.rt.plural),
+            None => t.rt.plural.clone(),
+        },
+        plural: t.rt.plural.clone(),
+        namespace: t.namespace.clone(),
+        name: t.name.clone(),
+    };
+    match s.rbac.as_ref().map(|r| r.authorize(&attributes)) {
+        Some(Some(i)) => {
+            s.exercised.insert(i);
+            Ok(())
+        }
+        // A token without enforced RBAC is a test set up wrongly: deny, never allow.
+        _ => {
+            let message = rbac::forbidden_message(&attributes);
+            s.denied.push(message.clone());
+            let mut details = json!({ "kind": t.rt.plural });
+            if let Some(name) = &t.name {
+                details["name"] = name.clone().into();
+            }
+            if !t.rt.group.is_empty() {
+                details["group"] = t.rt.group.clone().into();
+            }
+            Err(Box::new(status(
+                StatusCode::FORBIDDEN,
+                "Forbidden",
+                &message,
+                Some(details),
+            )))
+        }
     }
 }
 
@@ -809,7 +1016,14 @@ fn create(s: &mut Store, t: &Target, body: &[u8]) -> Response {
     if let Some(Value::Object(meta)) = obj.get_mut("metadata") {
         meta.insert("name".into(), name.clone().into());
     }
-    let causes = validate::validate(&t.rt.group, &t.rt.plural, &obj);
+    let schema_causes = match schema_check(&t.rt, &Value::Object(obj.clone())) {
+        Ok(c) => c,
+        Err(r) => return *r,
+    };
+    let causes = merge_causes(
+        schema_causes,
+        validate::validate(&t.rt.group, &t.rt.plural, &obj),
+    );
     if !causes.is_empty() {
         return invalid(&t.rt, &name, &causes);
     }
@@ -838,6 +1052,8 @@ fn create(s: &mut Store, t: &Target, body: &[u8]) -> Response {
     }
     let mut meta = take_metadata(&mut obj);
     meta.remove("generateName");
+    meta.remove("deletionTimestamp");
+    meta.remove("deletionGracePeriodSeconds");
     meta.insert("name".into(), name.clone().into());
     if t.rt.namespaced {
         meta.insert("namespace".into(), namespace.into());
@@ -884,6 +1100,145 @@ fn mutable_pod_spec(spec: &Value) -> Value {
     spec
 }
 
+/// Checks a write against the real schema of its kind ([`schema`]), as the API server does
+/// with `fieldValidation=Strict`: an undeclared field, or (for a built-in kind) a value that
+/// cannot decode into the Go type, is a `400 BadRequest` strict decoding error; a missing
+/// required field, a value outside an enum or a format, or (for a custom resource) a value
+/// of the wrong type is `422 Invalid` with field causes.
+///
+/// Returns the `422` causes, for the caller to answer together with its own validation's.
+fn schema_check(rt: &ResourceType, obj: &Value) -> Result<Vec<validate::Cause>, Box<Response>> {
+    let schemas = match schema::schemas() {
+        Ok(s) => s,
+        Err(e) => {
+            return Err(Box::new(status(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalError",
+                e,
+                None,
+            )));
+        }
+    };
+    if !schemas.knows(&rt.group, &rt.version, &rt.kind) {
+        return Err(Box::new(status(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalError",
+            &format!(
+                "the fake has no schema for {} {}: add one before serving it",
+                rt.api_version(),
+                rt.kind
+            ),
+            None,
+        )));
+    }
+    let findings = schemas.check(&rt.group, &rt.version, &rt.kind, obj);
+    if findings.is_empty() {
+        return Ok(Vec::new());
+    }
+    let unknown: Vec<String> = findings
+        .iter()
+        .filter_map(|f| match &f.violation {
+            schema::Violation::Unknown { path } => {
+                Some(format!("unknown field {path:?}{}", f.release()))
+            }
+            _ => None,
+        })
+        .collect();
+    if !unknown.is_empty() {
+        return Err(Box::new(bad_request(&format!(
+            "strict decoding error: {}",
+            unknown.join(", ")
+        ))));
+    }
+    let custom = schema::crd(&rt.group, &rt.plural).is_some();
+    if !custom
+        && let Some((
+            schema::Violation::Type {
+                path,
+                expected,
+                found,
+            },
+            release,
+        )) = findings.iter().find_map(|f| match &f.violation {
+            t @ schema::Violation::Type { .. } => Some((t, f.release())),
+            _ => None,
+        })
+    {
+        return Err(Box::new(bad_request(&format!(
+            "{kind} in version {version:?} cannot be handled as a {kind}: json: cannot unmarshal {found} into Go struct field {path} of type {expected}{release}",
+            kind = rt.kind,
+            version = rt.version,
+        ))));
+    }
+    let causes: Vec<validate::Cause> = findings
+        .into_iter()
+        .map(|f| {
+            let release = f.release();
+            match f.violation {
+                schema::Violation::Type {
+                    path,
+                    expected,
+                    found,
+                } => validate::Cause {
+                    reason: "FieldValueTypeInvalid",
+                    message: format!(
+                        "Invalid value: {found:?}: {path} in body must be of type {expected}: {found:?}{release}"
+                    ),
+                    field: path,
+                },
+                schema::Violation::Required { path } => validate::Cause {
+                    reason: "FieldValueRequired",
+                    message: format!("Required value{release}"),
+                    field: path,
+                },
+                schema::Violation::NotSupported {
+                    path,
+                    value,
+                    supported,
+                } => validate::Cause {
+                    reason: "FieldValueNotSupported",
+                    message: format!(
+                        "Unsupported value: {value:?}: supported values: {}{release}",
+                        supported
+                            .iter()
+                            .map(|s| format!("{s:?}"))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                    field: path,
+                },
+                schema::Violation::Invalid {
+                    path,
+                    value,
+                    detail,
+                } => validate::Cause {
+                    reason: "FieldValueInvalid",
+                    message: format!("Invalid value: {value:?}: {detail}{release}"),
+                    field: path,
+                },
+                schema::Violation::Unknown { path } => validate::Cause {
+                    reason: "FieldValueInvalid",
+                    message: format!("unknown field{release}"),
+                    field: path,
+                },
+            }
+        })
+        .collect();
+    Ok(causes)
+}
+
+/// Schema causes first, then validation's, without repeating a (field, reason) the schema
+/// already reported (an enum both check, say).
+fn merge_causes(schema: Vec<validate::Cause>, more: Vec<validate::Cause>) -> Vec<validate::Cause> {
+    let seen: Vec<(String, &str)> = schema.iter().map(|c| (c.field.clone(), c.reason)).collect();
+    let mut all = schema;
+    all.extend(
+        more.into_iter()
+            .filter(|c| !seen.iter().any(|(f, r)| *f == c.field && *r == c.reason)),
+    );
+    all
+}
+
 /// Turns a proposed new state of `old` into what the server stores: subresource rules,
 /// immutability and validation, server-owned metadata and the resourceVersion bump.
 fn apply_update(
@@ -911,9 +1266,22 @@ fn apply_update(
             None => obj.remove("status"),
         };
     }
+    let schema_causes = schema_check(&t.rt, &Value::Object(obj.clone()))?;
+    if status_write && !schema_causes.is_empty() {
+        return Err(Box::new(invalid(&t.rt, name, &schema_causes)));
+    }
     normalise(&t.rt, &mut obj);
     if !status_write {
-        let mut causes = validate::validate(&t.rt.group, &t.rt.plural, &obj);
+        let mut causes = merge_causes(
+            schema_causes,
+            validate::validate(&t.rt.group, &t.rt.plural, &obj),
+        );
+        causes.extend(validate::validate_update(
+            &t.rt.group,
+            &t.rt.plural,
+            old,
+            &obj,
+        ));
         if t.rt.is("", "pods")
             && mutable_pod_spec(obj.get("spec").unwrap_or(&Value::Null))
                 != mutable_pod_spec(old.get("spec").unwrap_or(&Value::Null))
@@ -931,7 +1299,35 @@ fn apply_update(
     obj.insert("kind".into(), t.rt.kind.clone().into());
     obj.insert("apiVersion".into(), t.rt.api_version().into());
     let mut meta = take_metadata(&mut obj);
-    for field in ["name", "namespace", "uid", "creationTimestamp"] {
+    if old["metadata"]["deletionTimestamp"].is_string() && !status_write {
+        let before: Vec<&Value> = old["metadata"]["finalizers"]
+            .as_array()
+            .map(|f| f.iter().collect())
+            .unwrap_or_default();
+        let added = meta
+            .get("finalizers")
+            .and_then(Value::as_array)
+            .is_some_and(|f| f.iter().any(|x| !before.contains(&x)));
+        if added {
+            s.revision -= 1;
+            return Err(Box::new(invalid(
+                &t.rt,
+                name,
+                &[validate::Cause::forbidden(
+                    "metadata.finalizers",
+                    "no new finalizers can be added if the object is being deleted",
+                )],
+            )));
+        }
+    }
+    for field in [
+        "name",
+        "namespace",
+        "uid",
+        "creationTimestamp",
+        "deletionTimestamp",
+        "deletionGracePeriodSeconds",
+    ] {
         match old.get("metadata").and_then(|m| m.get(field)) {
             Some(v) => meta.insert(field.into(), v.clone()),
             None => meta.remove(field),
@@ -984,8 +1380,9 @@ fn replace(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
     }
     match apply_update(s, t, name, &old, obj) {
         Ok(updated) => {
-            commit(s, k, Some(old), Some(updated.clone()));
-            (StatusCode::OK, axum::Json(updated)).into_response()
+            commit(s, k.clone(), Some(old), Some(updated.clone()));
+            finish_deletion(s, k, &updated)
+                .unwrap_or_else(|| (StatusCode::OK, axum::Json(updated)).into_response())
         }
         Err(r) => *r,
     }
@@ -1042,8 +1439,9 @@ fn patch(s: &mut Store, t: &Target, name: &str, headers: &HeaderMap, body: &[u8]
         s.revision -= 1;
         return (StatusCode::OK, axum::Json(old)).into_response();
     }
-    commit(s, k, Some(old), Some(updated.clone()));
-    (StatusCode::OK, axum::Json(updated)).into_response()
+    commit(s, k.clone(), Some(old), Some(updated.clone()));
+    finish_deletion(s, k, &updated)
+        .unwrap_or_else(|| (StatusCode::OK, axum::Json(updated)).into_response())
 }
 
 /// RFC 7386 JSON merge patch: objects merge recursively, `null` deletes, anything else replaces.
@@ -1072,6 +1470,12 @@ fn bind(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
         Ok(b) => b,
         Err(r) => return *r,
     };
+    let binding_type = ResourceType::core("bindings", "Binding", true, false);
+    match schema_check(&binding_type, &Value::Object(binding.clone())) {
+        Ok(causes) if causes.is_empty() => {}
+        Ok(causes) => return invalid(&binding_type, name, &causes),
+        Err(r) => return *r,
+    }
     let Some(node) = binding
         .get("target")
         .and_then(|t| t.get("name"))
@@ -1134,6 +1538,32 @@ fn delete(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
         }
     }
     let orphan = options["propagationPolicy"] == "Orphan";
+    let deleting = old["metadata"]["deletionTimestamp"].is_string();
+    let grace = graceful_period(&t.rt, &old, &options);
+    if grace.is_some() || has_finalizers(&old) {
+        // Marked, not removed: the kubelet ends a running Pod's containers and then removes
+        // it; an object with finalizers stays until whoever owns them removes the last one.
+        let secs = grace.unwrap_or(0);
+        let earlier = old["metadata"]["deletionGracePeriodSeconds"]
+            .as_i64()
+            .is_some_and(|current| current <= secs);
+        if deleting && earlier {
+            return (StatusCode::OK, axum::Json(old)).into_response();
+        }
+        let mut marked = old.clone();
+        s.revision += 1;
+        marked["metadata"]["deletionTimestamp"] = rfc3339_after(secs).into();
+        marked["metadata"]["deletionGracePeriodSeconds"] = secs.into();
+        marked["metadata"]["resourceVersion"] = s.revision.to_string().into();
+        commit(s, k, Some(old), Some(marked.clone()));
+        return (StatusCode::OK, axum::Json(marked)).into_response();
+    }
+    remove(s, k, &old, orphan)
+}
+
+/// Removes a stored object and collects its dependents; the answer is the object, as the
+/// real server answers an immediate delete.
+fn remove(s: &mut Store, k: ObjectKey, old: &Value, orphan: bool) -> Response {
     s.revision += 1;
     let mut gone = old.clone();
     gone["metadata"]["resourceVersion"] = s.revision.to_string().into();
@@ -1141,9 +1571,47 @@ fn delete(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
     if let Some(uid) = old["metadata"]["uid"].as_str() {
         collect_garbage(s, uid, orphan);
     }
-    // Pods are deleted immediately here (the fake kubelet stops the process on the DELETED
-    // event): the real server's answer for an immediate delete is the object itself.
     (StatusCode::OK, axum::Json(gone)).into_response()
+}
+
+fn has_finalizers(obj: &Value) -> bool {
+    obj["metadata"]["finalizers"]
+        .as_array()
+        .is_some_and(|f| !f.is_empty())
+}
+
+/// The grace period of a Pod's deletion, as the API server's Pod strategy decides it:
+/// `None` (removed at once) for a Pod no node runs, one in a terminal phase, or a zero
+/// grace; else `gracePeriodSeconds` of the request, the Pod's
+/// `terminationGracePeriodSeconds`, or 30.
+fn graceful_period(rt: &ResourceType, pod: &Value, options: &Value) -> Option<i64> {
+    if !rt.is("", "pods") || !pod["spec"]["nodeName"].is_string() {
+        return None;
+    }
+    if matches!(
+        pod["status"]["phase"].as_str(),
+        Some("Succeeded" | "Failed")
+    ) {
+        return None;
+    }
+    let secs = options["gracePeriodSeconds"]
+        .as_i64()
+        .or_else(|| pod["spec"]["terminationGracePeriodSeconds"].as_i64())
+        .unwrap_or(30);
+    (secs > 0).then_some(secs)
+}
+
+/// Completes the deletion of an object being deleted once its last finalizer is gone
+/// (and, for a Pod, once it was deleted with no grace left).
+fn finish_deletion(s: &mut Store, k: ObjectKey, updated: &Value) -> Option<Response> {
+    let meta = &updated["metadata"];
+    if !meta["deletionTimestamp"].is_string()
+        || has_finalizers(updated)
+        || meta["deletionGracePeriodSeconds"].as_i64().unwrap_or(0) > 0
+    {
+        return None;
+    }
+    Some(remove(s, k, updated, false))
 }
 
 /// Deletes (or orphans) every object owned by `uid`, then their dependents, as the garbage
@@ -1169,6 +1637,14 @@ fn collect_garbage(s: &mut Store, uid: &str, orphan: bool) {
             }
             new["metadata"]["resourceVersion"] = s.revision.to_string().into();
             commit(s, k, Some(old), Some(new));
+        } else if has_finalizers(&old) {
+            let mut marked = old.clone();
+            if !marked["metadata"]["deletionTimestamp"].is_string() {
+                marked["metadata"]["deletionTimestamp"] = now_rfc3339().into();
+                marked["metadata"]["deletionGracePeriodSeconds"] = 0.into();
+            }
+            marked["metadata"]["resourceVersion"] = s.revision.to_string().into();
+            commit(s, k, Some(old), Some(marked));
         } else {
             commit(s, k, Some(old.clone()), None);
             if let Some(child) = old["metadata"]["uid"].as_str() {
@@ -1282,6 +1758,17 @@ fn random_suffix() -> String {
     (0..5)
         .map(|_| ALPHABET[rand::random_range(0..ALPHABET.len())] as char)
         .collect()
+}
+
+/// `now_rfc3339` plus `secs` seconds (a deletion deadline).
+fn rfc3339_after(secs: i64) -> String {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    k8s_openapi::jiff::Timestamp::from_second(now.saturating_add(secs))
+        .map(|t| t.to_string())
+        .unwrap_or_else(|_| "1970-01-01T00:00:00Z".into())
 }
 
 /// `creationTimestamp` format: RFC 3339, whole seconds, UTC.

@@ -46,21 +46,40 @@ fn set_values(part: &str, rest: &str) -> Result<Vec<String>, String> {
         .strip_prefix('(')
         .and_then(|r| r.strip_suffix(')'))
         .ok_or_else(|| format!("unable to parse requirement {part:?}: expected a (value,…) set"))?;
-    Ok(inner
+    inner
         .split(',')
-        .map(|v| v.trim().to_owned())
+        .map(str::trim)
         .filter(|v| !v.is_empty())
-        .collect())
+        .map(|v| check_value(part, v))
+        .collect()
 }
 
 fn check_key(part: &str, key: &str) -> Result<String, String> {
     let key = key.trim();
-    if key.is_empty() || key.contains(char::is_whitespace) {
+    let mut causes = Vec::new();
+    super::validate::qualified_name("key", key, &mut causes);
+    if key.is_empty() || !causes.is_empty() {
+        let why = causes
+            .first()
+            .map(|c| c.message.clone())
+            .unwrap_or_default();
         return Err(format!(
-            "unable to parse requirement {part:?}: invalid label key {key:?}"
+            "unable to parse requirement {part:?}: invalid label key {key:?}: {why}"
         ));
     }
     Ok(key.to_owned())
+}
+
+/// A value in a selector must be one a label can have (the server's `400` otherwise).
+fn check_value(part: &str, value: &str) -> Result<String, String> {
+    let value = value.trim();
+    if let Some(why) = super::validate::label_value_problem(value) {
+        return Err(format!(
+            "unable to parse requirement: values[0][{}]: Invalid value: {value:?}: {why}",
+            part.split(['=', '!', ' ']).next().unwrap_or(part).trim()
+        ));
+    }
+    Ok(value.to_owned())
 }
 
 impl LabelSelector {
@@ -77,11 +96,11 @@ impl LabelSelector {
             } else if let Some((k, rest)) = part.split_once(" in ") {
                 Requirement::In(check_key(part, k)?, set_values(part, rest)?)
             } else if let Some((k, v)) = part.split_once("!=") {
-                Requirement::Ne(check_key(part, k)?, v.trim().into())
+                Requirement::Ne(check_key(part, k)?, check_value(part, v)?)
             } else if let Some((k, v)) = part.split_once("==") {
-                Requirement::Eq(check_key(part, k)?, v.trim().into())
+                Requirement::Eq(check_key(part, k)?, check_value(part, v)?)
             } else if let Some((k, v)) = part.split_once('=') {
-                Requirement::Eq(check_key(part, k)?, v.trim().into())
+                Requirement::Eq(check_key(part, k)?, check_value(part, v)?)
             } else if let Some(k) = part.strip_prefix('!') {
                 Requirement::Absent(check_key(part, k)?)
             } else {
