@@ -478,6 +478,22 @@ impl Dispatch {
         Ok(ran)
     }
 
+    /// Takes the offer of `id` back, so its runner can no longer claim the task (its
+    /// executor is about to be failed for not starting). `false` when a claim is under
+    /// way or done: the task is the runner's then. An assignment never offered here
+    /// cannot be claimed here either.
+    pub fn withdraw(&self, id: &AssignmentId) -> bool {
+        let mut entries = lock(&self.entries);
+        match entries.get_mut(id) {
+            None => true,
+            Some(e) if e.claiming || *e.state.borrow() != ClaimState::Pending => false,
+            Some(e) => {
+                e.task = None;
+                true
+            }
+        }
+    }
+
     /// Forgets an assignment whose executor was deleted or failed.
     pub fn forget(&self, backend: Backend, id: &AssignmentId) {
         self.release(backend, id);

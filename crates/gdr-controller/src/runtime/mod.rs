@@ -391,7 +391,15 @@ async fn run_controller(
         )
         .with_metrics(metrics.clone())
         .with_observations(observations.clone())
-        .with_wake(wake);
+        .with_wake(wake)
+        .with_unstarted(
+            executors.start_deadline,
+            Arc::new(queue::StreamQueue::new(
+                queue.worker.clone(),
+                queue.stream.clone(),
+                *backend,
+            )),
+        );
         if let Some(h) = housekeeping {
             lifecycle = lifecycle.with_housekeeping(h);
         }
