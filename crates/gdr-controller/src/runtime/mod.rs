@@ -869,6 +869,23 @@ async fn connect(
 
 // === leadership ===
 
+/// The host (Pod) name: `$HOSTNAME`, else the kernel's (a systemd service has no
+/// `HOSTNAME` in its environment).
+fn host_name() -> Option<String> {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+}
+
+/// `<host>-<8 random hex digits>`, drawn once per process: two processes on one host, or a
+/// restarted container of the same Pod, never campaign under one identity (two holders of
+/// one identity would both lead).
+fn default_identity(host: Option<String>) -> Option<String> {
+    host.map(|h| format!("{h}-{:08x}", rand::random::<u32>()))
+}
+
 type ElectorTask = tokio::task::JoinHandle<Result<(), crate::lease::LeaseError>>;
 
 async fn campaign(
@@ -887,13 +904,16 @@ async fn campaign(
     let client = crate::lease::client_from_environment()
         .await
         .map_err(setup("leader election"))?;
-    let identity = identity
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .ok_or_else(|| {
+    let identity = match identity {
+        // The operator's choice; the elector still refuses to lead beside a duplicate.
+        Some(configured) => configured,
+        None => default_identity(host_name()).ok_or_else(|| {
             step("leader election")(
-                "leader_identity (or HOSTNAME) is required for leader election".into(),
+                "leader_identity is required for leader election where the host name is unknown (no HOSTNAME, no /proc/sys/kernel/hostname)".into(),
             )
-        })?;
+        })?,
+    };
+    tracing::info!(identity = %identity, "campaigning for the leader lease");
     let settings = LeaseSettings::with_duration(namespace, name, identity, lease_duration);
     settings.validate().map_err(setup("leader election"))?;
     let (tx, leadership) = Leadership::channel();
