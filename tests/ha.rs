@@ -297,3 +297,99 @@ async fn two_replicas_on_one_host_campaign_under_distinct_identities_and_only_on
         let _ = child.start_kill();
     }
 }
+
+/// DESIGN invariants 4, 18: a leader that loses its Lease stops fetching the moment it sees
+/// the loss, before anything else drains and wherever its start is: here its facade still
+/// waits for an SVID the SPIRE agent has not issued, so its start never reached the point
+/// where the loss used to be looked at, and its pollers went on fetching for Gitea while
+/// another replica led. A fetch already on its way when the loss was seen may still arrive.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deposed_leader_issues_no_fetch_task_after_it_observed_the_loss() {
+    use gdr_testkit::mock_gitea::RpcMethod;
+    use k8s_openapi::api::coordination::v1::Lease;
+    use kube::Api;
+    use kube::api::PostParams;
+
+    let nats = NatsServer::start().await.expect("nats");
+    let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+    let kube = FakeKube::start().await.expect("fake kube");
+    let fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref());
+    // No SPIRE agent answers there: the facade's start waits for its SVID.
+    let absent = fixture.path().join("no-agent.sock");
+    let fixture = fixture
+        // No job runs: executors would dial this.
+        .set("runner_facade_url", "https://facade.invalid:8443")
+        .set("components", "scheduler,pod-worker")
+        .set("pod_capacity", 1u32)
+        .set("vm_capacity", 0u32)
+        .set("fetch_pollers_max", 1u32)
+        .set("nats_url", nats.url())
+        .set("leader_election", true)
+        .set("lease_duration", "3s")
+        .set("local_identity", false)
+        .set(
+            "spiffe_endpoint_socket",
+            format!("unix://{}", absent.display()),
+        )
+        .set("pod_backend", "kubernetes")
+        .set("pod_namespace", "gitea-actions")
+        .set("pod_executor_image", "registry.example.org/executor:test");
+    let kubeconfig = fixture.file("kubeconfig", &kube.kubeconfig("gitea-actions"));
+    let kubeconfig = kubeconfig.display().to_string();
+    let (facade, health) = (listener(), listener());
+    let mut child = fixture.spawn(
+        BIN.as_ref(),
+        &facade,
+        &health,
+        &[
+            ("KUBECONFIG", &kubeconfig),
+            ("LEADER_IDENTITY", "replica-a"),
+        ],
+    );
+    gdr_testkit::until(WAIT, "the leader polls Gitea", || async {
+        mock.handle.calls(RpcMethod::FetchTask) >= 2
+    })
+    .await;
+    let health_addr = health.local_addr().expect("addr");
+    assert!(
+        !is_ready(health_addr).await,
+        "its start waits for the facade's SVID"
+    );
+
+    // Another replica takes the Lease over; the leader's next renewal is refused.
+    let leases: Api<Lease> = Api::namespaced(kube.client().expect("client"), "gitea-actions");
+    for attempt in 1.. {
+        let mut lease = leases.get("gitea-dynamic-runner").await.expect("get");
+        let spec = lease.spec.as_mut().expect("spec");
+        spec.holder_identity = Some("replica-b".into());
+        spec.renew_time = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+            k8s_openapi::jiff::Timestamp::now(),
+        ));
+        match leases
+            .replace("gitea-dynamic-runner", &PostParams::default(), &lease)
+            .await
+        {
+            Ok(_) => break,
+            Err(kube::Error::Api(s)) if s.code == 409 && attempt < 10 => {}
+            Err(e) => panic!("take over: {e}"),
+        }
+    }
+    gdr_testkit::until(WAIT, "the leader sees the loss", || async {
+        fixture.log().contains("leadership lost")
+    })
+    .await;
+    let seen = mock.handle.calls(RpcMethod::FetchTask);
+    gdr_testkit::until(WAIT, "the scheduler stopped, or fetched again", || async {
+        fixture.log().contains("scheduler stopped")
+            || mock.handle.calls(RpcMethod::FetchTask) > seen + 1
+    })
+    .await;
+    let after = mock.handle.calls(RpcMethod::FetchTask);
+    assert!(
+        after <= seen + 1,
+        "{} FetchTask after the loss was seen\ncontroller log:\n{}",
+        after - seen,
+        fixture.log()
+    );
+    let _ = child.start_kill();
+}

@@ -263,6 +263,12 @@ async fn run_controller(
 
     // Components. Stopping the scheduler first lets an in-flight fetch publish (4).
     let (stop_scheduler, scheduler_shutdown) = shutdown_channel();
+    // Invariant 18: a deposed leader fetches nothing more, even while it still starts.
+    tokio::spawn(stop_fetching_on_loss(
+        leadership.clone(),
+        stop_scheduler.clone(),
+        scheduler_shutdown.clone(),
+    ));
     let (stop_work, work_shutdown) = shutdown_channel();
     let mut tasks: JoinSet<(&'static str, Result<(), Source>)> = JoinSet::new();
     let stats = Arc::new(SchedulerStats::new());
@@ -450,6 +456,9 @@ async fn run_controller(
     }
 
     let outcome = tokio::select! {
+        // A lost lease stops the scheduler at once (`stop_fetching_on_loss`): its end is
+        // the loss, not a component failing.
+        biased;
         _ = shutdown.wait() => Ok(()),
         _ = leadership.lost() => Err(RuntimeError::LostLeadership),
         Some(joined) = tasks.join_next() => Err(match joined {
@@ -884,6 +893,23 @@ fn host_name() -> Option<String> {
 /// one identity would both lead).
 fn default_identity(host: Option<String>) -> Option<String> {
     host.map(|h| format!("{h}-{:08x}", rand::random::<u32>()))
+}
+
+/// Stops the scheduler (no new FetchTask, no heartbeat) the moment leadership is lost,
+/// wherever the rest of the controller is, even still starting; ends once the scheduler is
+/// stopped anyway.
+async fn stop_fetching_on_loss(
+    mut leadership: Leadership,
+    stop: ShutdownTrigger,
+    stopped: Shutdown,
+) {
+    tokio::select! {
+        () = leadership.lost() => {
+            tracing::warn!("lost the leader lease: fetching stopped before anything else");
+            stop.trigger();
+        }
+        () = stopped.wait() => {}
+    }
 }
 
 type ElectorTask = tokio::task::JoinHandle<Result<(), crate::lease::LeaseError>>;
