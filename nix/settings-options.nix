@@ -274,7 +274,7 @@ in
   leader_identity = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "This replica's identity in the Lease. Default: `\$HOSTNAME`.";
+    description = "This replica's identity in the Lease, unique per process. Unset: the host (Pod) name and a random suffix drawn at start. A configured one must differ between replicas: a second process campaigning under it never leads, and says so. Default: `\$HOSTNAME-<random suffix>`.";
   };
   lease_duration = mkOption {
     type = types.nullOr (types.either types.str types.ints.unsigned);

@@ -185,3 +185,215 @@ async fn exactly_one_replica_leads_and_killing_it_hands_over_without_losing_or_r
     }
     let _ = replicas[standby].child.start_kill();
 }
+
+/// Polls the health endpoints of `replicas` until one is ready; fails if two ever are.
+async fn only_leader(replicas: &[SocketAddr], fixture: &ControllerFixture) -> usize {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let mut ready = Vec::new();
+        for (i, r) in replicas.iter().enumerate() {
+            if is_ready(*r).await {
+                ready.push(i);
+            }
+        }
+        assert!(
+            ready.len() <= 1,
+            "two replicas ready at once\ncontroller log:\n{}",
+            fixture.log()
+        );
+        if let [one] = ready[..] {
+            return one;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no replica became leader\ncontroller log:\n{}",
+            fixture.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// DESIGN invariant 18: two replicas on one host (one `$HOSTNAME`) without a configured
+/// `leader_identity` campaign under distinct identities, the host name and a suffix drawn
+/// at start, so exactly one leads; with one identity for both, both led.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_replicas_on_one_host_campaign_under_distinct_identities_and_only_one_leads() {
+    let nats = NatsServer::start().await.expect("nats");
+    let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+    let kube = FakeKube::start().await.expect("fake kube");
+    let fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref())
+        // No job runs: executors would dial this.
+        .set("runner_facade_url", "https://facade.invalid:8443")
+        .set("components", "scheduler,pod-worker")
+        .set("pod_capacity", 1u32)
+        .set("vm_capacity", 0u32)
+        .set("nats_url", nats.url())
+        .set("leader_election", true)
+        .set("lease_duration", "3s");
+    let kubeconfig = fixture.file("kubeconfig", &kube.kubeconfig("gitea-actions"));
+    let kubeconfig = kubeconfig.display().to_string();
+    let mut replicas = Vec::new();
+    let mut healths = Vec::new();
+    for _ in 0..2 {
+        let (facade, health) = (listener(), listener());
+        healths.push(health.local_addr().expect("addr"));
+        let child = fixture.spawn(
+            BIN.as_ref(),
+            &facade,
+            &health,
+            &[("KUBECONFIG", &kubeconfig), ("HOSTNAME", "ci-host")],
+        );
+        replicas.push((child, facade, health));
+    }
+    let lease = |kube: &gdr_testkit::fake_kube::RunningFakeKube| {
+        kube.handle.object(
+            &gdr_testkit::fake_kube::ResourceType::leases(),
+            "gitea-actions",
+            "gitea-dynamic-runner",
+        )
+    };
+    only_leader(&healths, &fixture).await;
+    let holder = lease(&kube).expect("the Lease")["spec"]["holderIdentity"]
+        .as_str()
+        .expect("a holder")
+        .to_owned();
+    let suffix = holder
+        .strip_prefix("ci-host-")
+        .unwrap_or_else(|| panic!("not the host name and a suffix: {holder}"));
+    assert!(
+        suffix.len() == 8 && suffix.chars().all(|c| c.is_ascii_hexdigit()),
+        "{holder}"
+    );
+    // Several renewals (3s lease: one every ~430ms) with still only one leader.
+    let version = |kube: &gdr_testkit::fake_kube::RunningFakeKube| -> u64 {
+        lease(kube)
+            .and_then(|l| l["metadata"]["resourceVersion"].as_str()?.parse().ok())
+            .unwrap_or(0)
+    };
+    let from = version(&kube);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while version(&kube) < from + 5 {
+        only_leader(&healths, &fixture).await;
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the leader stopped renewing"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let identities: std::collections::BTreeSet<String> = fixture
+        .log()
+        .lines()
+        .filter(|l| l.contains("campaigning for the leader lease"))
+        .filter_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).ok()?;
+            v["fields"]["identity"]
+                .as_str()
+                .or_else(|| v["identity"].as_str())
+                .map(str::to_owned)
+        })
+        .collect();
+    assert_eq!(
+        identities.len(),
+        2,
+        "two distinct identities: {identities:?}"
+    );
+    for (child, _, _) in &mut replicas {
+        let _ = child.start_kill();
+    }
+}
+
+/// DESIGN invariants 4, 18: a leader that loses its Lease stops fetching the moment it sees
+/// the loss, before anything else drains and wherever its start is: here its facade still
+/// waits for an SVID the SPIRE agent has not issued, so its start never reached the point
+/// where the loss used to be looked at, and its pollers went on fetching for Gitea while
+/// another replica led. A fetch already on its way when the loss was seen may still arrive.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deposed_leader_issues_no_fetch_task_after_it_observed_the_loss() {
+    use gdr_testkit::mock_gitea::RpcMethod;
+    use k8s_openapi::api::coordination::v1::Lease;
+    use kube::Api;
+    use kube::api::PostParams;
+
+    let nats = NatsServer::start().await.expect("nats");
+    let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+    let kube = FakeKube::start().await.expect("fake kube");
+    let fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref());
+    // No SPIRE agent answers there: the facade's start waits for its SVID.
+    let absent = fixture.path().join("no-agent.sock");
+    let fixture = fixture
+        // No job runs: executors would dial this.
+        .set("runner_facade_url", "https://facade.invalid:8443")
+        .set("components", "scheduler,pod-worker")
+        .set("pod_capacity", 1u32)
+        .set("vm_capacity", 0u32)
+        .set("fetch_pollers_max", 1u32)
+        .set("nats_url", nats.url())
+        .set("leader_election", true)
+        .set("lease_duration", "3s")
+        .set("local_identity", false)
+        .set(
+            "spiffe_endpoint_socket",
+            format!("unix://{}", absent.display()),
+        )
+        .set("pod_backend", "kubernetes")
+        .set("pod_namespace", "gitea-actions")
+        .set("pod_executor_image", "registry.example.org/executor:test");
+    let kubeconfig = fixture.file("kubeconfig", &kube.kubeconfig("gitea-actions"));
+    let kubeconfig = kubeconfig.display().to_string();
+    let (facade, health) = (listener(), listener());
+    let mut child = fixture.spawn(
+        BIN.as_ref(),
+        &facade,
+        &health,
+        &[
+            ("KUBECONFIG", &kubeconfig),
+            ("LEADER_IDENTITY", "replica-a"),
+        ],
+    );
+    gdr_testkit::until(WAIT, "the leader polls Gitea", || async {
+        mock.handle.calls(RpcMethod::FetchTask) >= 2
+    })
+    .await;
+    let health_addr = health.local_addr().expect("addr");
+    assert!(
+        !is_ready(health_addr).await,
+        "its start waits for the facade's SVID"
+    );
+
+    // Another replica takes the Lease over; the leader's next renewal is refused.
+    let leases: Api<Lease> = Api::namespaced(kube.client().expect("client"), "gitea-actions");
+    for attempt in 1.. {
+        let mut lease = leases.get("gitea-dynamic-runner").await.expect("get");
+        let spec = lease.spec.as_mut().expect("spec");
+        spec.holder_identity = Some("replica-b".into());
+        spec.renew_time = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+            k8s_openapi::jiff::Timestamp::now(),
+        ));
+        match leases
+            .replace("gitea-dynamic-runner", &PostParams::default(), &lease)
+            .await
+        {
+            Ok(_) => break,
+            Err(kube::Error::Api(s)) if s.code == 409 && attempt < 10 => {}
+            Err(e) => panic!("take over: {e}"),
+        }
+    }
+    gdr_testkit::until(WAIT, "the leader sees the loss", || async {
+        fixture.log().contains("leadership lost")
+    })
+    .await;
+    let seen = mock.handle.calls(RpcMethod::FetchTask);
+    gdr_testkit::until(WAIT, "the scheduler stopped, or fetched again", || async {
+        fixture.log().contains("scheduler stopped")
+            || mock.handle.calls(RpcMethod::FetchTask) > seen + 1
+    })
+    .await;
+    let after = mock.handle.calls(RpcMethod::FetchTask);
+    assert!(
+        after <= seen + 1,
+        "{} FetchTask after the loss was seen\ncontroller log:\n{}",
+        after - seen,
+        fixture.log()
+    );
+    let _ = child.start_kill();
+}

@@ -359,6 +359,152 @@ async fn a_leader_whose_lease_was_taken_over_steps_down_at_once() {
     assert_eq!(holder(&fake).as_deref(), Some("intruder"));
 }
 
+/// Logs at warn and above of this thread's tasks (the elector runs on the test's runtime).
+fn capture_warnings() -> (
+    gdr_testkit::log_capture::Capture,
+    tracing::subscriber::DefaultGuard,
+) {
+    let captured = gdr_testkit::log_capture::Capture::default();
+    let guard = tracing::subscriber::set_default(gdr_controller::logging::subscriber(
+        tracing_subscriber::EnvFilter::new("warn"),
+        captured.clone(),
+    ));
+    (captured, guard)
+}
+
+/// Writes the Lease as another process holding it under `identity` would renew it: a fresh
+/// renewTime on the version read (read again after a 409, as a real writer does).
+async fn renew_as_another_process(fake: &RunningFakeKube, identity: &str) {
+    let leases: Api<Lease> = Api::namespaced(client(&fake.url), NS);
+    for attempt in 1.. {
+        let mut lease = leases.get(LEASE).await.expect("get");
+        let spec = lease.spec.as_mut().expect("spec");
+        spec.holder_identity = Some(identity.into());
+        spec.renew_time = Some(MicroTime(k8s_openapi::jiff::Timestamp::now()));
+        match leases.replace(LEASE, &PostParams::default(), &lease).await {
+            Ok(_) => return,
+            Err(kube::Error::Api(s)) if s.code == 409 && attempt < 10 => {}
+            Err(e) => panic!("renew: {e}"),
+        }
+    }
+}
+
+/// DESIGN invariant 18: two processes configured with the same identity never both lead.
+/// The compare-and-swap cannot tell them apart, so the second, finding the Lease under its
+/// own identity renewed by someone else, stays standby and says that the identity is
+/// shared.
+#[tokio::test]
+async fn two_processes_with_the_same_identity_never_both_lead_and_the_duplicate_is_reported() {
+    let (captured, _guard) = capture_warnings();
+    let fake = fake_kube::start().await.expect("fake API");
+    let first = campaign(&fake, settings("replica-a"));
+    until_sync(DEADLINE, "the first process leads", || {
+        first.leadership.is_leader()
+    })
+    .await;
+    let second = campaign(&fake, settings("replica-a"));
+    let both = Arc::new(AtomicBool::new(false));
+    let monitor = {
+        let (mut ra, mut rb) = (first.leadership.receiver(), second.leadership.receiver());
+        let both = both.clone();
+        tokio::spawn(async move {
+            loop {
+                if *ra.borrow_and_update() && *rb.borrow_and_update() {
+                    both.store(true, Ordering::SeqCst);
+                }
+                tokio::select! {
+                    r = ra.changed() => if r.is_err() { break },
+                    r = rb.changed() => if r.is_err() { break },
+                }
+            }
+        })
+    };
+    // Several renewals, while the second campaigns.
+    let rv = resource_version(&fake);
+    until_sync(DEADLINE, "the leader renewed five times", || {
+        resource_version(&fake) >= rv + 5
+    })
+    .await;
+    assert!(!both.load(Ordering::SeqCst), "both processes led at once");
+    assert!(first.leadership.is_leader(), "the first keeps leading");
+    assert!(!second.leadership.is_leader());
+    until_sync(DEADLINE, "the duplicate reported", || {
+        captured
+            .text()
+            .contains("another process holds the lease under this replica's identity")
+    })
+    .await;
+    assert!(!both.load(Ordering::SeqCst), "both processes led at once");
+    assert!(
+        captured.text().contains("\"identity\":\"replica-a\""),
+        "the report names the identity: {}",
+        captured.text()
+    );
+    monitor.abort();
+}
+
+/// DESIGN invariant 18: a leader whose Lease was renewed under its own identity by another
+/// process (a second replica configured with the same `leader_identity`) stops leading at
+/// once, long before its renew deadline, and says why: on that identity nobody may lead.
+#[tokio::test]
+async fn a_leader_whose_identity_another_process_renews_steps_down_and_names_the_duplicate() {
+    let fake = fake_kube::start().await.expect("fake API");
+    // A long lease and deadline: only the duplicate can make the leader step down in time.
+    let mut a = campaign(
+        &fake,
+        LeaseSettings {
+            lease_duration: Duration::from_secs(60),
+            renew_deadline: Duration::from_secs(50),
+            ..settings("replica-a")
+        },
+    );
+    assert!(a.leadership.acquired().await);
+    renew_as_another_process(&fake, "replica-a").await;
+    tokio::time::timeout(DEADLINE, a.leadership.lost())
+        .await
+        .expect("the leader stepped down");
+    let result = a.task.await.expect("elector task");
+    assert!(
+        matches!(&result, Err(LeaseError::DuplicateIdentity(id)) if id == "replica-a"),
+        "{result:?}"
+    );
+}
+
+/// DESIGN invariant 18: a replica restarted under its configured identity after a crash
+/// cannot tell its previous run from a live duplicate, so it takes the Lease only once it
+/// expired, as any standby, starting a new term.
+#[tokio::test]
+async fn a_replica_restarted_under_its_identity_takes_the_lease_only_once_its_previous_run_expired()
+{
+    let fake = fake_kube::start().await.expect("fake API");
+    let first = campaign(&fake, settings("replica-a"));
+    until_sync(DEADLINE, "the first run leads", || {
+        first.leadership.is_leader()
+    })
+    .await;
+    // A crash: no release.
+    first.task.abort();
+    let _ = first.task.await;
+    let last = stored_lease(&fake).expect("lease");
+    let expires_at = micros(&last["spec"]["renewTime"])
+        + last["spec"]["leaseDurationSeconds"]
+            .as_i64()
+            .expect("duration")
+            * 1_000_000;
+    let again = campaign(&fake, settings("replica-a"));
+    until_sync(DEADLINE, "the restarted run leads", || {
+        again.leadership.is_leader()
+    })
+    .await;
+    let taken = stored_lease(&fake).expect("lease");
+    assert_eq!(taken["spec"]["holderIdentity"], "replica-a");
+    assert_eq!(taken["spec"]["leaseTransitions"], 1, "a new term");
+    assert!(
+        micros(&taken["spec"]["acquireTime"]) >= expires_at,
+        "taken only after renewTime + leaseDurationSeconds"
+    );
+}
+
 /// DESIGN invariant 18: an orderly shutdown releases the Lease, so the standby leads at once
 /// instead of after the lease duration.
 #[tokio::test]

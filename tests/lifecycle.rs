@@ -6,7 +6,8 @@ use std::time::Duration;
 use gdr_controller::dispatch::Dispatch;
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::lifecycle::{Lifecycle, Pass};
-use gdr_core::assignment::{Assignment, DerivationPolicy};
+use gdr_controller::queue::{self, StreamQueue};
+use gdr_core::assignment::{Assignment, DerivationPolicy, encode_v1};
 use gdr_core::backend::{Backend, BackendLabels};
 use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::{ExecutorBackend, ExecutorSpec};
@@ -14,6 +15,9 @@ use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
 use gdr_testkit::memory_backend::MemoryBackend;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
+use gdr_testkit::nats_server::NatsServer;
+
+use crate::queue_common::stream_settings;
 
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
 /// Long enough that no test here sees an executor fall silent by accident.
@@ -49,7 +53,8 @@ async fn setup() -> Setup {
     }
 }
 
-async fn running_executor(s: &Setup, claimed: bool) -> Assignment {
+/// Queues a one-job workflow in Gitea and fetches its task as the scheduler would.
+async fn fetched(s: &Setup) -> Assignment {
     s.mock
         .handle
         .queue_workflow(
@@ -70,16 +75,26 @@ async fn running_executor(s: &Setup, claimed: bool) -> Assignment {
         scheme: IdentityScheme::Ref,
         labels: BackendLabels::default(),
     };
-    let assignment = Assignment::from_task(task, &policy).expect("assignment");
-    let spec = ExecutorSpec::new(
-        &assignment,
+    Assignment::from_task(task, &policy).expect("assignment")
+}
+
+fn spec_of(s: &Setup, assignment: &Assignment) -> ExecutorSpec {
+    ExecutorSpec::new(
+        assignment,
         s.dispatch.capability_key().issue(assignment.id()),
         &MetadataCodec::default(),
         "https://facade",
         "spiffe://example.org/controller",
         "pod",
-    );
-    s.backend.create(&spec).await.expect("create");
+    )
+}
+
+async fn running_executor(s: &Setup, claimed: bool) -> Assignment {
+    let assignment = fetched(s).await;
+    s.backend
+        .create(&spec_of(s, &assignment))
+        .await
+        .expect("create");
     s.backend.start(assignment.id());
     if claimed {
         s.backend
@@ -515,5 +530,203 @@ async fn a_terminal_executor_that_keeps_running_is_deleted_after_the_terminal_gr
     .await;
     assert!(started.elapsed() >= grace, "not before the grace");
     assert_eq!(pass.failed, 0, "nothing reported: Gitea has the result");
+    assert!(s.backend.records().is_empty());
+}
+
+/// A real JetStream stream, as the workers and the held reconciler read it.
+async fn stream() -> (NatsServer, async_nats::jetstream::Context) {
+    let nats = NatsServer::start().await.expect("nats-server");
+    let js = async_nats::jetstream::new(async_nats::connect(nats.url()).await.expect("connect"));
+    queue::ensure_stream(&js, &stream_settings())
+        .await
+        .expect("stream");
+    (nats, js)
+}
+
+/// An executor of a task this controller fetched, created `age` ago (by an earlier
+/// controller) and never claimed.
+async fn unclaimed_executor_created(s: &Setup, age: Duration) -> Assignment {
+    let assignment = fetched(s).await;
+    s.backend
+        .insert(&spec_of(s, &assignment), std::time::SystemTime::now() - age);
+    s.backend.start(assignment.id());
+    assignment
+}
+
+fn stream_queue(js: &async_nats::jetstream::Context) -> Arc<StreamQueue> {
+    Arc::new(StreamQueue::new(
+        js.clone(),
+        stream_settings(),
+        Backend::Pod,
+    ))
+}
+
+const START_DEADLINE: Duration = Duration::from_secs(60);
+/// Longer ago than [`START_DEADLINE`].
+const LONG_AGO: Duration = Duration::from_secs(120);
+
+/// DESIGN invariant 12: an unclaimed executor past its start deadline whose assignment left the
+/// queue (terminated as expired after a long outage, dropped by a stream limit) has no worker
+/// that could fail it: it is failed in Gitea with the reason, deleted and its slot released,
+/// once. One whose assignment is still queued, on its subject or held, is left to the worker
+/// (or the held reconciler) that fails it, and one within its deadline is left to start.
+#[tokio::test]
+async fn an_unclaimed_executor_past_its_start_deadline_whose_assignment_left_the_queue_is_failed_and_deleted()
+ {
+    let s = setup().await;
+    let (_nats, js) = stream().await;
+    let orphan = unclaimed_executor_created(&s, LONG_AGO).await;
+    let young = unclaimed_executor_created(&s, Duration::ZERO).await;
+    let queued = unclaimed_executor_created(&s, LONG_AGO).await;
+    let held = unclaimed_executor_created(&s, LONG_AGO).await;
+    queue::publish(
+        &js,
+        &stream_settings(),
+        Backend::Pod,
+        queued.id().as_str(),
+        encode_v1(&queued).expect("encode").into(),
+    )
+    .await
+    .expect("publish");
+    js.publish(
+        stream_settings().held_subject(Backend::Pod),
+        encode_v1(&held).expect("encode").into(),
+    )
+    .await
+    .expect("send")
+    .await
+    .expect("stored");
+    s.dispatch.restore(&s.backend.records());
+    assert_eq!(s.dispatch.pool_usage(Backend::Pod), (4, 2));
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE)
+        .with_unstarted(START_DEADLINE, stream_queue(&js));
+
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            unstarted: 1,
+            deleted: 1,
+            ..Pass::default()
+        }
+    );
+    let task = s.mock.handle.task(orphan.id().task_id()).expect("task");
+    assert_eq!(
+        task.result,
+        gdr_proto::runner::v1::TaskResult::RESULT_FAILURE as i32
+    );
+    assert!(
+        task.log_rows
+            .iter()
+            .any(|r| r.contains("did not start the job within 1m")
+                && r.contains("queued assignment is gone")),
+        "{:?}",
+        task.log_rows
+    );
+    for kept in [&young, &queued, &held] {
+        assert_eq!(
+            s.mock.handle.task(kept.id().task_id()).map(|t| t.status),
+            Some(Status::Running),
+            "{} is not this reconciler's to fail",
+            kept.id()
+        );
+    }
+    let left: Vec<_> = s
+        .backend
+        .records()
+        .iter()
+        .map(|r| r.assignment.id().clone())
+        .collect();
+    assert!(
+        !left.contains(orphan.id()),
+        "the orphan is deleted: {left:?}"
+    );
+    assert_eq!(left.len(), 3);
+    assert_eq!(
+        s.dispatch.pool_usage(Backend::Pod),
+        (3, 2),
+        "its slot is released"
+    );
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass::default(),
+        "reported once"
+    );
+}
+
+/// DESIGN invariants 12, 20: an unclaimed executor whose assignment left the queue after its
+/// job was failed in Gitea already (the held reconciler fails an assignment held too long and
+/// records it finished) is deleted without a second report.
+#[tokio::test]
+async fn an_unstarted_executor_whose_job_was_failed_before_is_deleted_without_a_second_report() {
+    let s = setup().await;
+    let (_nats, js) = stream().await;
+    let finished =
+        queue::FinishedAssignments::open(&js, "TEST_FINISHED", Duration::from_secs(3600), true)
+            .await
+            .expect("bucket");
+    let dispatch = Arc::new(
+        Dispatch::new(
+            [(s.backend.clone() as Arc<dyn ExecutorBackend>, 2)],
+            CapabilityKey::new(KEY).expect("key"),
+        )
+        .with_finished(finished),
+    );
+    let a = unclaimed_executor_created(&s, LONG_AGO).await;
+    dispatch.record_finished(a.id()).await.expect("recorded");
+    dispatch.restore(&s.backend.records());
+    let lifecycle = Lifecycle::new(dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE)
+        .with_unstarted(START_DEADLINE, stream_queue(&js));
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            unstarted: 1,
+            deleted: 1,
+            ..Pass::default()
+        }
+    );
+    assert_eq!(
+        s.mock.handle.task(a.id().task_id()).map(|t| t.status),
+        Some(Status::Running),
+        "reported a second time"
+    );
+    assert!(s.backend.records().is_empty());
+    assert_eq!(dispatch.pool_usage(Backend::Pod), (0, 2));
+}
+
+/// DESIGN invariant 12: while the queue cannot be read, nobody can tell whether a worker still
+/// holds an overdue executor's assignment: it is kept (counted as an error) and failed once
+/// the queue answers.
+#[tokio::test]
+async fn an_unstarted_executor_is_kept_while_the_queue_cannot_tell_whether_its_assignment_waits() {
+    let s = setup().await;
+    let (mut nats, js) = stream().await;
+    let a = unclaimed_executor_created(&s, LONG_AGO).await;
+    s.dispatch.restore(&s.backend.records());
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE)
+        .with_unstarted(START_DEADLINE, stream_queue(&js));
+    nats.kill().await.expect("kill");
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            errors: 1,
+            ..Pass::default()
+        }
+    );
+    assert_eq!(s.backend.records().len(), 1, "kept");
+    assert_eq!(
+        s.mock.handle.task(a.id().task_id()).map(|t| t.status),
+        Some(Status::Running)
+    );
+    nats.restart().await.expect("restart");
+    let pass = gdr_testkit::eventually(
+        Duration::from_secs(20),
+        "the executor failed once the queue answers",
+        || async {
+            let pass = lifecycle.reconcile_once().await.expect("pass");
+            (pass.unstarted == 1).then_some(pass)
+        },
+    )
+    .await;
+    assert_eq!(pass.deleted, 1);
     assert!(s.backend.records().is_empty());
 }

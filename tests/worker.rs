@@ -793,6 +793,48 @@ async fn a_backend_that_is_full_leaves_the_job_queued_until_it_has_room() {
     h.wait_outcome(a.id().as_str(), Outcome::Claimed).await;
 }
 
+/// DESIGN invariant 6: a create that answers with an error although the backend stored the
+/// executor (a call that timed out after the API server wrote the Pod) keeps its slot: the
+/// job goes on with the executor the backend has, and the next job waits for the slot
+/// instead of running beyond capacity.
+#[tokio::test]
+async fn a_create_error_after_the_executor_was_stored_keeps_its_slot_so_nothing_runs_beyond_capacity()
+ {
+    let mut h = Harness::new(1, 1).await;
+    h.pod.set_failing_after_create(Some(Failure::Unavailable));
+    // A put-back delivery does not come back within the test: only the slot decides.
+    h.start_worker_with(Backend::Pod, 2, Duration::from_secs(5), |s| {
+        s.error_delay = Duration::from_secs(3600);
+    })
+    .await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    gdr_testkit::until(WAIT, "the first executor stored", || async {
+        h.pod.created() == 1
+    })
+    .await;
+    h.pod.set_failing_after_create(None);
+    let b = h.publish_job("[self-hosted, pod]").await;
+    gdr_testkit::until(WAIT, "the second job in line, or created", || async {
+        h.dispatch.waiting(Backend::Pod) == 1 || h.pod.created() > 1
+    })
+    .await;
+    assert_eq!(
+        h.pod.created(),
+        1,
+        "an executor was created beyond capacity"
+    );
+    assert_eq!(h.dispatch.pool_usage(Backend::Pod), (1, 1));
+
+    // The first job runs on the executor its failed create left; its end frees the slot.
+    assert!(h.claim(&a).await);
+    h.wait_outcome(a.id().as_str(), Outcome::Claimed).await;
+    h.finish(&a).await;
+    h.wait_offered(b.id()).await;
+    assert!(h.claim(&b).await);
+    h.wait_outcome(b.id().as_str(), Outcome::Claimed).await;
+    assert_eq!(h.pod.created(), 2);
+}
+
 /// A JetStream consumer that keeps failing (deleted under the worker) is re-subscribed
 /// with backoff: a handful of attempts, not a spin that floods the log.
 #[tokio::test]

@@ -17,7 +17,13 @@
 //!   lease_duration` guarantees we stop believing we lead before anyone else may start;
 //! - shutdown while leading: the watch goes `false`, then the Lease is released (holder
 //!   cleared, `leaseDurationSeconds: 1`) so a standby takes over at once instead of waiting
-//!   for expiry.
+//!   for expiry;
+//! - one identity, one process: the identity is what the compare-and-swap cannot tell
+//!   apart, so a second process with the same identity would lead beside the first. A
+//!   Lease that names our identity but carries a renewTime this process never wrote is
+//!   another process's: campaigning, we wait for it to expire (a previous run of this
+//!   replica that died) and report a duplicate when it is renewed meanwhile; leading, we
+//!   stop at once ([`LeaseError::DuplicateIdentity`]).
 //!
 //! Components gate their work on a [`Leadership`] (true only while we hold the Lease). With
 //! election turned off, [`Leadership::always`] is the same interface and always true.
@@ -46,6 +52,10 @@ pub enum LeaseError {
     /// deadline). The controller must stop work (invariant 4) and exit non-zero.
     #[error("leadership lost")]
     Lost,
+    /// Another process wrote the Lease under this replica's identity while we led: two
+    /// processes share one identity, and neither may lead on it.
+    #[error("another process holds the lease under this replica's identity {0}")]
+    DuplicateIdentity(String),
     /// A Kubernetes API error that retrying will not fix (e.g. an invalid Lease).
     #[error("Kubernetes API: {0}")]
     Api(#[source] Box<kube::Error>),
@@ -66,7 +76,8 @@ pub struct LeaseSettings {
     pub namespace: String,
     /// Lease name, shared by all replicas.
     pub name: String,
-    /// This replica's identity (the pod name); must be unique among candidates.
+    /// This replica's identity; must be unique per process among candidates (a duplicate
+    /// is detected and refused, see the module documentation).
     pub identity: String,
     /// How long a lease is valid after its last renewal, as seen by other candidates.
     /// Written as whole seconds (`leaseDurationSeconds`), rounded up.
@@ -214,6 +225,33 @@ enum Attempt {
     Acquired(Box<Lease>),
     /// Someone else holds a valid lease (their identity, if any).
     HeldBy(Option<String>),
+    /// A valid lease names our identity, written by another process (its renewTime).
+    HeldUnderOurIdentity(Option<Timestamp>),
+}
+
+/// The renewTimes this process wrote and has not seen stored yet: a write whose answer was
+/// lost is recognised as ours by them; any other renewTime under our identity is not.
+#[derive(Default)]
+struct Written(std::collections::VecDeque<Timestamp>);
+
+impl Written {
+    /// Unanswered writes remembered (a few renew deadlines' worth of retries).
+    const KEEP: usize = 32;
+
+    fn push(&mut self, at: Timestamp) {
+        if self.0.len() == Self::KEEP {
+            self.0.pop_front();
+        }
+        self.0.push_back(at);
+    }
+
+    fn contains(&self, at: Option<Timestamp>) -> bool {
+        at.is_some_and(|at| self.0.contains(&at))
+    }
+
+    fn clear(&mut self) {
+        self.0.clear();
+    }
 }
 
 impl LeaderElector {
@@ -250,6 +288,10 @@ impl LeaderElector {
 
         // ---- campaign ----
         let mut last_holder: Option<String> = None;
+        let mut written = Written::default();
+        // The renewTime last seen under our identity in another process's Lease.
+        let mut seen_own: Option<Option<Timestamp>> = None;
+        let mut duplicate_reported = false;
         let (mut current, mut renewed_at) = loop {
             let started = Instant::now();
             let attempt = tokio::select! {
@@ -257,16 +299,31 @@ impl LeaderElector {
                     tracing::info!(lease = %s.name, identity = %s.identity, "shutdown while campaigning");
                     return Ok(());
                 }
-                r = tokio::time::timeout(s.renew_deadline, self.try_acquire()) => r,
+                r = tokio::time::timeout(s.renew_deadline, self.try_acquire(&mut written)) => r,
             };
             match attempt {
                 Ok(Ok(Attempt::Acquired(lease))) => break (*lease, started),
                 Ok(Ok(Attempt::HeldBy(holder))) => {
+                    seen_own = None;
                     if holder != last_holder {
                         tracing::info!(lease = %s.name, identity = %s.identity,
                             holder = holder.as_deref().unwrap_or(""), "lease held by another candidate");
                         last_holder = holder;
                     }
+                }
+                Ok(Ok(Attempt::HeldUnderOurIdentity(renewed))) => {
+                    match seen_own {
+                        None => tracing::warn!(lease = %s.name, identity = %s.identity,
+                            "the lease names this replica's identity but this process did not write it: waiting for it to expire (a previous run of this replica), unless it is renewed"),
+                        Some(before) if before != renewed && !duplicate_reported => {
+                            duplicate_reported = true;
+                            tracing::error!(lease = %s.name, identity = %s.identity,
+                                "another process holds the lease under this replica's identity: every replica needs its own leader_identity (leave it unset for a unique one); this replica stays standby");
+                        }
+                        Some(_) => {}
+                    }
+                    seen_own = Some(renewed);
+                    last_holder = Some(s.identity.clone());
                 }
                 Ok(Err(e)) if is_permanent(&e) => return Err(e.into()),
                 Ok(Err(e)) => {
@@ -290,6 +347,7 @@ impl LeaderElector {
         tracing::info!(lease = %s.name, identity = %s.identity, holder = %s.identity, "became leader");
 
         // ---- lead ----
+        written.clear();
         loop {
             tokio::select! {
                 () = shutdown.wait() => {
@@ -313,22 +371,35 @@ impl LeaderElector {
                     self.release(&current).await;
                     return Ok(());
                 }
-                r = tokio::time::timeout(remaining, self.renew(&current)) => r,
+                r = tokio::time::timeout(remaining, self.renew(&current, &mut written)) => r,
             };
             match outcome {
                 Ok(Ok(lease)) => {
                     current = lease;
                     renewed_at = sent;
+                    written.clear();
                     tracing::debug!(lease = %s.name, identity = %s.identity, "renewed");
                 }
                 Ok(Err(e)) if is_conflict(&e) => {
                     // Someone wrote the Lease since our last write. If it is still ours (our
-                    // own write whose answer we missed), continue from the stored version;
-                    // otherwise another candidate took it.
+                    // own write whose answer we missed: its renewTime is one we wrote),
+                    // continue from the stored version; under our identity with a renewTime
+                    // we never wrote, another process uses our identity; otherwise another
+                    // candidate took it.
                     let reread = tokio::time::timeout(remaining, self.api.get_opt(&s.name)).await;
                     match reread {
-                        Ok(Ok(Some(lease))) if holder_of(&lease) == Some(s.identity.as_str()) => {
+                        Ok(Ok(Some(lease)))
+                            if holder_of(&lease) == Some(s.identity.as_str())
+                                && written.contains(renew_time_of(&lease)) =>
+                        {
                             current = lease;
+                            written.clear();
+                        }
+                        Ok(Ok(Some(lease))) if holder_of(&lease) == Some(s.identity.as_str()) => {
+                            leadership.send_replace(false);
+                            tracing::error!(lease = %s.name, identity = %s.identity,
+                                "another process renewed the lease under this replica's identity: two processes share it, so this one stops leading; every replica needs its own leader_identity (leave it unset for a unique one)");
+                            return Err(LeaseError::DuplicateIdentity(s.identity.clone()));
                         }
                         Ok(Ok(lease)) => {
                             let holder =
@@ -363,7 +434,7 @@ impl LeaderElector {
     }
 
     /// One client-go `tryAcquireOrRenew` for a non-leader.
-    async fn try_acquire(&self) -> Result<Attempt, kube::Error> {
+    async fn try_acquire(&self, written: &mut Written) -> Result<Attempt, kube::Error> {
         let s = &self.settings;
         let now = now();
         let Some(existing) = self.api.get_opt(&s.name).await? else {
@@ -382,6 +453,7 @@ impl LeaderElector {
                     ..LeaseSpec::default()
                 }),
             };
+            written.push(now);
             return match self.api.create(&PostParams::default(), &lease).await {
                 Ok(created) => Ok(Attempt::Acquired(Box::new(created))),
                 // Another candidate created it between our GET and POST: it won.
@@ -392,19 +464,28 @@ impl LeaderElector {
         let spec = existing.spec.clone().unwrap_or_default();
         let holder = spec.holder_identity.clone().filter(|h| !h.is_empty());
         let ours = holder.as_deref() == Some(s.identity.as_str());
-        if !ours && holder.is_some() && !expired(&spec, now, s.lease_duration_seconds()) {
+        let valid = !expired(&spec, now, s.lease_duration_seconds());
+        if !ours && holder.is_some() && valid {
             return Ok(Attempt::HeldBy(holder));
+        }
+        let renewed = spec.renew_time.as_ref().map(|t| t.0);
+        // Ours only if this process wrote it; under our identity otherwise another's.
+        let ours_here = ours && written.contains(renewed);
+        if ours && valid && !ours_here {
+            return Ok(Attempt::HeldUnderOurIdentity(renewed));
         }
         let mut lease = existing;
         let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
-        if !ours {
-            // A takeover (or the first holder after a release) starts a new term.
+        if !ours_here {
+            // A takeover (or the first holder after a release, or after a previous run
+            // under the same identity) starts a new term.
             spec.acquire_time = Some(MicroTime(now));
             spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
         }
         spec.holder_identity = Some(s.identity.clone());
         spec.renew_time = Some(MicroTime(now));
         spec.lease_duration_seconds = Some(s.lease_duration_seconds());
+        written.push(now);
         // `lease.metadata.resourceVersion` is the one we read: the PUT is a compare-and-swap.
         match self
             .api
@@ -420,10 +501,12 @@ impl LeaderElector {
     }
 
     /// Writes a new renewTime over our last stored version.
-    async fn renew(&self, current: &Lease) -> Result<Lease, kube::Error> {
+    async fn renew(&self, current: &Lease, written: &mut Written) -> Result<Lease, kube::Error> {
         let mut lease = current.clone();
         let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
-        spec.renew_time = Some(MicroTime(now()));
+        let now = now();
+        written.push(now);
+        spec.renew_time = Some(MicroTime(now));
         spec.lease_duration_seconds = Some(self.settings.lease_duration_seconds());
         self.api
             .replace(&self.settings.name, &PostParams::default(), &lease)
@@ -462,6 +545,10 @@ fn holder_of(lease: &Lease) -> Option<&str> {
         .holder_identity
         .as_deref()
         .filter(|h| !h.is_empty())
+}
+
+fn renew_time_of(lease: &Lease) -> Option<Timestamp> {
+    lease.spec.as_ref()?.renew_time.as_ref().map(|t| t.0)
 }
 
 /// `renewTime + leaseDurationSeconds <= now`. A lease without renewTime is treated as expired.

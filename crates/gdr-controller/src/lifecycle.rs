@@ -11,9 +11,13 @@
 //! by someone else, an expired sandbox) is failed as well: nothing else would ever report
 //! it, and its slot would stay taken.
 //!
-//! Executors that end before their runner claimed the task are the worker's to fail: the
-//! worker still holds their assignment. A claimed executor that is gone from the backend
-//! (a Pod deleted by someone else) is failed here: nothing else would ever report it.
+//! Executors that end, or do not start, before their runner claimed the task are the
+//! worker's to fail while their assignment is queued: the worker delivering it fails it at
+//! the start deadline. One whose assignment left the queue (expired and terminated, removed
+//! by a stream limit, failed by the held reconciler) has no worker any more; past its start
+//! deadline it is failed here, unless it was reported already, and deleted, so it does not
+//! hold its slot forever. A claimed executor that is gone from the backend (a Pod deleted
+//! by someone else) is failed here: nothing else would ever report it.
 //!
 //! Passes run on a timer and whenever the backend's [`Wake`] fires (the Pod watch), so a
 //! Pod that ended is cleaned up or reported at once; a burst of changes gives one pass.
@@ -22,7 +26,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use gdr_core::assignment::AssignmentId;
@@ -52,6 +56,23 @@ pub trait Housekeeping: Send + Sync {
     async fn sweep(&self) -> Result<usize, ExecutorError>;
 }
 
+/// Which assignments still wait in the queue, where a worker (or the held reconciler) sees
+/// them again.
+#[async_trait]
+pub trait QueuedAssignments: Send + Sync {
+    /// The members of `ids` that have a message in the queue now.
+    async fn queued(
+        &self,
+        ids: &HashSet<AssignmentId>,
+    ) -> Result<HashSet<AssignmentId>, crate::queue::QueueError>;
+}
+
+/// Failing unclaimed executors whose assignment left the queue.
+struct Unstarted {
+    start_deadline: Duration,
+    queue: Arc<dyn QueuedAssignments>,
+}
+
 /// What one pass did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Pass {
@@ -63,6 +84,9 @@ pub struct Pass {
     pub idle: usize,
     /// Claimed assignments whose executor is gone from the backend, failed in Gitea.
     pub gone: usize,
+    /// Unclaimed executors past their start deadline whose assignment left the queue,
+    /// failed in Gitea (unless reported before) and deleted.
+    pub unstarted: usize,
     /// Executors that could not be handled this pass (retried next pass).
     pub errors: usize,
 }
@@ -76,6 +100,8 @@ enum StepError {
     Backend(#[source] ExecutorError),
     #[error("recording the finished assignment: {0}")]
     Record(#[source] crate::queue::QueueError),
+    #[error("reading whether the assignment finished: {0}")]
+    Finished(#[source] crate::queue::QueueError),
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -93,6 +119,7 @@ pub struct Lifecycle {
     observations: Option<Arc<Observations>>,
     wake: Wake,
     housekeeping: Option<Arc<dyn Housekeeping>>,
+    unstarted: Option<Unstarted>,
     terminal_grace: Option<Duration>,
     /// When each terminal, still running executor was first seen (for `terminal_grace`).
     terminal_since: Mutex<HashMap<AssignmentId, Instant>>,
@@ -116,6 +143,7 @@ impl Lifecycle {
             observations: None,
             wake: Wake::none(),
             housekeeping: None,
+            unstarted: None,
             terminal_grace: None,
             terminal_since: Mutex::new(HashMap::new()),
         }
@@ -132,6 +160,24 @@ impl Lifecycle {
     #[must_use]
     pub fn with_housekeeping(mut self, housekeeping: Arc<dyn Housekeeping>) -> Self {
         self.housekeeping = Some(housekeeping);
+        self
+    }
+
+    /// Fails unclaimed executors created longer than `start_deadline` ago whose assignment
+    /// `queue` no longer has (invariant 12): no worker will ever deliver it, so nothing
+    /// else would fail them or free their slots. While the assignment is queued, the worker
+    /// that delivers it fails the executor at the same deadline, and this reconciler leaves
+    /// it alone.
+    #[must_use]
+    pub fn with_unstarted(
+        mut self,
+        start_deadline: Duration,
+        queue: Arc<dyn QueuedAssignments>,
+    ) -> Self {
+        self.unstarted = Some(Unstarted {
+            start_deadline,
+            queue,
+        });
         self
     }
 
@@ -183,6 +229,10 @@ impl Lifecycle {
                 tracing::warn!(backend = %self.backend.backend(), assignment_id = %record.assignment.id(), executor = %record.name, error = %e, "lifecycle step failed; retrying next pass (the executor and its slot are kept until it succeeds)");
             }
         }
+        if let Some(unstarted) = &self.unstarted {
+            self.reconcile_unstarted(unstarted, &records, &mut pass)
+                .await;
+        }
         let listed: HashSet<&AssignmentId> = records.iter().map(|r| r.assignment.id()).collect();
         lock(&self.terminal_since).retain(|id, _| listed.contains(id));
         for id in self.dispatch.claimed(self.backend.backend()) {
@@ -196,6 +246,121 @@ impl Lifecycle {
             }
         }
         Ok(pass)
+    }
+
+    /// Fails the unclaimed executors past their start deadline whose assignment is no
+    /// longer queued. One queue read per pass, and only when there are such executors.
+    async fn reconcile_unstarted(
+        &self,
+        unstarted: &Unstarted,
+        records: &[ExecutorRecord],
+        pass: &mut Pass,
+    ) {
+        let now = SystemTime::now();
+        let overdue: Vec<&ExecutorRecord> = records
+            .iter()
+            .filter(|r| !r.claimed && !r.terminal)
+            .filter(|r| {
+                now.duration_since(r.created_at)
+                    .is_ok_and(|age| age > unstarted.start_deadline)
+            })
+            .collect();
+        if overdue.is_empty() {
+            return;
+        }
+        let ids: HashSet<AssignmentId> =
+            overdue.iter().map(|r| r.assignment.id().clone()).collect();
+        let queued = match unstarted.queue.queued(&ids).await {
+            Ok(q) => q,
+            Err(e) => {
+                pass.errors += 1;
+                self.count(|m| &m.lifecycle_errors);
+                tracing::warn!(backend = %self.backend.backend(), overdue = overdue.len(), error = %e, "cannot read the queue to tell whether executors past their start deadline still have their assignment; looking again next pass");
+                return;
+            }
+        };
+        for record in overdue
+            .into_iter()
+            .filter(|r| !queued.contains(r.assignment.id()))
+        {
+            if let Err(e) = self
+                .fail_unstarted(record, unstarted.start_deadline, pass)
+                .await
+            {
+                pass.errors += 1;
+                self.count(|m| &m.lifecycle_errors);
+                tracing::warn!(backend = %self.backend.backend(), assignment_id = %record.assignment.id(), executor = %record.name, error = %e, "lifecycle step failed; retrying next pass (the executor and its slot are kept until it succeeds)");
+            }
+        }
+    }
+
+    /// Invariant 12 for an executor that never started and whose assignment left the
+    /// queue: report the failure (unless its end was recorded, i.e. reported, before),
+    /// then mark it terminal and delete it, which frees its slot.
+    async fn fail_unstarted(
+        &self,
+        record: &ExecutorRecord,
+        start_deadline: Duration,
+        pass: &mut Pass,
+    ) -> Result<(), StepError> {
+        let kind = self.backend.backend();
+        let id = record.assignment.id();
+        // From here on its runner cannot claim the task in this process; one that is
+        // claiming right now keeps it.
+        if !self.dispatch.expire(id) {
+            return Ok(());
+        }
+        // The listing may predate a claim whose assignment was acknowledged since (that is
+        // why its message is gone): the claim is on the backend before the ack.
+        if self
+            .backend
+            .find(id)
+            .await
+            .map_err(StepError::Backend)?
+            .is_some_and(|r| r.claimed || r.terminal)
+        {
+            return Ok(());
+        }
+        let reported = self
+            .dispatch
+            .has_finished(id)
+            .await
+            .map_err(StepError::Finished)?;
+        if reported {
+            tracing::info!(backend = %kind, assignment_id = %id, executor = %record.name, "an unclaimed executor's job was failed in Gitea before (its assignment was held too long); deleting it");
+        } else {
+            let reason = format!(
+                "the executor {} did not start the job within {}, and the job's queued assignment is gone (it expired or was removed from the queue), so nothing can hand the job to it any more",
+                record.name,
+                humantime_serde::re::humantime::format_duration(start_deadline)
+            );
+            let why = FailureReason::StartDeadline;
+            tracing::error!(backend = %kind, assignment_id = %id, event = "failing", failure = why.as_str(), executor = %record.name, %reason, "failing the task in Gitea, then cleaning up");
+            match self
+                .gitea
+                .report_failure(id.task_id(), &reason, &REPORT_BACKOFF, REPORT_ATTEMPTS)
+                .await
+            {
+                Ok(Reported::Accepted) => {
+                    if let Some(m) = &self.metrics {
+                        m.job_failed(kind, why);
+                    }
+                    tracing::info!(backend = %kind, assignment_id = %id, event = "terminal", result = "failure", failure = why.as_str(), "Gitea accepted the failure report");
+                }
+                Ok(Reported::TaskGone) => {
+                    tracing::warn!(backend = %kind, assignment_id = %id, event = "terminal", "Gitea no longer has the task (cancelled or timed out there); cleaning up");
+                }
+                Err(e) => return Err(StepError::Report(e)),
+            }
+        }
+        self.backend
+            .mark_terminal(id)
+            .await
+            .map_err(StepError::Backend)?;
+        self.delete(record).await?;
+        pass.unstarted += 1;
+        pass.deleted += 1;
+        Ok(())
     }
 
     /// A claimed assignment missing from the list: if the backend confirms its executor is
@@ -262,6 +427,7 @@ impl Lifecycle {
             }
             return Ok(());
         }
+        // Unclaimed: its worker fails it, or `reconcile_unstarted` once it has none.
         if !record.claimed {
             return Ok(());
         }

@@ -488,3 +488,75 @@ impl FinishedAssignments {
             .map_err(|e| self.err(&e))
     }
 }
+
+// === assignments still queued ===
+
+/// The assignments of one backend that still have a message in the stream: on the
+/// backend's subject (a worker delivers them) or on its held subject (the held reconciler
+/// releases or fails them). The lifecycle reconciler asks before it fails an unclaimed
+/// executor whose start deadline has passed: while its message is there, the worker
+/// that delivers it fails it, and only one of the two may report.
+pub struct StreamQueue {
+    js: jetstream::Context,
+    settings: StreamSettings,
+    backend: Backend,
+}
+
+impl StreamQueue {
+    /// Reads `backend`'s subjects of the stream `settings` names.
+    pub fn new(js: jetstream::Context, settings: StreamSettings, backend: Backend) -> Self {
+        StreamQueue {
+            js,
+            settings,
+            backend,
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl crate::lifecycle::QueuedAssignments for StreamQueue {
+    async fn queued(
+        &self,
+        ids: &std::collections::HashSet<AssignmentId>,
+    ) -> Result<std::collections::HashSet<AssignmentId>, QueueError> {
+        use async_nats::jetstream::stream::LastRawMessageErrorKind;
+        let err = |e: &dyn std::fmt::Display| QueueError::Stream {
+            stream: self.settings.stream.clone(),
+            message: e.to_string(),
+        };
+        let mut found = std::collections::HashSet::new();
+        if ids.is_empty() {
+            return Ok(found);
+        }
+        let mut stream = open_stream(&self.js, &self.settings).await?;
+        let state = stream.info().await.map_err(|e| err(&e))?.state.clone();
+        if state.messages == 0 {
+            return Ok(found);
+        }
+        for subject in [
+            self.settings.subject(self.backend),
+            self.settings.held_subject(self.backend),
+        ] {
+            let mut sequence = state.first_sequence;
+            // Messages present now; one published later is a later pass's to see. Read one
+            // by one (the server filters by subject) and only until every ID is found.
+            while found.len() < ids.len() && sequence <= state.last_sequence {
+                let message = match stream
+                    .get_first_raw_message_by_subject(&subject, sequence)
+                    .await
+                {
+                    Ok(m) => m,
+                    Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => break,
+                    Err(e) => return Err(err(&e)),
+                };
+                sequence = message.sequence + 1;
+                if let Some(id) = gdr_core::assignment::envelope_id(&message.payload)
+                    .filter(|id| ids.contains(id))
+                {
+                    found.insert(id);
+                }
+            }
+        }
+        Ok(found)
+    }
+}

@@ -681,36 +681,10 @@ impl Worker {
                         tracing::info!(%backend, assignment_id = %id, event = "executor_created", executor = %r.name, "executor created");
                         r
                     }
-                    Err(e) => {
-                        // Nothing was created, so the slot and the offer go back.
-                        self.dispatch.forget(backend, &id);
-                        return match e {
-                            ExecutorError::Full {
-                                retry_after,
-                                reason,
-                            } => {
-                                tracing::info!(%backend, assignment_id = %id, event = "queued", %reason, ?retry_after, "the backend is full: the job stays queued in JetStream and is offered again later");
-                                if let Some(after) = retry_after {
-                                    self.retry_hints
-                                        .lock()
-                                        .unwrap_or_else(|p| p.into_inner())
-                                        .insert(id.to_string(), after);
-                                }
-                                Outcome::Full
-                            }
-                            ExecutorError::Unavailable(cause) => {
-                                tracing::warn!(%backend, assignment_id = %id, error = %cause, retry_in = ?self.settings.error_delay, "creating the executor failed; the job stays queued and creation is retried");
-                                Outcome::BackendError
-                            }
-                            ExecutorError::Permanent(cause) => {
-                                let reason = format!(
-                                    "the {backend} backend refused to create the job's environment: {cause}"
-                                );
-                                self.fail(&assignment, FailureReason::BackendRefused, &reason)
-                                    .await
-                            }
-                        };
-                    }
+                    Err(e) => match self.after_create_error(&assignment, e).await {
+                        Ok(r) => r,
+                        Err(outcome) => return outcome,
+                    },
                 }
             }
         };
@@ -966,6 +940,64 @@ impl Worker {
             &self.settings.runner_label,
         )
         .with_report_outage_tolerance(self.settings.report_outage_tolerance)
+    }
+
+    /// A create that answered with an error may still have stored the executor (the call
+    /// timed out after the API server wrote the Pod, a step after the write failed): the
+    /// backend is asked again, and the slot goes back only when it confirms that no
+    /// executor exists (invariant 6: nothing runs beyond capacity). `Ok` is the executor
+    /// the backend has after all, to go on with; `Err` the delivery's outcome.
+    async fn after_create_error(
+        &self,
+        assignment: &Assignment,
+        error: ExecutorError,
+    ) -> Result<ExecutorRecord, Outcome> {
+        let backend = self.settings.backend;
+        let id = assignment.id();
+        let permanent = matches!(error, ExecutorError::Permanent(_));
+        match self.backend.find(id).await {
+            // Refused for good: failed below with the backend's reason; `fail` deletes the
+            // executor and frees the slot once Gitea has the failure.
+            Ok(Some(_)) if permanent => {}
+            Ok(Some(record)) => {
+                tracing::warn!(%backend, assignment_id = %id, error = %error, event = "executor_created", executor = %record.name, "creating the executor answered with an error, but the backend has it: it keeps its slot and the job goes on with it");
+                return Ok(record);
+            }
+            // Nothing was created, so the slot and the offer go back.
+            Ok(None) => self.dispatch.forget(backend, id),
+            Err(find) => {
+                tracing::warn!(%backend, assignment_id = %id, error = %error, find_error = %find, "creating the executor failed and the backend cannot tell whether it was stored; its slot is kept until a later look tells");
+                if !permanent {
+                    return Err(Outcome::BackendError);
+                }
+            }
+        }
+        Err(match error {
+            ExecutorError::Full {
+                retry_after,
+                reason,
+            } => {
+                tracing::info!(%backend, assignment_id = %id, event = "queued", %reason, ?retry_after, "the backend is full: the job stays queued in JetStream and is offered again later");
+                if let Some(after) = retry_after {
+                    self.retry_hints
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(id.to_string(), after);
+                }
+                Outcome::Full
+            }
+            ExecutorError::Unavailable(cause) => {
+                tracing::warn!(%backend, assignment_id = %id, error = %cause, retry_in = ?self.settings.error_delay, "creating the executor failed; the job stays queued and creation is retried");
+                Outcome::BackendError
+            }
+            ExecutorError::Permanent(cause) => {
+                let reason = format!(
+                    "the {backend} backend refused to create the job's environment: {cause}"
+                );
+                self.fail(assignment, FailureReason::BackendRefused, &reason)
+                    .await
+            }
+        })
     }
 }
 

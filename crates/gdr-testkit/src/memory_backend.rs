@@ -57,6 +57,9 @@ struct State {
     failing: Option<Failure>,
     /// Failures for `create` only (the other calls keep working).
     failing_create: Option<Failure>,
+    /// Failures `create` answers after it stored the executor (a create call that timed
+    /// out or whose answer was lost although the object was written).
+    failing_after_create: Option<Failure>,
     /// How long `create` takes (a VM that boots).
     create_delay: Duration,
     /// Calls of `create`, including ones for an executor that exists already.
@@ -192,6 +195,12 @@ impl MemoryBackend {
         self.state().failing_create = failure;
     }
 
+    /// `create` stores the executor and then fails with `failure` (until cleared with
+    /// `None`): the API server wrote the object, the caller got an error.
+    pub fn set_failing_after_create(&self, failure: Option<Failure>) {
+        self.state().failing_after_create = failure;
+    }
+
     /// The next `n` identity bindings answer not-ready.
     pub fn set_not_ready_binds(&self, n: usize) {
         self.state().not_ready_binds = n;
@@ -302,6 +311,9 @@ impl ExecutorBackend for MemoryBackend {
         state.created += 1;
         state.specs.insert(id.clone(), spec.clone());
         state.executors.insert(id, record.clone());
+        if let Some(f) = &state.failing_after_create {
+            return Err(f.error());
+        }
         Ok(record)
     }
 

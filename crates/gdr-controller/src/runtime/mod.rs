@@ -268,6 +268,12 @@ async fn run_controller(
 
     // Components. Stopping the scheduler first lets an in-flight fetch publish (4).
     let (stop_scheduler, scheduler_shutdown) = shutdown_channel();
+    // Invariant 18: a deposed leader fetches nothing more, even while it still starts.
+    tokio::spawn(stop_fetching_on_loss(
+        leadership.clone(),
+        stop_scheduler.clone(),
+        scheduler_shutdown.clone(),
+    ));
     let (stop_work, work_shutdown) = shutdown_channel();
     let mut tasks: JoinSet<(&'static str, Result<(), Source>)> = JoinSet::new();
     let stats = Arc::new(SchedulerStats::new());
@@ -396,7 +402,15 @@ async fn run_controller(
         )
         .with_metrics(metrics.clone())
         .with_observations(observations.clone())
-        .with_wake(wake);
+        .with_wake(wake)
+        .with_unstarted(
+            executors.start_deadline,
+            Arc::new(queue::StreamQueue::new(
+                queue.worker.clone(),
+                queue.stream.clone(),
+                *backend,
+            )),
+        );
         if let Some(h) = housekeeping {
             lifecycle = lifecycle.with_housekeeping(h);
         }
@@ -447,6 +461,9 @@ async fn run_controller(
     }
 
     let outcome = tokio::select! {
+        // A lost lease stops the scheduler at once (`stop_fetching_on_loss`): its end is
+        // the loss, not a component failing.
+        biased;
         _ = shutdown.wait() => Ok(()),
         _ = leadership.lost() => Err(RuntimeError::LostLeadership),
         Some(joined) = tasks.join_next() => Err(match joined {
@@ -867,6 +884,40 @@ async fn connect(
 
 // === leadership ===
 
+/// The host (Pod) name: `$HOSTNAME`, else the kernel's (a systemd service has no
+/// `HOSTNAME` in its environment).
+fn host_name() -> Option<String> {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+}
+
+/// `<host>-<8 random hex digits>`, drawn once per process: two processes on one host, or a
+/// restarted container of the same Pod, never campaign under one identity (two holders of
+/// one identity would both lead).
+fn default_identity(host: Option<String>) -> Option<String> {
+    host.map(|h| format!("{h}-{:08x}", rand::random::<u32>()))
+}
+
+/// Stops the scheduler (no new FetchTask, no heartbeat) the moment leadership is lost,
+/// wherever the rest of the controller is, even still starting; ends once the scheduler is
+/// stopped anyway.
+async fn stop_fetching_on_loss(
+    mut leadership: Leadership,
+    stop: ShutdownTrigger,
+    stopped: Shutdown,
+) {
+    tokio::select! {
+        () = leadership.lost() => {
+            tracing::warn!("lost the leader lease: fetching stopped before anything else");
+            stop.trigger();
+        }
+        () = stopped.wait() => {}
+    }
+}
+
 type ElectorTask = tokio::task::JoinHandle<Result<(), crate::lease::LeaseError>>;
 
 async fn campaign(
@@ -885,13 +936,16 @@ async fn campaign(
     let client = crate::lease::client_from_environment()
         .await
         .map_err(setup("leader election"))?;
-    let identity = identity
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .ok_or_else(|| {
+    let identity = match identity {
+        // The operator's choice; the elector still refuses to lead beside a duplicate.
+        Some(configured) => configured,
+        None => default_identity(host_name()).ok_or_else(|| {
             step("leader election")(
-                "leader_identity (or HOSTNAME) is required for leader election".into(),
+                "leader_identity is required for leader election where the host name is unknown (no HOSTNAME, no /proc/sys/kernel/hostname)".into(),
             )
-        })?;
+        })?,
+    };
+    tracing::info!(identity = %identity, "campaigning for the leader lease");
     let settings = LeaseSettings::with_duration(namespace, name, identity, lease_duration);
     settings.validate().map_err(setup("leader election"))?;
     let (tx, leadership) = Leadership::channel();

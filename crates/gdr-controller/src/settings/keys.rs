@@ -296,8 +296,10 @@ keys! {
     lease_namespace: String = "gitea-actions".into();
     /// Name of the leader Lease.
     lease_name: String = "gitea-dynamic-runner".into();
-    /// This replica's identity in the Lease.
-    leader_identity: Option<String> = None, shown "$HOSTNAME";
+    /// This replica's identity in the Lease, unique per process. Unset: the host (Pod) name
+    /// and a random suffix drawn at start. A configured one must differ between replicas: a
+    /// second process campaigning under it never leads, and says so.
+    leader_identity: Option<String> = None, shown "$HOSTNAME-<random suffix>";
     /// How long a Lease holds without renewal; a standby takes over about this long after
     /// the leader dies (renewals every duration/7, given up after 2/3 of it).
     lease_duration: Secs = Secs::from_secs(15);
