@@ -25,7 +25,7 @@ use gdr_backends::opensandbox::{ApiKey, ClientSettings, OpenSandboxBackend};
 use gdr_backends::process::{LogRetention, ProcessBackend, ProcessBackendSettings};
 use gdr_core::assignment::{DerivationPolicy, TaskKey, TaskKeyring};
 use gdr_core::backend::Backend;
-use gdr_core::capability::CapabilityKey;
+use gdr_core::capability::{CapabilityKey, EnvelopeIdKey};
 use gdr_core::executor::ExecutorBackend;
 use gdr_core::metadata::MetadataCodec;
 use gdr_identity::workload_api::{LocalCa, LocalIdentity};
@@ -41,7 +41,7 @@ use crate::held::HeldAssignments;
 use crate::lease::{LeaderElector, Leadership, LeaseSettings};
 use crate::lifecycle::{Housekeeping, Lifecycle};
 use crate::metrics::{BackendLabel, Metrics, OutcomeLabels};
-use crate::queue::{self, ConsumerSettings, StreamSettings};
+use crate::queue::{self, ConsumerSettings, FinishedAssignments, StreamSettings};
 use crate::scheduler::{Heartbeater, Scheduler, SchedulerStats};
 use crate::settings::{
     self, BackendSettings, FacadeLimits, GiteaSettings, IdentitySource, KeyFile, LeaderSettings,
@@ -183,6 +183,8 @@ async fn run_controller(
         .map_err(setup("registering the runner"))?;
     let (gitea_client, extra_ca) = gitea_client(&gitea, secrets)?;
     let capability_key = capability_key(&capability_key_file, secrets)?;
+    // Authenticates the assignment IDs of envelopes where the task key is missing (21).
+    let envelope_id_key = capability_key.envelope_id_key();
     let keyring = keyring(
         task_keys,
         &state_dir,
@@ -193,6 +195,11 @@ async fn run_controller(
     if keyring.is_some() && nats.security.accept_plaintext_envelopes {
         tracing::warn!(
             "accept_plaintext_envelopes = true: plaintext (v1) assignments are trusted although a task key is configured; anyone able to publish to the queue can start a job with any repository's identity. Turn it off once the queue the Go version wrote is drained"
+        );
+    }
+    if nats.security.accept_undated_envelopes {
+        tracing::warn!(
+            "accept_undated_envelopes = true: sealed assignments without a fetch time (written by an older release) are run although their age cannot be checked, so a copy can be replayed once its finished record expired. Turn it off once the queue the older release wrote is drained"
         );
     }
     if uses_state_dir(&nats, &identity, pod.as_ref(), vm.as_ref()) {
@@ -258,7 +265,8 @@ async fn run_controller(
     }
     let observations = Arc::new(Observations::new(Some(metrics.clone())));
     let finished = queue.finished(&nats).await?;
-    let dispatch = Arc::new(Dispatch::new(backends, capability_key).with_finished(finished));
+    let dispatch =
+        Arc::new(Dispatch::new(backends, capability_key).with_finished(finished.clone()));
     restore(&dispatch, &capacities).await?;
 
     // Components. Stopping the scheduler first lets an in-flight fetch publish (4).
@@ -306,6 +314,9 @@ async fn run_controller(
                 queue: &queue,
                 policy: &policy,
                 keyring: keyring.as_ref(),
+                envelope_id_key: &envelope_id_key,
+                finished: &finished,
+                held_timeout: nats.security.held_timeout,
                 stats: &stats,
                 facade: &facade,
             },
@@ -359,6 +370,7 @@ async fn run_controller(
             envelopes: EnvelopeTrust {
                 accept_plaintext: nats.security.accept_plaintext_envelopes,
                 max_age: nats.security.task_lifetime,
+                accept_undated: nats.security.accept_undated_envelopes,
             },
             held_subject: queue.stream.held_subject(*backend),
         };
@@ -413,6 +425,7 @@ async fn run_controller(
                 nats: &nats,
                 policy: &policy,
                 keyring: keyring.as_ref(),
+                envelope_id_key: &envelope_id_key,
                 gitea: &gitea_client,
                 dispatch: &dispatch,
                 metrics: &metrics,
@@ -768,11 +781,8 @@ impl Queue {
     }
 
     /// The finished-assignments bucket (created with the stream, else provisioned).
-    async fn finished(
-        &self,
-        nats: &NatsSettings,
-    ) -> Result<queue::FinishedAssignments, RuntimeError> {
-        queue::FinishedAssignments::open(
+    async fn finished(&self, nats: &NatsSettings) -> Result<FinishedAssignments, RuntimeError> {
+        FinishedAssignments::open(
             &self.worker,
             &nats.security.finished_bucket,
             nats.security.task_lifetime + FINISHED_MARGIN,
@@ -1138,6 +1148,9 @@ struct SchedulerWiring<'a> {
     queue: &'a Queue,
     policy: &'a DerivationPolicy,
     keyring: Option<&'a TaskKeyring>,
+    envelope_id_key: &'a EnvelopeIdKey,
+    finished: &'a FinishedAssignments,
+    held_timeout: Duration,
     stats: &'a Arc<SchedulerStats>,
     facade: &'a Arc<Facade>,
 }
@@ -1171,7 +1184,9 @@ fn spawn_scheduler(
         poller_settings,
     )
     .with_stats(w.stats.clone())
-    .with_backlog_signal(w.backlog_changed.clone());
+    .with_backlog_signal(w.backlog_changed.clone())
+    .with_envelope_id_key(w.envelope_id_key.clone());
+    let fetched = scheduler.fetched_tasks();
     if let Some(k) = w.keyring {
         scheduler = scheduler.with_keyring(Arc::new(k.clone()));
     }
@@ -1196,7 +1211,10 @@ fn spawn_scheduler(
         w.queue.stream.clone(),
         w.settings.heartbeat_interval,
     )
-    .with_stats(w.stats.clone());
+    .with_stats(w.stats.clone())
+    .with_fetched_tasks(fetched)
+    .with_finished(w.finished.clone())
+    .with_held(w.envelope_id_key.clone(), w.held_timeout);
     let stop = shutdown.clone();
     tasks.spawn(async move {
         heartbeater.run(stop).await;
@@ -1246,6 +1264,7 @@ struct HeldWiring<'a> {
     nats: &'a NatsSettings,
     policy: &'a DerivationPolicy,
     keyring: Option<&'a TaskKeyring>,
+    envelope_id_key: &'a EnvelopeIdKey,
     gitea: &'a GiteaClient,
     dispatch: &'a Arc<Dispatch>,
     metrics: &'a Arc<Metrics>,
@@ -1265,7 +1284,9 @@ async fn spawn_held(
         w.gitea.clone(),
         w.dispatch.clone(),
         w.nats.security.held_timeout,
-    );
+    )
+    .with_envelope_id_key(w.envelope_id_key.clone())
+    .with_task_lifetime(w.nats.security.task_lifetime);
     let consumer = match held.consumer(w.nats.create_stream, w.nats.ack_wait).await {
         Ok(c) => c,
         // Operator-provisioned queues may lack it: held assignments then wait in the
