@@ -719,6 +719,46 @@ async fn queued_tasks_outlive_a_nats_outage_longer_than_the_zombie_timeout() {
     running.stop().await;
 }
 
+/// DESIGN invariants 3, 21: the message ID is the assignment ID, so a retried publish is
+/// stored once; but anyone able to publish can take an upcoming assignment ID within
+/// JetStream's duplicate window. A message that is not the assignment holding its ID does
+/// not make the real publish a "duplicate": the assignment is stored beside it.
+#[tokio::test]
+async fn a_forged_message_holding_an_assignments_message_id_does_not_drop_the_assignment() {
+    let env = Env::start(MockConfig::default()).await;
+    // Nothing fetched yet: Gitea hands out task 1 next.
+    let forged = jetstream::message::PublishMessage::build()
+        .payload(br#"{"id":"gitea-task-1"}"#.to_vec().into())
+        .message_id("gitea-task-1");
+    env.js
+        .send_publish("ci.runner.pod", forged)
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+    let job = env.queue_jobs(1)[0];
+    let running = Running::start(env.scheduler(1, 10));
+    until(
+        WAIT,
+        "the real assignment stored beside the forged message",
+        || async { env.unclaimed().await == 2 },
+    )
+    .await;
+    let report = running.stop().await;
+    assert_eq!(report.tasks_published, 1);
+    assert_eq!(task_ids(&env, &[job]), vec![1]);
+    let stream = queue::open_stream(&env.js, &stream_settings())
+        .await
+        .expect("open stream");
+    let stored = stream
+        .get_raw_message(stream.cached_info().state.last_sequence)
+        .await
+        .expect("the real assignment");
+    let assignment =
+        gdr_core::assignment::decode(&stored.payload, &policy(), None).expect("the real envelope");
+    assert_eq!(assignment.id().task_id(), 1);
+}
+
 /// DESIGN invariant 5: the backend is derived from the task alone; a task whose `runs-on`
 /// selects none never reaches the stream and is failed in Gitea with the reason in its log.
 #[tokio::test]

@@ -701,11 +701,19 @@ async fn publish_until_stored(
     let task_id = assignment.id().task_id();
     let mut attempt = 0u32;
     let mut deadline: Option<Instant> = None;
+    // The assignment ID (invariant 3), unless another message holds it.
+    let mut message_id = id.to_owned();
     loop {
         if deadline.is_none() && shutdown.is_triggered() {
             deadline = Some(Instant::now() + shared.settings.shutdown_publish_timeout);
         }
-        let publish = queue::publish(&shared.js, &shared.stream, backend, id, payload.clone());
+        let publish = queue::publish(
+            &shared.js,
+            &shared.stream,
+            backend,
+            &message_id,
+            payload.clone(),
+        );
         let result = match deadline {
             None => publish.await.map_err(|e| e.to_string()),
             Some(d) => match tokio::time::timeout_at(d, publish).await {
@@ -714,6 +722,22 @@ async fn publish_until_stored(
             },
         };
         let error = match result {
+            Ok(published)
+                if published.duplicate
+                    && !stored_is_ours(shared, published.sequence, &payload, attempt > 0).await =>
+            {
+                // Anyone able to publish can take an upcoming assignment ID within the
+                // duplicate window; the real assignment must not be dropped for it.
+                tracing::error!(
+                    task_id,
+                    assignment_id = id,
+                    backend = backend.as_str(),
+                    sequence = published.sequence,
+                    "another message holds this assignment's message ID (a forgery, or another writer); storing the assignment under a message ID of its own"
+                );
+                message_id = format!("{id}.after-{}", published.sequence);
+                continue;
+            }
             Ok(published) => {
                 crate::failpoint::hit(crate::failpoint::points::AFTER_PUBLISH);
                 return Some(published);
@@ -743,6 +767,27 @@ async fn publish_until_stored(
                 shutdown.sleep(delay).await;
             }
         }
+    }
+}
+
+/// Whether the message JetStream counted our publish a duplicate of is this very envelope
+/// (an earlier attempt whose acknowledgement was lost). A message that is gone already is
+/// ours only if an earlier attempt may have stored it (`retried`); when the stream cannot
+/// be read, it is taken as ours, as JetStream said.
+async fn stored_is_ours(
+    shared: &Shared,
+    sequence: u64,
+    payload: &bytes::Bytes,
+    retried: bool,
+) -> bool {
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
+    let Ok(stream) = queue::open_stream(&shared.js, &shared.stream).await else {
+        return true;
+    };
+    match stream.get_raw_message(sequence).await {
+        Ok(message) => message.payload == *payload,
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => retried,
+        Err(_) => true,
     }
 }
 
