@@ -719,6 +719,69 @@ async fn queued_tasks_outlive_a_nats_outage_longer_than_the_zombie_timeout() {
     running.stop().await;
 }
 
+/// DESIGN invariants 5a, 19: after a restart the heartbeater's record starts empty; its
+/// first read of the stream adds the assignments a scheduler of this deployment wrote
+/// (their `id_mac` verifies), so a NATS outage right after a restart fails none of the
+/// tasks an earlier process queued either.
+#[tokio::test]
+async fn a_restarted_heartbeater_rebuilds_its_record_from_the_stream_and_beats_it_through_an_outage()
+ {
+    use gdr_core::assignment::{TaskKey, TaskKeyring};
+    use gdr_core::capability::CapabilityKey;
+    let mut env =
+        Env::start(MockConfig::default().with_zombie_timeout(Duration::from_secs(3))).await;
+    let id_key = CapabilityKey::new(&[7; 32])
+        .expect("capability key")
+        .envelope_id_key();
+    let job = env.queue_jobs(1)[0];
+    // The earlier process: it queued the task and went away.
+    let running = Running::start(
+        env.scheduler(1, 10)
+            .with_keyring(Arc::new(TaskKeyring::new(
+                TaskKey::from_bytes([1; 32]),
+                vec![],
+            )))
+            .with_envelope_id_key(id_key.clone()),
+    );
+    until(WAIT, "the assignment is queued", || async {
+        env.unclaimed().await == 1
+    })
+    .await;
+    running.stop().await;
+    let task_id = task_ids(&env, &[job])[0];
+
+    let heartbeater = Heartbeater::new(
+        env.gitea.clone(),
+        env.js.clone(),
+        stream_settings(),
+        Duration::from_millis(500),
+    )
+    .with_held(id_key, Duration::from_secs(3600));
+    let first = heartbeater.beat_once().await;
+    assert_eq!((first.queued, first.sent, first.from_record), (1, 1, 0));
+    env.nats.kill().await.expect("kill nats-server");
+    let (hb_trigger, hb_shutdown) = shutdown_channel();
+    let hb = tokio::spawn(async move { heartbeater.run(hb_shutdown).await });
+    // Ten more heartbeats, at least half a second apart, span beyond the 3 s timeout.
+    env.gitea_mock()
+        .wait_for(
+            |m| {
+                m.task(task_id)
+                    .is_some_and(|t| t.status.is_done() || t.heartbeats >= 11)
+            },
+            WAIT,
+        )
+        .await
+        .expect("heartbeats during the outage");
+    assert_eq!(
+        env.gitea_mock().task(task_id).map(|t| t.status),
+        Some(Status::Running),
+        "the task an earlier process queued was not reaped during the outage"
+    );
+    hb_trigger.trigger();
+    hb.await.expect("heartbeater");
+}
+
 /// DESIGN invariants 3, 21: the message ID is the assignment ID, so a retried publish is
 /// stored once; but anyone able to publish can take an upcoming assignment ID within
 /// JetStream's duplicate window. A message that is not the assignment holding its ID does

@@ -16,7 +16,9 @@
 //!   published. It is beaten whatever the stream says, so a NATS outage longer than Gitea's
 //!   zombie timeout fails no queued task (the stream cannot be read then, and a publish
 //!   may still be retried), and pruned once a read of the stream shows a task's message
-//!   gone (claimed, terminated or moved).
+//!   gone (claimed, terminated or moved). Each read also adds the messages whose `id_mac`
+//!   verifies (a scheduler of this deployment wrote them), so after a restart the record
+//!   holds what an earlier process queued once the stream has been read.
 //!
 //! A task Gitea answers as ended (e.g. cancelled while queued) is recorded as finished
 //! (Gitea's answer vouches for the ID: it is this runner's task, and it has ended), so no
@@ -57,6 +59,12 @@ impl FetchedTasks {
     /// An empty record.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A read of the stream found an authenticated message of `task_id` at `sequence` (after
+    /// a restart this rebuilds the record); an entry recorded already is kept.
+    fn found(&self, task_id: i64, sequence: u64) {
+        lock(&self.tasks).entry(task_id).or_insert(Some(sequence));
     }
 
     /// A task was fetched; its publish may still be retried.
@@ -155,6 +163,8 @@ pub struct HeartbeatRound {
 struct Scan {
     /// Task IDs to beat, with the sequence of the message naming them.
     tasks: Vec<(i64, u64)>,
+    /// Messages on a backend's subject whose `id_mac` verifies.
+    authenticated: Vec<(i64, u64)>,
     /// Sequences of every message read.
     seen: BTreeSet<u64>,
     messages: usize,
@@ -296,6 +306,11 @@ impl Heartbeater {
         round.held_skipped = scan.held_skipped;
         round.failed += scan.unreadable;
         let pruned = self.fetched.prune(&scan.covered, &scan.seen);
+        for (task_id, sequence) in &scan.authenticated {
+            if !self.is_ended(*task_id) {
+                self.fetched.found(*task_id, *sequence);
+            }
+        }
         if pruned > 0 {
             tracing::debug!(
                 pruned,
@@ -371,6 +386,14 @@ impl Heartbeater {
                         _ => scan.held_skipped += 1,
                     }
                     continue;
+                }
+                if let Some(a) = self
+                    .id_key
+                    .as_ref()
+                    .and_then(|k| authenticated_id(&message.payload, k))
+                {
+                    scan.authenticated
+                        .push((a.id().task_id(), message.sequence));
                 }
                 match envelope_id(&message.payload) {
                     Some(id) => scan.tasks.push((id.task_id(), message.sequence)),
