@@ -516,6 +516,11 @@ in
     default = null;
     description = "Accept plaintext (v1) envelopes although `task_encryption_key_file` is set. Only for draining a queue the Go version wrote: a v1 envelope proves nothing about its writer. Logged as a warning at start. Default: `false`.";
   };
+  accept_undated_envelopes = mkOption {
+    type = types.nullOr (types.bool);
+    default = null;
+    description = "Accept sealed (v2) envelopes without a fetch time, which releases before the fetch time existed wrote: they have no age limit, so a copy can be replayed once its finished record expired. Only while upgrading from such a release, until its queue is drained; removed in the next release. Logged as a warning at start. Default: `false`.";
+  };
   gitea_endless_task_timeout = mkOption {
     type = types.nullOr (types.either types.str types.ints.unsigned);
     default = null;
@@ -529,7 +534,7 @@ in
   held_assignment_timeout = mkOption {
     type = types.nullOr (types.either types.str types.ints.unsigned);
     default = null;
-    description = "An assignment sealed with a task key this controller lacks is set aside (it takes no admission slot), released when the key is configured, and failed in Gitea with the reason after this long. Default: `1h`.";
+    description = "An assignment sealed with a task key this controller lacks is set aside (it takes no admission slot), released when the key is configured, and after this long failed in Gitea with the reason if a scheduler holding this capability key wrote it (its `id_mac` verifies), else dropped without touching Gitea. Default: `1h`.";
   };
   secret_file_permissions = mkOption {
     type = types.nullOr (types.str);

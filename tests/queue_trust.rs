@@ -15,11 +15,13 @@ use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::queue;
 use gdr_core::assignment::{
     Assignment, EnvelopeError, EnvelopeRules, TaskKey, TaskKeyring, decode_with, encode_v2,
+    encode_v2_with_id_mac,
 };
 use gdr_core::backend::Backend;
-use gdr_testkit::controller::ControllerFixture;
+use gdr_core::capability::CapabilityKey;
+use gdr_testkit::controller::{CAPABILITY_KEY, ControllerFixture};
 use gdr_testkit::local_controller::{LocalController, Stop, stop};
-use gdr_testkit::mock_gitea::{JobId, MockConfig, Status};
+use gdr_testkit::mock_gitea::{JobId, MockConfig, RpcMethod, Status};
 use gdr_testkit::nats_server::NatsServer;
 use gdr_testkit::{eventually, until};
 
@@ -51,7 +53,16 @@ async fn on_own_nats(
     nats: &NatsServer,
     configure: impl FnOnce(ControllerFixture) -> ControllerFixture,
 ) -> LocalController {
-    LocalController::start(MockConfig::default(), BIN.as_ref(), STANDIN.as_ref(), |f| {
+    on_own_nats_with(MockConfig::default(), nats, configure).await
+}
+
+/// [`on_own_nats`] with a mock Gitea of `mock`.
+async fn on_own_nats_with(
+    mock: MockConfig,
+    nats: &NatsServer,
+    configure: impl FnOnce(ControllerFixture) -> ControllerFixture,
+) -> LocalController {
+    LocalController::start(mock, BIN.as_ref(), STANDIN.as_ref(), |f| {
         let key_one = f.file("secrets/task-key-one", KEY_ONE);
         let f = f
             .set("nats_url", nats.url())
@@ -205,6 +216,7 @@ async fn a_replayed_finished_envelope_never_runs_again() {
     let later = EnvelopeRules {
         accept_plaintext: false,
         max_age: lifetime,
+        accept_undated: false,
         now: fetched + lifetime + Duration::from_secs(2),
     };
     assert!(matches!(
@@ -298,11 +310,23 @@ async fn a_replayed_finished_envelope_never_runs_again() {
 }
 
 /// The task of a job queued now, fetched with the controller's own runner credential (as
-/// another replica would), sealed with [`KEY_ONE`] and published to the pod subject: the
-/// envelope a key-rotation mistake (or a stranger holding an old key) leaves for a
-/// controller without that key.
+/// another replica would), sealed with [`KEY_ONE`] and published to the pod subject, as the
+/// scheduler writes it (fetch time, `id_mac` under the shared capability key): the
+/// envelope a key-rotation mistake leaves for a controller without that key.
 async fn published_with_key_one(c: &LocalController, js: &jetstream::Context) -> JobId {
-    let job = c.queue("standin:success");
+    published_sealed(c, js, "standin:success", true).await
+}
+
+/// A job queued now whose task is published sealed with [`KEY_ONE`], as another replica
+/// of this release would, or (`current` false) as an older release did: no fetch time,
+/// no `id_mac`.
+async fn published_sealed(
+    c: &LocalController,
+    js: &jetstream::Context,
+    step: &str,
+    current: bool,
+) -> JobId {
+    let job = c.queue(step);
     let credential = |name: &str| {
         std::fs::read_to_string(c.fixture.path().join("secrets").join(name)).expect("credential")
     };
@@ -318,10 +342,17 @@ async fn published_with_key_one(c: &LocalController, js: &jetstream::Context) ->
         .task
         .into_option()
         .expect("the queued task");
-    let assignment = Assignment::from_task(task, &policy())
-        .expect("assignment")
-        .with_fetch_time(std::time::SystemTime::now());
-    let sealed = encode_v2(&assignment, &keyring(KEY_ONE, &[])).expect("seal");
+    let mut assignment = Assignment::from_task(task, &policy()).expect("assignment");
+    let sealed = if current {
+        let id_key = CapabilityKey::new(CAPABILITY_KEY.as_bytes())
+            .expect("capability key")
+            .envelope_id_key();
+        assignment = assignment.with_fetch_time(std::time::SystemTime::now());
+        encode_v2_with_id_mac(&assignment, &keyring(KEY_ONE, &[]), &id_key)
+    } else {
+        encode_v2(&assignment, &keyring(KEY_ONE, &[]))
+    }
+    .expect("seal");
     queue::ensure_stream(js, &stream_settings())
         .await
         .expect("stream");
@@ -459,6 +490,235 @@ async fn a_held_envelope_is_failed_in_gitea_after_the_held_timeout() {
     })
     .await;
     assert_eq!(c.runs_of(sealed), 0, "it never ran");
+    stop(&mut controller, Stop::Term).await;
+}
+
+/// An envelope as anyone able to publish can write it: sealed (as it claims) with a key
+/// nobody here has, naming assignment `task_id`, with an `id_mac` of its own choosing or none.
+fn forged_envelope(task_id: i64, id_mac: Option<&str>) -> Vec<u8> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    let mut envelope = serde_json::json!({
+        "version": 2,
+        "id": format!("gitea-task-{task_id}"),
+        "backend": "pod",
+        "key_id": "0123456789abcdef",
+        "nonce": "AAAAAAAAAAAAAAAA",
+        "task": "AAAAAAAAAAAAAAAAAAAAAA==",
+        "identity": {
+            "Repository": "owner/repo",
+            "Task": "build",
+            "SPIFFEID": "spiffe://example.org/ci/owner/repo/build"
+        },
+        "fetched_at": now,
+    });
+    if let Some(mac) = id_mac {
+        envelope["id_mac"] = mac.into();
+    }
+    serde_json::to_vec(&envelope).expect("json")
+}
+
+/// DESIGN invariants 20, 21: anyone who can publish can name the assignment IDs Gitea hands
+/// out next. Two such envelopes on the held subject (sealed, as they claim, with a key
+/// nobody here has; one without an `id_mac`, one with a made-up one) are dropped after
+/// `held_assignment_timeout` without a single Gitea call (no heartbeat, no failure) and
+/// without a finished record; the real tasks that later get those IDs run.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_forged_held_envelope_for_a_task_gitea_hands_out_later_does_not_stop_that_task() {
+    let nats = NatsServer::start().await.expect("nats");
+    let js = jetstream_of(&nats).await;
+    let c = on_own_nats(&nats, |f| f.set("held_assignment_timeout", "60s")).await;
+    queue::ensure_stream(&js, &stream_settings())
+        .await
+        .expect("stream");
+    // Nothing is fetched yet: Gitea hands out task IDs 1 and 2 next.
+    for envelope in [
+        forged_envelope(1, None),
+        forged_envelope(2, Some("bm90IGEgbWFjIG9mIG91cnM")),
+    ] {
+        let publish = jetstream::message::PublishMessage::build().payload(envelope.into());
+        js.send_publish("ci.runner.held.pod", publish)
+            .await
+            .expect("publish")
+            .await
+            .expect("stored");
+    }
+    assert_eq!(on_subject(&js, "ci.runner.held.pod").await, 2);
+    let mut controller = c.spawn(&[]);
+    // 60 s held, then the next look (every 30 s): the bound is the timeout plus two looks.
+    until(
+        Duration::from_secs(150),
+        "the forged envelopes dropped",
+        || async { on_subject(&js, "ci.runner.held.pod").await == 0 },
+    )
+    .await;
+    let log = c.fixture.log();
+    assert_eq!(
+        log.matches("dropping a held assignment whose ID is not authenticated")
+            .count(),
+        2,
+        "{log}"
+    );
+    assert!(!log.contains("failing a held assignment in Gitea"), "{log}");
+    for method in [RpcMethod::UpdateTask, RpcMethod::UpdateLog] {
+        assert_eq!(c.mock.handle.calls(method), 0, "{method:?}: no Gitea call");
+    }
+    let finished = js
+        .get_key_value("CI_RUNNER_FINISHED")
+        .await
+        .expect("the finished-assignments bucket");
+    for id in ["gitea-task-1", "gitea-task-2"] {
+        assert!(
+            finished.get(id).await.expect("read").is_none(),
+            "{id} is not recorded as finished"
+        );
+    }
+
+    let first = c.queue("standin:success");
+    let second = c.queue("standin:success");
+    c.status(first, Status::Success).await;
+    c.status(second, Status::Success).await;
+    let ids: Vec<Option<i64>> = [first, second]
+        .iter()
+        .map(|j| c.mock.handle.job(*j).and_then(|j| j.task_id))
+        .collect();
+    assert_eq!(
+        ids,
+        vec![Some(1), Some(2)],
+        "the forged IDs were the real ones"
+    );
+    assert_eq!((c.runs_of(first), c.runs_of(second)), (1, 1));
+    stop(&mut controller, Stop::Term).await;
+}
+
+/// DESIGN invariant 20: a sealed envelope without a fetch time (older releases wrote them)
+/// has no age limit, so a copy could run again once its finished record expired: it is
+/// terminated unopened as to its task. `accept_undated_envelopes`, meant for the upgrade
+/// from such a release, admits one, and the job runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_envelope_without_a_fetch_time_is_refused_unless_accept_undated_envelopes_admits_it() {
+    let nats = NatsServer::start().await.expect("nats");
+    let js = jetstream_of(&nats).await;
+    let mut c = on_own_nats(&nats, |f| f).await;
+    let refused = published_sealed(&c, &js, "standin:success", false).await;
+    let mut first = c.spawn(&[]);
+    let expired = "gitea_dynamic_runner_assignments_total{backend=\"pod\",outcome=\"expired\"}";
+    until(WAIT, "the undated envelope terminated", || async {
+        c.metric(expired).await == Some(1) && on_subject(&js, POD_SUBJECT).await == 0
+    })
+    .await;
+    assert!(
+        c.fixture
+            .log()
+            .contains("terminating an assignment without a fetch time"),
+        "{}",
+        c.fixture.log()
+    );
+    assert_eq!(c.runs_of(refused), 0);
+    stop(&mut first, Stop::Term).await;
+
+    c.fixture.replace("accept_undated_envelopes", true);
+    let admitted = published_sealed(&c, &js, "standin:success", false).await;
+    let mut second = c.spawn(&[]);
+    c.status(admitted, Status::Success).await;
+    assert_eq!(c.runs_of(admitted), 1);
+    assert!(
+        c.fixture.log().contains("accept_undated_envelopes = true"),
+        "warned at start"
+    );
+    stop(&mut second, Stop::Term).await;
+}
+
+/// DESIGN invariants 5a, 20: a NATS outage longer than Gitea's zombie timeout (6 s here)
+/// fails no queued task: the controller beats the tasks it fetched from its own record
+/// while the stream cannot be read. A task cancelled in Gitea meanwhile (here the one
+/// waiting in line for the only slot) is recorded as finished once Gitea says so, and gets
+/// no executor when NATS and the slot are back; the other queued task runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nats_outage_beyond_the_zombie_timeout_fails_no_queued_task_and_a_cancelled_one_gets_no_executor()
+ {
+    let mut nats = NatsServer::start().await.expect("nats");
+    let js = jetstream_of(&nats).await;
+    let mock = MockConfig::default().with_zombie_timeout(Duration::from_secs(6));
+    let c = on_own_nats_with(mock, &nats, |f| f.set("backlog_limit", 5u32)).await;
+    let mut controller = c.spawn(&[]);
+    // Holds the only slot until it is cancelled.
+    let holder = c.queue("standin:hang");
+    c.runner_started(holder).await;
+    let cancelled = c.queue("standin:success");
+    let runs = c.queue("standin:success");
+    until(WAIT, "both jobs queued behind the holder", || async {
+        on_subject(&js, POD_SUBJECT).await == 2
+    })
+    .await;
+    let task = |job: JobId| {
+        c.mock
+            .handle
+            .job(job)
+            .and_then(|j| j.task_id)
+            .expect("fetched")
+    };
+    let (cancelled_task, runs_task) = (task(cancelled), task(runs));
+
+    nats.kill().await.expect("kill nats-server");
+    c.mock.handle.cancel_job(cancelled).expect("cancel");
+    let beats = |m: &gdr_testkit::mock_gitea::MockGitea| {
+        m.task(runs_task).map(|t| t.heartbeats).unwrap_or(0)
+    };
+    let at_kill = beats(&c.mock.handle);
+    // Eight more heartbeats, a second apart, span beyond the 6 s timeout and several
+    // sweeps; stop early if the sweeper fails the task.
+    c.mock
+        .handle
+        .wait_for(
+            |m| m.task(runs_task).is_some_and(|t| t.status.is_done()) || beats(m) >= at_kill + 8,
+            WAIT,
+        )
+        .await
+        .expect("heartbeats during the outage");
+    assert_eq!(
+        c.mock.handle.task(runs_task).map(|t| t.status),
+        Some(Status::Running),
+        "the queued task was not reaped during the outage:\n{}",
+        c.fixture.log()
+    );
+    let cancelled_id = format!("gitea-task-{cancelled_task}");
+    until(WAIT, "the controller learned of the cancel", || async {
+        c.fixture
+            .log()
+            .lines()
+            .any(|l| l.contains("queued task ended in Gitea") && l.contains(&cancelled_id))
+    })
+    .await;
+    c.status(cancelled, Status::Cancelled).await;
+
+    nats.restart().await.expect("restart nats-server");
+    c.mock.handle.cancel_job(holder).expect("cancel the holder");
+    c.status(runs, Status::Success).await;
+    until(
+        WAIT,
+        "the cancelled job's assignment terminated",
+        || async { on_subject(&js, POD_SUBJECT).await == 0 },
+    )
+    .await;
+    let created = c
+        .fixture
+        .log()
+        .lines()
+        .filter(|l| l.contains("executor created") && l.contains(&cancelled_id))
+        .count();
+    assert_eq!(created, 0, "no executor for the cancelled task");
+    assert_eq!(c.runs_of(cancelled), 0);
+    let finished = js
+        .get_key_value("CI_RUNNER_FINISHED")
+        .await
+        .expect("the finished-assignments bucket");
+    assert!(
+        finished.get(&cancelled_id).await.expect("read").is_some(),
+        "{cancelled_id} is recorded as finished, so a restart starts nothing for it either"
+    );
     stop(&mut controller, Stop::Term).await;
 }
 

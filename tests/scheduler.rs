@@ -562,17 +562,266 @@ async fn a_heartbeat_reports_a_queued_task_that_was_cancelled_in_gitea() {
         Duration::from_secs(60),
     );
 
-    let round = heartbeater.beat_once().await.expect("round");
+    let round = heartbeater.beat_once().await;
     assert_eq!((round.queued, round.sent, round.failed), (1, 1, 0));
     assert!(round.ended.is_empty());
 
     env.gitea_mock().cancel_job(job).expect("cancel");
-    let round = heartbeater.beat_once().await.expect("round");
+    let round = heartbeater.beat_once().await;
     assert_eq!(
         round.ended,
         vec![(task_id, pb::TaskResult::RESULT_CANCELLED)]
     );
     assert_eq!(count(&heartbeater.stats().queued_tasks_ended), 1);
+}
+
+/// The task IDs of `jobs` (each fetched already).
+fn task_ids(env: &Env, jobs: &[JobId]) -> Vec<i64> {
+    jobs.iter()
+        .map(|j| {
+            env.gitea_mock()
+                .job(*j)
+                .and_then(|j| j.task_id)
+                .expect("fetched")
+        })
+        .collect()
+}
+
+/// DESIGN invariants 5a, 21: nothing loads the whole stream into memory (anyone able to
+/// publish can fill it). A reader returns pages of at most its page size and stops at its
+/// cap, counting what it left unread, and one started where it stopped reads the rest. A
+/// heartbeat round reads at most its cap and the next round continues where it stopped, so
+/// every queued task is beaten within a few rounds, each exactly once here.
+#[tokio::test]
+async fn the_stream_is_read_in_bounded_pages_and_a_capped_heartbeat_round_is_continued_by_the_next()
+{
+    let env = Env::start(MockConfig::default()).await;
+    let jobs = env.queue_jobs(5);
+    let running = Running::start(env.scheduler(1, 10));
+    until(WAIT, "the assignments are queued", || async {
+        env.unclaimed().await == 5
+    })
+    .await;
+    running.stop().await;
+
+    let stream = queue::open_stream(&env.js, &stream_settings())
+        .await
+        .expect("open stream");
+    let limits = queue::ReadLimits { page: 2, max: 4 };
+    let mut reader = queue::QueuedReader::new(&stream, "ci.runner.>", limits);
+    let mut pages = Vec::new();
+    while let Some(page) = reader.next_page().await.expect("page") {
+        pages.push(page.len());
+    }
+    assert_eq!(pages, vec![2, 2], "pages of the page size, up to the cap");
+    assert!(reader.capped());
+    assert_eq!(reader.unread(), 1);
+    let mut rest =
+        queue::QueuedReader::new(&stream, "ci.runner.>", limits).starting_at(reader.position());
+    let last = rest.next_page().await.expect("page").expect("the fifth");
+    assert_eq!(last.len(), 1);
+    assert!(rest.next_page().await.expect("end").is_none());
+    assert!(!rest.capped());
+
+    let heartbeater = Heartbeater::new(
+        env.gitea.clone(),
+        env.js.clone(),
+        stream_settings(),
+        Duration::from_secs(60),
+    )
+    .with_read_limits(queue::ReadLimits { page: 2, max: 3 });
+    let first = heartbeater.beat_once().await;
+    assert_eq!((first.queued, first.sent, first.unread), (3, 3, 2));
+    let second = heartbeater.beat_once().await;
+    assert_eq!((second.queued, second.sent, second.failed), (2, 2, 0));
+    for task_id in task_ids(&env, &jobs) {
+        assert_eq!(
+            env.gitea_mock().task(task_id).map(|t| t.heartbeats),
+            Some(1),
+            "task {task_id}"
+        );
+    }
+}
+
+/// DESIGN invariant 5a: while the stream cannot be read, queued tasks are beaten from the
+/// controller's own record of what it fetched and published, so a NATS outage longer than
+/// Gitea's zombie timeout (10 minutes in Gitea, 3 s here) fails no queued task. Once the
+/// stream is readable again, the record forgets the tasks whose message left it.
+#[tokio::test]
+async fn queued_tasks_outlive_a_nats_outage_longer_than_the_zombie_timeout() {
+    let mut env =
+        Env::start(MockConfig::default().with_zombie_timeout(Duration::from_secs(3))).await;
+    let jobs = env.queue_jobs(2);
+    let scheduler = env.scheduler(1, 10);
+    let fetched = scheduler.fetched_tasks();
+    let running = Running::start(scheduler);
+    let heartbeater = Heartbeater::new(
+        env.gitea.clone(),
+        env.js.clone(),
+        stream_settings(),
+        Duration::from_millis(500),
+    )
+    .with_fetched_tasks(fetched.clone());
+    let (hb_trigger, hb_shutdown) = shutdown_channel();
+    let hb = tokio::spawn(async move { heartbeater.run(hb_shutdown).await });
+    until(WAIT, "both assignments are queued", || async {
+        env.unclaimed().await == 2
+    })
+    .await;
+    let tasks = task_ids(&env, &jobs);
+    assert_eq!(fetched.len(), 2);
+
+    env.nats.kill().await.expect("kill nats-server");
+    let beats = |m: &MockGitea| -> Vec<u64> {
+        tasks
+            .iter()
+            .map(|t| m.task(*t).map(|t| t.heartbeats).unwrap_or(0))
+            .collect()
+    };
+    let at_kill = beats(env.gitea_mock());
+    // Ten more heartbeats each, at least half a second apart, span beyond the 3 s timeout
+    // and several sweeps; stop early if the sweeper fails a task.
+    env.gitea_mock()
+        .wait_for(
+            |m| {
+                let done = tasks
+                    .iter()
+                    .any(|t| m.task(*t).is_some_and(|t| t.status.is_done()));
+                done || beats(m)
+                    .iter()
+                    .zip(&at_kill)
+                    .all(|(now, then)| *now >= then + 10)
+            },
+            WAIT,
+        )
+        .await
+        .expect("heartbeats during the outage");
+    for task_id in &tasks {
+        assert_eq!(
+            env.gitea_mock().task(*task_id).map(|t| t.status),
+            Some(Status::Running),
+            "queued task {task_id} was not reaped during the outage"
+        );
+    }
+
+    env.nats.restart().await.expect("restart nats-server");
+    until(WAIT, "the stream is readable again", || async {
+        env.try_unclaimed().await == Some(2)
+    })
+    .await;
+    env.drain_stream().await;
+    until(
+        WAIT,
+        "the record forgets the tasks whose message left the stream",
+        || async { fetched.is_empty() },
+    )
+    .await;
+    hb_trigger.trigger();
+    hb.await.expect("heartbeater");
+    running.stop().await;
+}
+
+/// DESIGN invariants 5a, 19: after a restart the heartbeater's record starts empty; its
+/// first read of the stream adds the assignments a scheduler of this deployment wrote
+/// (their `id_mac` verifies), so a NATS outage right after a restart fails none of the
+/// tasks an earlier process queued either.
+#[tokio::test]
+async fn a_restarted_heartbeater_rebuilds_its_record_from_the_stream_and_beats_it_through_an_outage()
+ {
+    use gdr_core::assignment::{TaskKey, TaskKeyring};
+    use gdr_core::capability::CapabilityKey;
+    let mut env =
+        Env::start(MockConfig::default().with_zombie_timeout(Duration::from_secs(3))).await;
+    let id_key = CapabilityKey::new(&[7; 32])
+        .expect("capability key")
+        .envelope_id_key();
+    let job = env.queue_jobs(1)[0];
+    // The earlier process: it queued the task and went away.
+    let running = Running::start(
+        env.scheduler(1, 10)
+            .with_keyring(Arc::new(TaskKeyring::new(
+                TaskKey::from_bytes([1; 32]),
+                vec![],
+            )))
+            .with_envelope_id_key(id_key.clone()),
+    );
+    until(WAIT, "the assignment is queued", || async {
+        env.unclaimed().await == 1
+    })
+    .await;
+    running.stop().await;
+    let task_id = task_ids(&env, &[job])[0];
+
+    let heartbeater = Heartbeater::new(
+        env.gitea.clone(),
+        env.js.clone(),
+        stream_settings(),
+        Duration::from_millis(500),
+    )
+    .with_held(id_key, Duration::from_secs(3600));
+    let first = heartbeater.beat_once().await;
+    assert_eq!((first.queued, first.sent, first.from_record), (1, 1, 0));
+    env.nats.kill().await.expect("kill nats-server");
+    let (hb_trigger, hb_shutdown) = shutdown_channel();
+    let hb = tokio::spawn(async move { heartbeater.run(hb_shutdown).await });
+    // Ten more heartbeats, at least half a second apart, span beyond the 3 s timeout.
+    env.gitea_mock()
+        .wait_for(
+            |m| {
+                m.task(task_id)
+                    .is_some_and(|t| t.status.is_done() || t.heartbeats >= 11)
+            },
+            WAIT,
+        )
+        .await
+        .expect("heartbeats during the outage");
+    assert_eq!(
+        env.gitea_mock().task(task_id).map(|t| t.status),
+        Some(Status::Running),
+        "the task an earlier process queued was not reaped during the outage"
+    );
+    hb_trigger.trigger();
+    hb.await.expect("heartbeater");
+}
+
+/// DESIGN invariants 3, 21: the message ID is the assignment ID, so a retried publish is
+/// stored once; but anyone able to publish can take an upcoming assignment ID within
+/// JetStream's duplicate window. A message that is not the assignment holding its ID does
+/// not make the real publish a "duplicate": the assignment is stored beside it.
+#[tokio::test]
+async fn a_forged_message_holding_an_assignments_message_id_does_not_drop_the_assignment() {
+    let env = Env::start(MockConfig::default()).await;
+    // Nothing fetched yet: Gitea hands out task 1 next.
+    let forged = jetstream::message::PublishMessage::build()
+        .payload(br#"{"id":"gitea-task-1"}"#.to_vec().into())
+        .message_id("gitea-task-1");
+    env.js
+        .send_publish("ci.runner.pod", forged)
+        .await
+        .expect("publish")
+        .await
+        .expect("stored");
+    let job = env.queue_jobs(1)[0];
+    let running = Running::start(env.scheduler(1, 10));
+    until(
+        WAIT,
+        "the real assignment stored beside the forged message",
+        || async { env.unclaimed().await == 2 },
+    )
+    .await;
+    let report = running.stop().await;
+    assert_eq!(report.tasks_published, 1);
+    assert_eq!(task_ids(&env, &[job]), vec![1]);
+    let stream = queue::open_stream(&env.js, &stream_settings())
+        .await
+        .expect("open stream");
+    let stored = stream
+        .get_raw_message(stream.cached_info().state.last_sequence)
+        .await
+        .expect("the real assignment");
+    let assignment =
+        gdr_core::assignment::decode(&stored.payload, &policy(), None).expect("the real envelope");
+    assert_eq!(assignment.id().task_id(), 1);
 }
 
 /// DESIGN invariant 5: the backend is derived from the task alone; a task whose `runs-on`

@@ -141,6 +141,7 @@ impl Harness {
             envelopes: EnvelopeTrust {
                 accept_plaintext: false,
                 max_age: Duration::from_secs(3 * 3600),
+                accept_undated: false,
             },
             held_subject: stream_settings().held_subject(backend),
         };

@@ -3,12 +3,20 @@
 //! admission slot (a consumer's `max_ack_pending` is the backend's capacity: `capacity`
 //! such messages NAKed forever would stop the backend for good).
 //!
-//! This reconciler looks at them every interval with its own durable consumer:
+//! This reconciler looks at them every interval with its own durable consumer, one message
+//! at a time:
 //! - once the key is configured (the controller restarted with it), the envelope is
 //!   published again to its backend's subject and runs normally;
-//! - after `timeout` it is failed in Gitea with the reason (its assignment ID is readable,
-//!   its task is not) and dropped;
-//! - meanwhile it stays in the stream, where the heartbeater keeps its task alive.
+//! - after `timeout`, if its `id_mac` verifies (our scheduler wrote that assignment ID;
+//!   the task itself stays unreadable) and it is not older than a task may live, it is
+//!   failed in Gitea with the reason, recorded as finished and dropped. One report attempt
+//!   per message and look; a report Gitea did not take is tried again a minute later;
+//! - after `timeout` without a valid `id_mac` (anyone able to publish can name any ID, also
+//!   a task Gitea hands out later) it is dropped without touching Gitea or the finished
+//!   record: if a real task had that ID, Gitea's own zombie and endless-task timeouts end
+//!   it, and an envelope of a task Gitea has not handed out yet cannot silence it;
+//! - meanwhile it stays in the stream, where the heartbeater keeps its task alive (only if
+//!   its `id_mac` verifies).
 //!
 //! The number held per backend is exported as a metric and logged.
 
@@ -20,9 +28,11 @@ use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use gdr_core::assignment::{
-    DerivationPolicy, EnvelopeError, EnvelopeRules, TaskKeyring, decode_with, envelope_id,
+    DerivationPolicy, EnvelopeError, EnvelopeRules, TaskKeyring, authenticated_id, decode_with,
+    envelope_id,
 };
 use gdr_core::backend::Backend;
+use gdr_core::capability::EnvelopeIdKey;
 
 use crate::backoff::Backoff;
 use crate::dispatch::Dispatch;
@@ -34,9 +44,13 @@ use crate::shutdown::Shutdown;
 pub const CONSUMER: &str = "held";
 /// Messages looked at per round.
 const BATCH: usize = 256;
-/// A failure report: a few attempts per round; the next round is the retry.
+/// A failure report: one attempt per message and look, so the cost is bounded by the
+/// messages, never multiplied by retries; a report Gitea did not take is looked at again
+/// after [`REPORT_RETRY`].
 const REPORT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(2));
-const REPORT_ATTEMPTS: u32 = 3;
+const REPORT_ATTEMPTS: u32 = 1;
+/// When a failure report Gitea did not take is tried again (the heartbeat interval's default).
+const REPORT_RETRY: Duration = Duration::from_secs(60);
 
 /// What one round did.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -51,6 +65,10 @@ pub struct Round {
     pub waiting: usize,
     /// Not envelopes at all (dropped).
     pub dropped: usize,
+    /// Past the timeout without a valid `id_mac`: dropped, nothing told to Gitea.
+    pub unauthenticated: usize,
+    /// Past the timeout and older than a task may live: dropped, Gitea ended the task.
+    pub expired: usize,
 }
 
 /// The held-assignments reconciler.
@@ -62,6 +80,8 @@ pub struct HeldAssignments {
     gitea: GiteaClient,
     dispatch: Arc<Dispatch>,
     timeout: Duration,
+    id_key: Option<EnvelopeIdKey>,
+    task_lifetime: Duration,
 }
 
 impl HeldAssignments {
@@ -83,7 +103,26 @@ impl HeldAssignments {
             gitea,
             dispatch,
             timeout,
+            id_key: None,
+            task_lifetime: Duration::MAX,
         }
+    }
+
+    /// Authenticates the assignment IDs of held envelopes with `key` (the scheduler's
+    /// [`gdr_core::capability::CapabilityKey::envelope_id_key`]); without it no held
+    /// envelope is ever failed in Gitea, only dropped after the timeout.
+    #[must_use]
+    pub fn with_envelope_id_key(mut self, key: EnvelopeIdKey) -> Self {
+        self.id_key = Some(key);
+        self
+    }
+
+    /// Drops, without failing it in Gitea, a held envelope fetched longer ago than
+    /// `lifetime` (Gitea's endless-task timeout: Gitea has ended its task).
+    #[must_use]
+    pub fn with_task_lifetime(mut self, lifetime: Duration) -> Self {
+        self.task_lifetime = lifetime;
+        self
     }
 
     /// The durable consumer of the held subjects, created (or brought to its settings) when
@@ -141,6 +180,8 @@ impl HeldAssignments {
                             held = ?round.held,
                             released = round.released,
                             failed = round.failed,
+                            unauthenticated = round.unauthenticated,
+                            expired = round.expired,
                             "assignments sealed with a task key this controller does not have are held"
                         );
                     }
@@ -247,6 +288,29 @@ impl HeldAssignments {
                     round.waiting += 1;
                     return AckKind::Nak(Some(interval));
                 }
+                // Only an ID our own scheduler wrote may be failed or recorded: otherwise a
+                // publisher could pre-forge the IDs Gitea hands out next.
+                let Some(authenticated) = self
+                    .id_key
+                    .as_ref()
+                    .and_then(|k| authenticated_id(&message.payload, k))
+                    .filter(|a| a.id() == &id)
+                else {
+                    tracing::warn!(assignment_id = %id, "dropping a held assignment whose ID is not authenticated (no valid id_mac: a forgery, or written by an older release); nothing is failed in Gitea or recorded, and Gitea's own timeouts end its task if it exists");
+                    round.unauthenticated += 1;
+                    return AckKind::Term;
+                };
+                let lifetime = EnvelopeRules {
+                    accept_plaintext: true,
+                    max_age: self.task_lifetime,
+                    accept_undated: false,
+                    now: SystemTime::now(),
+                };
+                if let Err(e) = authenticated.check_age(&lifetime) {
+                    tracing::warn!(assignment_id = %id, error = %e, "dropping a held assignment outside its task's lifetime; Gitea has ended that task");
+                    round.expired += 1;
+                    return AckKind::Term;
+                }
                 let reason = format!(
                     "the job's queued assignment cannot be opened: {e}; it was held for {} waiting for that key (configure it in task_encryption_previous_key_files)",
                     humantime_serde::re::humantime::format_duration(Duration::from_secs(
@@ -268,8 +332,8 @@ impl HeldAssignments {
                         AckKind::Term
                     }
                     Err(e) => {
-                        tracing::warn!(assignment_id = %id, error = %e, "Gitea did not take the failure of a held assignment; retrying");
-                        AckKind::Nak(Some(interval))
+                        tracing::warn!(assignment_id = %id, error = %e, retry_in = ?REPORT_RETRY, "Gitea did not take the failure of a held assignment; retrying");
+                        AckKind::Nak(Some(REPORT_RETRY.max(interval)))
                     }
                 }
             }

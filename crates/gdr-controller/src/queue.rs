@@ -9,8 +9,9 @@
 //! admission slot (see `crate::held`), and a key-value bucket records the assignments
 //! that finished, so a replayed envelope never runs a job again.
 
-use std::collections::BTreeMap;
-use std::time::Duration;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
 
 use async_nats::jetstream::{self, consumer, kv, stream};
 use futures::TryStreamExt;
@@ -360,51 +361,176 @@ impl crate::status::QueueDepth for ConsumerDepth {
 pub struct Queued {
     /// Its stream sequence.
     pub sequence: u64,
-    /// Its subject (`<base>.pod` / `<base>.vm`).
+    /// Its subject (`<base>.pod` / `<base>.vm`, or a held subject).
     pub subject: String,
+    /// When JetStream stored it.
+    pub published: SystemTime,
     /// The envelope.
     pub payload: bytes::Bytes,
 }
 
-/// The messages on `subjects` (a subject or wildcard) present in `stream` when it was
-/// opened (its cached info), read one by one without consuming them. With work-queue
-/// retention these are the assignments not claimed yet (and those whose claim has not
-/// been acknowledged).
-pub async fn queued(stream: &stream::Stream, subjects: &str) -> Result<Vec<Queued>, QueueError> {
-    use async_nats::jetstream::stream::LastRawMessageErrorKind;
-    let info = stream.cached_info();
-    let state = info.state.clone();
-    let mut out = Vec::new();
-    if state.messages == 0 {
-        return Ok(out);
-    }
-    let mut sequence = state.first_sequence;
-    // Only messages present now; later ones are the next reader's.
-    while sequence <= state.last_sequence {
-        let message = match stream
-            .get_first_raw_message_by_subject(subjects, sequence)
-            .await
-        {
-            Ok(m) => m,
-            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => break,
-            Err(e) => {
-                return Err(QueueError::Stream {
-                    stream: info.config.name.clone(),
-                    message: e.to_string(),
-                });
-            }
-        };
-        sequence = message.sequence + 1;
-        if message.sequence > state.last_sequence {
-            break;
+/// How much one [`QueuedReader`] reads: messages per page (one page is what a caller holds
+/// at once) and in all. Anyone who can publish can fill the stream, so no reader loads it
+/// whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadLimits {
+    /// Messages per page (at least 1).
+    pub page: usize,
+    /// Messages per reader; the rest is left unread and counted.
+    pub max: usize,
+}
+
+impl ReadLimits {
+    /// 256 per page, 4096 per reader: far above the backlog limits, which bound what the
+    /// controller itself queues.
+    pub const DEFAULT: ReadLimits = ReadLimits {
+        page: 256,
+        max: 4096,
+    };
+}
+
+/// Reads the messages on `subjects` (a subject or wildcard) that `stream` held when it was
+/// opened (its cached info), page by page, without consuming them. With work-queue
+/// retention these are the assignments not claimed yet (and those whose claim has not been
+/// acknowledged), and held ones.
+pub struct QueuedReader<'a> {
+    stream: &'a stream::Stream,
+    subjects: String,
+    limits: ReadLimits,
+    start: u64,
+    next: u64,
+    last: u64,
+    messages: u64,
+    read: usize,
+    reached_end: bool,
+    capped: bool,
+    /// An error after part of a page was read: that part is returned first.
+    error: Option<QueueError>,
+}
+
+impl<'a> QueuedReader<'a> {
+    /// A reader from the first message of the snapshot.
+    pub fn new(stream: &'a stream::Stream, subjects: &str, limits: ReadLimits) -> Self {
+        let state = &stream.cached_info().state;
+        QueuedReader {
+            stream,
+            subjects: subjects.to_owned(),
+            limits: ReadLimits {
+                page: limits.page.max(1),
+                max: limits.max,
+            },
+            // Everything before the first sequence is gone as well.
+            start: 0,
+            next: state.first_sequence,
+            last: state.last_sequence,
+            messages: state.messages,
+            read: 0,
+            reached_end: state.messages == 0,
+            capped: false,
+            error: None,
         }
-        out.push(Queued {
-            sequence: message.sequence,
-            subject: message.subject.to_string(),
-            payload: message.payload,
-        });
     }
-    Ok(out)
+
+    /// Starts at `sequence` instead (where an earlier reader stopped at its cap).
+    #[must_use]
+    pub fn starting_at(mut self, sequence: u64) -> Self {
+        if sequence > self.next {
+            self.next = sequence;
+            self.start = sequence;
+        }
+        self
+    }
+
+    /// The next page; `None` once the snapshot's end or the cap is reached.
+    pub async fn next_page(&mut self) -> Result<Option<Vec<Queued>>, QueueError> {
+        use async_nats::jetstream::stream::LastRawMessageErrorKind;
+        if let Some(e) = self.error.take() {
+            return Err(e);
+        }
+        let mut page = Vec::new();
+        while page.len() < self.limits.page && !self.reached_end && !self.capped {
+            if self.read >= self.limits.max {
+                self.capped = true;
+                break;
+            }
+            if self.next > self.last {
+                self.reached_end = true;
+                break;
+            }
+            let message = match self
+                .stream
+                .get_first_raw_message_by_subject(&self.subjects, self.next)
+                .await
+            {
+                Ok(m) => m,
+                Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => {
+                    self.reached_end = true;
+                    break;
+                }
+                Err(e) => {
+                    let e = QueueError::Stream {
+                        stream: self.stream.cached_info().config.name.clone(),
+                        message: e.to_string(),
+                    };
+                    if page.is_empty() {
+                        return Err(e);
+                    }
+                    self.error = Some(e);
+                    break;
+                }
+            };
+            // Only messages present at the snapshot; later ones are the next reader's.
+            if message.sequence > self.last {
+                self.reached_end = true;
+                break;
+            }
+            self.next = message.sequence + 1;
+            self.read += 1;
+            page.push(Queued {
+                sequence: message.sequence,
+                subject: message.subject.to_string(),
+                published: SystemTime::UNIX_EPOCH
+                    + Duration::from_nanos(
+                        u64::try_from(message.time.unix_timestamp_nanos()).unwrap_or(0),
+                    ),
+                payload: message.payload,
+            });
+        }
+        Ok((!page.is_empty()).then_some(page))
+    }
+
+    /// The first sequence not looked at yet.
+    pub fn position(&self) -> u64 {
+        self.next
+    }
+
+    /// The sequences looked at completely so far: a message of the snapshot in this range
+    /// that no page returned is gone from the stream.
+    pub fn covered(&self) -> std::ops::Range<u64> {
+        let end = if self.reached_end {
+            self.last.saturating_add(1).max(self.start)
+        } else {
+            self.next
+        };
+        self.start..end
+    }
+
+    /// Whether the reader stopped at its cap with messages left.
+    pub fn capped(&self) -> bool {
+        self.capped && !self.reached_end
+    }
+
+    /// Messages read so far.
+    pub fn read(&self) -> usize {
+        self.read
+    }
+
+    /// At most this many messages of the snapshot were not read (the stream's count, which
+    /// also holds the subjects outside this reader's filter, minus those read).
+    pub fn unread(&self) -> u64 {
+        self.messages
+            .saturating_sub(u64::try_from(self.read).unwrap_or(u64::MAX))
+    }
 }
 
 // === finished assignments ===
@@ -412,10 +538,17 @@ pub async fn queued(stream: &stream::Stream, subjects: &str) -> Result<Vec<Queue
 /// The JetStream key-value bucket of finished assignment IDs (DESIGN invariant 20). An
 /// entry lives `ttl`: at least Gitea's endless-task timeout, after which an envelope of
 /// the assignment is refused as too old anyway.
+///
+/// An ID whose entry could not be written (NATS away) is kept in memory, shared by every
+/// clone, until a later [`FinishedAssignments::record`], [`FinishedAssignments::contains`]
+/// or [`FinishedAssignments::save_unsaved`] writes it: meanwhile this process already
+/// counts it as finished, so a delivery that arrives when NATS is back before the write
+/// starts nothing.
 #[derive(Clone)]
 pub struct FinishedAssignments {
     store: kv::Store,
     bucket: String,
+    unsaved: Arc<Mutex<BTreeSet<AssignmentId>>>,
 }
 
 impl std::fmt::Debug for FinishedAssignments {
@@ -456,7 +589,13 @@ impl FinishedAssignments {
         Ok(FinishedAssignments {
             store,
             bucket: bucket.to_owned(),
+            unsaved: Arc::default(),
         })
+    }
+
+    fn unsaved(&self) -> std::sync::MutexGuard<'_, BTreeSet<AssignmentId>> {
+        // Plain data, updated in single steps: a poisoned lock holds a consistent set.
+        self.unsaved.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn err(&self, e: &dyn std::fmt::Display) -> QueueError {
@@ -466,26 +605,55 @@ impl FinishedAssignments {
         }
     }
 
-    /// Records that `id` finished (idempotent).
+    /// Records that `id` finished (idempotent). On an error the ID is kept unsaved (see
+    /// the type) and the caller still learns that it is not durable yet.
     pub async fn record(&self, id: &AssignmentId) -> Result<(), QueueError> {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or_default()
             .as_secs();
-        self.store
-            .put(id.as_str(), now.to_string().into())
-            .await
-            .map(|_| ())
-            .map_err(|e| self.err(&e))
+        match self.store.put(id.as_str(), now.to_string().into()).await {
+            Ok(_) => {
+                self.unsaved().remove(id);
+                Ok(())
+            }
+            Err(e) => {
+                self.unsaved().insert(id.clone());
+                Err(self.err(&e))
+            }
+        }
     }
 
-    /// Whether `id` finished (within the bucket's TTL).
+    /// Whether `id` finished (within the bucket's TTL, or unsaved in this process).
     pub async fn contains(&self, id: &AssignmentId) -> Result<bool, QueueError> {
+        let unsaved = self.unsaved().contains(id);
+        if unsaved {
+            // Written now if NATS is back; finished either way.
+            let _ = self.record(id).await;
+            return Ok(true);
+        }
         self.store
             .get(id.as_str())
             .await
             .map(|v| v.is_some())
             .map_err(|e| self.err(&e))
+    }
+
+    /// Counts `id` as finished in this process at once, and leaves the write to
+    /// [`FinishedAssignments::save_unsaved`] (for callers that must not wait for NATS).
+    pub fn remember(&self, id: &AssignmentId) {
+        self.unsaved().insert(id.clone());
+    }
+
+    /// Writes the unsaved IDs; returns how many are still unsaved.
+    pub async fn save_unsaved(&self) -> usize {
+        let ids: Vec<AssignmentId> = self.unsaved().iter().cloned().collect();
+        for id in ids {
+            if self.record(&id).await.is_err() {
+                break;
+            }
+        }
+        self.unsaved().len()
     }
 }
 

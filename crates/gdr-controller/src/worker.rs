@@ -98,6 +98,8 @@ pub struct EnvelopeTrust {
     pub accept_plaintext: bool,
     /// Refuse an envelope fetched longer ago than this (Gitea's endless-task timeout).
     pub max_age: Duration,
+    /// Accept sealed envelopes without a fetch time (older releases wrote them): an upgrade.
+    pub accept_undated: bool,
 }
 
 impl EnvelopeTrust {
@@ -106,6 +108,7 @@ impl EnvelopeTrust {
         EnvelopeRules {
             accept_plaintext: self.accept_plaintext,
             max_age: self.max_age,
+            accept_undated: self.accept_undated,
             now: SystemTime::now(),
         }
     }
@@ -144,7 +147,8 @@ pub enum Outcome {
     Held,
     /// A plaintext envelope where a task key is configured: terminated.
     Plaintext,
-    /// Fetched longer ago than a task may live (or in the future): terminated.
+    /// Fetched longer ago than a task may live (or in the future), or sealed without a
+    /// fetch time by an older release: terminated.
     Expired,
     /// The assignment finished before: a replay, terminated.
     Replayed,
@@ -354,13 +358,34 @@ impl Worker {
         if waiting.is_empty() {
             return 0;
         }
-        let messages = match crate::queue::queued(stream, subject).await {
-            Ok(m) => m,
-            Err(e) => {
-                tracing::warn!(%backend, error = %e, "cannot read the stream to resume adopted executors; their redelivery resumes them");
-                return 0;
-            }
-        };
+        let mut reader =
+            crate::queue::QueuedReader::new(stream, subject, crate::queue::ReadLimits::DEFAULT);
+        let mut resumed = 0;
+        loop {
+            let page = match reader.next_page().await {
+                Ok(Some(page)) => page,
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!(%backend, error = %e, "cannot read the stream to resume adopted executors; their redelivery resumes them");
+                    break;
+                }
+            };
+            resumed += self.resume_page(stream, page, &waiting);
+        }
+        if reader.capped() {
+            tracing::warn!(%backend, read = reader.read(), unread = reader.unread(), "more assignments queued than one start reads; the rest of the adopted executors are resumed by their redelivery");
+        }
+        resumed
+    }
+
+    /// [`Worker::resume_adopted`] for one page of the stream.
+    fn resume_page(
+        &self,
+        stream: &jetstream::stream::Stream,
+        messages: Vec<crate::queue::Queued>,
+        waiting: &HashSet<AssignmentId>,
+    ) -> usize {
+        let backend = self.settings.backend;
         let mut resumed = 0;
         for message in messages {
             let Some(id) = envelope_id(&message.payload).filter(|id| waiting.contains(id)) else {
@@ -538,6 +563,11 @@ impl Worker {
                 tracing::error!(%backend, assignment_id = %label, error = %e, "terminating an assignment outside its lifetime (stale or replayed)");
                 return (label, Outcome::Expired);
             }
+            Err(e @ EnvelopeError::Undated) => {
+                let label = label();
+                tracing::error!(%backend, assignment_id = %label, error = %e, "terminating an assignment without a fetch time: its age cannot be checked, so it could be a replay (Gitea fails its task at its zombie timeout)");
+                return (label, Outcome::Expired);
+            }
             Err(e) => {
                 let label = label();
                 tracing::error!(%backend, assignment_id = %label, error = %e, "terminating an undecodable or tampered assignment: it is never retried, and Gitea fails its task at its zombie timeout");
@@ -562,8 +592,10 @@ impl Worker {
         let mut publish =
             jetstream::message::PublishMessage::build().payload(message.payload.clone());
         // A redelivery of a message held already is dropped by JetStream as a duplicate.
-        if let Some(id) = envelope_id(&message.payload) {
-            publish = publish.message_id(format!("held-{id}"));
+        // Keyed by the stream sequence too: the ID is unauthenticated, and a forged message
+        // naming it must not make the real one a duplicate.
+        if let (Some(id), Ok(info)) = (envelope_id(&message.payload), message.info()) {
+            publish = publish.message_id(format!("held-{id}-{}", info.stream_sequence));
         }
         let stored = async {
             message
@@ -653,7 +685,18 @@ impl Worker {
                 tracing::info!(%backend, assignment_id = %id, event = "queued", in_use, capacity, "pool full: the job waits in line for a slot");
                 let waited = self.dispatch.admit_when_free(backend, &id, &shutdown);
                 match self.keeping_alive(message, &id, waited).await {
-                    Waited::Admitted => self.admitted(message, &id),
+                    Waited::Admitted => {
+                        // The wait can be long: Gitea may have ended the task meanwhile
+                        // (the heartbeater records that), and it must get no executor.
+                        if existing.is_none()
+                            && self.dispatch.has_finished(&id).await.unwrap_or(false)
+                        {
+                            self.dispatch.forget(backend, &id);
+                            tracing::warn!(%backend, assignment_id = %id, "terminating an assignment that finished before (ended in Gitea while it waited for a slot)");
+                            return Outcome::Replayed;
+                        }
+                        self.admitted(message, &id);
+                    }
                     Waited::LineFull => {
                         tracing::info!(%backend, assignment_id = %id, event = "queued", retry_in = ?self.settings.full_delay, "pool and its line full: the job stays queued in JetStream and is offered again later");
                         return Outcome::Full;

@@ -12,12 +12,17 @@
 //! - **v2**: the task protobuf sealed with AES-256-GCM under a key from a file, so job
 //!   secrets do not sit readable in the stream. The redundant fields, the key ID and the
 //!   fetch time are bound as additional data, so ciphertext cannot be moved between
-//!   envelopes and an envelope cannot be made younger than it is.
+//!   envelopes and an envelope cannot be made younger than it is. Since the `id_mac` field
+//!   exists, the same fields also carry a MAC under a key derived from the capability key
+//!   ([`crate::capability::EnvelopeIdKey`]), so a controller that lacks the task key can
+//!   still tell whether its own scheduler wrote the assignment ID ([`authenticated_id`]).
 //!
 //! [`decode_with`] applies the queue's trust rules on top (DESIGN invariants 20, 21): where
 //! a task key is configured a plaintext v1 envelope is refused (anyone able to publish
-//! could write one for any repository), and an envelope fetched longer ago than Gitea lets
-//! a task run is refused (a replay of an old job).
+//! could write one for any repository), an envelope fetched longer ago than Gitea lets
+//! a task run is refused (a replay of an old job), and so is a v2 envelope without a fetch
+//! time (written by an older release: its age cannot be told) unless the operator admits
+//! those for an upgrade.
 
 use std::fmt;
 use std::str::FromStr;
@@ -28,13 +33,14 @@ use aws_lc_rs::digest;
 use aws_lc_rs::rand::{SecureRandom, SystemRandom};
 use base64::Engine;
 use base64::engine::general_purpose::{
-    STANDARD, STANDARD_NO_PAD_INDIFFERENT, URL_SAFE_NO_PAD_INDIFFERENT,
+    STANDARD, STANDARD_NO_PAD_INDIFFERENT, URL_SAFE_NO_PAD, URL_SAFE_NO_PAD_INDIFFERENT,
 };
 use buffa::Message;
 use gdr_proto::runner::v1::Task;
 use serde::{Deserialize, Serialize};
 
 use super::backend::{Backend, BackendError, BackendLabels, select_backend};
+use super::capability::EnvelopeIdKey;
 use super::identity::{Identity, IdentityError, IdentityScheme, TrustDomain};
 use super::workflow::{WorkflowError, parse_single_job};
 
@@ -460,6 +466,12 @@ struct EnvelopeV2 {
     /// it existed still open; when present it is part of the additional data.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     fetched_at: Option<u64>,
+    /// base64url (no padding) HMAC-SHA256 of the additional data under the controller's
+    /// [`EnvelopeIdKey`]: authenticates the ID where the task key is missing. Not part of
+    /// the additional data, so envelopes written before it existed open unchanged, and
+    /// removing it only makes the ID unauthenticated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    id_mac: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -474,10 +486,67 @@ struct IdProbe {
 
 /// The assignment ID an envelope of any version names, read without decrypting or
 /// validating anything else. For routing facts only (heartbeats, logs about a message that
-/// cannot be opened); never trust it for authorisation: [`decode`] re-derives everything.
+/// cannot be opened); never trust it for authorisation: [`decode`] re-derives everything,
+/// and [`authenticated_id`] checks it without the task key.
 pub fn envelope_id(bytes: &[u8]) -> Option<AssignmentId> {
     let probe: IdProbe = serde_json::from_slice(bytes).ok()?;
     AssignmentId::parse(&probe.id).ok()
+}
+
+/// The routing facts of a v2 envelope whose `id_mac` verified: written by a scheduler
+/// holding the same capability key, whatever task key sealed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuthenticatedId {
+    id: AssignmentId,
+    fetched_at: Option<u64>,
+}
+
+impl AuthenticatedId {
+    /// The assignment ID.
+    pub fn id(&self) -> &AssignmentId {
+        &self.id
+    }
+
+    /// When the task was fetched from Gitea, as the envelope says (authenticated too).
+    pub fn fetch_time(&self) -> Option<SystemTime> {
+        self.fetched_at
+            .map(|secs| UNIX_EPOCH + Duration::from_secs(secs))
+    }
+
+    /// The age rules of [`decode_with`] applied to the authenticated fetch time: an
+    /// envelope Gitea has ended the task of since is refused as for a worker.
+    pub fn check_age(&self, rules: &EnvelopeRules) -> Result<(), EnvelopeError> {
+        check_age(self.fetched_at, rules)
+    }
+}
+
+/// The assignment ID of a v2 envelope if its `id_mac` verifies under `key`, read without
+/// the task key. `None` for v1, for an envelope without `id_mac` (written by an older
+/// release) and for a forged or altered one: nobody may then act on that ID in Gitea or in
+/// the finished-assignments record (DESIGN invariant 21).
+pub fn authenticated_id(bytes: &[u8], key: &EnvelopeIdKey) -> Option<AuthenticatedId> {
+    let probe: VersionProbe = serde_json::from_slice(bytes).ok()?;
+    if probe.version != 2 {
+        return None;
+    }
+    let envelope: EnvelopeV2 = serde_json::from_slice(bytes).ok()?;
+    let mac = URL_SAFE_NO_PAD_INDIFFERENT
+        .decode(envelope.id_mac.as_deref()?)
+        .ok()?;
+    let aad = aad_v2(
+        &envelope.id,
+        &envelope.backend,
+        &envelope.identity,
+        &envelope.key_id,
+        envelope.fetched_at,
+    );
+    if !key.verify(&aad, &mac) {
+        return None;
+    }
+    Some(AuthenticatedId {
+        id: AssignmentId::parse(&envelope.id).ok()?,
+        fetched_at: envelope.fetched_at,
+    })
 }
 
 /// Why an envelope cannot be encoded. Not expected in practice.
@@ -551,6 +620,13 @@ pub enum EnvelopeError {
         /// Seconds ahead of this clock.
         ahead: u64,
     },
+    /// A v2 envelope without a fetch time (written by a release before the fetch time
+    /// existed): its age cannot be checked, so a copy could be replayed once its finished
+    /// record expired (see [`EnvelopeRules::accept_undated`]).
+    #[error(
+        "assignment envelope has no fetch time (written by an older release), so its age cannot be checked (accept_undated_envelopes admits such envelopes during an upgrade)"
+    )]
+    Undated,
 }
 
 impl EnvelopeError {
@@ -610,8 +686,28 @@ fn aad_v2(
     aad
 }
 
-/// Encodes `assignment` as a version 2 envelope, the task sealed with the current key.
+/// Encodes `assignment` as a version 2 envelope, the task sealed with the current key,
+/// without `id_mac` (as releases before it wrote them): where the task key is missing,
+/// its ID cannot be authenticated. The scheduler uses [`encode_v2_with_id_mac`].
 pub fn encode_v2(assignment: &Assignment, keyring: &TaskKeyring) -> Result<Vec<u8>, EncodeError> {
+    seal_v2(assignment, keyring, None)
+}
+
+/// [`encode_v2`] with `id_mac` under `id_key`, so a controller holding the same capability
+/// key can authenticate the assignment ID without the task key ([`authenticated_id`]).
+pub fn encode_v2_with_id_mac(
+    assignment: &Assignment,
+    keyring: &TaskKeyring,
+    id_key: &EnvelopeIdKey,
+) -> Result<Vec<u8>, EncodeError> {
+    seal_v2(assignment, keyring, Some(id_key))
+}
+
+fn seal_v2(
+    assignment: &Assignment,
+    keyring: &TaskKeyring,
+    id_key: Option<&EnvelopeIdKey>,
+) -> Result<Vec<u8>, EncodeError> {
     let key = &keyring.current;
     let mut nonce = [0u8; NONCE_LEN];
     // A fresh random 96-bit nonce per envelope. NIST SP 800-38D allows 2^32 random-nonce
@@ -623,6 +719,7 @@ pub fn encode_v2(assignment: &Assignment, keyring: &TaskKeyring) -> Result<Vec<u
     let id = assignment.id.as_str();
     let backend = assignment.backend.as_str();
     let aad = aad_v2(id, backend, &identity, key.key_id(), assignment.fetched_at);
+    let id_mac = id_key.map(|k| URL_SAFE_NO_PAD.encode(k.mac(&aad)));
     let mut sealed = encode_task(&assignment.task)?;
     key.aead_key()
         .ok_or(EncodeError::Seal)?
@@ -641,6 +738,7 @@ pub fn encode_v2(assignment: &Assignment, keyring: &TaskKeyring) -> Result<Vec<u
         task: STANDARD.encode(sealed),
         identity,
         fetched_at: assignment.fetched_at,
+        id_mac,
     };
     serde_json::to_vec(&envelope).map_err(|_| EncodeError::Json)
 }
@@ -686,6 +784,10 @@ pub struct EnvelopeRules {
     /// Refuse an envelope fetched longer ago than this (Gitea's endless-task timeout: a
     /// task is ended by Gitea after it, so a younger envelope cannot be a live job).
     pub max_age: Duration,
+    /// Accept v2 envelopes without a fetch time (written by a release before it existed),
+    /// which have no age limit: only while upgrading from such a release. v1 envelopes have
+    /// no fetch time either; [`EnvelopeRules::accept_plaintext`] decides about them.
+    pub accept_undated: bool,
     /// The current time.
     pub now: SystemTime,
 }
@@ -696,6 +798,7 @@ impl EnvelopeRules {
         EnvelopeRules {
             accept_plaintext: true,
             max_age: Duration::MAX,
+            accept_undated: true,
             now: SystemTime::now(),
         }
     }
@@ -715,7 +818,8 @@ pub fn decode(
 
 /// [`decode`], then `rules`: a v1 envelope is refused when `keyring` is given unless
 /// plaintext is accepted, and a v2 envelope fetched more than `max_age` ago (or more than
-/// five minutes in the future) is refused.
+/// five minutes in the future), or without a fetch time unless undated ones are accepted,
+/// is refused.
 pub fn decode_with(
     bytes: &[u8],
     policy: &DerivationPolicy,
@@ -802,7 +906,11 @@ pub fn decode_with(
 /// The fetch time (authenticated already) against the rules' bounds.
 fn check_age(fetched_at: Option<u64>, rules: &EnvelopeRules) -> Result<(), EnvelopeError> {
     let Some(fetched_at) = fetched_at else {
-        return Ok(());
+        return if rules.accept_undated {
+            Ok(())
+        } else {
+            Err(EnvelopeError::Undated)
+        };
     };
     let now = rules
         .now

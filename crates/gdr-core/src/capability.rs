@@ -4,6 +4,10 @@
 //! assignment gets `base64url-nopad(HMAC-SHA256(key, "gitea-runner-assignment\0" + id))`.
 //! It is deterministic, so a restarted controller can verify capabilities it issued before
 //! without a token store; the algorithm is shared with the Go seed deployment.
+//!
+//! The same key also yields [`EnvelopeIdKey`], which authenticates the plaintext routing
+//! fields of a sealed envelope (DESIGN invariant 21). It is a separate key derived under its
+//! own label, never a capability, so a MAC in the queue is no executor's credential.
 
 use std::fmt;
 
@@ -18,6 +22,11 @@ pub const MIN_KEY_BYTES: usize = 32;
 
 /// Domain separation: a MAC for this purpose can never be confused with another use of the key.
 const CONTEXT: &[u8] = b"gitea-runner-assignment\0";
+
+/// Derivation label of [`EnvelopeIdKey`]. It differs from [`CONTEXT`] in its seventh byte,
+/// so no capability input (`CONTEXT` + an assignment ID) ever equals it: the derived key is
+/// never a capability, and a MAC under it never verifies as one.
+const ENVELOPE_ID_KEY_LABEL: &[u8] = b"gitea-dynamic-runner envelope id key\0";
 
 /// The controller's capability key.
 ///
@@ -67,6 +76,46 @@ impl CapabilityKey {
         }
         let expected = self.mac(assignment_id);
         constant_time::verify_slices_are_equal(expected.as_bytes(), presented.as_bytes()).is_ok()
+    }
+}
+
+impl CapabilityKey {
+    /// The key that authenticates the routing fields of the envelopes this controller seals
+    /// (`HMAC-SHA256(key, "gitea-dynamic-runner envelope id key\0")`). Every replica holds the
+    /// capability key (a failover must verify the capabilities of running executors), and it
+    /// does not rotate with the task keys, so the envelope ID can be checked where the task
+    /// key is missing.
+    pub fn envelope_id_key(&self) -> EnvelopeIdKey {
+        let key = hmac::Key::new(hmac::HMAC_SHA256, &self.key);
+        let derived = hmac::sign(&key, ENVELOPE_ID_KEY_LABEL);
+        EnvelopeIdKey {
+            key: hmac::Key::new(hmac::HMAC_SHA256, derived.as_ref()),
+        }
+    }
+}
+
+/// Authenticates the assignment ID (and the other plaintext fields) of a sealed envelope
+/// without the task key (see [`CapabilityKey::envelope_id_key`]).
+#[derive(Clone)]
+pub struct EnvelopeIdKey {
+    key: hmac::Key,
+}
+
+impl EnvelopeIdKey {
+    /// HMAC-SHA256 of `data`.
+    pub(crate) fn mac(&self, data: &[u8]) -> Vec<u8> {
+        hmac::sign(&self.key, data).as_ref().to_vec()
+    }
+
+    /// Whether `mac` is the MAC of `data`, compared in constant time.
+    pub(crate) fn verify(&self, data: &[u8], mac: &[u8]) -> bool {
+        hmac::verify(&self.key, data, mac).is_ok()
+    }
+}
+
+impl fmt::Debug for EnvelopeIdKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("EnvelopeIdKey(<redacted>)")
     }
 }
 
@@ -144,6 +193,25 @@ mod tests {
         let capability = key.issue(&id(42));
         assert_eq!(format!("{key:?}"), "CapabilityKey(<redacted>)");
         assert_eq!(format!("{capability:?}"), "Capability(<redacted>)");
+    }
+
+    /// DESIGN invariant 14: the key that authenticates envelope IDs in the queue is derived
+    /// under its own label: a MAC of an assignment ID under it is not that assignment's
+    /// capability, and it depends on the capability key.
+    #[test]
+    fn the_envelope_id_key_is_no_capability_and_depends_on_the_capability_key() {
+        let key = CapabilityKey::new(KEY).unwrap();
+        let other = CapabilityKey::new(b"fedcba9876543210fedcba9876543210").unwrap();
+        let id = id(42);
+        let mac = key.envelope_id_key().mac(id.as_str().as_bytes());
+        assert_ne!(URL_SAFE_NO_PAD.encode(&mac), key.issue(&id).expose());
+        assert!(!key.verify(id.as_str(), &URL_SAFE_NO_PAD.encode(&mac)));
+        assert!(key.envelope_id_key().verify(id.as_str().as_bytes(), &mac));
+        assert!(!other.envelope_id_key().verify(id.as_str().as_bytes(), &mac));
+        assert_eq!(
+            format!("{:?}", key.envelope_id_key()),
+            "EnvelopeIdKey(<redacted>)"
+        );
     }
 
     proptest! {

@@ -25,7 +25,7 @@ use gdr_backends::opensandbox::{ApiKey, ClientSettings, OpenSandboxBackend};
 use gdr_backends::process::{LogRetention, ProcessBackend, ProcessBackendSettings};
 use gdr_core::assignment::{DerivationPolicy, TaskKey, TaskKeyring};
 use gdr_core::backend::Backend;
-use gdr_core::capability::CapabilityKey;
+use gdr_core::capability::{CapabilityKey, EnvelopeIdKey};
 use gdr_core::executor::ExecutorBackend;
 use gdr_core::metadata::MetadataCodec;
 use gdr_identity::workload_api::{LocalCa, LocalIdentity};
@@ -41,7 +41,7 @@ use crate::held::HeldAssignments;
 use crate::lease::{LeaderElector, Leadership, LeaseSettings};
 use crate::lifecycle::{Housekeeping, Lifecycle};
 use crate::metrics::{BackendLabel, Metrics, OutcomeLabels};
-use crate::queue::{self, ConsumerSettings, StreamSettings};
+use crate::queue::{self, ConsumerSettings, FinishedAssignments, StreamSettings};
 use crate::scheduler::{Heartbeater, Scheduler, SchedulerStats};
 use crate::settings::{
     self, BackendSettings, FacadeLimits, GiteaSettings, IdentitySource, KeyFile, LeaderSettings,
@@ -183,6 +183,8 @@ async fn run_controller(
         .map_err(setup("registering the runner"))?;
     let (gitea_client, extra_ca) = gitea_client(&gitea, secrets)?;
     let capability_key = capability_key(&capability_key_file, secrets)?;
+    // Authenticates the assignment IDs of envelopes where the task key is missing (21).
+    let envelope_id_key = capability_key.envelope_id_key();
     let keyring = keyring(
         task_keys,
         &state_dir,
@@ -198,6 +200,11 @@ async fn run_controller(
     if policy.scheme == gdr_core::identity::IdentityScheme::Job {
         tracing::warn!(
             "spiffe_id_scheme = \"job\": job SPIFFE IDs do not name the ref, so a pull request's or any branch's job can have the identity of any job key of its repository. Switch to \"ref\" once the queue, executors and SPIRE entries of the Go version are gone"
+        );
+    }
+    if nats.security.accept_undated_envelopes {
+        tracing::warn!(
+            "accept_undated_envelopes = true: sealed assignments without a fetch time (written by an older release) are run although their age cannot be checked, so a copy can be replayed once its finished record expired. Turn it off once the queue the older release wrote is drained"
         );
     }
     if uses_state_dir(&nats, &identity, pod.as_ref(), vm.as_ref()) {
@@ -263,7 +270,8 @@ async fn run_controller(
     }
     let observations = Arc::new(Observations::new(Some(metrics.clone())));
     let finished = queue.finished(&nats).await?;
-    let dispatch = Arc::new(Dispatch::new(backends, capability_key).with_finished(finished));
+    let dispatch =
+        Arc::new(Dispatch::new(backends, capability_key).with_finished(finished.clone()));
     restore(&dispatch, &capacities).await?;
 
     // Components. Stopping the scheduler first lets an in-flight fetch publish (4).
@@ -317,6 +325,9 @@ async fn run_controller(
                 queue: &queue,
                 policy: &policy,
                 keyring: keyring.as_ref(),
+                envelope_id_key: &envelope_id_key,
+                finished: &finished,
+                held_timeout: nats.security.held_timeout,
                 stats: &stats,
                 facade: &facade,
             },
@@ -370,6 +381,7 @@ async fn run_controller(
             envelopes: EnvelopeTrust {
                 accept_plaintext: nats.security.accept_plaintext_envelopes,
                 max_age: nats.security.task_lifetime,
+                accept_undated: nats.security.accept_undated_envelopes,
             },
             held_subject: queue.stream.held_subject(*backend),
         };
@@ -432,6 +444,7 @@ async fn run_controller(
                 nats: &nats,
                 policy: &policy,
                 keyring: keyring.as_ref(),
+                envelope_id_key: &envelope_id_key,
                 gitea: &gitea_client,
                 dispatch: &dispatch,
                 metrics: &metrics,
@@ -791,11 +804,8 @@ impl Queue {
     }
 
     /// The finished-assignments bucket (created with the stream, else provisioned).
-    async fn finished(
-        &self,
-        nats: &NatsSettings,
-    ) -> Result<queue::FinishedAssignments, RuntimeError> {
-        queue::FinishedAssignments::open(
+    async fn finished(&self, nats: &NatsSettings) -> Result<FinishedAssignments, RuntimeError> {
+        FinishedAssignments::open(
             &self.worker,
             &nats.security.finished_bucket,
             nats.security.task_lifetime + FINISHED_MARGIN,
@@ -1198,6 +1208,9 @@ struct SchedulerWiring<'a> {
     queue: &'a Queue,
     policy: &'a DerivationPolicy,
     keyring: Option<&'a TaskKeyring>,
+    envelope_id_key: &'a EnvelopeIdKey,
+    finished: &'a FinishedAssignments,
+    held_timeout: Duration,
     stats: &'a Arc<SchedulerStats>,
     facade: &'a Arc<Facade>,
 }
@@ -1231,7 +1244,9 @@ fn spawn_scheduler(
         poller_settings,
     )
     .with_stats(w.stats.clone())
-    .with_backlog_signal(w.backlog_changed.clone());
+    .with_backlog_signal(w.backlog_changed.clone())
+    .with_envelope_id_key(w.envelope_id_key.clone());
+    let fetched = scheduler.fetched_tasks();
     if let Some(k) = w.keyring {
         scheduler = scheduler.with_keyring(Arc::new(k.clone()));
     }
@@ -1256,7 +1271,10 @@ fn spawn_scheduler(
         w.queue.stream.clone(),
         w.settings.heartbeat_interval,
     )
-    .with_stats(w.stats.clone());
+    .with_stats(w.stats.clone())
+    .with_fetched_tasks(fetched)
+    .with_finished(w.finished.clone())
+    .with_held(w.envelope_id_key.clone(), w.held_timeout);
     let stop = shutdown.clone();
     tasks.spawn(async move {
         heartbeater.run(stop).await;
@@ -1306,6 +1324,7 @@ struct HeldWiring<'a> {
     nats: &'a NatsSettings,
     policy: &'a DerivationPolicy,
     keyring: Option<&'a TaskKeyring>,
+    envelope_id_key: &'a EnvelopeIdKey,
     gitea: &'a GiteaClient,
     dispatch: &'a Arc<Dispatch>,
     metrics: &'a Arc<Metrics>,
@@ -1325,7 +1344,9 @@ async fn spawn_held(
         w.gitea.clone(),
         w.dispatch.clone(),
         w.nats.security.held_timeout,
-    );
+    )
+    .with_envelope_id_key(w.envelope_id_key.clone())
+    .with_task_lifetime(w.nats.security.task_lifetime);
     let consumer = match held.consumer(w.nats.create_stream, w.nats.ack_wait).await {
         Ok(c) => c,
         // Operator-provisioned queues may lack it: held assignments then wait in the

@@ -17,7 +17,11 @@
 //! - A backlog gate stops fetching a backend's jobs while its subject holds its limit of
 //!   unclaimed assignments (invariant 5b), by declaring the labels of only the backends
 //!   with room, so a full or dead backend never stops the other (22); [`Heartbeater`]
-//!   keeps queued tasks alive (5a).
+//!   keeps queued tasks alive (5a), from the stream and from [`FetchedTasks`], the
+//!   pollers' own record of what they fetched, so a NATS outage does not stop it.
+//! - With a task key, envelopes are sealed (v2) and carry an `id_mac` under the key derived
+//!   from the capability key, so a replica lacking that task key can still authenticate
+//!   the assignment ID (invariant 21).
 //! - A task that cannot become an assignment is failed in Gitea with a log row
 //!   giving the reason, never dropped silently.
 
@@ -33,10 +37,13 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use gate::{BacklogGate, Slot};
-use gdr_core::assignment::{Assignment, DerivationPolicy, TaskKeyring, encode_v1, encode_v2};
+use gdr_core::assignment::{
+    Assignment, DerivationPolicy, TaskKeyring, encode_v1, encode_v2, encode_v2_with_id_mac,
+};
 use gdr_core::backend::Backend;
+use gdr_core::capability::EnvelopeIdKey;
 use gdr_proto::runner::v1 as pb;
-pub use heartbeat::{HeartbeatRound, Heartbeater};
+pub use heartbeat::{FetchedTasks, HeartbeatRound, Heartbeater};
 use idle::{IdleControl, Parked, Waker};
 pub use stats::{ERROR_KINDS, SchedulerStats};
 use tokio::task::JoinSet;
@@ -152,6 +159,8 @@ struct Shared {
     stream: StreamSettings,
     policy: DerivationPolicy,
     keyring: Option<Arc<TaskKeyring>>,
+    id_key: Option<EnvelopeIdKey>,
+    fetched: Arc<FetchedTasks>,
     settings: SchedulerSettings,
     stats: Arc<SchedulerStats>,
     version: Arc<TasksVersion>,
@@ -197,6 +206,8 @@ impl Scheduler {
                 stream,
                 policy,
                 keyring: None,
+                id_key: None,
+                fetched: Arc::new(FetchedTasks::new()),
                 settings,
                 stats: Arc::new(SchedulerStats::new()),
                 version: Arc::new(TasksVersion::new()),
@@ -213,6 +224,20 @@ impl Scheduler {
     pub fn with_keyring(mut self, keyring: Arc<TaskKeyring>) -> Self {
         self.shared.keyring = Some(keyring);
         self
+    }
+
+    /// Adds an `id_mac` under `key` to every sealed envelope, so a controller without the
+    /// task key can authenticate its assignment ID (the held reconciler does).
+    #[must_use]
+    pub fn with_envelope_id_key(mut self, key: EnvelopeIdKey) -> Self {
+        self.shared.id_key = Some(key);
+        self
+    }
+
+    /// The pollers' record of the tasks they fetched and stored, for a [`Heartbeater`]
+    /// ([`Heartbeater::with_fetched_tasks`]).
+    pub fn fetched_tasks(&self) -> Arc<FetchedTasks> {
+        self.shared.fetched.clone()
     }
 
     /// Counts into `stats` (e.g. shared with a [`Heartbeater`]).
@@ -591,9 +616,10 @@ async fn hand_off(
             return;
         }
     };
-    let encoded = match &shared.keyring {
-        Some(keyring) => encode_v2(&assignment, keyring),
-        None => encode_v1(&assignment),
+    let encoded = match (&shared.keyring, &shared.id_key) {
+        (Some(keyring), Some(id_key)) => encode_v2_with_id_mac(&assignment, keyring, id_key),
+        (Some(keyring), None) => encode_v2(&assignment, keyring),
+        (None, _) => encode_v1(&assignment),
     };
     let payload = match encoded {
         Ok(p) => bytes::Bytes::from(p),
@@ -612,6 +638,8 @@ async fn hand_off(
     };
     let id = assignment.id().as_str();
     let backend = assignment.backend();
+    // Heartbeats start now: the publish may wait out a NATS outage (DESIGN invariant 5a).
+    shared.fetched.fetched(task_id);
     tracing::info!(
         task_id,
         assignment_id = id,
@@ -623,6 +651,7 @@ async fn hand_off(
     );
     match publish_until_stored(shared, &assignment, payload, shutdown).await {
         Some(published) => {
+            shared.fetched.stored(task_id, published.sequence);
             shared.gate.stored(slot, backend, published.duplicate);
             let window = fetched_at.elapsed();
             shared.stats.handoff(window);
@@ -643,6 +672,7 @@ async fn hand_off(
             );
         }
         None => {
+            shared.fetched.forget(task_id);
             shared.gate.release(slot);
             SchedulerStats::inc(&shared.stats.tasks_lost);
             report.lost_task_ids.push(task_id);
@@ -671,11 +701,19 @@ async fn publish_until_stored(
     let task_id = assignment.id().task_id();
     let mut attempt = 0u32;
     let mut deadline: Option<Instant> = None;
+    // The assignment ID (invariant 3), unless another message holds it.
+    let mut message_id = id.to_owned();
     loop {
         if deadline.is_none() && shutdown.is_triggered() {
             deadline = Some(Instant::now() + shared.settings.shutdown_publish_timeout);
         }
-        let publish = queue::publish(&shared.js, &shared.stream, backend, id, payload.clone());
+        let publish = queue::publish(
+            &shared.js,
+            &shared.stream,
+            backend,
+            &message_id,
+            payload.clone(),
+        );
         let result = match deadline {
             None => publish.await.map_err(|e| e.to_string()),
             Some(d) => match tokio::time::timeout_at(d, publish).await {
@@ -684,6 +722,22 @@ async fn publish_until_stored(
             },
         };
         let error = match result {
+            Ok(published)
+                if published.duplicate
+                    && !stored_is_ours(shared, published.sequence, &payload, attempt > 0).await =>
+            {
+                // Anyone able to publish can take an upcoming assignment ID within the
+                // duplicate window; the real assignment must not be dropped for it.
+                tracing::error!(
+                    task_id,
+                    assignment_id = id,
+                    backend = backend.as_str(),
+                    sequence = published.sequence,
+                    "another message holds this assignment's message ID (a forgery, or another writer); storing the assignment under a message ID of its own"
+                );
+                message_id = format!("{id}.after-{}", published.sequence);
+                continue;
+            }
             Ok(published) => {
                 crate::failpoint::hit(crate::failpoint::points::AFTER_PUBLISH);
                 return Some(published);
@@ -713,6 +767,27 @@ async fn publish_until_stored(
                 shutdown.sleep(delay).await;
             }
         }
+    }
+}
+
+/// Whether the message JetStream counted our publish a duplicate of is this very envelope
+/// (an earlier attempt whose acknowledgement was lost). A message that is gone already is
+/// ours only if an earlier attempt may have stored it (`retried`); when the stream cannot
+/// be read, it is taken as ours, as JetStream said.
+async fn stored_is_ours(
+    shared: &Shared,
+    sequence: u64,
+    payload: &bytes::Bytes,
+    retried: bool,
+) -> bool {
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
+    let Ok(stream) = queue::open_stream(&shared.js, &shared.stream).await else {
+        return true;
+    };
+    match stream.get_raw_message(sequence).await {
+        Ok(message) => message.payload == *payload,
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => retried,
+        Err(_) => true,
     }
 }
 

@@ -460,6 +460,11 @@ keys! {
     /// draining a queue the Go version wrote: a v1 envelope proves nothing about its writer.
     /// Logged as a warning at start.
     accept_plaintext_envelopes: bool = false;
+    /// Accept sealed (v2) envelopes without a fetch time, which releases before the fetch
+    /// time existed wrote: they have no age limit, so a copy can be replayed once its
+    /// finished record expired. Only while upgrading from such a release, until its queue
+    /// is drained; removed in the next release. Logged as a warning at start.
+    accept_undated_envelopes: bool = false;
     /// Gitea's `[actions] ENDLESS_TASK_TIMEOUT`: Gitea ends a task this long after it was
     /// fetched, so an envelope fetched longer ago is refused as stale or replayed, and
     /// finished assignments are remembered at least this long.
@@ -468,8 +473,9 @@ keys! {
     /// once, even when its envelope is published again.
     nats_finished_bucket: String = "CI_RUNNER_FINISHED".into();
     /// An assignment sealed with a task key this controller lacks is set aside (it takes
-    /// no admission slot), released when the key is configured, and failed in Gitea with
-    /// the reason after this long.
+    /// no admission slot), released when the key is configured, and after this long failed
+    /// in Gitea with the reason if a scheduler holding this capability key wrote it (its
+    /// `id_mac` verifies), else dropped without touching Gitea.
     held_assignment_timeout: Secs = Secs::from_secs(3600);
 
     // === Secret files ===

@@ -276,6 +276,8 @@ pub struct NatsSettings {
 pub struct QueueSecurity {
     /// Accept plaintext v1 envelopes although a task key is configured (a migration).
     pub accept_plaintext_envelopes: bool,
+    /// Accept sealed envelopes without a fetch time (an upgrade from an older release).
+    pub accept_undated_envelopes: bool,
     /// Gitea's endless-task timeout: an envelope fetched longer ago is refused, and a
     /// finished assignment is remembered at least this long.
     pub task_lifetime: Duration,
@@ -735,6 +737,7 @@ impl TryFrom<Raw> for Settings {
             runner_facade_header_read_timeout,
             runner_facade_idle_timeout,
             accept_plaintext_envelopes,
+            accept_undated_envelopes,
             gitea_endless_task_timeout,
             nats_finished_bucket,
             held_assignment_timeout,
@@ -873,6 +876,7 @@ impl TryFrom<Raw> for Settings {
             &mut check,
             QueueSecurityKeys {
                 accept_plaintext_envelopes,
+                accept_undated_envelopes,
                 gitea_endless_task_timeout: gitea_endless_task_timeout.0,
                 nats_finished_bucket,
                 held_assignment_timeout: held_assignment_timeout.0,
@@ -1276,6 +1280,7 @@ fn facade_limits(check: &mut Check, keys: FacadeLimitKeys) -> FacadeLimits {
 /// The queue security keys, for [`queue_security`].
 struct QueueSecurityKeys {
     accept_plaintext_envelopes: bool,
+    accept_undated_envelopes: bool,
     gitea_endless_task_timeout: Duration,
     nats_finished_bucket: String,
     held_assignment_timeout: Duration,
@@ -1304,6 +1309,7 @@ fn queue_security(check: &mut Check, keys: QueueSecurityKeys) -> QueueSecurity {
     }
     QueueSecurity {
         accept_plaintext_envelopes: keys.accept_plaintext_envelopes,
+        accept_undated_envelopes: keys.accept_undated_envelopes,
         task_lifetime: keys.gitea_endless_task_timeout,
         finished_bucket: keys.nats_finished_bucket,
         held_timeout: keys.held_assignment_timeout,

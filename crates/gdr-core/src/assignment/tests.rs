@@ -748,6 +748,7 @@ fn rules(now: SystemTime) -> EnvelopeRules {
     EnvelopeRules {
         accept_plaintext: false,
         max_age: Duration::from_secs(3 * 3600),
+        accept_undated: false,
         now,
     }
 }
@@ -850,32 +851,121 @@ fn a_v2_envelope_carries_its_fetch_time_authenticated_and_old_ones_are_refused()
     }
 }
 
-/// A v2 envelope written before the fetch time existed still opens (its additional data
-/// is unchanged), and one without a fetch time cannot gain one.
+/// DESIGN invariant 20: a v2 envelope written before the fetch time existed has no age
+/// limit, so a copy could be replayed once its finished record expired: it is refused,
+/// unless the operator admits undated envelopes while upgrading from such a release. v1
+/// envelopes are governed by the plaintext rule alone.
+#[test]
+fn a_v2_envelope_without_a_fetch_time_is_refused_unless_undated_envelopes_are_admitted() {
+    let envelope = encode_v2(&pod_assignment(), &keyring()).unwrap();
+    let now = SystemTime::now();
+    assert_eq!(
+        decode_with(&envelope, &policy(), Some(&keyring()), &rules(now)),
+        Err(EnvelopeError::Undated)
+    );
+    assert!(EnvelopeError::Undated.is_poison());
+    let admitting = EnvelopeRules {
+        accept_undated: true,
+        ..rules(now)
+    };
+    assert_eq!(
+        decode_with(&envelope, &policy(), Some(&keyring()), &admitting).unwrap(),
+        pod_assignment()
+    );
+    let v1 = encode_v1(&pod_assignment()).unwrap();
+    assert_eq!(
+        decode_with(&v1, &policy(), None, &rules(now)).unwrap(),
+        pod_assignment()
+    );
+}
+
+/// A v2 envelope written before the fetch time existed still opens where undated envelopes
+/// are admitted (its additional data is unchanged), and one without a fetch time cannot
+/// gain one.
 #[test]
 fn a_v2_envelope_without_a_fetch_time_still_opens_and_cannot_gain_one() {
     let assignment = pod_assignment();
     let envelope = encode_v2(&assignment, &keyring()).unwrap();
     let json: serde_json::Value = serde_json::from_slice(&envelope).unwrap();
     assert!(json.get("fetched_at").is_none());
-    let opened = decode_with(
-        &envelope,
-        &policy(),
-        Some(&keyring()),
-        &rules(SystemTime::now()),
-    )
-    .unwrap();
+    let admitting = EnvelopeRules {
+        accept_undated: true,
+        ..rules(SystemTime::now())
+    };
+    let opened = decode_with(&envelope, &policy(), Some(&keyring()), &admitting).unwrap();
     assert_eq!(opened.fetch_time(), None);
     let gained = edit(&envelope, |v| {
         v["fetched_at"] = serde_json::json!(1_800_000_000u64);
     });
     assert_eq!(
-        decode_with(
-            &gained,
-            &policy(),
-            Some(&keyring()),
-            &rules(SystemTime::now())
-        ),
+        decode_with(&gained, &policy(), Some(&keyring()), &admitting),
         Err(EnvelopeError::Decrypt)
     );
+}
+
+fn id_key(byte: u8) -> crate::capability::EnvelopeIdKey {
+    crate::capability::CapabilityKey::new(&[byte; 32])
+        .unwrap()
+        .envelope_id_key()
+}
+
+/// DESIGN invariant 21: a controller that lacks the task key an envelope was sealed with
+/// can still tell whether its own scheduler wrote the assignment ID: `id_mac` verifies
+/// under the key derived from the shared capability key, binds ID, backend, identity, key
+/// ID and fetch time, and nothing else verifies: an envelope without it (older releases, v1),
+/// one under another controller's key, or one with any bound field changed.
+#[test]
+fn the_id_mac_authenticates_the_assignment_id_without_the_task_key() {
+    let fetched = at(1_800_000_000);
+    let assignment = pod_assignment().with_fetch_time(fetched);
+    let envelope = encode_v2_with_id_mac(&assignment, &keyring(), &id_key(7)).unwrap();
+    let authenticated = authenticated_id(&envelope, &id_key(7)).expect("authenticated");
+    assert_eq!(authenticated.id(), assignment.id());
+    assert_eq!(authenticated.fetch_time(), Some(fetched));
+    assert_eq!(
+        authenticated.check_age(&rules(fetched + Duration::from_secs(3 * 3600 + 1))),
+        Err(EnvelopeError::Expired {
+            age: 3 * 3600 + 1,
+            max_age: 3 * 3600
+        })
+    );
+    assert_eq!(authenticated.check_age(&rules(fetched)), Ok(()));
+    // The task key holder opens it as before; the MAC is no part of the sealed data.
+    assert_eq!(
+        decode_with(&envelope, &policy(), Some(&keyring()), &rules(fetched)).unwrap(),
+        assignment
+    );
+
+    assert_eq!(authenticated_id(&envelope, &id_key(8)), None);
+    let unmacced = encode_v2(&assignment, &keyring()).unwrap();
+    assert_eq!(authenticated_id(&unmacced, &id_key(7)), None);
+    assert_eq!(
+        authenticated_id(&encode_v1(&assignment).unwrap(), &id_key(7)),
+        None
+    );
+    let edits: [(&str, Edit); 8] = [
+        ("id", |v| v["id"] = "gitea-task-43".into()),
+        ("backend", |v| v["backend"] = "vm".into()),
+        ("repository", |v| {
+            v["identity"]["Repository"] = "owner/other".into()
+        }),
+        ("key_id", |v| v["key_id"] = key(9).key_id().into()),
+        ("fetched_at", |v| {
+            v["fetched_at"] = serde_json::json!(1_800_000_999u64)
+        }),
+        ("fetched_at removed", |v| {
+            v.as_object_mut().unwrap().remove("fetched_at");
+        }),
+        ("id_mac removed", |v| {
+            v.as_object_mut().unwrap().remove("id_mac");
+        }),
+        ("id_mac garbage", |v| v["id_mac"] = "***".into()),
+    ];
+    for (what, change) in edits {
+        assert_eq!(
+            authenticated_id(&edit(&envelope, change), &id_key(7)),
+            None,
+            "{what}"
+        );
+    }
 }
