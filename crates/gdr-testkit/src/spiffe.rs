@@ -130,6 +130,9 @@ pub async fn raw_tls_get(
     }
 }
 
+/// gRPC status codes, as [`JwtFetchError::code`] reports them.
+pub use tonic::Code;
+
 /// Why a Workload API JWT call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum JwtFetchError {
