@@ -1391,13 +1391,15 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
         .await;
     // Everything the runner's user reaches: the agent's socket, its records, the runner.
     let shared = tempfile::Builder::new().prefix("r").tempdir().expect("dir");
-    std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777))
-        .expect("chmod");
+    std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
     let workload = FakeWorkloadApi::start(shared.path(), env.ca.clone(), a.identity().spiffe_id())
         .await
         .expect("workload api");
-    std::fs::set_permissions(&workload.socket_path, std::fs::Permissions::from_mode(0o777))
-        .expect("chmod socket");
+    std::fs::set_permissions(
+        &workload.socket_path,
+        std::fs::Permissions::from_mode(0o777),
+    )
+    .expect("chmod socket");
     let dockerd =
         StandinDockerd::install(shared.path(), Readiness::After(Duration::ZERO)).expect("dockerd");
     let runner = recording_runner(shared.path(), std::path::Path::new(STANDIN)).expect("runner");
@@ -1457,7 +1459,10 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
         start.groups
     );
     assert_eq!(start.docker_host, format!("unix://{}", socket.display()));
-    assert!(start.socket_existed, "the daemon answered before the runner started");
+    assert!(
+        start.socket_existed,
+        "the daemon answered before the runner started"
+    );
     let rows = env
         .mock
         .handle

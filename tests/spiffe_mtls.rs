@@ -929,11 +929,7 @@ async fn the_workload_api_gives_a_jwt_svid_for_the_workloads_own_spiffe_id_only(
     let refused = fetch_jwt_svids(&endpoint, &["ci-smoke"], Some(&other))
         .await
         .expect_err("another SPIFFE ID");
-    assert_eq!(
-        refused.code(),
-        Some(Code::PermissionDenied),
-        "{refused}"
-    );
+    assert_eq!(refused.code(), Some(Code::PermissionDenied), "{refused}");
     let no_audience = fetch_jwt_svids(&endpoint, &[], None)
         .await
         .expect_err("no audience");
