@@ -1366,8 +1366,8 @@ async fn a_missing_runner_configuration_fails_the_executor_naming_ci_runner_conf
     assert_eq!(docker.runner_start(), None, "no runner started");
 }
 
-/// DESIGN invariants 16 and 13: an executor started as root with `CI_RUNNER_UID` (as the
-/// executor image starts it in its Pod or VM) starts the job's Docker daemon by default,
+/// DESIGN invariants 16 and 13: an executor started as root with `CI_EXECUTOR_SANDBOXED`
+/// (as the executor image starts it in its Pod or VM) starts the job's Docker daemon by default,
 /// runs the runner as uid/gid 2000 with the `docker` group and without root, links the
 /// SPIRE agent's socket where jobs look for it, so a job's
 /// `fetch jwt -socketPath /run/spire/agent-sockets/spire-agent.sock` gets a JWT-SVID of
@@ -1419,6 +1419,7 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("GROUP_FILE", &group)
+        .env("CI_EXECUTOR_SANDBOXED", "true")
         .env("CI_RUNNER_UID", "2000")
         .env("CI_DOCKERD", dockerd.program())
         .env("CI_DOCKER_SOCKET", &socket)

@@ -809,7 +809,7 @@ async fn a_docker_daemon_orphaned_by_a_sigkilled_executor_is_stopped_by_delete()
 }
 
 /// DESIGN invariant 16: an executor of this backend runs on the controller's host, so it
-/// never gets `CI_RUNNER_UID`, the variable that makes a root executor prepare its
+/// never gets `CI_EXECUTOR_SANDBOXED`, the variable that makes a root executor prepare its
 /// environment (device nodes, mounts, cgroups) as it does inside a Pod or VM.
 #[tokio::test]
 async fn a_process_executor_never_gets_the_variable_that_starts_it_as_root() {
@@ -821,9 +821,9 @@ async fn a_process_executor_never_gets_the_variable_that_starts_it_as_root() {
         program: PathBuf::from("/bin/sh"),
         args: vec![
             "-c".into(),
-            "echo \"runner_uid=${CI_RUNNER_UID-unset}\"; echo started; sleep 30".into(),
+            "echo \"sandboxed=${CI_EXECUTOR_SANDBOXED-unset}\"; echo started; sleep 30".into(),
         ],
-        extra_env: BTreeMap::from([("CI_RUNNER_UID".into(), "2000".into())]),
+        extra_env: BTreeMap::from([("CI_EXECUTOR_SANDBOXED".into(), "true".into())]),
         codec: MetadataCodec::default(),
         trust_domain: trust_domain(),
         stop_grace: Duration::from_secs(5),
@@ -839,6 +839,6 @@ async fn a_process_executor_never_gets_the_variable_that_starts_it_as_root() {
         log.contains("started").then_some(log)
     })
     .await;
-    assert!(log.contains("runner_uid=unset"), "{log}");
+    assert!(log.contains("sandboxed=unset"), "{log}");
     backend.delete(&id).await.expect("delete");
 }

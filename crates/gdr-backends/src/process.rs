@@ -82,9 +82,9 @@ const METADATA_TEMP: &str = "metadata.json.tmp";
 /// Controller environment passed through to executors. Everything else is cleared so
 /// that nothing of the controller's configuration leaks into a job by accident.
 const INHERITED_ENV: &[&str] = &["PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "TZ"];
-/// `CI_RUNNER_UID` makes an executor started as root prepare its environment as root
-/// (device nodes, mounts, cgroups): only ever inside a Pod or VM, never on this host.
-const ROOT_START_ENV: &str = "CI_RUNNER_UID";
+/// `CI_EXECUTOR_SANDBOXED` makes an executor started as root prepare its environment as
+/// root (device nodes, mounts, cgroups): only ever inside a Pod or VM, never on this host.
+const ROOT_START_ENV: &str = "CI_EXECUTOR_SANDBOXED";
 /// How often process state is polled while stopping a process group.
 const STOP_POLL: Duration = Duration::from_millis(20);
 /// How long to wait for a process group to vanish after SIGKILL.

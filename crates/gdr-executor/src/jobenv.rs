@@ -1,8 +1,10 @@
 //! The job's environment, prepared as root inside its Pod or VM, as the Go image's hook
 //! prepared it (docs/executor.md, "Started as root").
 //!
-//! The executor image starts the executor as root with `CI_RUNNER_UID` set (2000). The
-//! root executor then only
+//! The executor image marks its executor as the one of a Pod or VM
+//! (`CI_EXECUTOR_SANDBOXED=true`) and starts it as root; the runner's uid is
+//! `CI_RUNNER_UID` (2000 from the image, `pod_executor_uid` in a Pod). The root executor
+//! then only
 //! 1. prepares what the job's Docker daemon needs — `/var/lib/docker` on a loop-backed
 //!    ext4 file where its file system cannot hold overlay (a Kata guest's shared root
 //!    file system), creating `/dev/loop-control` and `/dev/loop0`–`7` where the guest has
@@ -20,8 +22,9 @@
 //! `unix:uid:<runner uid>`, so the executor and the job's own `spire-agent api fetch jwt`
 //! get the job's identity, and root does not.
 //!
-//! Nothing here runs outside a Pod or VM: the process backend never passes
-//! `CI_RUNNER_UID`, and an executor that is not root runs as it was started.
+//! Nothing here runs outside a Pod or VM: only the image sets `CI_EXECUTOR_SANDBOXED`
+//! (no backend does; the process backend removes it), and an executor that is not root
+//! runs as it was started.
 //!
 //! What to do is decided by [`plan`] from the [`Facts`] read from the system, a pure
 //! function; each [`Step`] is one thin privileged action.
@@ -34,8 +37,11 @@ use rustix::process::{Pid, Signal};
 use crate::docker::{DockerError, DockerSettings, Dockerd};
 use crate::oneshot::Forward;
 
-/// `CI_RUNNER_UID`: the uid the job runs as when the executor starts as root (the image
-/// sets 2000).
+/// `CI_EXECUTOR_SANDBOXED`: `true` in the executor image only: this executor is its Pod's
+/// or VM's own and, started as root, prepares that environment.
+pub const SANDBOXED: &str = "CI_EXECUTOR_SANDBOXED";
+/// `CI_RUNNER_UID`: the uid the job runs as when the executor starts as root (default
+/// 2000, the image's runner user).
 pub const RUNNER_UID: &str = "CI_RUNNER_UID";
 /// `CI_RUNNER_GID`: its gid (default: the uid).
 pub const RUNNER_GID: &str = "CI_RUNNER_GID";
@@ -214,20 +220,31 @@ pub fn running_as_root() -> bool {
     rustix::process::geteuid().is_root()
 }
 
-/// Decides how the executor runs: as root with `CI_RUNNER_UID` set it prepares the job's
-/// environment; otherwise (any other user, the process backend, the unprivileged
-/// executor the root one started) it runs as started.
+/// Decides how the executor runs: as root in its own Pod or VM (`CI_EXECUTOR_SANDBOXED`)
+/// it prepares the job's environment; otherwise (any other user, the process backend,
+/// the unprivileged executor the root one started) it runs as started.
 pub fn start_mode(
     euid_is_root: bool,
     get: impl Fn(&str) -> Option<String>,
 ) -> Result<Start, JobEnvError> {
     let non_empty = |name: &str| get(name).filter(|v| !v.trim().is_empty());
-    let Some(uid_text) = non_empty(RUNNER_UID) else {
-        return Ok(Start::AsIs);
+    let sandboxed = match non_empty(SANDBOXED) {
+        None => false,
+        Some(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" | "yes" => true,
+            "false" | "0" | "no" => false,
+            _ => {
+                return Err(JobEnvError::Env {
+                    name: SANDBOXED,
+                    problem: format!("{v:?} is neither true nor false"),
+                });
+            }
+        },
     };
-    if !euid_is_root || non_empty(RUN_AS).is_some() {
+    if !sandboxed || !euid_is_root || non_empty(RUN_AS).is_some() {
         return Ok(Start::AsIs);
     }
+    let uid_text = non_empty(RUNNER_UID).unwrap_or_else(|| "2000".into());
     let id = |name: &'static str, text: &str| -> Result<u32, JobEnvError> {
         match text.trim().parse::<u32>() {
             Ok(0) => Err(JobEnvError::Env {
@@ -797,33 +814,38 @@ mod tests {
         }
     }
 
-    /// DESIGN invariant 16: only a root executor asked for a runner uid prepares the job's
-    /// environment (with Docker by default); any other start runs as it is.
+    /// DESIGN invariant 16: only a root executor of the executor image (sandboxed)
+    /// prepares the job's environment (with Docker by default); any other start runs as
+    /// it is.
     #[test]
-    fn only_a_root_executor_with_a_runner_uid_prepares_the_environment_and_docker_is_on_by_default()
-    {
-        let vars = [(RUNNER_UID, "2000")];
+    fn only_a_sandboxed_root_executor_prepares_the_environment_and_docker_is_on_by_default() {
+        let vars = [(SANDBOXED, "true")];
         let Start::Root(root) = start_mode(true, env(&vars)).unwrap() else {
-            panic!("root with CI_RUNNER_UID")
+            panic!("a sandboxed root executor")
         };
         assert_eq!((root.uid, root.gid), (2000, 2000));
         assert!(root.docker.is_some(), "Docker is on by default");
-        let off = [(RUNNER_UID, "2000"), ("CI_RUNNER_START_DOCKER", "false")];
+        let uid = [(SANDBOXED, "true"), (RUNNER_UID, "3000")];
+        let Start::Root(root) = start_mode(true, env(&uid)).unwrap() else {
+            panic!("root")
+        };
+        assert_eq!((root.uid, root.gid), (3000, 3000));
+        let off = [(SANDBOXED, "true"), ("CI_RUNNER_START_DOCKER", "false")];
         let Start::Root(root) = start_mode(true, env(&off)).unwrap() else {
             panic!("root")
         };
         assert_eq!(root.docker, None);
-        assert!(matches!(
-            start_mode(false, env(&vars)).unwrap(),
-            Start::AsIs
+        let as_is = |vars: &[(&str, &str)], root: bool| {
+            matches!(start_mode(root, env(vars)).unwrap(), Start::AsIs)
+        };
+        assert!(as_is(&vars, false), "not root");
+        // A root executor on a host (a backend's variables, no image's): as it is.
+        assert!(as_is(&[(RUNNER_UID, "2000")], true));
+        assert!(as_is(
+            &[(SANDBOXED, "true"), (RUN_AS, "2000:2000:2001")],
+            true
         ));
-        assert!(matches!(start_mode(true, env(&[])).unwrap(), Start::AsIs));
-        let child = [(RUNNER_UID, "2000"), (RUN_AS, "2000:2000:2001")];
-        assert!(matches!(
-            start_mode(true, env(&child)).unwrap(),
-            Start::AsIs
-        ));
-        let e = start_mode(true, env(&[(RUNNER_UID, "0")])).unwrap_err();
+        let e = start_mode(true, env(&[(SANDBOXED, "true"), (RUNNER_UID, "0")])).unwrap_err();
         assert!(e.to_string().starts_with("CI_RUNNER_UID:"), "{e}");
     }
 
