@@ -14,11 +14,15 @@
 # - the runner user (uid/gid 2000, also in the docker group), /data, and a runner
 #   configuration file at /etc/gitea-runner/config.yaml.
 #
-# The Go image's job-started hook (wait for the job's SVID, then start a job-local dockerd)
-# is not a script here: once it holds its SVID the executor starts CI_DOCKERD, waits until
-# it answers on its socket (CI_DOCKER_READY_TIMEOUT), runs the runner with DOCKER_HOST
-# pointing at it and stops it after the job; switched on by CI_RUNNER_START_DOCKER. The
-# runner reads its configuration from CI_RUNNER_CONFIG (passed as `--config`).
+# The Go image's job-started hook and its sudo are not here: the executor starts as root
+# (CI_EXECUTOR_SANDBOXED marks it as its Pod's or VM's own), prepares what the job's Docker
+# daemon needs (loop-backed /var/lib/docker where the root file system cannot hold
+# overlay, creating the loop device nodes a Kata guest lacks; cgroup v2 delegation),
+# links the SPIRE agent's socket to /run/spire/agent-sockets/spire-agent.sock, starts
+# CI_DOCKERD, waits until it answers (CI_DOCKER_READY_TIMEOUT), then runs the rest of
+# itself, the runner and the job as CI_RUNNER_UID (the runner user, 2000) with the docker
+# group, and stops the daemon after the job. CI_RUNNER_START_DOCKER=false switches the
+# daemon off. The runner reads its configuration from CI_RUNNER_CONFIG (`--config`).
 {
   lib,
   pkgs,
@@ -125,10 +129,10 @@ pkgs.dockerTools.streamLayeredImage {
   '';
 
   config = {
-    # As in the Go image. dockerd needs root, and this user is not: the job's Docker daemon
-    # is off by default; a deployment that runs the executor as uid 0 (pod_executor_uid = 0,
-    # privileged) switches it on with CI_RUNNER_START_DOCKER=true in pod_executor_env.
-    User = "${toString uid}:${toString uid}";
+    # Root only until the executor has prepared the job's environment and started dockerd;
+    # the job runs as CI_RUNNER_UID. A Pod with pod_privileged = false runs the container
+    # as pod_executor_uid instead (no Docker), which a runAsNonRoot cluster accepts.
+    User = "0:0";
     Entrypoint = [ (lib.getExe package) ];
     Cmd = [ "executor" ];
     WorkingDir = "/home/runner";
@@ -139,6 +143,8 @@ pkgs.dockerTools.streamLayeredImage {
       "GITEA_RUNNER_BINARY=${lib.getExe runner}"
       "CI_RUNNER_CONFIG=/etc/gitea-runner/config.yaml"
       "CI_DOCKERD=${lib.getExe' pkgs.docker "dockerd"}"
+      "CI_EXECUTOR_SANDBOXED=true"
+      "CI_RUNNER_UID=${toString uid}"
       "SSL_CERT_FILE=${certs}"
       "NIX_SSL_CERT_FILE=${certs}"
       "GIT_SSL_CAINFO=${certs}"

@@ -299,12 +299,12 @@ in
   pod_executor_uid = mkOption {
     type = types.nullOr (types.ints.unsigned);
     default = null;
-    description = "UID and GID the executor container runs as (also the SPIRE `unix:uid` selector). Default: `2000`.";
+    description = "UID and GID the job runs as, never 0. With `pod_privileged` the executor starts as root, prepares the job's Docker daemon and runs itself, the runner and the job as this UID (with the image's `docker` group); otherwise the container runs as it. Default: `2000`.";
   };
   pod_privileged = mkOption {
     type = types.nullOr (types.bool);
     default = null;
-    description = "Run the executor container privileged, which Docker inside the Pod needs. `false`: non-root, no privilege escalation, all capabilities dropped, the runtime's default seccomp profile. Default: `true`.";
+    description = "Run the executor container privileged and start it as root, which the job's Docker daemon needs (started by default). `false`: the container runs as `pod_executor_uid`, non-root, no privilege escalation, all capabilities dropped, the runtime's default seccomp profile, and jobs have no Docker daemon. Default: `true`.";
   };
   pod_docker_storage_limit = mkOption {
     type = types.nullOr (types.str);

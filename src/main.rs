@@ -105,8 +105,19 @@ async fn listen(
 }
 
 fn executor() -> ExitCode {
-    let config = match ExecutorConfig::from_env(|name| std::env::var(name).ok()) {
+    use gdr_executor::jobenv::{self, Start};
+    let get = |name: &str| std::env::var(name).ok();
+    // The executor a root executor started takes the runner's identity first, while the
+    // process has one thread.
+    if let Err(e) = jobenv::take_identity(get) {
+        return cli::fail(e);
+    }
+    let config = match ExecutorConfig::from_env(get) {
         Ok(c) => c,
+        Err(e) => return cli::fail(e),
+    };
+    let start = match jobenv::start_mode(jobenv::running_as_root(), get) {
+        Ok(s) => s,
         Err(e) => return cli::fail(e),
     };
     // One thread: the executor is a proxy next to one runner, and a single-threaded
@@ -118,7 +129,21 @@ fn executor() -> ExitCode {
         Ok(r) => r,
         Err(e) => return cli::fail(e),
     };
-    match tokio.block_on(async { oneshot::run(config, forwarded_signals()).await }) {
+    let status = match start {
+        Start::Root(root) => {
+            let program = match std::env::current_exe() {
+                Ok(p) => p,
+                Err(e) => return cli::fail(e),
+            };
+            tokio
+                .block_on(async { jobenv::run_as_root(root, &program, forwarded_signals()).await })
+                .map_err(|e| e.to_string())
+        }
+        Start::AsIs => tokio
+            .block_on(async { oneshot::run(config, forwarded_signals()).await })
+            .map_err(|e| e.to_string()),
+    };
+    match status {
         // The runner's own exit status; it does not reflect the job result.
         Ok(status) => ExitCode::from(u8::try_from(status.code().unwrap_or(1)).unwrap_or(1)),
         Err(e) => cli::fail(e),

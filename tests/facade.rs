@@ -2024,3 +2024,113 @@ async fn a_missing_runner_configuration_fails_the_executor_naming_ci_runner_conf
     );
     assert_eq!(docker.runner_start(), None, "no runner started");
 }
+
+/// DESIGN invariants 16 and 13: an executor started as root with `CI_EXECUTOR_SANDBOXED`
+/// (as the executor image starts it in its Pod or VM) starts the job's Docker daemon by default,
+/// runs the runner as uid/gid 2000 with the `docker` group and without root, links the
+/// SPIRE agent's socket where jobs look for it, so a job's
+/// `fetch jwt -socketPath /run/spire/agent-sockets/spire-agent.sock` gets a JWT-SVID of
+/// its own SPIFFE ID, and stops the daemon after the job.
+///
+/// The executor runs in a mount namespace of its own (as in a container): `/run`,
+/// `/var/lib` and `/sys/fs/cgroup` are fresh tmpfs there, and `/etc/group` names the
+/// docker group, so nothing of the host's is touched.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_group_and_its_own_jwt_at_the_agent_path()
+ {
+    use std::os::unix::fs::PermissionsExt;
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("SKIPPED: needs root (a mount namespace and a change of uid)");
+        return;
+    }
+    const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
+    let env = Env::new().await;
+    let a = env
+        .assignment("standin:fetch-jwt ci-smoke socket=/run/spire/agent-sockets/spire-agent.sock")
+        .await;
+    // Everything the runner's user reaches: the agent's socket, its records, the runner.
+    let shared = tempfile::Builder::new().prefix("r").tempdir().expect("dir");
+    std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let workload = FakeWorkloadApi::start(shared.path(), env.ca.clone(), a.identity().spiffe_id())
+        .await
+        .expect("workload api");
+    std::fs::set_permissions(
+        &workload.socket_path,
+        std::fs::Permissions::from_mode(0o777),
+    )
+    .expect("chmod socket");
+    let dockerd =
+        StandinDockerd::install(shared.path(), Readiness::After(Duration::ZERO)).expect("dockerd");
+    let runner = recording_runner(shared.path(), std::path::Path::new(STANDIN)).expect("runner");
+    let group = shared.path().join("group");
+    std::fs::write(&group, "root:x:0:\nrunner:x:2000:\ndocker:x:2001:runner\n").expect("group");
+    let socket = shared.path().join("docker.sock");
+
+    let mut command = tokio::process::Command::new("unshare");
+    command
+        .args(["--mount", "--propagation", "private", "sh", "-c"])
+        .arg(
+            "set -e; mount -t tmpfs gdr-run /run; mount -t tmpfs gdr-lib /var/lib; \
+             mount -t tmpfs gdr-cgroup /sys/fs/cgroup; mount --bind \"$GROUP_FILE\" /etc/group; \
+             exec \"$@\"",
+        )
+        .args(["sh", BIN, "executor"])
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("GROUP_FILE", &group)
+        .env("CI_EXECUTOR_SANDBOXED", "true")
+        .env("CI_RUNNER_UID", "2000")
+        .env("CI_DOCKERD", dockerd.program())
+        .env("CI_DOCKER_SOCKET", &socket)
+        .env("CI_DOCKER_READY_TIMEOUT", "30")
+        .env("GITEA_RUNNER_BINARY", &runner)
+        .kill_on_drop(true)
+        .stderr(std::process::Stdio::piped());
+    for name in [
+        "CI_ASSIGNMENT_ID",
+        "CI_RUNNER_CAPABILITY",
+        "CI_RUNNER_BACKEND",
+        "CI_RUNNER_FACADE_URL",
+        "CI_RUNNER_FACADE_SPIFFE_ID",
+        "SPIFFE_ENDPOINT_SOCKET",
+        "CI_EXECUTOR_READY_TIMEOUT",
+    ] {
+        if let Some(value) = env.executor_variable(&a, &workload, name) {
+            command.env(name, value);
+        }
+    }
+    let output = tokio::time::timeout(WAIT, command.output())
+        .await
+        .expect("the executor ends")
+        .expect("unshare runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{}\n{stderr}", output.status);
+    env.job_status(&a, Status::Success).await;
+
+    let start = runner_start(shared.path()).expect("the runner started");
+    assert_eq!(
+        (start.uid.as_str(), start.gid.as_str()),
+        ("2000", "2000"),
+        "{stderr}"
+    );
+    assert!(
+        start.groups.contains(&"2001".to_string()) && !start.groups.contains(&"0".to_string()),
+        "the runner has the docker group and not root's: {:?}",
+        start.groups
+    );
+    assert_eq!(start.docker_host, format!("unix://{}", socket.display()));
+    assert!(
+        start.socket_existed,
+        "the daemon answered before the runner started"
+    );
+    let rows = env
+        .mock
+        .handle
+        .task(a.id().task_id())
+        .map(|t| t.log_rows)
+        .unwrap_or_default();
+    let expected = format!("jwt-svid: sub={} aud=ci-smoke", a.identity().spiffe_id());
+    assert!(rows.contains(&expected), "{rows:?}\n{stderr}");
+    assert!(dockerd.terminated(), "the daemon got SIGTERM");
+    assert!(!dockerd.running(), "the daemon's process is gone");
+}

@@ -263,3 +263,44 @@ fn every_file_key_of_the_binary_is_either_a_module_credential_or_declared_public
         "nix/credentials.nix names keys the binary does not have: {unknown:?}"
     );
 }
+
+/// DESIGN invariants 13 and 16: the executor image gives jobs what the Go image gave them:
+/// the `spire-agent` CLI on `PATH` (and at the Go image's `/opt/spire/bin/spire-agent`) for
+/// `spire-agent api fetch jwt`, the tools of the executor's root preparation (`mkfs.ext4`,
+/// `losetup`, `mount`) and Docker; the executor starts as root, marked as its Pod's or VM's
+/// own, and runs the job as the runner user 2000, a member of the `docker` group.
+#[test]
+fn the_executor_image_carries_the_spire_agent_cli_and_starts_the_executor_as_root_for_uid_2000() {
+    let image = read("images/executor.nix");
+    let has = |text: &str| image.contains(text);
+    assert!(
+        has("spireAgent = pkgs.spire.agent"),
+        "the spire package's agent output"
+    );
+    let contents = image
+        .split_once("contents = [")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .map(|(list, _)| list)
+        .expect("the image's contents");
+    assert!(
+        contents.contains("spireAgent"),
+        "spire-agent is in the image: {contents}"
+    );
+    assert!(
+        has("\"PATH=/bin:/usr/bin\""),
+        "the contents' bin/ is on PATH"
+    );
+    assert!(has(
+        "ln -s ${lib.getExe' spireAgent \"spire-agent\"} opt/spire/bin/spire-agent"
+    ));
+    for tool in ["util-linux", "e2fsprogs", "docker\n", "iptables"] {
+        assert!(has(tool), "{tool} is in the image");
+    }
+    assert!(has("User = \"0:0\";"), "the executor starts as root");
+    assert!(has("\"CI_EXECUTOR_SANDBOXED=true\""));
+    assert!(has("\"CI_RUNNER_UID=${toString uid}\"") && has("uid = 2000;"));
+    assert!(
+        has("docker:x:${toString dockerGid}:runner"),
+        "the runner is in the docker group"
+    );
+}

@@ -228,13 +228,15 @@ async fn the_pod_carries_the_contract_metadata_and_spec_and_its_capability_only_
     );
     assert_eq!(c["args"], json!(["executor"]));
     assert_eq!(c["securityContext"]["privileged"], true);
-    assert_eq!(c["securityContext"]["runAsUser"], 2000);
+    // A privileged Pod's executor starts as root and runs the job as pod_executor_uid.
+    assert_eq!(c["securityContext"]["runAsUser"], 0);
     let env: BTreeMap<String, Value> = c["env"]
         .as_array()
         .unwrap()
         .iter()
         .map(|e| (e["name"].as_str().unwrap().to_owned(), e.clone()))
         .collect();
+    assert_eq!(env["CI_RUNNER_UID"]["value"], "2000");
     assert_eq!(
         env["SPIFFE_ENDPOINT_SOCKET"]["value"],
         "unix:///run/spire/agent-sockets/spire-agent.sock"

@@ -307,6 +307,38 @@ async fn jobs_run_in_fresh_pods_with_their_profile_and_every_result_reaches_gite
     let _ = controller.start_kill();
 }
 
+/// DESIGN invariant 13: a job in a Pod fetches a JWT-SVID through the SPIRE agent's socket
+/// the Pod mounts (what `spire-agent api fetch jwt -audience ci-smoke` does): the token's
+/// `sub` is the job's own SPIFFE ID; asking for another job's ID gets nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_job_fetches_a_jwt_svid_of_its_own_spiffe_id_and_nothing_for_another() {
+    let c = Chain::new(|f| f).await;
+    let mut controller = c.controller(None);
+    let own = c.queue("own", "[self-hosted, pod]", "standin:fetch-jwt ci-smoke");
+    let other = c.queue(
+        "other",
+        "[self-hosted, pod]",
+        "standin:fetch-jwt ci-smoke spiffe-id=spiffe://example.org/ci/owner/repo/branch/main/own",
+    );
+    c.status(own, Status::Success).await;
+    c.status(other, Status::Failure).await;
+    assert!(
+        c.log_rows(own).iter().any(|r| r
+            == "jwt-svid: sub=spiffe://example.org/ci/owner/repo/branch/main/own aud=ci-smoke"),
+        "{:?}",
+        c.log_rows(own)
+    );
+    assert!(
+        c.log_rows(other)
+            .iter()
+            .any(|r| r.starts_with("jwt-svid:") && r.contains("no identity issued")),
+        "{:?}",
+        c.log_rows(other)
+    );
+    c.nothing_left().await;
+    let _ = controller.start_kill();
+}
+
 /// DESIGN invariant 12: a Pod that cannot pull its image is failed at the start deadline
 /// with `ImagePullBackOff` and the kubelet's message, in Gitea and in the controller's log;
 /// the mutable tag was warned about at start.

@@ -751,3 +751,94 @@ async fn the_identity_is_provisioned_before_the_spawn_and_again_after_a_restart_
     backend.delete(&id).await.expect("delete");
     assert_eq!(identity.revoked(), vec![s.dir(&id)]);
 }
+
+/// DESIGN invariant 10 (nothing of a deleted executor keeps running): the job's Docker
+/// daemon, orphaned when its executor is SIGKILLed outside a Pod or VM (no executor is
+/// left to stop it), is stopped by the backend's delete.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_docker_daemon_orphaned_by_a_sigkilled_executor_is_stopped_by_delete() {
+    use gdr_testkit::standin_dockerd::{Readiness, StandinDockerd};
+    const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
+    let s = setup().await;
+    let ca = gdr_identity::workload_api::LocalCa::new("example.org").expect("ca");
+    let identity = Arc::new(gdr_identity::workload_api::LocalIdentity::new(
+        ca,
+        Duration::from_secs(3600),
+    ));
+    let docker = tempfile::Builder::new().prefix("d").tempdir().expect("dir");
+    let dockerd =
+        StandinDockerd::install(docker.path(), Readiness::After(Duration::ZERO)).expect("dockerd");
+    let settings = ProcessBackendSettings {
+        backend: Backend::Pod,
+        state_root: s.state.path().to_path_buf(),
+        program: PathBuf::from(BIN),
+        args: vec!["executor".into()],
+        extra_env: BTreeMap::from([
+            ("CI_RUNNER_START_DOCKER".into(), "true".into()),
+            ("CI_DOCKERD".into(), dockerd.program().display().to_string()),
+            (
+                "CI_DOCKER_SOCKET".into(),
+                docker.path().join("docker.sock").display().to_string(),
+            ),
+            // The facade never answers: the executor waits, its daemon running.
+            ("CI_EXECUTOR_READY_TIMEOUT".into(), "600".into()),
+        ]),
+        codec: MetadataCodec::default(),
+        trust_domain: trust_domain(),
+        stop_grace: Duration::from_secs(5),
+        log_retention: LogRetention::NONE,
+    };
+    let backend =
+        ProcessBackend::new(settings, identity as Arc<dyn IdentityProvider>).expect("backend");
+    let spec = s.spec("owner/repo").await;
+    let id = spec.assignment.id().clone();
+    backend.create(&spec).await.expect("create");
+    let daemon = eventually(DEADLINE, "the executor's Docker daemon", || async {
+        dockerd.pid().filter(|_| dockerd.running())
+    })
+    .await;
+    kill(s.pid(&id));
+    assert!(
+        !wait_finished(&backend, &id).await,
+        "a killed executor failed"
+    );
+    assert!(!process_gone(daemon), "the daemon outlived its executor");
+
+    backend.delete(&id).await.expect("delete");
+    assert!(process_gone(daemon), "the orphaned daemon still runs");
+}
+
+/// DESIGN invariant 16: an executor of this backend runs on the controller's host, so it
+/// never gets `CI_EXECUTOR_SANDBOXED`, the variable that makes a root executor prepare its
+/// environment (device nodes, mounts, cgroups) as it does inside a Pod or VM.
+#[tokio::test]
+async fn a_process_executor_never_gets_the_variable_that_starts_it_as_root() {
+    let s = setup().await;
+    let identity = Arc::new(RecordingIdentity::default());
+    let settings = ProcessBackendSettings {
+        backend: Backend::Pod,
+        state_root: s.state.path().to_path_buf(),
+        program: PathBuf::from("/bin/sh"),
+        args: vec![
+            "-c".into(),
+            "echo \"sandboxed=${CI_EXECUTOR_SANDBOXED-unset}\"; echo started; sleep 30".into(),
+        ],
+        extra_env: BTreeMap::from([("CI_EXECUTOR_SANDBOXED".into(), "true".into())]),
+        codec: MetadataCodec::default(),
+        trust_domain: trust_domain(),
+        stop_grace: Duration::from_secs(5),
+        log_retention: LogRetention::NONE,
+    };
+    let backend = ProcessBackend::new(settings, identity.clone() as Arc<dyn IdentityProvider>)
+        .expect("backend");
+    let spec = s.spec("owner/repo").await;
+    let id = spec.assignment.id().clone();
+    backend.create(&spec).await.expect("create");
+    let log = eventually(DEADLINE, "the executor to start", || async {
+        let log = s.log(&id);
+        log.contains("started").then_some(log)
+    })
+    .await;
+    assert!(log.contains("sandboxed=unset"), "{log}");
+    backend.delete(&id).await.expect("delete");
+}

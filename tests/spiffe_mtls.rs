@@ -903,3 +903,51 @@ async fn the_stand_in_gives_its_final_report_up_after_the_runners_close_timeout(
         "the result never reached Gitea"
     );
 }
+
+/// DESIGN invariant 13: the Workload API answers `FetchJWTSVID` as a SPIRE agent does —
+/// a JWT-SVID whose `sub` is the workload's own SPIFFE ID, for the asked audience, signed
+/// by a key of the trust domain's JWT bundle; a request for another SPIFFE ID gets nothing
+/// but `PermissionDenied` (as does a workload without identity), one without an audience
+/// `InvalidArgument`.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_workload_api_gives_a_jwt_svid_for_the_workloads_own_spiffe_id_only() {
+    use gdr_testkit::spiffe::{Code, fetch_jwt_bundles, fetch_jwt_svids, verify_jwt_svid};
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(TD).unwrap();
+    let api = FakeWorkloadApi::start(dir.path(), ca, EXECUTOR_ID)
+        .await
+        .unwrap();
+    let endpoint = api.endpoint();
+
+    let bundles = fetch_jwt_bundles(&endpoint).await.expect("JWT bundles");
+    let jwks = bundles
+        .get(&format!("spiffe://{TD}"))
+        .expect("the trust domain's bundle");
+    for asked in [None, Some(EXECUTOR_ID)] {
+        let svids = fetch_jwt_svids(&endpoint, &["ci-smoke"], asked)
+            .await
+            .expect("a JWT-SVID");
+        assert_eq!(svids.len(), 1);
+        assert_eq!(svids[0].spiffe_id, EXECUTOR_ID);
+        let claims = verify_jwt_svid(&svids[0].svid, jwks).expect("the token verifies");
+        assert_eq!(claims["sub"], EXECUTOR_ID);
+        assert_eq!(claims["aud"], serde_json::json!(["ci-smoke"]));
+        assert!(claims["exp"].as_u64() > claims["iat"].as_u64());
+    }
+
+    let other = format!("spiffe://{TD}/ci/owner/other/build");
+    let refused = fetch_jwt_svids(&endpoint, &["ci-smoke"], Some(&other))
+        .await
+        .expect_err("another SPIFFE ID");
+    assert_eq!(refused.code(), Some(Code::PermissionDenied), "{refused}");
+    let no_audience = fetch_jwt_svids(&endpoint, &[], None)
+        .await
+        .expect_err("no audience");
+    assert_eq!(no_audience.code(), Some(Code::InvalidArgument));
+
+    api.clear_identity();
+    let none = fetch_jwt_svids(&endpoint, &["ci-smoke"], None)
+        .await
+        .expect_err("no identity");
+    assert_eq!(none.code(), Some(Code::PermissionDenied));
+}

@@ -82,6 +82,9 @@ const METADATA_TEMP: &str = "metadata.json.tmp";
 /// Controller environment passed through to executors. Everything else is cleared so
 /// that nothing of the controller's configuration leaks into a job by accident.
 const INHERITED_ENV: &[&str] = &["PATH", "HOME", "USER", "LANG", "LC_ALL", "TMPDIR", "TZ"];
+/// `CI_EXECUTOR_SANDBOXED` makes an executor started as root prepare its environment as
+/// root (device nodes, mounts, cgroups): only ever inside a Pod or VM, never on this host.
+const ROOT_START_ENV: &str = "CI_EXECUTOR_SANDBOXED";
 /// How often process state is polled while stopping a process group.
 const STOP_POLL: Duration = Duration::from_millis(20);
 /// How long to wait for a process group to vanish after SIGKILL.
@@ -728,7 +731,8 @@ impl Inner {
             .envs(&self.settings.extra_env)
             .envs(spec.environment())
             .env(env::SPIFFE_ENDPOINT_SOCKET, endpoint)
-            .env(WORKDIR_ENV, &work);
+            .env(WORKDIR_ENV, &work)
+            .env_remove(ROOT_START_ENV);
         Ok((command.spawn()?, log_path))
     }
 

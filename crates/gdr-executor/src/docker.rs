@@ -90,10 +90,19 @@ pub enum DockerError {
 }
 
 impl DockerSettings {
-    /// Reads the variables through `get`; `None` when no daemon is wanted.
+    /// Reads the variables through `get`; `None` when no daemon is wanted (the default).
     pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, DockerError> {
+        Self::from_env_or(get, false)
+    }
+
+    /// Like [`Self::from_env`], with `default` when `CI_RUNNER_START_DOCKER` is unset (the
+    /// executor started as root in its Pod or VM starts the daemon by default).
+    pub fn from_env_or(
+        get: impl Fn(&str) -> Option<String>,
+        default: bool,
+    ) -> Result<Option<Self>, DockerError> {
         let wanted = match get(START_DOCKER).as_deref().map(str::trim) {
-            None | Some("") => false,
+            None | Some("") => default,
             Some(v) => parse_bool(v).ok_or_else(|| DockerError::Env {
                 name: START_DOCKER,
                 problem: format!("{v:?} is neither true nor false"),

@@ -3,6 +3,9 @@
 //!
 //! - [`oneshot`]: reads the `CI_*` environment, writes a one-shot `.runner`, waits for the
 //!   facade and runs the runner once (`daemon --once`).
+//! - [`jobenv`]: started as root in its Pod or VM, the executor prepares the job's
+//!   Docker storage, cgroups and agent socket, starts dockerd and runs the rest of itself
+//!   as the runner's user.
 //! - [`proxy`]: the loopback HTTP proxy the runner's `.runner` `address` points at; it
 //!   forwards everything to the facade over mTLS with the executor's SVID.
 //! - [`relay`]: the runner's RunnerService calls on their way to the facade: sent again
@@ -10,6 +13,7 @@
 //!   facade has them ([`outbox`]).
 
 pub mod docker;
+pub mod jobenv;
 pub mod oneshot;
 pub mod outbox;
 pub mod proxy;

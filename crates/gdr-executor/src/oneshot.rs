@@ -487,6 +487,7 @@ async fn run_runner(
             .current_dir(work_dir)
             // The runner gets no CI_RUNNER_CAPABILITY: it reads its token from .runner.
             .env_remove(env::CAPABILITY)
+            .env_remove(crate::jobenv::RUN_AS)
             .kill_on_drop(true)
             .spawn()
             .map_err(|source| RunError::Io {

@@ -10,8 +10,13 @@
 //! because the Workload API pushes the full state on every update. The test peers use
 //! [`RunningWorkloadApi::rotate`] and [`RunningWorkloadApi::set_identity`] directly.
 //!
-//! Only the X.509-SVID RPC is served; the JWT and bundle RPCs answer `UNIMPLEMENTED`,
-//! which `X509Source` does not need.
+//! The JWT RPCs are served as a SPIRE agent serves them, so a job's
+//! `spire-agent api fetch jwt -audience X` works against it: `FetchJWTSVID` signs a
+//! JWT-SVID (ES256, with the CA's key) for the workload's own SPIFFE ID only — a request
+//! naming another ID, like a workload without identity, gets `PermissionDenied` ("no
+//! identity issued"), an empty audience `InvalidArgument`; `FetchJWTBundles` streams the
+//! trust domain's JWKS. The X.509 bundle and `ValidateJWTSVID` RPCs answer
+//! `UNIMPLEMENTED`.
 
 use std::convert::Infallible;
 use std::path::{Path, PathBuf};
@@ -20,6 +25,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use base64::Engine;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
@@ -39,6 +46,10 @@ pub const DEFAULT_SVID_TTL: Duration = Duration::from_secs(3600);
 /// `/SpiffeWorkloadAPI/<Method>`.
 const SERVICE_NAME: &str = "SpiffeWorkloadAPI";
 const FETCH_X509_SVID_PATH: &str = "/SpiffeWorkloadAPI/FetchX509SVID";
+const FETCH_JWT_SVID_PATH: &str = "/SpiffeWorkloadAPI/FetchJWTSVID";
+const FETCH_JWT_BUNDLES_PATH: &str = "/SpiffeWorkloadAPI/FetchJWTBundles";
+/// Lifetime of JWT-SVIDs: a SPIRE agent's default (`default_jwt_svid_ttl`, 5 minutes).
+pub const JWT_SVID_TTL: Duration = Duration::from_secs(300);
 /// Metadata every Workload API request must carry (SPIFFE Workload Endpoint spec).
 const SECURITY_HEADER: &str = "workload.spiffe.io";
 
@@ -66,6 +77,15 @@ pub enum WorkloadApiError {
     NoIdentity { socket: PathBuf },
     #[error("CA files in {dir}: {message}")]
     CaFiles { dir: PathBuf, message: String },
+    #[error(
+        "the CA key of trust domain {trust_domain:?} cannot sign JWT-SVIDs (ES256 needs a P-256 key): {reason}"
+    )]
+    JwtKey {
+        trust_domain: String,
+        reason: String,
+    },
+    #[error("signing a JWT-SVID for {spiffe_id:?}: {reason}")]
+    JwtSign { spiffe_id: String, reason: String },
     #[error("binding the Workload API socket {path}: {source}")]
     Bind {
         path: PathBuf,
@@ -103,6 +123,9 @@ pub struct LocalCa {
 struct CaInner {
     trust_domain: String,
     issuer: CertifiedIssuer<'static, KeyPair>,
+    /// The CA key as an ES256 signer of JWT-SVIDs, and its JWKS key ID.
+    jwt_key: aws_lc_rs::signature::EcdsaKeyPair,
+    jwt_kid: String,
 }
 
 impl std::fmt::Debug for LocalCa {
@@ -234,11 +257,28 @@ impl LocalCa {
             Duration::from_secs(3600),
             Duration::from_secs(10 * 365 * 24 * 3600),
         );
+        let jwt_key = aws_lc_rs::signature::EcdsaKeyPair::from_pkcs8(
+            &aws_lc_rs::signature::ECDSA_P256_SHA256_FIXED_SIGNING,
+            &key.serialize_der(),
+        )
+        .map_err(|e| WorkloadApiError::JwtKey {
+            trust_domain: trust_domain.to_string(),
+            reason: e.to_string(),
+        })?;
+        let jwt_kid = URL_SAFE_NO_PAD.encode(
+            &aws_lc_rs::digest::digest(
+                &aws_lc_rs::digest::SHA256,
+                aws_lc_rs::signature::KeyPair::public_key(&jwt_key).as_ref(),
+            )
+            .as_ref()[..18],
+        );
         let issuer = CertifiedIssuer::self_signed(params, key).map_err(ca_err)?;
         Ok(LocalCa {
             inner: Arc::new(CaInner {
                 trust_domain: trust_domain.to_string(),
                 issuer,
+                jwt_key,
+                jwt_kid,
             }),
         })
     }
@@ -250,6 +290,74 @@ impl LocalCa {
     /// The CA certificate (DER): the trust bundle of the domain.
     pub fn bundle_der(&self) -> Vec<u8> {
         self.inner.issuer.der().to_vec()
+    }
+
+    /// The trust domain's JWT bundle as a JWKS document (what `FetchJWTBundles` carries):
+    /// the CA's P-256 public key.
+    pub fn jwks(&self) -> Vec<u8> {
+        let point = aws_lc_rs::signature::KeyPair::public_key(&self.inner.jwt_key).as_ref();
+        // An uncompressed SEC1 point: 0x04, then x and y of 32 bytes each.
+        let (x, y) = point
+            .get(1..)
+            .unwrap_or_default()
+            .split_at(point.len().saturating_sub(1) / 2);
+        serde_json::json!({
+            "keys": [{
+                "kty": "EC",
+                "kid": self.inner.jwt_kid,
+                "crv": "P-256",
+                "x": URL_SAFE_NO_PAD.encode(x),
+                "y": URL_SAFE_NO_PAD.encode(y),
+            }],
+        })
+        .to_string()
+        .into_bytes()
+    }
+
+    /// Signs a JWT-SVID for `spiffe_id` and `audience`, valid for `ttl` from now: ES256,
+    /// claims `sub`, `aud`, `iat` and `exp` (no `iss`, as SPIRE).
+    pub fn sign_jwt_svid(
+        &self,
+        spiffe_id: &str,
+        audience: &[String],
+        ttl: Duration,
+    ) -> Result<String, WorkloadApiError> {
+        let prefix = format!("spiffe://{}/", self.inner.trust_domain);
+        if !spiffe_id.starts_with(&prefix) {
+            return Err(WorkloadApiError::ForeignId {
+                spiffe_id: spiffe_id.to_string(),
+                trust_domain: self.inner.trust_domain.clone(),
+            });
+        }
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        let header = serde_json::json!({ "alg": "ES256", "kid": self.inner.jwt_kid, "typ": "JWT" });
+        let claims = serde_json::json!({
+            "sub": spiffe_id,
+            "aud": audience,
+            "iat": now,
+            "exp": now + ttl.as_secs().max(1),
+        });
+        let signing_input = format!(
+            "{}.{}",
+            URL_SAFE_NO_PAD.encode(header.to_string()),
+            URL_SAFE_NO_PAD.encode(claims.to_string())
+        );
+        let rng = aws_lc_rs::rand::SystemRandom::new();
+        let signature = self
+            .inner
+            .jwt_key
+            .sign(&rng, signing_input.as_bytes())
+            .map_err(|e| WorkloadApiError::JwtSign {
+                spiffe_id: spiffe_id.to_string(),
+                reason: e.to_string(),
+            })?;
+        Ok(format!(
+            "{signing_input}.{}",
+            URL_SAFE_NO_PAD.encode(signature.as_ref())
+        ))
     }
 
     /// Issues a leaf X.509-SVID for `spiffe_id`, valid from a minute ago for `ttl`.
@@ -300,8 +408,44 @@ impl LocalCa {
 }
 
 /// Hand-written prost messages of `workload.proto` (field numbers per the SPIFFE spec);
-/// only what `FetchX509SVID` needs.
+/// only what `FetchX509SVID`, `FetchJWTSVID` and `FetchJWTBundles` need.
 pub mod pb {
+    #[derive(Clone, PartialEq, Eq, ::prost::Message)]
+    pub struct JwtSvidRequest {
+        #[prost(string, repeated, tag = "1")]
+        pub audience: Vec<String>,
+        /// Empty: every identity of the caller; else only this one.
+        #[prost(string, tag = "2")]
+        pub spiffe_id: String,
+    }
+
+    #[derive(Clone, PartialEq, Eq, ::prost::Message)]
+    pub struct JwtSvidResponse {
+        #[prost(message, repeated, tag = "1")]
+        pub svids: Vec<JwtSvid>,
+    }
+
+    #[derive(Clone, PartialEq, Eq, ::prost::Message)]
+    pub struct JwtSvid {
+        #[prost(string, tag = "1")]
+        pub spiffe_id: String,
+        /// The compact JWS.
+        #[prost(string, tag = "2")]
+        pub svid: String,
+        #[prost(string, tag = "3")]
+        pub hint: String,
+    }
+
+    #[derive(Clone, Copy, PartialEq, Eq, ::prost::Message)]
+    pub struct JwtBundlesRequest {}
+
+    #[derive(Clone, PartialEq, Eq, ::prost::Message)]
+    pub struct JwtBundlesResponse {
+        /// Trust domain ID (`spiffe://<td>`) → JWKS document.
+        #[prost(map = "string, bytes", tag = "1")]
+        pub bundles: std::collections::HashMap<String, Vec<u8>>,
+    }
+
     #[derive(Clone, Copy, PartialEq, Eq, ::prost::Message)]
     pub struct X509SvidRequest {}
 
@@ -583,25 +727,148 @@ impl tower::Service<http::Request<tonic::body::Body>> for WorkloadApiService {
     }
 
     fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
-        if req.uri().path() != FETCH_X509_SVID_PATH {
-            let path = req.uri().path().to_string();
-            return Box::pin(async move {
-                Ok(
-                    tonic::Status::unimplemented(format!(
+        let shared = self.shared.clone();
+        match req.uri().path() {
+            FETCH_X509_SVID_PATH => Box::pin(async move {
+                let codec =
+                    tonic_prost::ProstCodec::<pb::X509SvidResponse, pb::X509SvidRequest>::default();
+                let mut grpc = tonic::server::Grpc::new(codec);
+                Ok(grpc.server_streaming(FetchX509Svid { shared }, req).await)
+            }),
+            FETCH_JWT_SVID_PATH => Box::pin(async move {
+                let codec =
+                    tonic_prost::ProstCodec::<pb::JwtSvidResponse, pb::JwtSvidRequest>::default();
+                let mut grpc = tonic::server::Grpc::new(codec);
+                Ok(grpc.unary(FetchJwtSvid { shared }, req).await)
+            }),
+            FETCH_JWT_BUNDLES_PATH => Box::pin(async move {
+                let codec = tonic_prost::ProstCodec::<pb::JwtBundlesResponse, pb::JwtBundlesRequest>::default();
+                let mut grpc = tonic::server::Grpc::new(codec);
+                Ok(grpc.server_streaming(FetchJwtBundles { shared }, req).await)
+            }),
+            path => {
+                let path = path.to_string();
+                Box::pin(async move {
+                    Ok(tonic::Status::unimplemented(format!(
                         "fake Workload API does not serve {path}"
                     ))
-                    .into_http(),
-                )
-            });
+                    .into_http())
+                })
+            }
         }
-        let handler = FetchX509Svid {
-            shared: self.shared.clone(),
-        };
+    }
+}
+
+/// The spec's answer to a request without the security header.
+fn check_security_header(metadata: &tonic::metadata::MetadataMap) -> Result<(), tonic::Status> {
+    if metadata.get(SECURITY_HEADER).and_then(|v| v.to_str().ok()) == Some("true") {
+        Ok(())
+    } else {
+        Err(tonic::Status::invalid_argument(
+            "security header workload.spiffe.io: true is missing",
+        ))
+    }
+}
+
+/// `FetchJWTSVID` as a SPIRE agent answers it: a JWT-SVID only for an identity the caller
+/// has — here the workload's one SPIFFE ID. Naming another ID gets what a workload
+/// without identity gets: `PermissionDenied`, "no identity issued".
+struct FetchJwtSvid {
+    shared: Arc<Shared>,
+}
+
+impl tonic::server::UnaryService<pb::JwtSvidRequest> for FetchJwtSvid {
+    type Response = pb::JwtSvidResponse;
+    type Future = BoxFuture<'static, Result<tonic::Response<Self::Response>, tonic::Status>>;
+
+    fn call(&mut self, request: tonic::Request<pb::JwtSvidRequest>) -> Self::Future {
+        let shared = self.shared.clone();
         Box::pin(async move {
-            let codec =
-                tonic_prost::ProstCodec::<pb::X509SvidResponse, pb::X509SvidRequest>::default();
-            let mut grpc = tonic::server::Grpc::new(codec);
-            Ok(grpc.server_streaming(handler, req).await)
+            check_security_header(request.metadata())?;
+            let request = request.into_inner();
+            let audience: Vec<String> = request
+                .audience
+                .into_iter()
+                .filter(|a| !a.trim().is_empty())
+                .collect();
+            if audience.is_empty() {
+                return Err(tonic::Status::invalid_argument(
+                    "audience must be specified",
+                ));
+            }
+            if !request.spiffe_id.is_empty() && !is_spiffe_id(&request.spiffe_id) {
+                return Err(tonic::Status::invalid_argument(
+                    "invalid requested SPIFFE ID: scheme is missing or invalid",
+                ));
+            }
+            let own = shared
+                .current
+                .borrow()
+                .as_ref()
+                .map(|(svid, _)| svid.spiffe_id.clone());
+            let Some(own) =
+                own.filter(|id| request.spiffe_id.is_empty() || *id == request.spiffe_id)
+            else {
+                return Err(tonic::Status::permission_denied("no identity issued"));
+            };
+            let token = shared
+                .ca
+                .sign_jwt_svid(&own, &audience, JWT_SVID_TTL)
+                .map_err(|e| {
+                    tonic::Status::unavailable(format!("could not fetch JWT-SVID: {e}"))
+                })?;
+            Ok(tonic::Response::new(pb::JwtSvidResponse {
+                svids: vec![pb::JwtSvid {
+                    spiffe_id: own,
+                    svid: token,
+                    hint: String::new(),
+                }],
+            }))
+        })
+    }
+}
+
+/// `spiffe://` followed by a trust domain and a path, as SPIRE's parser wants it.
+fn is_spiffe_id(id: &str) -> bool {
+    id.strip_prefix("spiffe://")
+        .and_then(|rest| rest.split_once('/'))
+        .is_some_and(|(domain, path)| !domain.is_empty() && !path.is_empty())
+}
+
+/// `FetchJWTBundles`: the trust domain's JWKS, again after every change of the
+/// workload's identity; `PermissionDenied` while it has none (as SPIRE).
+struct FetchJwtBundles {
+    shared: Arc<Shared>,
+}
+
+impl tonic::server::ServerStreamingService<pb::JwtBundlesRequest> for FetchJwtBundles {
+    type Response = pb::JwtBundlesResponse;
+    type ResponseStream = BoxStream<'static, Result<pb::JwtBundlesResponse, tonic::Status>>;
+    type Future = BoxFuture<'static, Result<tonic::Response<Self::ResponseStream>, tonic::Status>>;
+
+    fn call(&mut self, request: tonic::Request<pb::JwtBundlesRequest>) -> Self::Future {
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            check_security_header(request.metadata())?;
+            let rx = shared.current.subscribe();
+            let bundles = std::collections::HashMap::from([(
+                format!("spiffe://{}", shared.ca.trust_domain()),
+                shared.ca.jwks(),
+            )]);
+            let stream = futures::stream::unfold((rx, true), move |(mut rx, first)| {
+                let bundles = bundles.clone();
+                async move {
+                    if !first && rx.changed().await.is_err() {
+                        return None;
+                    }
+                    let item = match rx.borrow_and_update().as_ref() {
+                        Some(_) => Ok(pb::JwtBundlesResponse { bundles }),
+                        None => Err(tonic::Status::permission_denied("no identity issued")),
+                    };
+                    Some((item, (rx, false)))
+                }
+            });
+            Ok(tonic::Response::new(stream.boxed()))
         })
     }
 }
@@ -618,17 +885,7 @@ impl tonic::server::ServerStreamingService<pb::X509SvidRequest> for FetchX509Svi
     fn call(&mut self, request: tonic::Request<pb::X509SvidRequest>) -> Self::Future {
         let shared = self.shared.clone();
         Box::pin(async move {
-            let header_ok = request
-                .metadata()
-                .get(SECURITY_HEADER)
-                .and_then(|v| v.to_str().ok())
-                == Some("true");
-            if !header_ok {
-                // The spec's answer to a request without the security header.
-                return Err(tonic::Status::invalid_argument(
-                    "security header workload.spiffe.io: true is missing",
-                ));
-            }
+            check_security_header(request.metadata())?;
             shared.fetches.fetch_add(1, Ordering::Relaxed);
             let rx = shared.current.subscribe();
             // Yield the current state at once, then the full state after every change.

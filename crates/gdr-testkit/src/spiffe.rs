@@ -129,3 +129,157 @@ pub async fn raw_tls_get(
         Err(format!("no HTTP answer ({} bytes)", answer.len()))
     }
 }
+
+/// gRPC status codes, as [`JwtFetchError::code`] reports them.
+pub use tonic::Code;
+
+/// Why a Workload API JWT call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum JwtFetchError {
+    /// The socket could not be reached.
+    #[error("connecting to the Workload API {endpoint}: {source}")]
+    Connect {
+        endpoint: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The agent answered with an error status (e.g. `PermissionDenied`).
+    #[error("the Workload API answered {}: {}", .0.code(), .0.message())]
+    Status(#[source] tonic::Status),
+    /// The bundle stream ended without a message.
+    #[error("the Workload API sent no JWT bundles")]
+    NoBundles,
+}
+
+impl JwtFetchError {
+    /// The gRPC status code of an answered call.
+    pub fn code(&self) -> Option<tonic::Code> {
+        match self {
+            JwtFetchError::Status(s) => Some(s.code()),
+            _ => None,
+        }
+    }
+}
+
+async fn workload_channel(endpoint: &str) -> Result<tonic::transport::Channel, JwtFetchError> {
+    let path = endpoint
+        .strip_prefix("unix://")
+        .or_else(|| endpoint.strip_prefix("unix:"))
+        .unwrap_or(endpoint)
+        .to_owned();
+    let connect_error = |source| JwtFetchError::Connect {
+        endpoint: endpoint.to_owned(),
+        source,
+    };
+    // The URI is required by the API and ignored by the connector.
+    tonic::transport::Endpoint::from_static("http://workload.local")
+        .connect_with_connector(tower::service_fn(move |_: http::Uri| {
+            let path = path.clone();
+            async move {
+                tokio::net::UnixStream::connect(path)
+                    .await
+                    .map(hyper_util::rt::TokioIo::new)
+            }
+        }))
+        .await
+        .map_err(connect_error)
+}
+
+fn workload_request<T>(message: T) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert(
+        "workload.spiffe.io",
+        tonic::metadata::MetadataValue::from_static("true"),
+    );
+    request
+}
+
+/// `FetchJWTSVID` as `spire-agent api fetch jwt -audience <audience> [-spiffeID <id>]`
+/// sends it, through the Workload API at `endpoint` (`unix:<path>`, `unix://<path>` or a
+/// path).
+pub async fn fetch_jwt_svids(
+    endpoint: &str,
+    audience: &[&str],
+    spiffe_id: Option<&str>,
+) -> Result<Vec<pb::JwtSvid>, JwtFetchError> {
+    let channel = workload_channel(endpoint).await?;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready()
+        .await
+        .map_err(|e| JwtFetchError::Status(tonic::Status::unavailable(e.to_string())))?;
+    let request = workload_request(pb::JwtSvidRequest {
+        audience: audience.iter().map(|a| (*a).to_owned()).collect(),
+        spiffe_id: spiffe_id.unwrap_or_default().to_owned(),
+    });
+    let codec = tonic_prost::ProstCodec::<pb::JwtSvidRequest, pb::JwtSvidResponse>::default();
+    let response = grpc
+        .unary(
+            request,
+            http::uri::PathAndQuery::from_static("/SpiffeWorkloadAPI/FetchJWTSVID"),
+            codec,
+        )
+        .await
+        .map_err(JwtFetchError::Status)?;
+    Ok(response.into_inner().svids)
+}
+
+/// The first `FetchJWTBundles` message: trust domain ID → JWKS.
+pub async fn fetch_jwt_bundles(
+    endpoint: &str,
+) -> Result<std::collections::HashMap<String, Vec<u8>>, JwtFetchError> {
+    let channel = workload_channel(endpoint).await?;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready()
+        .await
+        .map_err(|e| JwtFetchError::Status(tonic::Status::unavailable(e.to_string())))?;
+    let codec = tonic_prost::ProstCodec::<pb::JwtBundlesRequest, pb::JwtBundlesResponse>::default();
+    let response = grpc
+        .server_streaming(
+            workload_request(pb::JwtBundlesRequest {}),
+            http::uri::PathAndQuery::from_static("/SpiffeWorkloadAPI/FetchJWTBundles"),
+            codec,
+        )
+        .await
+        .map_err(JwtFetchError::Status)?;
+    let mut stream = response.into_inner();
+    match stream.message().await.map_err(JwtFetchError::Status)? {
+        Some(message) => Ok(message.bundles),
+        None => Err(JwtFetchError::NoBundles),
+    }
+}
+
+/// Verifies an ES256 JWT-SVID against a JWKS document (as a resource server would) and
+/// returns its claims; `Err` says what does not hold.
+pub fn verify_jwt_svid(token: &str, jwks: &[u8]) -> Result<serde_json::Value, String> {
+    use base64::Engine;
+    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let mut parts = token.split('.');
+    let (Some(header), Some(claims), Some(signature), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err("not a compact JWS of three parts".into());
+    };
+    let decode = |part: &str| URL_SAFE_NO_PAD.decode(part).map_err(|e| e.to_string());
+    let json = |bytes: Vec<u8>| -> Result<serde_json::Value, String> {
+        serde_json::from_slice(&bytes).map_err(|e| e.to_string())
+    };
+    let head = json(decode(header)?)?;
+    if head["alg"] != "ES256" {
+        return Err(format!("alg is {}", head["alg"]));
+    }
+    let keys: serde_json::Value = json(jwks.to_vec())?;
+    let key = keys["keys"]
+        .as_array()
+        .and_then(|k| k.iter().find(|k| k["kid"] == head["kid"]))
+        .ok_or_else(|| format!("no key {} in the bundle", head["kid"]))?;
+    let mut point = vec![4u8];
+    point.extend(decode(key["x"].as_str().unwrap_or_default())?);
+    point.extend(decode(key["y"].as_str().unwrap_or_default())?);
+    aws_lc_rs::signature::UnparsedPublicKey::new(
+        &aws_lc_rs::signature::ECDSA_P256_SHA256_FIXED,
+        point,
+    )
+    .verify(format!("{header}.{claims}").as_bytes(), &decode(signature)?)
+    .map_err(|_| "the signature does not verify".to_string())?;
+    json(decode(claims)?)
+}

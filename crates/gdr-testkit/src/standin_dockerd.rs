@@ -120,10 +120,16 @@ pub struct RunnerStart {
     pub docker_host: String,
     /// Whether `DOCKER_HOST`'s socket existed at that moment.
     pub socket_existed: bool,
+    /// Its uid (`id -u`).
+    pub uid: String,
+    /// Its gid (`id -g`).
+    pub gid: String,
+    /// All its groups (`id -G`).
+    pub groups: Vec<String>,
 }
 
-/// Writes `dir/runner`: a shell wrapper that records its arguments, `DOCKER_HOST` and
-/// whether that socket exists into `dir/runner.start`, then runs `standin` with the same
+/// Writes `dir/runner`: a shell wrapper that records its arguments, `DOCKER_HOST`,
+/// whether that socket exists and its user and groups into `dir/runner.start`, then runs `standin` with the same
 /// arguments. Read the record with [`runner_start`].
 pub fn recording_runner(dir: &Path, standin: &Path) -> std::io::Result<PathBuf> {
     let record = dir.join("runner.start");
@@ -134,6 +140,7 @@ record='{record}'
   printf 'docker_host=%s\n' "$DOCKER_HOST"
   socket="${{DOCKER_HOST#unix://}}"
   if [ -n "$DOCKER_HOST" ] && [ -S "$socket" ]; then echo socket=yes; else echo socket=no; fi
+  printf 'uid=%s\ngid=%s\ngroups=%s\n' "$(id -u)" "$(id -g)" "$(id -G)"
   for arg in "$@"; do printf 'arg=%s\n' "$arg"; done
 }} > "$record.tmp"
 mv "$record.tmp" "$record"
@@ -155,12 +162,21 @@ pub fn runner_start(dir: &Path) -> Option<RunnerStart> {
         args: Vec::new(),
         docker_host: String::new(),
         socket_existed: false,
+        uid: String::new(),
+        gid: String::new(),
+        groups: Vec::new(),
     };
     for line in text.lines() {
         if let Some(v) = line.strip_prefix("docker_host=") {
             start.docker_host = v.to_string();
         } else if let Some(v) = line.strip_prefix("socket=") {
             start.socket_existed = v == "yes";
+        } else if let Some(v) = line.strip_prefix("uid=") {
+            start.uid = v.to_string();
+        } else if let Some(v) = line.strip_prefix("gid=") {
+            start.gid = v.to_string();
+        } else if let Some(v) = line.strip_prefix("groups=") {
+            start.groups = v.split_whitespace().map(str::to_string).collect();
         } else if let Some(v) = line.strip_prefix("arg=") {
             start.args.push(v.to_string());
         }

@@ -23,6 +23,8 @@
 //! | `standin:crash` | logs one row, exits with status 3 and no final report |
 //! | `standin:checkout <n>` | streams `GET <address>/_mock/blob/<n>`, logs the byte count, SUCCESS iff all `n` bytes arrived |
 //! | `standin:wait-for <path>` | heartbeats until the file `<path>` exists (a test's release of many jobs at once), reports SUCCESS |
+//! | `standin:id` | logs the process's identity (`identity: uid=… euid=… gid=… groups=…`), SUCCESS |
+//! | `standin:fetch-jwt <audience> [socket=<path>] [spiffe-id=<id>]` | what `spire-agent api fetch jwt -audience <audience> [-socketPath <path>] [-spiffeID <id>]` does: `FetchJWTBundles`, then `FetchJWTSVID` through the Workload API at `<path>` (default: `SPIFFE_ENDPOINT_SOCKET`, as a job step sees it); logs `jwt-svid: sub=<sub> aud=<aud>` for a token that verifies against the bundle and reports SUCCESS, else logs `jwt-svid: <error>` and reports FAILURE |
 //!
 //! A payload without any `standin:` step runs as `standin:success`. Cancellation (server
 //! answer or signal) wins over every script but `crash`.
@@ -192,6 +194,12 @@ pub enum Script {
     Crash,
     Checkout(u64),
     WaitFor(PathBuf),
+    Id,
+    FetchJwt {
+        audience: String,
+        socket: Option<String>,
+        spiffe_id: Option<String>,
+    },
 }
 
 impl Script {
@@ -200,6 +208,22 @@ impl Script {
         let rest = text.trim().strip_prefix("standin:")?;
         let mut words = rest.split_whitespace();
         let verb = words.next()?;
+        if verb == "fetch-jwt" {
+            let audience = words.next()?.to_string();
+            let (mut socket, mut spiffe_id) = (None, None);
+            for word in words {
+                if let Some(v) = word.strip_prefix("socket=") {
+                    socket = Some(v.to_string());
+                } else if let Some(v) = word.strip_prefix("spiffe-id=") {
+                    spiffe_id = Some(v.to_string());
+                }
+            }
+            return Some(Script::FetchJwt {
+                audience,
+                socket,
+                spiffe_id,
+            });
+        }
         let word = words.next();
         if verb == "wait-for" {
             return word.map(|path| Script::WaitFor(PathBuf::from(path)));
@@ -210,6 +234,7 @@ impl Script {
             ("failure", _) => Some(Script::Failure),
             ("hang", _) => Some(Script::Hang),
             ("crash", _) => Some(Script::Crash),
+            ("id", _) => Some(Script::Id),
             ("sleep", Some(ms)) => Some(Script::Sleep(Duration::from_millis(ms))),
             ("checkout", Some(n)) => Some(Script::Checkout(n)),
             _ => None,
@@ -454,6 +479,36 @@ async fn run_script(reporter: &Reporter, script: &Script, address: &str) -> Opti
             reporter.log("crashing on purpose".to_string());
             None
         }
+        Script::Id => {
+            let groups = rustix::process::getgroups()
+                .unwrap_or_default()
+                .iter()
+                .map(|g| g.as_raw().to_string())
+                .collect::<Vec<_>>()
+                .join(",");
+            reporter.log(format!(
+                "identity: uid={} euid={} gid={} groups={groups}",
+                rustix::process::getuid().as_raw(),
+                rustix::process::geteuid().as_raw(),
+                rustix::process::getgid().as_raw(),
+            ));
+            Some(pb::TaskResult::RESULT_SUCCESS)
+        }
+        Script::FetchJwt {
+            audience,
+            socket,
+            spiffe_id,
+        } => {
+            let line = match fetch_jwt(audience, socket.as_deref(), spiffe_id.as_deref()).await {
+                Ok(line) => {
+                    reporter.log(format!("jwt-svid: {line}"));
+                    return Some(pb::TaskResult::RESULT_SUCCESS);
+                }
+                Err(e) => e,
+            };
+            reporter.log(format!("jwt-svid: {line}"));
+            Some(pb::TaskResult::RESULT_FAILURE)
+        }
         Script::Checkout(n) => {
             let url = format!("{address}/_mock/blob/{n}");
             match download(&url).await {
@@ -472,6 +527,44 @@ async fn run_script(reporter: &Reporter, script: &Script, address: &str) -> Opti
             }
         }
     }
+}
+
+/// `spire-agent api fetch jwt`: the bundles, then the token, which must verify against
+/// them. Returns `sub=… aud=…` of the first token.
+async fn fetch_jwt(
+    audience: &str,
+    socket: Option<&str>,
+    spiffe_id: Option<&str>,
+) -> Result<String, String> {
+    let endpoint = match socket {
+        Some(path) => path.to_string(),
+        None => std::env::var("SPIFFE_ENDPOINT_SOCKET")
+            .map_err(|_| "SPIFFE_ENDPOINT_SOCKET is not set".to_string())?,
+    };
+    let bundles = crate::spiffe::fetch_jwt_bundles(&endpoint)
+        .await
+        .map_err(|e| e.to_string())?;
+    let svids = crate::spiffe::fetch_jwt_svids(&endpoint, &[audience], spiffe_id)
+        .await
+        .map_err(|e| e.to_string())?;
+    let svid = svids.first().ok_or("no JWT-SVID in the answer")?;
+    let claims = bundles
+        .values()
+        .find_map(|jwks| crate::spiffe::verify_jwt_svid(&svid.svid, jwks).ok())
+        .ok_or("the token does not verify against the trust bundle")?;
+    let aud = claims["aud"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str())
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .unwrap_or_default();
+    Ok(format!(
+        "sub={} aud={aud}",
+        claims["sub"].as_str().unwrap_or_default()
+    ))
 }
 
 /// Streams a GET body, counting bytes without keeping them.

@@ -81,13 +81,19 @@ fn resources(defaults: &Resources, profile: Option<&PodProfile>) -> Option<Resou
     })
 }
 
+/// `CI_RUNNER_UID`: the uid a root executor runs the job as.
+const RUNNER_UID_ENV: &str = "CI_RUNNER_UID";
+
 fn security_context(s: &KubernetesSettings) -> SecurityContext {
     let uid = Some(s.executor_uid);
     if s.privileged {
+        // The executor starts as root to prepare Docker's storage and cgroups and start
+        // dockerd, then runs itself, the runner and the job as `executor_uid`
+        // (`CI_RUNNER_UID`, see `environment`).
         SecurityContext {
             privileged: Some(true),
-            run_as_user: uid,
-            run_as_group: uid,
+            run_as_user: Some(0),
+            run_as_group: Some(0),
             ..SecurityContext::default()
         }
     } else {
@@ -118,6 +124,9 @@ fn environment(s: &KubernetesSettings, spec: &ExecutorSpec) -> Vec<EnvVar> {
         plain.insert(name.to_owned(), value);
     }
     plain.insert(env::SPIFFE_ENDPOINT_SOCKET.to_owned(), s.endpoint_socket());
+    if s.privileged {
+        plain.insert(RUNNER_UID_ENV.to_owned(), s.executor_uid.to_string());
+    }
     plain.insert(
         READY_TIMEOUT_ENV.to_owned(),
         s.identity_deadline.as_secs().max(1).to_string(),

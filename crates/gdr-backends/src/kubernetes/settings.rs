@@ -23,11 +23,14 @@ pub struct KubernetesSettings {
     pub image: String,
     /// Container arguments (default `["executor"]`).
     pub executor_args: Vec<String>,
-    /// uid and gid the executor container runs as (`pod_executor_uid`, default 2000).
+    /// uid and gid the job runs as (`pod_executor_uid`, default 2000): a privileged Pod's
+    /// executor starts as root and runs itself, the runner and the job as this uid
+    /// (`CI_RUNNER_UID`); an unprivileged Pod's container runs as it from the start.
     pub executor_uid: i64,
-    /// Run the container privileged, which Docker inside the Pod needs (`pod_privileged`,
-    /// default true). When false the container runs non-root with no privilege escalation,
-    /// all capabilities dropped and the runtime's default seccomp profile.
+    /// Run the container privileged and start the executor as root, which the job's
+    /// Docker daemon needs (`pod_privileged`, default true). When false the container runs
+    /// as `executor_uid` with no privilege escalation, all capabilities dropped and the
+    /// runtime's default seccomp profile, and the job has no Docker daemon.
     pub privileged: bool,
     /// Size limit of the `emptyDir` at `/var/lib/docker` (`pod_docker_storage_limit`,
     /// default `20Gi`).
@@ -161,10 +164,10 @@ impl KubernetesSettings {
         if self.identity_deadline < Duration::from_secs(1) {
             return bad("pod_identity_bind_deadline", "must be at least 1s".into());
         }
-        if !self.privileged && self.executor_uid == 0 {
+        if self.executor_uid == 0 {
             return bad(
                 "pod_executor_uid",
-                "must not be 0 with pod_privileged = false (the container runs as non-root)".into(),
+                "must not be 0: jobs never run as root (a privileged Pod's executor starts as root by itself)".into(),
             );
         }
         if parse_quantity(&self.docker_storage_limit).is_none() {

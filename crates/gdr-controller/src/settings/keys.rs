@@ -311,11 +311,14 @@ keys! {
     pod_executor_image: Option<String> = None;
     /// Service account of executor Pods.
     pod_service_account: String = "gitea-task-executor".into();
-    /// UID and GID the executor container runs as (also the SPIRE `unix:uid` selector).
+    /// UID and GID the job runs as, never 0. With `pod_privileged` the executor starts as
+    /// root, prepares the job's Docker daemon and runs itself, the runner and the job as
+    /// this UID (with the image's `docker` group); otherwise the container runs as it.
     pod_executor_uid: u32 = 2000;
-    /// Run the executor container privileged, which Docker inside the Pod needs. `false`:
-    /// non-root, no privilege escalation, all capabilities dropped, the runtime's default
-    /// seccomp profile.
+    /// Run the executor container privileged and start it as root, which the job's Docker
+    /// daemon needs (started by default). `false`: the container runs as
+    /// `pod_executor_uid`, non-root, no privilege escalation, all capabilities dropped,
+    /// the runtime's default seccomp profile, and jobs have no Docker daemon.
     pod_privileged: bool = true;
     /// Size limit of the `emptyDir` mounted at `/var/lib/docker` in executor Pods.
     pod_docker_storage_limit: String = "20Gi".into();

@@ -842,7 +842,12 @@ node_selector = { gpu = "true" }
             (
                 "pod_privileged = false\npod_executor_uid = 0\n",
                 "pod_executor_uid (POD_EXECUTOR_UID):",
-                "non-root",
+                "never run as root",
+            ),
+            (
+                "pod_executor_uid = 0\n",
+                "pod_executor_uid (POD_EXECUTOR_UID):",
+                "never run as root",
             ),
         ] {
             let problems = pod_problems(toml);
