@@ -415,7 +415,9 @@ fn render_cluster_test() -> ClusterTest {
         .args(["--argstr", "version", env!("CARGO_PKG_VERSION")])
         .output()
         .unwrap_or_else(|e| {
-            panic!("nix-instantiate ({e}); install it with `apt-get install nix-bin` — .ci/run does")
+            panic!(
+                "nix-instantiate ({e}); install it with `apt-get install nix-bin` — .ci/run does"
+            )
         });
     assert!(
         out.status.success(),
@@ -424,7 +426,10 @@ fn render_cluster_test() -> ClusterTest {
     );
     let manifests: Value = serde_json::from_slice(&out.stdout).expect("JSON");
     let dir = tempfile::tempdir().unwrap();
-    copy_dir(&repo.join("deploy/kubernetes/base"), &dir.path().join("base"));
+    copy_dir(
+        &repo.join("deploy/kubernetes/base"),
+        &dir.path().join("base"),
+    );
     for (name, text) in manifests["files"].as_object().expect("files") {
         std::fs::write(dir.path().join(name), text.as_str().unwrap()).unwrap();
     }
@@ -450,25 +455,30 @@ fn egress_admits(policy: &Value, ip: std::net::Ipv4Addr, port: u16) -> bool {
     let in_block = |block: &Value| {
         let contains = |cidr: &str| {
             let (net, len) = cidr.split_once('/').unwrap_or((cidr, "32"));
-            let (net, len): (std::net::Ipv4Addr, u32) = (net.parse().unwrap(), len.parse().unwrap());
+            let (net, len): (std::net::Ipv4Addr, u32) =
+                (net.parse().unwrap(), len.parse().unwrap());
             let mask = u32::MAX.checked_shl(32 - len).unwrap_or(0);
             u32::from(ip) & mask == u32::from(net) & mask
         };
         block["cidr"].as_str().is_some_and(contains)
             && !strings(&block["except"]).into_iter().any(contains)
     };
-    policy["spec"]["egress"].as_array().into_iter().flatten().any(|rule| {
-        let to_ok = rule["to"].as_array().is_none_or(|peers| {
-            peers.iter().any(|peer| in_block(&peer["ipBlock"]))
-        });
-        let port_ok = rule["ports"].as_array().is_none_or(|ports| {
-            ports.iter().any(|p| {
-                p["port"].as_u64() == Some(u64::from(port))
-                    && p["protocol"].as_str().unwrap_or("TCP") == "TCP"
-            })
-        });
-        to_ok && port_ok
-    })
+    policy["spec"]["egress"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|rule| {
+            let to_ok = rule["to"]
+                .as_array()
+                .is_none_or(|peers| peers.iter().any(|peer| in_block(&peer["ipBlock"])));
+            let port_ok = rule["ports"].as_array().is_none_or(|ports| {
+                ports.iter().any(|p| {
+                    p["port"].as_u64() == Some(u64::from(port))
+                        && p["protocol"].as_str().unwrap_or("TCP") == "TCP"
+                })
+            });
+            to_ok && port_ok
+        })
 }
 
 fn host_port(url: &str) -> (std::net::Ipv4Addr, u16) {
@@ -493,10 +503,16 @@ fn the_cluster_vm_tests_overlay_fits_the_base_it_deploys() {
     assert_eq!(pod["containers"][0]["image"], manifests["controllerImage"]);
     let volumes = pod["volumes"].as_array().unwrap();
     let csi: Vec<&Value> = volumes.iter().filter(|v| !v["csi"].is_null()).collect();
-    assert!(csi.is_empty(), "CSI volumes left, no driver in the test cluster: {csi:?}");
+    assert!(
+        csi.is_empty(),
+        "CSI volumes left, no driver in the test cluster: {csi:?}"
+    );
 
     // The mounted ConfigMap is the test's configuration, and it loads.
-    let config_map = volumes.iter().find_map(|v| v["configMap"]["name"].as_str()).unwrap();
+    let config_map = volumes
+        .iter()
+        .find_map(|v| v["configMap"]["name"].as_str())
+        .unwrap();
     let config = find(&objects, "ConfigMap", config_map)["data"]["config.toml"]
         .as_str()
         .unwrap();
@@ -554,7 +570,10 @@ fn the_cluster_vm_tests_overlay_fits_the_base_it_deploys() {
     let node: std::net::Ipv4Addr = manifests["nodeIp"].as_str().unwrap().parse().unwrap();
     let api_port = manifests["ports"]["apiServer"].as_u64().unwrap() as u16;
     for (what, (ip, port)) in [
-        ("Gitea", host_port(toml_string(config, "gitea_instance_url").unwrap())),
+        (
+            "Gitea",
+            host_port(toml_string(config, "gitea_instance_url").unwrap()),
+        ),
         ("NATS", host_port(toml_string(config, "nats_url").unwrap())),
         ("the API server", (node, api_port)),
     ] {
