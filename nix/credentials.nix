@@ -1,7 +1,8 @@
 # Every configuration key of the binary that names a file, sorted into secrets and public files.
 #
 # Pure data (no arguments): nix/module.nix builds its credential options and LoadCredential
-# lines from `secrets`, and tests/nix.rs checks that every `*_file`/`*_files` key of
+# lines from `secrets` (all but the registration token, which the unit hands over only until
+# the first start has registered, see nix/module.nix), and tests/nix.rs checks that every `*_file`/`*_files` key of
 # `check-config --reference` appears here exactly once, so a new secret key cannot reach the
 # binary without the module learning how to deliver it. Keep one entry per line.
 #
@@ -20,7 +21,7 @@
     { key = "nats_worker_password_file"; option = "natsWorkerPasswordFile"; credential = "nats-worker-password"; list = false; }
     { key = "nats_worker_creds_file"; option = "natsWorkerCredsFile"; credential = "nats-worker-creds"; list = false; }
     { key = "opensandbox_api_key_file"; option = "opensandboxApiKeyFile"; credential = "opensandbox-api-key"; list = false; }
-    { key = "gitea_runner_registration_token_file"; option = "firstStartRegistrationTokenFile"; credential = "first-start-registration-token"; list = false; }
+    { key = "gitea_runner_registration_token_file"; option = "registrationTokenFile"; credential = "registration-token"; list = false; }
   ];
 
   # Files that are not secret (CA bundles, the runner UUID): ordinary settings, which may

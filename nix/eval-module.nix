@@ -58,6 +58,7 @@ let
         json = _: format;
       };
       writeShellScript = name: text: builtins.toFile name text;
+      runCommand = name: _env: _script: fakePackage { pname = name; };
       nats-server = fakePackage { pname = "nats-server"; };
       gitea-actions-runner = fakePackage {
         pname = "gitea-actions-runner";
@@ -151,7 +152,8 @@ let
       };
     };
 
-  evalWith =
+  # Without `package`: the module's default (mkPackageOption) is pkgs.gitea-dynamic-runner.
+  evalWithDefaultPackage =
     config:
     lib.evalModules {
       modules = [
@@ -159,14 +161,20 @@ let
         ./module.nix
         {
           _module.args = { inherit pkgs; };
-          services.gitea-dynamic-runner = {
-            enable = true;
-            package = pkgs.gitea-dynamic-runner;
-          };
+          services.gitea-dynamic-runner.enable = true;
         }
         config
       ];
     };
+
+  evalWith =
+    config:
+    evalWithDefaultPackage {
+      imports = [ config ];
+      services.gitea-dynamic-runner.package = pkgs.gitea-dynamic-runner;
+    };
+
+  readScript = path: builtins.readFile (lib.head (lib.splitString " " (lib.removePrefix "+" path)));
 
   failedAssertions =
     eval: map (a: a.message) (lib.filter (a: !a.assertion) eval.config.assertions);
@@ -213,6 +221,15 @@ let
       wrapper = builtins.readFile (lib.removeSuffix " controller" unit.serviceConfig.ExecStart);
     };
 
+    defaultPackage = attempt
+      (evalWithDefaultPackage { imports = [ base ]; }).config.services.gitea-dynamic-runner.package.pname;
+
+    registration = {
+      preStart = map readScript unit.serviceConfig.ExecStartPre;
+      privileged = map (lib.hasPrefix "+") unit.serviceConfig.ExecStartPre;
+      inherit (unit.serviceConfig) RuntimeDirectory;
+    };
+
     natsGood =
       let
         e = evalWith {
@@ -222,16 +239,37 @@ let
             natsProducerPasswordFile = "/run/secrets/nats-producer";
             natsWorkerPasswordFile = "/run/secrets/nats-worker";
           };
+          services.nats.settings.authorization = {
+            timeout = 2;
+            users = [
+              {
+                user = "admin";
+                password = "admin-password";
+              }
+            ];
+          };
         };
       in
       {
+        natsStart = readScript e.config.systemd.services.nats.serviceConfig.ExecStart;
         assertionsFailing = failedAssertions e;
         natsUrl = e.config.services.gitea-dynamic-runner.settings.nats_url;
         natsEnabled = e.config.services.nats.enable && e.config.services.nats.jetstream;
         natsHost = e.config.services.nats.settings.host;
         natsServiceConfig = e.config.systemd.services.nats.serviceConfig;
+        settingsAuthorization = e.config.services.nats.settings.authorization;
         controllerRequires = e.config.systemd.services.gitea-dynamic-runner.requires or [ ];
       };
+
+    natsUserClash = failedAssertions (evalWith {
+      imports = [ base ];
+      services.gitea-dynamic-runner = {
+        nats.enable = true;
+        natsProducerPasswordFile = "/run/secrets/nats-producer";
+        natsWorkerPasswordFile = "/run/secrets/nats-worker";
+      };
+      services.nats.settings.authorization.users = [ { user = "ci-worker"; } ];
+    });
 
     natsWithoutPasswords = failedAssertions (evalWith {
       imports = [ base ];
@@ -319,6 +357,24 @@ let
       && report.natsGood.natsUrl == "nats://127.0.0.1:4222"
       && lib.elem "nats.service" report.natsGood.controllerRequires;
     "nats.enable without passwords is refused" = report.natsWithoutPasswords != [ ];
+    "nats.enable keeps an admin's authorization and adds the two users to it" =
+      report.natsGood.settingsAuthorization.timeout == 2
+      && lib.hasInfix "(.authorization // { }).users // [ ]" report.natsGood.natsStart;
+    "nats.enable checks the configuration with the two users at build time and before start" =
+      lib.hasInfix "nats-gitea-dynamic-runner-checked" report.natsGood.natsStart
+      && lib.hasInfix "nats.json -t" report.natsGood.natsStart;
+    "a NATS user of the admin named like the controller's is refused" =
+      lib.any (lib.hasInfix "must not define them too") report.natsUserClash;
+    "the package defaults to pkgs.gitea-dynamic-runner" = (report.defaultPackage.ok or null) == "gitea-dynamic-runner";
+    "the first start registers: no register command, the token handed over only while unregistered" =
+      report.registration.privileged == [ true ]
+      && lib.hasInfix "registration-token" (lib.head report.registration.preStart)
+      && lib.hasInfix "exit 0" (lib.head report.registration.preStart)
+      && !(lib.hasInfix " register" report.good.wrapper)
+      && lib.hasInfix "gitea_runner_registration_token_file=/run/gitea-dynamic-runner/registration-token" report.good.wrapper
+      && report.registration.RuntimeDirectory == "gitea-dynamic-runner";
+    "the registration token is no LoadCredential (gone once registered)" =
+      !(lib.any (lib.hasInfix "registration") report.good.serviceConfig.LoadCredential);
     "a static user is created and used" =
       report.staticUser.DynamicUser == false && report.staticUser.User == "gitea-dynamic-runner" && report.staticUser.user != null;
     "an old runner with `cancelling` warns" = report.oldRunnerWarning != [ ];

@@ -1,16 +1,20 @@
 # services.gitea-dynamic-runner: the controller as a hardened systemd service.
 #
-# Written against nixpkgs' own modules (read, not evaluated against a full nixpkgs here):
+# Written against nixpkgs' own modules (read; evaluated with nixpkgs' lib over stand-ins by
+# nix/eval-module.nix, never against a full nixpkgs here):
 # nixos/modules/services/continuous-integration/{act-runner/generic.nix,forgejo-runner.nix}
-# (runner packages, host packages on PATH, LoadCredential), services/networking/nats.nix
-# (services.nats options and its unit), services/cluster/k3s (KillMode = "process" for a
-# daemon whose children must outlive it) and nixos/lib/systemd-unit-options.nix
-# (stopIfChanged).
+# (runner packages, host packages on PATH, LoadCredential),
+# nixos/modules/services/networking/nats.nix (services.nats options, its unit and its
+# build-time `nats-server -t` validation), nixos/modules/services/cluster/k3s/default.nix
+# (KillMode = "process" for a daemon whose children must outlive it) and
+# nixos/lib/systemd-unit-options.nix (stopIfChanged).
 #
 # Secrets: every secret key of the binary (nix/credentials.nix) has a `*File` option here.
 # The file is handed to the unit with LoadCredential (read by systemd as root, exposed only
 # to this unit under $CREDENTIALS_DIRECTORY) and the binary is pointed at it with
-# `--set <key>=%d/<credential>`; nothing secret is ever written to the Nix store.
+# `--set <key>=$CREDENTIALS_DIRECTORY/<credential>` (the wrapper script expands it); nothing
+# secret is ever written to the Nix store. The one exception is the registration token,
+# needed only until the first start has registered (below).
 {
   config,
   lib,
@@ -41,12 +45,23 @@ let
 
   settingsFormat = pkgs.formats.toml { };
 
-  # The controller's own runner credential comes either from `register` (run once in
-  # ExecStartPre with a registration token, written into the state directory) or ready-made
-  # from a credential file. The UUID is not secret, so it stays an ordinary setting.
+  # The controller's own runner credential comes either from its first start (the one-command
+  # start: with a registration token the controller registers itself and writes the runner's
+  # UUID and token into the state directory, mode 0600) or ready-made from a credential file.
+  # The registration token is not a LoadCredential, which systemd would load at every start
+  # (and fail without once the file is gone): a privileged ExecStartPre copies it into the
+  # runtime directory only while the runner is not registered; the runtime directory goes
+  # when the unit stops, and once registered nothing reads the token file again (it may be
+  # deleted). The UUID is not secret, so it stays an ordinary setting.
   registers = cfg.registrationTokenFile != null;
+  registrationKey = "gitea_runner_registration_token_file";
+  runtimeDir = "/run/${unitName}";
+  registrationCopy = "${runtimeDir}/registration-token";
   runnerTokenPath = "${stateDir}/runner-token";
   runnerUuidPath = "${stateDir}/runner-uuid";
+  effectiveUuidPath =
+    if cfg.settings.gitea_runner_uuid_file != null then cfg.settings.gitea_runner_uuid_file else runnerUuidPath;
+  credentialSecrets = lib.filter (s: s.key != registrationKey) table.secrets;
 
   # Each configured secret as { name = <credential>; path = <file>; }.
   credentialsOf =
@@ -65,12 +80,8 @@ let
         path = value;
       };
 
-  loaded =
-    lib.concatMap credentialsOf table.secrets
-    ++ lib.optional registers {
-      name = "registration-token";
-      path = cfg.registrationTokenFile;
-    };
+  loaded = lib.concatMap credentialsOf credentialSecrets;
+  secretPaths = map (c: c.path) loaded ++ lib.optional registers cfg.registrationTokenFile;
 
   # `key=<file>` for every configured secret, passed as `--set` so the binary reads each
   # secret from $CREDENTIALS_DIRECTORY (list keys take their files comma-separated).
@@ -83,7 +94,7 @@ let
       lib.optional (creds != [ ]) "${s.key}=${
         lib.concatMapStringsSep "," (c: "$CREDENTIALS_DIRECTORY/${c.name}") creds
       }"
-    ) table.secrets
+    ) credentialSecrets
     ++ lib.optional registers "gitea_runner_token_file=${runnerTokenPath}";
 
   # Only keys that are set reach the file: an unset key keeps the binary's own default.
@@ -95,24 +106,30 @@ let
   effectiveNatsServer =
     if cfg.settings.nats_server_binary != null then cfg.settings.nats_server_binary else natsServer;
 
-  # One entry point for every subcommand, so ExecStartPre and ExecStart see the same
-  # configuration and the same credentials.
+  # The controller with its configuration and credentials; the registration token only while
+  # ExecStartPre has put it there (not registered yet).
   wrapper = pkgs.writeShellScript "gitea-dynamic-runner-unit" ''
     set -eu
     command=$1
     shift
-    exec ${exe} "$command" --config ${configFile} ${
+    set -- --config ${configFile} ${
       lib.concatMapStringsSep " " (set: ''--set "${set}"'') secretSets
     } "$@"
+    if [ -e ${registrationCopy} ]; then
+      set -- --set "${registrationKey}=${registrationCopy}" "$@"
+    fi
+    exec ${exe} "$command" "$@"
   '';
 
-  # Registers the controller's runner once; later starts find both files and do nothing.
-  registerScript = pkgs.writeShellScript "gitea-dynamic-runner-register" ''
+  # Runs as root ("+"): hands the registration token to the first start, never to a later one.
+  handOverRegistrationToken = pkgs.writeShellScript "gitea-dynamic-runner-registration-token" ''
     set -eu
-    if [ -s ${runnerUuidPath} ] && [ -s ${runnerTokenPath} ]; then
+    if [ -s ${lib.escapeShellArg effectiveUuidPath} ] && [ -s ${runnerTokenPath} ]; then
       exit 0
     fi
-    exec ${wrapper} register --registration-token-file "$CREDENTIALS_DIRECTORY/registration-token"
+    owner=$(${lib.getExe' pkgs.coreutils "stat"} -c %u:%g ${runtimeDir})
+    ${lib.getExe' pkgs.coreutils "install"} -m 0400 -o "''${owner%:*}" -g "''${owner#*:}" \
+      ${lib.escapeShellArg cfg.registrationTokenFile} ${registrationCopy}
   '';
 
   # KillMode = "process": on any stop systemd signals only the controller, so executors
@@ -196,6 +213,20 @@ let
           given as strings (a Nix path literal would copy the secret into the store).
         '';
       }
+    else if s.key == registrationKey then
+      mkOption {
+        type = types.nullOr types.str;
+        default = null;
+        example = "/run/secrets/gitea-dynamic-runner/${s.credential}";
+        description = ''
+          File holding a runner registration token from Gitea (`${s.key}`, ${key}): the
+          one-command start. While the runner's UUID and token files do not exist, the unit
+          hands the token to the controller, which registers itself and writes both into
+          ${stateDir} (mode 0600); later starts never read the token file again, so it may be
+          removed. An absolute path outside the Nix store, given as a string. Alternative:
+          `runnerTokenFile` plus `settings.gitea_runner_uuid_file` (an existing registration).
+        '';
+      }
     else
       mkOption {
         type = types.nullOr types.str;
@@ -213,34 +244,64 @@ let
     worker = if cfg.settings.nats_worker_user != null then cfg.settings.nats_worker_user else "ci-worker";
   };
 
-  # services.nats writes its settings as JSON into the store; the two passwords are added at
-  # start from credentials into a file only the nats user can read.
+  # NATS' configuration cannot read a password from a file, and services.nats' JSON settings
+  # cannot reference a variable, so the unit's ExecStart is replaced: it adds the two users,
+  # with the passwords from their credentials, to services.nats' own settings (keeping every
+  # user and key of an admin's `authorization`), checks the result with `nats-server -t` and
+  # runs it. What services.nats validates at build time (`validateConfig`) is validated here
+  # too, on the same settings with the two users and placeholder passwords.
   natsBaseConfig = (pkgs.formats.json { }).generate "nats-base.json" config.services.nats.settings;
   natsRuntimeDir = "/run/gitea-dynamic-runner-nats";
+  addNatsUsers = ''
+    def trim: sub("^\\s+"; "") | sub("\\s+$"; "");
+    .authorization = ((.authorization // { }) + { users: (((.authorization // { }).users // [ ]) + [
+      { user: $producer_user, password: ($producer | trim) },
+      { user: $worker_user, password: ($worker | trim) } ]) })
+  '';
+  jqUsers = producer: worker: ''
+    ${lib.getExe pkgs.jq} \
+      --rawfile producer ${producer} \
+      --rawfile worker ${worker} \
+      --arg producer_user ${lib.escapeShellArg natsUsers.producer} \
+      --arg worker_user ${lib.escapeShellArg natsUsers.worker} \
+      ${lib.escapeShellArg addNatsUsers} \
+      ${natsBaseConfig}'';
+  natsConfigChecked =
+    if config.services.nats.validateConfig or true then
+      pkgs.runCommand "nats-gitea-dynamic-runner-checked"
+        {
+          nativeBuildInputs = [ pkgs.nats-server ];
+        }
+        ''
+          echo placeholder-producer > producer
+          echo placeholder-worker > worker
+          ${jqUsers "producer" "worker"} > nats.json
+          nats-server --config nats.json -t
+          ln -s ${natsBaseConfig} $out
+        ''
+    else
+      natsBaseConfig;
   natsStart = pkgs.writeShellScript "nats-with-gitea-dynamic-runner-users" ''
     set -eu
     umask 077
-    ${lib.getExe pkgs.jq} \
-      --rawfile producer "$CREDENTIALS_DIRECTORY/producer-password" \
-      --rawfile worker "$CREDENTIALS_DIRECTORY/worker-password" \
-      --arg producer_user ${lib.escapeShellArg natsUsers.producer} \
-      --arg worker_user ${lib.escapeShellArg natsUsers.worker} \
-      'def trim: sub("^\\s+"; "") | sub("\\s+$"; "");
-       . + { authorization: { users: [
-         { user: $producer_user, password: ($producer | trim) },
-         { user: $worker_user, password: ($worker | trim) } ] } }' \
-      ${natsBaseConfig} > ${natsRuntimeDir}/nats.json
-    exec ${natsServer} -c ${natsRuntimeDir}/nats.json
+    # Built only where the settings with the two users pass `nats-server -t`: ${natsConfigChecked}
+    ${jqUsers ''"$CREDENTIALS_DIRECTORY/producer-password"'' ''"$CREDENTIALS_DIRECTORY/worker-password"''} > ${natsRuntimeDir}/nats.json
+    ${natsServer} --config ${natsRuntimeDir}/nats.json -t
+    exec ${natsServer} --config ${natsRuntimeDir}/nats.json
   '';
+  adminNatsUsers = map (u: u.user or null) (
+    (config.services.nats.settings.authorization or { }).users or [ ]
+  );
 in
 {
   options.services.gitea-dynamic-runner = {
     enable = mkEnableOption "gitea-dynamic-runner, the controller that runs each Gitea Actions job in a fresh Pod or microVM";
 
-    package = mkOption {
-      type = types.package;
-      defaultText = literalExpression "gitea-dynamic-runner.packages.\${system}.default";
-      description = "The gitea-dynamic-runner package (the flake's nixosModules.default sets it).";
+    package = mkPackageOption pkgs "gitea-dynamic-runner" {
+      extraDescription = ''
+        The flake's `overlays.default` adds it to pkgs; its `nixosModules.default` sets the
+        flake's own build instead where pkgs has none.
+      '';
     };
 
     runnerPackage = mkPackageOption pkgs "gitea-actions-runner" {
@@ -294,19 +355,6 @@ in
         freeformType = settingsFormat.type;
         options = settingsOptions;
       };
-    };
-
-    registrationTokenFile = mkOption {
-      type = types.nullOr types.str;
-      default = null;
-      example = "/run/secrets/gitea-dynamic-runner/registration-token";
-      description = ''
-        File holding a runner registration token from Gitea. With it, the unit runs
-        `gitea-dynamic-runner register` once before the first start and keeps the runner
-        UUID and token it obtains in ${stateDir} (token mode 0600). Delivered with
-        `LoadCredential`; an absolute path outside the Nix store, given as a string.
-        Alternative: `runnerTokenFile` plus `settings.gitea_runner_uuid_file`.
-      '';
     };
 
     nats = {
@@ -370,7 +418,7 @@ in
     {
       assertions =
         let
-          allSecretPaths = map (c: c.path) loaded;
+          allSecretPaths = secretPaths;
           unknown = lib.subtractLists knownKeys (builtins.attrNames rendered);
           secretsInSettings = lib.filter (k: (cfg.settings.${k} or null) != null) secretKeys;
         in
@@ -439,7 +487,7 @@ in
 
         serviceConfig = {
           Type = "exec";
-          ExecStartPre = lib.optional registers "${registerScript}";
+          ExecStartPre = lib.optional registers "+${handOverRegistrationToken}";
           ExecStart = "${wrapper} controller";
           ExecStopPost = "+${stopPost}";
           Restart = "on-failure";
@@ -460,6 +508,9 @@ in
           Group = mkIf (!cfg.dynamicUser) cfg.group;
           StateDirectory = unitName;
           StateDirectoryMode = "0700";
+          # Holds the registration token for the first start only; removed when it stops.
+          RuntimeDirectory = unitName;
+          RuntimeDirectoryMode = "0700";
           WorkingDirectory = stateDir;
           UMask = "0077";
           # The embedded nats-server needs two descriptors per JetStream stream, jobs many more.
@@ -538,6 +589,10 @@ in
           assertion = cfg.natsProducerPasswordFile != null && cfg.natsWorkerPasswordFile != null;
           message = "services.gitea-dynamic-runner.nats.enable needs natsProducerPasswordFile and natsWorkerPasswordFile (the local NATS requires credentials, DESIGN invariant 21).";
         }
+        {
+          assertion = !(lib.elem natsUsers.producer adminNatsUsers || lib.elem natsUsers.worker adminNatsUsers);
+          message = "services.gitea-dynamic-runner.nats.enable adds the NATS users ${natsUsers.producer} and ${natsUsers.worker}; services.nats.settings.authorization.users must not define them too.";
+        }
       ];
 
       services.gitea-dynamic-runner.settings.nats_url = mkDefault "nats://127.0.0.1:${toString cfg.nats.port}";
@@ -556,6 +611,7 @@ in
         ];
         RuntimeDirectory = [ (lib.removePrefix "/run/" natsRuntimeDir) ];
         RuntimeDirectoryMode = "0700";
+        # See natsStart: services.nats' settings plus the two users, checked, then run.
         ExecStart = lib.mkForce "${natsStart}";
       };
     })

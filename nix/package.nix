@@ -14,21 +14,26 @@ let
   root = ../.;
   cargoToml = lib.importTOML ../Cargo.toml;
 
-  # Everything cargo reads: manifests, the lock file, every `.rs` (including each crate's
-  # `build.rs`), `.toml` configuration (clippy.toml, rustfmt.toml), nextest's
-  # `.config/nextest.toml` (test threads, priorities, timeouts: the same as in CI), the
-  # `.proto` files `crates/gdr-proto/build.rs` compiles from the top-level `proto/`, and all
-  # of `tests/` so that fixtures next to the integration tests are never filtered away.
-  # `fuzz/` is its own workspace (nightly only) and stays out; so do flake.nix, nix/,
-  # images/ and nixos-tests/, so editing them never rebuilds the Rust code.
+  # Two source sets, both crane's commonCargoSources (every Cargo.toml, Cargo.lock, *.rs and
+  # *.toml: clippy.toml, rustfmt.toml, nextest's .config/nextest.toml) plus the entries of
+  # ./sources.nix (pure data, also read by ./source-view.sh, which runs CI's second build and
+  # test command in a view holding exactly these files):
+  # - `src`, what cargo reads to build (package, clippy, doc, fmt): editing flake.nix, nix/,
+  #   docs/, deploy/ or nixos-tests/ never rebuilds the Rust code;
+  # - `testSrc`, `src` plus what the tests read (nextest only).
+  sources = import ./sources.nix;
+  under = map (relative: root + "/${relative}");
+  excluded = lib.fileset.unions (map lib.fileset.maybeMissing (under sources.exclude));
+  buildFiles = lib.fileset.difference (lib.fileset.unions (
+    [ (craneLib.fileset.commonCargoSources root) ] ++ under sources.build
+  )) excluded;
   src = lib.fileset.toSource {
     inherit root;
-    fileset = lib.fileset.difference (lib.fileset.unions [
-      (craneLib.fileset.commonCargoSources root)
-      (lib.fileset.maybeMissing ../.config/nextest.toml)
-      ../proto
-      ../tests
-    ]) (lib.fileset.maybeMissing ../fuzz);
+    fileset = buildFiles;
+  };
+  testSrc = lib.fileset.toSource {
+    inherit root;
+    fileset = lib.fileset.difference (lib.fileset.unions ([ buildFiles ] ++ under sources.test)) excluded;
   };
 
   commonArgs = {
@@ -75,7 +80,7 @@ let
   );
 in
 {
-  inherit package src;
+  inherit package src testSrc;
 
   checks = {
     clippy = craneLib.cargoClippy (
@@ -92,20 +97,33 @@ in
       inherit (commonArgs) pname version;
     };
 
+    # The suite from `testSrc` with the `nix` profile of .config/nextest.toml, whose
+    # default-filter leaves out (by name) the tests that need what nixpkgs does not give
+    # the build sandbox: the real OpenSandbox server (PyPI opensandbox-server in a
+    # virtualenv, no Nix derivation) and a headless Chromium (never tried in the sandbox).
+    # .ci/run runs them; everything else runs here with the tools below.
     nextest = craneLib.cargoNextest (
       commonArgs
       // {
+        src = testSrc;
         cargoArtifacts = cargoArtifactsAll;
         cargoExtraArgs = allFeatures;
         # The JetStream tests start a real nats-server (gdr-testkit looks at
-        # NATS_SERVER_BIN, then PATH). The sandbox has a loopback interface, which is all
-        # the tests use (every one binds 127.0.0.1:0).
-        nativeBuildInputs = [ pkgs.nats-server ];
+        # NATS_SERVER_BIN, then PATH); tests/deploy.rs renders with `kubectl kustomize` and
+        # evaluates the cluster test's manifests with nix-instantiate (`--store dummy://`,
+        # nothing written); tests/operations.rs runs `promtool check rules`. The sandbox has
+        # a loopback interface, which is all the tests use (every one binds 127.0.0.1:0).
+        nativeBuildInputs = [
+          pkgs.nats-server
+          pkgs.kubectl
+          pkgs.prometheus.cli
+          pkgs.nix
+        ];
         env = commonArgs.env // {
           NATS_SERVER_BIN = lib.getExe' pkgs.nats-server "nats-server";
         };
         # nextest does not run doctests; `cargo test --doc` would need its own check.
-        cargoNextestExtraArgs = "--no-tests=fail";
+        cargoNextestExtraArgs = "--profile nix --no-tests=fail";
       }
     );
 

@@ -1,9 +1,9 @@
 # One VM: a real Gitea (nixpkgs' services.gitea, Actions on), NATS with JetStream
 # (services.nats through our module's nats.enable) and our module with the process backend
 # running the real official runner (nixpkgs' gitea-actions-runner) for both `pod` and `vm`
-# jobs. The test script creates the admin user and the repository, registers the controller
-# through the module (ExecStartPre runs `gitea-dynamic-runner register`), pushes workflows and
-# reads every result back through Gitea's API:
+# jobs. The test script creates the admin user and the repository, starts the controller,
+# whose first start registers it with the module's registrationTokenFile (the one-command
+# start), pushes workflows and reads every result back through Gitea's API:
 #   1. a [self-hosted, pod] and a [self-hosted, vm] job both succeed with their log lines;
 #   2. `systemctl restart` while a job runs: the executor process survives, the job succeeds
 #      and its output after the restart reaches Gitea (DESIGN invariant 19);
@@ -149,11 +149,11 @@ in
     with subtest("Gitea: an admin, a token and a repository with Actions"):
         token, api = gitea_setup(machine)
 
-    with subtest("the controller registers through `register` and becomes ready"):
+    with subtest("the controller's first start registers it and it becomes ready"):
         runner_registration_token(machine, "/run/gdr-secrets/registration-token")
         machine.succeed("systemctl start gitea-dynamic-runner.service")
         machine.wait_for_unit("gitea-dynamic-runner.service")
-        machine.succeed(f"test -s {STATE}/runner-uuid && test -s {STATE}/runner-token")
+        machine.wait_until_succeeds(f"test -s {STATE}/runner-uuid && test -s {STATE}/runner-token", timeout=120)
         machine.succeed(f"test \"$(stat -c %a {STATE}/runner-token)\" = 600")
         machine.wait_until_succeeds("curl -sSf http://127.0.0.1:9090/readyz", timeout=120)
 
@@ -167,8 +167,11 @@ in
         machine.wait_until_succeeds(f"test -e {STATE}/restart-job-started", timeout=600)
         before = machine.succeed(EXECUTOR).split()
         assert before, "no executor process while the restart job runs"
+        # Registered: the token is no longer needed, and the unit starts without it.
+        machine.succeed("rm /run/gdr-secrets/registration-token")
         machine.succeed("systemctl restart gitea-dynamic-runner.service")
         machine.wait_for_unit("gitea-dynamic-runner.service")
+        machine.fail("test -e /run/gitea-dynamic-runner/registration-token")
         for pid in before:
             machine.succeed(f"kill -0 {pid}")
         machine.wait_until_succeeds("curl -sSf http://127.0.0.1:9090/readyz", timeout=120)

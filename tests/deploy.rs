@@ -525,3 +525,204 @@ fn the_fake_api_server_checks_against_the_oldest_and_newest_kubernetes_the_docs_
         KUBERNETES_VERSIONS
     );
 }
+
+/// What `nixos-tests/cluster.nix` deploys: `nixos-tests/cluster-manifests.nix` (evaluated
+/// with nix-instantiate, as the VM test imports it) written out beside a copy of the base as
+/// `base/`, with a dummy file for each of the Secret's files, rendered with kustomize.
+struct ClusterTest {
+    /// The evaluated manifests file: `files`, `secretFiles`, the addresses.
+    manifests: Value,
+    objects: Vec<Value>,
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+fn render_cluster_test() -> ClusterTest {
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = std::process::Command::new("nix-instantiate")
+        // Evaluation only: nothing is built or written to a store.
+        .args(["--store", "dummy://", "--eval", "--strict", "--json"])
+        .arg(repo.join("nixos-tests/cluster-manifests.nix"))
+        .args(["--argstr", "version", env!("CARGO_PKG_VERSION")])
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "nix-instantiate ({e}); install it with `apt-get install nix-bin` — .ci/run does"
+            )
+        });
+    assert!(
+        out.status.success(),
+        "nix-instantiate nixos-tests/cluster-manifests.nix: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let manifests: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let dir = tempfile::tempdir().unwrap();
+    copy_dir(
+        &repo.join("deploy/kubernetes/base"),
+        &dir.path().join("base"),
+    );
+    for (name, text) in manifests["files"].as_object().expect("files") {
+        std::fs::write(dir.path().join(name), text.as_str().unwrap()).unwrap();
+    }
+    std::fs::create_dir(dir.path().join("secrets")).unwrap();
+    for name in strings(&manifests["secretFiles"]) {
+        std::fs::write(dir.path().join("secrets").join(name), "dummy").unwrap();
+    }
+    let objects = render(dir.path().to_str().unwrap());
+    ClusterTest { manifests, objects }
+}
+
+/// The `"…"` value of `key = "…"` in a TOML text.
+fn toml_string<'a>(toml: &'a str, key: &str) -> Option<&'a str> {
+    toml.lines().find_map(|line| {
+        let (k, v) = line.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"'))
+    })
+}
+
+/// Whether an egress rule of `policy` lets the selected Pods open a TCP connection to
+/// `ip:port` (an `ipBlock` containing the address, outside its `except`, and the port).
+fn egress_admits(policy: &Value, ip: std::net::Ipv4Addr, port: u16) -> bool {
+    let in_block = |block: &Value| {
+        let contains = |cidr: &str| {
+            let (net, len) = cidr.split_once('/').unwrap_or((cidr, "32"));
+            let (net, len): (std::net::Ipv4Addr, u32) =
+                (net.parse().unwrap(), len.parse().unwrap());
+            let mask = u32::MAX.checked_shl(32 - len).unwrap_or(0);
+            u32::from(ip) & mask == u32::from(net) & mask
+        };
+        block["cidr"].as_str().is_some_and(contains)
+            && !strings(&block["except"]).into_iter().any(contains)
+    };
+    policy["spec"]["egress"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|rule| {
+            let to_ok = rule["to"]
+                .as_array()
+                .is_none_or(|peers| peers.iter().any(|peer| in_block(&peer["ipBlock"])));
+            let port_ok = rule["ports"].as_array().is_none_or(|ports| {
+                ports.iter().any(|p| {
+                    p["port"].as_u64() == Some(u64::from(port))
+                        && p["protocol"].as_str().unwrap_or("TCP") == "TCP"
+                })
+            });
+            to_ok && port_ok
+        })
+}
+
+fn host_port(url: &str) -> (std::net::Ipv4Addr, u16) {
+    let url = url::Url::parse(url).unwrap_or_else(|e| panic!("{url}: {e}"));
+    let host = url.host_str().unwrap().parse().expect("an IPv4 address");
+    (host, url.port_or_known_default().expect("a port"))
+}
+
+/// No DESIGN invariant (deployment; the cluster VM test): what `nixos-tests/cluster.nix`
+/// deploys is the base with the test's overlay, and the overlay fits the base: the
+/// ConfigMap and Secret it replaces are the ones the Deployment mounts, the configuration it
+/// supplies loads and names only files of that Secret, no CSI volume is left (the test
+/// cluster has no SPIFFE CSI driver), the facade Service gets the address
+/// `runner_facade_url` names, and the controller's NetworkPolicy (k3s enforces it) admits
+/// Gitea, NATS and the API server at the addresses the test gives them.
+#[test]
+fn the_cluster_vm_tests_overlay_fits_the_base_it_deploys() {
+    let ClusterTest { manifests, objects } = render_cluster_test();
+    let d = find(&objects, "Deployment", "gitea-dynamic-runner");
+    let pod = &d["spec"]["template"]["spec"];
+    assert_eq!(d["spec"]["replicas"], 1);
+    assert_eq!(pod["containers"][0]["image"], manifests["controllerImage"]);
+    let volumes = pod["volumes"].as_array().unwrap();
+    let csi: Vec<&Value> = volumes.iter().filter(|v| !v["csi"].is_null()).collect();
+    assert!(
+        csi.is_empty(),
+        "CSI volumes left, no driver in the test cluster: {csi:?}"
+    );
+
+    // The mounted ConfigMap is the test's configuration, and it loads.
+    let config_map = volumes
+        .iter()
+        .find_map(|v| v["configMap"]["name"].as_str())
+        .unwrap();
+    let config = find(&objects, "ConfigMap", config_map)["data"]["config.toml"]
+        .as_str()
+        .unwrap();
+    assert_eq!(
+        config, manifests["files"]["config.toml"],
+        "the mounted ConfigMap {config_map} is not the test's configuration"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, config).unwrap();
+    let settings = gdr_controller::settings::Settings::load(&sources(path))
+        .unwrap_or_else(|e| panic!("the cluster test's config.toml does not load:\n{e}"));
+
+    // Every secret file it names is a file of the mounted Secret, readable under the mode
+    // the Secret volume gives it (its group's read bit through fsGroup).
+    let secret_volume = volumes.iter().find(|v| v["secret"].is_object()).unwrap();
+    let secret_name = secret_volume["secret"]["secretName"].as_str().unwrap();
+    let secret = find(&objects, "Secret", secret_name);
+    let mount = pod["containers"][0]["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["name"] == secret_volume["name"])
+        .unwrap()["mountPath"]
+        .as_str()
+        .unwrap();
+    let mut named = 0;
+    for line in config.lines().filter(|l| l.contains("_file = ")) {
+        let (key, _) = line.split_once(" = ").unwrap();
+        let file = toml_string(config, key.trim()).unwrap();
+        if let Some(name) = file.strip_prefix(&format!("{mount}/")) {
+            named += 1;
+            assert!(
+                secret["data"][name].is_string(),
+                "{key} names {file}, but Secret {secret_name} has no {name}: {secret}"
+            );
+        }
+    }
+    assert!(named >= 4, "the configuration names too few secret files");
+    if pod["securityContext"]["fsGroup"].is_number() {
+        assert_eq!(
+            settings.secrets,
+            gdr_controller::settings::SecretPermissions::GroupReadable,
+            "the Secret's files are group-readable through fsGroup; the controller must accept that"
+        );
+    }
+
+    // The facade Service at the address runner_facade_url names.
+    let svc = find(&objects, "Service", "gitea-dynamic-runner-facade");
+    let (facade, _) = host_port(toml_string(config, "runner_facade_url").unwrap());
+    assert_eq!(svc["spec"]["clusterIP"], facade.to_string());
+
+    // The controller reaches what the test runs on the node.
+    let policy = find(&objects, "NetworkPolicy", "controller");
+    let node: std::net::Ipv4Addr = manifests["nodeIp"].as_str().unwrap().parse().unwrap();
+    let api_port = manifests["ports"]["apiServer"].as_u64().unwrap() as u16;
+    for (what, (ip, port)) in [
+        (
+            "Gitea",
+            host_port(toml_string(config, "gitea_instance_url").unwrap()),
+        ),
+        ("NATS", host_port(toml_string(config, "nats_url").unwrap())),
+        ("the API server", (node, api_port)),
+    ] {
+        assert!(
+            egress_admits(policy, ip, port),
+            "the controller's NetworkPolicy does not admit {what} at {ip}:{port}: {}",
+            policy["spec"]["egress"]
+        );
+    }
+}
