@@ -31,6 +31,9 @@ sources_json=$(nix-instantiate --store dummy:// --eval --strict --json nix/sourc
 
 view=$(mktemp -d "${TMPDIR:-/tmp}/gdr-source-view.XXXXXX")
 trap 'rm -rf "$view"' EXIT
+# mktemp makes it 0700; mounted over the repository it must be as reachable as the
+# repository is (a test runs the job as uid 2000 from target/).
+chmod --reference="$repo" "$view"
 
 # The selection, NUL-separated, as tar reads it.
 git ls-files -z | python3 -c '

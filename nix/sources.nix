@@ -32,6 +32,7 @@
     "nix"
     "docs"
     "deploy"
+    "images"
     "nixos-tests/cluster-manifests.nix"
     "crates/gdr-testkit/opensandbox"
   ];
