@@ -1595,6 +1595,54 @@ async fn a_trust_domain_peer_without_a_live_assignment_is_refused_by_the_pass_th
     );
 }
 
+/// DESIGN invariant 10: a controller that restarted after an assignment finished was never
+/// offered it, and finds its executor on the backend with the terminal marker set; that
+/// executor's credentials still open nothing — the pass-through answers 403 and nothing
+/// reaches Gitea, and its runner calls are refused.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_controller_refuses_the_executor_of_a_finished_assignment() {
+    let env = Env::new().await;
+    let a = env.executor_only("standin:success").await;
+    env.backend.record_claimed(a.id()).await.expect("claimed");
+    env.backend.mark_terminal(a.id()).await.expect("terminal");
+    let own = job_svid(&env, "build");
+    let head = format!(
+        "GET /_mock/blob/7?after-restart HTTP/1.1\r\nhost: facade\r\n{}connection: close\r\n\r\n",
+        env.credential_lines(&a)
+    );
+    let (_, answer) = exchange(&env, &own, &head, b"").await;
+    assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 403 Forbidden"));
+    let capability = env
+        .dispatch
+        .capability_key()
+        .issue(a.id())
+        .expose()
+        .to_string();
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let c = env
+        .runner_client(&workload, a.id().as_str(), &capability)
+        .await;
+    let refused = c
+        .declare(DeclareRequest::default())
+        .await
+        .expect_err("a finished assignment's runner is refused");
+    assert!(
+        refused.to_string().contains("has finished"),
+        "the refusal says why: {refused}"
+    );
+    let reached: Vec<String> = env
+        .mock
+        .handle
+        .seen_requests()
+        .into_iter()
+        .filter(|p| p.contains("?after-restart"))
+        .collect();
+    assert!(
+        reached.is_empty(),
+        "a refused request reached Gitea: {reached:?}"
+    );
+}
+
 /// DESIGN invariant 21: a connection belongs to the assignment whose credentials its first
 /// request presented; a request for another assignment on it is refused (the runs of one
 /// job share a SPIFFE ID, so only the binding tells them apart).

@@ -153,6 +153,10 @@ pub enum AuthError {
     /// redelivery): the caller may well be legitimate, so it should retry, not give up.
     #[error("the backend cannot be read: {0}")]
     Unavailable(String),
+    /// The assignment has ended (Gitea has its result, or it was failed): its
+    /// credentials open nothing any more, after a restart as before one.
+    #[error("the assignment has finished")]
+    Finished,
 }
 
 /// Why handing out a task (or finishing it) failed.
@@ -457,6 +461,11 @@ impl Dispatch {
                 Ok(Some(record)) => {
                     if record.assignment.identity().spiffe_id() != peer_spiffe_id {
                         return Err(AuthError::WrongIdentity);
+                    }
+                    // The terminal marker is durable (invariant 10): a restarted controller
+                    // must not reopen the pass-through to an executor whose result Gitea has.
+                    if record.terminal || record.phase.is_finished() {
+                        return Err(AuthError::Finished);
                     }
                     return Ok(Authorized {
                         id,
@@ -963,6 +972,26 @@ mod tests {
         assert_eq!(
             d.authorize_from_backend(&id, &cap, &peer).await,
             Err(AuthError::UnknownAssignment)
+        );
+    }
+
+    /// DESIGN invariant 10: the terminal marker outlives the controller. A restarted controller
+    /// that was never offered the assignment finds the executor on the backend, but its
+    /// credentials must open nothing once the backend records the assignment as finished.
+    #[tokio::test]
+    async fn a_restarted_controller_refuses_the_executor_of_a_finished_assignment() {
+        let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+        let before = dispatch(&backend, 1);
+        let a = assignment(7, "[self-hosted, pod]");
+        executor(&backend, &before, &a).await;
+        let (id, cap, peer) = credentials(&before, &a);
+        backend.record_claimed(a.id()).await.unwrap();
+        backend.mark_terminal(a.id()).await.unwrap();
+
+        let after = dispatch(&backend, 1);
+        assert_eq!(
+            after.authorize_from_backend(&id, &cap, &peer).await,
+            Err(AuthError::Finished)
         );
     }
 

@@ -188,6 +188,16 @@ impl Facade {
                     Err(AuthError::WrongIdentity) => Err(ConnectError::permission_denied(
                         "peer SPIFFE ID does not match the assignment",
                     )),
+                    Err(AuthError::Finished) => {
+                        tracing::warn!(
+                            method,
+                            assignment_id = uuid,
+                            "call of a finished assignment refused (its terminal marker is on the backend)"
+                        );
+                        Err(ConnectError::permission_denied(format!(
+                            "{uuid} has finished"
+                        )))
+                    }
                     Err(AuthError::Unavailable(why)) => {
                         tracing::warn!(method, assignment_id = uuid, reason = %why, "cannot check a runner against the backend; asking it to retry");
                         Err(ConnectError::unavailable(
@@ -241,6 +251,9 @@ impl Facade {
                         "peer SPIFFE ID does not match the assignment",
                     ),
                     AuthError::Unavailable(_) => ConnectError::unavailable("retry"),
+                    AuthError::Finished => {
+                        ConnectError::permission_denied(format!("{uuid} has finished"))
+                    }
                     AuthError::BadCapability | AuthError::UnknownAssignment => {
                         ConnectError::unauthenticated("unregistered runner")
                     }
