@@ -46,6 +46,7 @@ mod process_backend;
 mod queue_trust;
 mod quick_start;
 mod rbac;
+mod real_gitea;
 #[cfg(feature = "testkit")]
 mod relay;
 mod sandbox_identity;

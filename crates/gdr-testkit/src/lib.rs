@@ -11,6 +11,8 @@
 //! - [`fake_spire`]: a SPIRE agent issuing SVIDs only to Pods a ClusterStaticEntry selects.
 //! - [`backend_contract`]: the executor-backend contract suite every backend passes.
 //! - [`nats_server`]: a real `nats-server` child process with a temporary store.
+//! - [`real_gitea`]: the real Gitea built from its Go module (`tests/peers`), headless on
+//!   loopback, read through its own API.
 //! - [`opensandbox`]: the real OpenSandbox server on an in-memory cluster.
 //! - [`vm_host`]: runs the sandboxes of an OpenSandbox pool as local processes (the VMs),
 //!   each with the identity `sandbox-identity` would grant it.
@@ -38,6 +40,7 @@ pub mod memory_backend;
 pub mod mock_gitea;
 pub mod nats_server;
 pub mod opensandbox;
+pub mod real_gitea;
 pub mod service;
 pub mod spiffe;
 pub mod standin_dockerd;
