@@ -196,6 +196,14 @@ impl Dockerd {
     }
 
     /// `DOCKER_HOST` for the job.
+    pub fn pid(&self) -> Option<rustix::process::Pid> {
+        self.child
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .and_then(rustix::process::Pid::from_raw)
+    }
+
+    /// `DOCKER_HOST` for the runner and the job.
     pub fn docker_host(&self) -> String {
         format!("unix://{}", self.socket.display())
     }

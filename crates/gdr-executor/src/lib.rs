@@ -12,6 +12,7 @@
 //!   while the facade is unreachable, reports held and answered as Gitea would until the
 //!   facade has them ([`outbox`]).
 
+mod descendants;
 pub mod docker;
 pub mod jobenv;
 pub mod oneshot;

@@ -38,6 +38,12 @@ pub const RUNNER_CONFIG: &str = "CI_RUNNER_CONFIG";
 /// Default of `CI_EXECUTOR_REPORT_OUTAGE_TOLERANCE` (the controller's
 /// `executor_report_outage_tolerance` default).
 pub const DEFAULT_REPORT_OUTAGE_TOLERANCE: Duration = Duration::from_secs(30 * 60);
+/// How long the runner may take to end a job Gitea cancelled (`CI_EXECUTOR_CANCEL_GRACE`).
+pub const CANCEL_GRACE: &str = "CI_EXECUTOR_CANCEL_GRACE";
+/// The default of [`CANCEL_GRACE`]: the runner ends a cancelled job within seconds unless a
+/// step's own child process holds its output open (the official runner kills only the
+/// step's shell on Linux, and waits for the output to close).
+pub const DEFAULT_CANCEL_GRACE: Duration = Duration::from_secs(15);
 /// Starting the runner again after it exited before its task was claimed.
 const RUNNER_RESTART: Backoff = Backoff::new(Duration::from_secs(1), Duration::from_secs(30));
 
@@ -78,6 +84,10 @@ pub struct ExecutorConfig {
     /// long a runner that exits before its task was claimed is started again
     /// (`CI_EXECUTOR_REPORT_OUTAGE_TOLERANCE` seconds, default 30 minutes).
     pub report_outage_tolerance: Duration,
+    /// How long the runner may take to end its job after Gitea answered that the job was
+    /// cancelled, before the executor ends the job's processes itself
+    /// (`CI_EXECUTOR_CANCEL_GRACE` seconds, default 15).
+    pub cancel_grace: Duration,
 }
 
 impl std::fmt::Debug for ExecutorConfig {
@@ -91,6 +101,7 @@ impl std::fmt::Debug for ExecutorConfig {
             .field("runner_config", &self.runner_config)
             .field("docker", &self.docker)
             .field("report_outage_tolerance", &self.report_outage_tolerance)
+            .field("cancel_grace", &self.cancel_grace)
             .finish_non_exhaustive()
     }
 }
@@ -193,20 +204,23 @@ impl ExecutorConfig {
                 problem: "must be an https:// URL".into(),
             });
         }
-        let ready_timeout = match get("CI_EXECUTOR_READY_TIMEOUT") {
-            Some(v) => Duration::from_secs(v.trim().parse().map_err(|_| RunError::Env {
-                name: "CI_EXECUTOR_READY_TIMEOUT",
-                problem: format!("{v:?} is not a number of seconds"),
-            })?),
-            None => Duration::from_secs(120),
+        let seconds = |name: &'static str, default: Duration| match get(name) {
+            Some(v) => v
+                .trim()
+                .parse()
+                .map(Duration::from_secs)
+                .map_err(|_| RunError::Env {
+                    name,
+                    problem: format!("{v:?} is not a number of seconds"),
+                }),
+            None => Ok(default),
         };
-        let report_outage_tolerance = match get(env::REPORT_OUTAGE_TOLERANCE) {
-            Some(v) => Duration::from_secs(v.trim().parse().map_err(|_| RunError::Env {
-                name: env::REPORT_OUTAGE_TOLERANCE,
-                problem: format!("{v:?} is not a number of seconds"),
-            })?),
-            None => DEFAULT_REPORT_OUTAGE_TOLERANCE,
-        };
+        let ready_timeout = seconds("CI_EXECUTOR_READY_TIMEOUT", Duration::from_secs(120))?;
+        let report_outage_tolerance = seconds(
+            env::REPORT_OUTAGE_TOLERANCE,
+            DEFAULT_REPORT_OUTAGE_TOLERANCE,
+        )?;
+        let cancel_grace = seconds(CANCEL_GRACE, DEFAULT_CANCEL_GRACE)?;
         Ok(ExecutorConfig {
             assignment_id,
             capability: required(env::CAPABILITY)?,
@@ -224,6 +238,7 @@ impl ExecutorConfig {
             docker: DockerSettings::from_env(&get)?,
             ready_timeout,
             report_outage_tolerance,
+            cancel_grace,
         })
     }
 }
@@ -387,11 +402,22 @@ async fn run_executor(
         return Err(e);
     }
 
+    // A cancelled step's process outlives the shell the runner kills; adopted, it stays
+    // where the cancel grace finds it.
+    if let Err(e) = crate::descendants::adopt_orphans() {
+        tracing::warn!(assignment_id = %config.assignment_id.as_str(), error = %e, "cannot adopt the job's orphaned processes; a cancelled job's stray process may outlive the grace");
+    }
+    let keep: Vec<Pid> = dockerd
+        .as_ref()
+        .and_then(Dockerd::pid)
+        .into_iter()
+        .collect();
     let ran = run_runner(
         &config,
         &work_dir,
         &proxy_url,
         dockerd.as_ref().map(Dockerd::docker_host).as_deref(),
+        &keep,
         &relay,
         &mut signals,
     )
@@ -466,6 +492,7 @@ async fn run_runner(
     work_dir: &Path,
     proxy_url: &str,
     docker_host: Option<&str>,
+    keep: &[Pid],
     relay: &Relay,
     signals: &mut tokio::sync::mpsc::Receiver<Forward>,
 ) -> Result<ExitStatus, RunError> {
@@ -494,7 +521,9 @@ async fn run_runner(
                 what: format!("starting the runner {}", config.runner_binary.display()),
                 source,
             })?;
-        let (status, signalled) = wait_forwarding_signals(&mut child, id, signals).await?;
+        let (status, signalled) =
+            wait_forwarding_signals(&mut child, id, signals, relay, (config.cancel_grace, keep))
+                .await?;
         tracing::info!(assignment_id = %id, status = %status, "the one-shot runner exited");
         let claim = relay.claim();
         if signalled || claim != Claim::Unclaimed {
@@ -544,19 +573,42 @@ fn tempdir() -> Result<PathBuf, RunError> {
 
 /// The runner cancels its job on SIGTERM/SIGINT and still reports a cancelled result,
 /// so the executor passes those signals on and keeps waiting for the runner to exit.
-/// Returns the runner's status and whether a signal was passed on.
+/// Once Gitea answered that the job was cancelled, the runner gets `cancel_grace` to end
+/// it; then the executor kills the job's processes (never the runner, which still reports
+/// the cancelled result). Returns the runner's status and whether a signal was passed on.
 async fn wait_forwarding_signals(
     child: &mut tokio::process::Child,
     id: &str,
     signals: &mut tokio::sync::mpsc::Receiver<Forward>,
+    relay: &Relay,
+    (cancel_grace, keep): (Duration, &[Pid]),
 ) -> Result<(ExitStatus, bool), RunError> {
     let mut signalled = false;
+    let runner = child
+        .id()
+        .and_then(|p| i32::try_from(p).ok())
+        .and_then(Pid::from_raw);
+    let overdue = async {
+        relay.cancelled().await;
+        tracing::info!(assignment_id = %id, grace = ?cancel_grace, "Gitea cancelled the job; the runner has the grace to end it");
+        tokio::time::sleep(cancel_grace).await;
+    };
+    tokio::pin!(overdue);
+    let mut killed = false;
     loop {
         let forwarded = tokio::select! {
             status = child.wait() => {
                 return status
                     .map(|s| (s, signalled))
                     .map_err(|source| RunError::Io { what: "waiting for the runner".into(), source });
+            }
+            () = &mut overdue, if !killed => {
+                killed = true;
+                if let Some(pid) = runner {
+                    let ended = crate::descendants::kill_job_processes(pid, keep);
+                    tracing::warn!(assignment_id = %id, grace = ?cancel_grace, processes = ended, "the runner did not end the cancelled job within the grace ({CANCEL_GRACE}); killed the job's processes");
+                }
+                continue;
             }
             Some(forward) = signals.recv() => forward,
         };
@@ -565,11 +617,7 @@ async fn wait_forwarding_signals(
             Forward::Terminate => Signal::TERM,
             Forward::Interrupt => Signal::INT,
         };
-        if let Some(pid) = child
-            .id()
-            .and_then(|p| i32::try_from(p).ok())
-            .and_then(Pid::from_raw)
-        {
+        if let Some(pid) = runner {
             tracing::info!(assignment_id = %id, signal = ?forwarded, "forwarding a signal to the runner");
             let _ = rustix::process::kill_process(pid, signal);
         }

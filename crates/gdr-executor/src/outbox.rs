@@ -102,6 +102,11 @@ impl Outbox {
         self.rows.len()
     }
 
+    /// Gitea's last answer said the task was cancelled.
+    pub fn cancelled_by_gitea(&self) -> bool {
+        self.server_result == buffa::EnumValue::from(pb::TaskResult::RESULT_CANCELLED)
+    }
+
     /// Whether the task's result is held.
     pub fn holds_result(&self) -> bool {
         self.state.as_ref().is_some_and(is_final)

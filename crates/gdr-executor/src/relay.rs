@@ -172,6 +172,17 @@ impl Relay {
         self.lock().claim
     }
 
+    /// Returns once an answer of Gitea's said the job was cancelled.
+    pub async fn cancelled(&self) {
+        let mut changed = self.changed.subscribe();
+        while !self.lock().outbox.cancelled_by_gitea() {
+            if changed.changed().await.is_err() {
+                // The relay is going away: no answer will come any more.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
     /// Waits until nothing is held any more (delivered, or refused for good), or the relay
     /// gave up.
     pub async fn settled(&self) -> Settled {
@@ -359,6 +370,7 @@ impl Relay {
                 (Verdict::Accepted, Ok(exchange)) => {
                     if let Ok(answer) = pb::UpdateTaskResponse::decode_from_slice(&exchange.body) {
                         self.lock().outbox.passed_state(&request, &answer);
+                        self.bump();
                     }
                     return exchange.into_response();
                 }

@@ -340,13 +340,19 @@ impl RealGitea {
             .send()
             .await
             .unwrap_or_else(|e| panic!("signing in: {e}"));
-        let cookies: Vec<String> = answer
+        // The sign-in renews the session: of two `i_like_gitea` cookies the last one is
+        // the signed-in session, so a later value of a name replaces an earlier one.
+        let mut jar = std::collections::BTreeMap::new();
+        for pair in answer
             .headers()
             .get_all("set-cookie")
             .iter()
             .filter_map(|v| v.to_str().ok())
-            .filter_map(|v| v.split(';').next().map(str::to_owned))
-            .collect();
+            .filter_map(|v| v.split(';').next()?.split_once('='))
+        {
+            jar.insert(pair.0.to_owned(), pair.1.to_owned());
+        }
+        let cookies: Vec<String> = jar.iter().map(|(k, v)| format!("{k}={v}")).collect();
         assert!(
             answer.status().is_redirection() && !cookies.is_empty(),
             "signing in to the web UI: {} {cookies:?}",
