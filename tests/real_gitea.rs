@@ -488,7 +488,7 @@ async fn a_controller_stopped_past_the_zombie_timeout_leaves_the_job_failed_by_g
 }
 
 /// Peer fidelity: the Gitea and the runner the tests above ran against are the versions
-/// pinned in tests/peers/go.mod (the ones docs/testing.md names).
+/// pinned in tests/peers/go.mod, and README.md and docs/testing.md name those versions.
 #[test]
 fn the_real_peers_are_the_pinned_versions() {
     let peers = Peers::from_env();
@@ -514,5 +514,20 @@ fn the_real_peers_are_the_pinned_versions() {
             "{} --version says {printed:?}, go.mod pins {version}",
             binary.display()
         );
+        // What the operator reads names the versions the tests ran against.
+        for doc in ["README.md", "docs/testing.md"] {
+            let text =
+                std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(doc)).unwrap();
+            let bare = version.trim_start_matches('v');
+            // The whole version, not a prefix of another one (1.0.8 in 1.0.80).
+            let named = text.match_indices(bare).any(|(at, _)| {
+                let after = text[at + bare.len()..].chars().next();
+                !after.is_some_and(|c| c.is_ascii_digit()) && text[..at].ends_with([' ', 'v', '`'])
+            });
+            assert!(
+                named,
+                "{doc} does not name {module} {version}, the version tests/peers/go.mod pins"
+            );
+        }
     }
 }
