@@ -150,6 +150,8 @@ pub fn run(settings: Settings, listeners: Listeners, shutdown: Shutdown) -> Prog
     Box::pin(run_controller(settings, listeners, shutdown))
 }
 
+// TODO(issue 36 step 4): split; NATS, backends and the per-backend loops move out.
+#[allow(clippy::too_many_lines)]
 async fn run_controller(
     settings: Settings,
     listeners: Listeners,
