@@ -35,7 +35,7 @@ use std::process::ExitStatus;
 use rustix::process::{Pid, Signal};
 
 use crate::docker::{DockerError, DockerSettings, Dockerd};
-use crate::oneshot::Forward;
+use crate::forward::Forward;
 
 /// `CI_EXECUTOR_SANDBOXED`: `true` in the executor image only: this executor is its Pod's
 /// or VM's own and, started as root, prepares that environment.

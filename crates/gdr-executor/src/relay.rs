@@ -33,7 +33,7 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use crate::outbox::{Delivery, FACADE_REQUEST_LIMIT, Logged, Outbox};
-use crate::proxy::{
+use crate::upstream::{
     Body, Exchange, Facade, Failure, Head, OUTAGE_BACKOFF, ProxyError, Rpc, error_response,
     proto_response,
 };
