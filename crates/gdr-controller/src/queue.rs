@@ -78,6 +78,21 @@ pub enum QueueError {
         /// Cause.
         message: String,
     },
+    /// The envelope is larger than the NATS server takes (its `max_payload`): no retry
+    /// can store it.
+    #[error(
+        "publishing {id} to {subject}: the envelope of {size} bytes is larger than the NATS server's max_payload allows ({message}); raise the server's max_payload to queue such tasks"
+    )]
+    TooLarge {
+        /// Assignment ID.
+        id: String,
+        /// Subject.
+        subject: String,
+        /// The envelope's size in bytes.
+        size: usize,
+        /// Cause.
+        message: String,
+    },
     /// The finished-assignments bucket could not be created, read or written.
     #[error("JetStream key-value bucket {bucket}: {message}")]
     Finished {
@@ -234,13 +249,22 @@ pub async fn publish(
         subject: subject.clone(),
         message: e.to_string(),
     };
+    let size = payload.len();
     let message = jetstream::message::PublishMessage::build()
         .payload(payload)
         .message_id(assignment_id);
     let ack = js
         .send_publish(subject.clone(), message)
         .await
-        .map_err(|e| err(&e))?
+        .map_err(|e| match e.kind() {
+            jetstream::context::PublishErrorKind::MaxPayloadExceeded => QueueError::TooLarge {
+                id: assignment_id.to_string(),
+                subject: subject.clone(),
+                size,
+                message: e.to_string(),
+            },
+            _ => err(&e),
+        })?
         .await
         .map_err(|e| err(&e))?;
     Ok(Published {

@@ -650,7 +650,7 @@ async fn hand_off(
         "task fetched from Gitea"
     );
     match publish_until_stored(shared, &assignment, payload, shutdown).await {
-        Some(published) => {
+        Ok(published) => {
             shared.fetched.stored(task_id, published.sequence);
             shared.gate.stored(slot, backend, published.duplicate);
             let window = fetched_at.elapsed();
@@ -671,7 +671,16 @@ async fn hand_off(
                 "assignment queued"
             );
         }
-        None => {
+        // No retry stores it: holding the poller, its backlog room and the task's
+        // heartbeats for it would only keep a job Running in Gitea that never runs.
+        Err(Unstored::Refused(e)) => {
+            shared.fetched.forget(task_id);
+            shared.gate.release(slot);
+            fail_invalid_task(shared, task_id, &e.to_string()).await;
+            SchedulerStats::inc(&shared.stats.invalid_tasks_failed);
+            report.invalid_tasks_failed += 1;
+        }
+        Err(Unstored::Lost) => {
             shared.fetched.forget(task_id);
             shared.gate.release(slot);
             SchedulerStats::inc(&shared.stats.tasks_lost);
@@ -688,14 +697,23 @@ async fn hand_off(
     }
 }
 
-/// Publishes until JetStream acknowledges; gives up only once shutdown has been
-/// requested and `shutdown_publish_timeout` has passed since.
+/// Why an assignment was not stored.
+enum Unstored {
+    /// Shutdown was requested and `shutdown_publish_timeout` passed first.
+    Lost,
+    /// The server refuses it for good (larger than its `max_payload`).
+    Refused(queue::QueueError),
+}
+
+/// Publishes until JetStream acknowledges; gives up once shutdown has been requested and
+/// `shutdown_publish_timeout` has passed since, or at once when the server refuses the
+/// envelope for good.
 async fn publish_until_stored(
     shared: &Shared,
     assignment: &Assignment,
     payload: bytes::Bytes,
     shutdown: &Shutdown,
-) -> Option<queue::Published> {
+) -> Result<queue::Published, Unstored> {
     let id = assignment.id().as_str();
     let backend = assignment.backend();
     let task_id = assignment.id().task_id();
@@ -715,14 +733,11 @@ async fn publish_until_stored(
             payload.clone(),
         );
         let result = match deadline {
-            None => publish.await.map_err(|e| e.to_string()),
-            Some(d) => match tokio::time::timeout_at(d, publish).await {
-                Ok(r) => r.map_err(|e| e.to_string()),
-                Err(_) => Err("publish timed out at shutdown".to_string()),
-            },
+            None => Some(publish.await),
+            Some(d) => tokio::time::timeout_at(d, publish).await.ok(),
         };
         let error = match result {
-            Ok(published)
+            Some(Ok(published))
                 if published.duplicate
                     && !stored_is_ours(shared, published.sequence, &payload, attempt > 0).await =>
             {
@@ -738,11 +753,15 @@ async fn publish_until_stored(
                 message_id = format!("{id}.after-{}", published.sequence);
                 continue;
             }
-            Ok(published) => {
+            Some(Ok(published)) => {
                 crate::failpoint::hit(crate::failpoint::points::AFTER_PUBLISH);
-                return Some(published);
+                return Ok(published);
             }
-            Err(e) => e,
+            Some(Err(e @ queue::QueueError::TooLarge { .. })) => {
+                return Err(Unstored::Refused(e));
+            }
+            Some(Err(e)) => e.to_string(),
+            None => "publish timed out at shutdown".to_string(),
         };
         SchedulerStats::inc(&shared.stats.publish_retries);
         tracing::warn!(
@@ -758,7 +777,7 @@ async fn publish_until_stored(
         match deadline {
             Some(d) => {
                 if Instant::now() >= d {
-                    return None;
+                    return Err(Unstored::Lost);
                 }
                 tokio::time::sleep_until(d.min(Instant::now() + delay)).await;
             }
