@@ -33,6 +33,14 @@ struct Host {
     health: std::net::TcpListener,
 }
 
+impl Drop for Host {
+    fn drop(&mut self) {
+        // What its controllers left (executors in process groups of their own) ends with
+        // the test.
+        gdr_testkit::leftovers::end_processes_under(self.dir.path());
+    }
+}
+
 impl Host {
     /// A fresh machine: the official runner (the stand-in, named as the real one is) and
     /// nats-server on `PATH`, a registration token in a file, an empty state directory.
