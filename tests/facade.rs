@@ -2182,3 +2182,62 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
     assert!(dockerd.terminated(), "the daemon got SIGTERM");
     assert!(!dockerd.running(), "the daemon's process is gone");
 }
+
+/// DESIGN invariants 12 and 15 (issue 37): the pass-through serves only the executor of a
+/// live assignment: once the job's start deadline expired it (the job is being failed in
+/// Gitea) its credentials open nothing; and only the runner's own calls count as it being
+/// heard from, so an executor that keeps fetching artifacts but reports nothing still
+/// falls silent for the idle timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_pass_through_refuses_an_expired_assignment_and_does_not_count_as_the_runner_being_heard()
+ {
+    let env = Env::new().await;
+    let own = job_svid(&env, "build");
+    // A claimed assignment: its silence counts from the claim.
+    let live = env.assignment("standin:success").await;
+    let auth = env
+        .dispatch
+        .authorize(
+            live.id().as_str(),
+            env.dispatch.capability_key().issue(live.id()).expose(),
+            live.identity().spiffe_id(),
+        )
+        .expect("authorized");
+    assert!(matches!(
+        env.dispatch.take_task(&auth).await.expect("claimed"),
+        gdr_controller::dispatch::Fetched::Task(_)
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let head = format!(
+        "GET /_mock/blob/8?live HTTP/1.1\r\nhost: facade\r\n{}connection: close\r\n\r\n",
+        env.credential_lines(&live)
+    );
+    let (_, answer) = exchange(&env, &own, &head, b"").await;
+    assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 200 OK"));
+    let silence = env.dispatch.silence(live.id()).expect("heard at the claim");
+    assert!(
+        silence >= Duration::from_millis(500),
+        "a pass-through request reset the runner's silence to {silence:?}"
+    );
+
+    // An assignment whose start deadline expired it.
+    let expired = env.assignment("standin:success").await;
+    assert!(env.dispatch.expire(expired.id()));
+    let head = format!(
+        "GET /_mock/blob/9?expired HTTP/1.1\r\nhost: facade\r\n{}connection: close\r\n\r\n",
+        env.credential_lines(&expired)
+    );
+    let (_, answer) = exchange(&env, &own, &head, b"").await;
+    assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 403 Forbidden"));
+    let reached: Vec<String> = env
+        .mock
+        .handle
+        .seen_requests()
+        .into_iter()
+        .filter(|p| p.contains("?expired"))
+        .collect();
+    assert!(
+        reached.is_empty(),
+        "a refused request reached Gitea: {reached:?}"
+    );
+}

@@ -468,6 +468,13 @@ impl Dispatch {
                     if record.terminal || record.phase.is_finished() {
                         return Err(AuthError::Finished);
                     }
+                    // A job failed before its claim is recorded as finished before Gitea
+                    // hears of it, while its executor may outlive a failed clean-up.
+                    match self.has_finished(&id).await {
+                        Ok(false) => {}
+                        Ok(true) => return Err(AuthError::Finished),
+                        Err(e) => return Err(AuthError::Unavailable(e.to_string())),
+                    }
                     return Ok(Authorized {
                         id,
                         task_id: record.assignment.task_id(),

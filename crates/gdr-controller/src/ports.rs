@@ -41,6 +41,21 @@ pub enum QueueError {
         /// Cause.
         message: String,
     },
+    /// The envelope is larger than the NATS server takes (its `max_payload`): no retry
+    /// can store it.
+    #[error(
+        "publishing {id} to {subject}: the envelope of {size} bytes is larger than the NATS server's max_payload allows ({message}); raise the server's max_payload to queue such tasks"
+    )]
+    TooLarge {
+        /// Assignment ID.
+        id: String,
+        /// Subject.
+        subject: String,
+        /// The envelope's size in bytes.
+        size: usize,
+        /// Cause.
+        message: String,
+    },
     /// The finished-assignments bucket could not be created, read or written.
     #[error("JetStream key-value bucket {bucket}: {message}")]
     Finished {

@@ -197,13 +197,22 @@ pub async fn publish(
         subject: subject.clone(),
         message: e.to_string(),
     };
+    let size = payload.len();
     let message = jetstream::message::PublishMessage::build()
         .payload(payload)
         .message_id(assignment_id);
     let ack = js
         .send_publish(subject.clone(), message)
         .await
-        .map_err(|e| err(&e))?
+        .map_err(|e| match e.kind() {
+            jetstream::context::PublishErrorKind::MaxPayloadExceeded => QueueError::TooLarge {
+                id: assignment_id.to_string(),
+                subject: subject.clone(),
+                size,
+                message: e.to_string(),
+            },
+            _ => err(&e),
+        })?
         .await
         .map_err(|e| err(&e))?;
     Ok(Published {

@@ -37,6 +37,7 @@ pub mod controller;
 pub mod fake_kube;
 pub mod fake_kubelet;
 pub mod fake_spire;
+pub mod leftovers;
 pub mod local_controller;
 pub mod log_capture;
 pub mod memory_backend;
