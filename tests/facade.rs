@@ -43,6 +43,7 @@ fn no_signals() -> tokio::sync::mpsc::Receiver<Forward> {
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
 pub(super) const FACADE_ID: &str = "spiffe://example.org/controller";
 const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
+const DOCKERD: &str = env!("CARGO_BIN_EXE_dockerd-standin");
 
 /// How [`Env::with`] sets its facade up.
 struct EnvOptions {
@@ -1847,7 +1848,8 @@ struct DockerJob {
 impl DockerJob {
     fn new(readiness: Readiness) -> Self {
         let dir = tempfile::Builder::new().prefix("d").tempdir().expect("dir");
-        let dockerd = StandinDockerd::install(dir.path(), readiness).expect("stand-in dockerd");
+        let dockerd = StandinDockerd::install(dir.path(), std::path::Path::new(DOCKERD), readiness)
+            .expect("stand-in dockerd");
         let runner = recording_runner(dir.path(), std::path::Path::new(STANDIN)).expect("runner");
         DockerJob {
             dir,
@@ -2107,8 +2109,12 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
         std::fs::Permissions::from_mode(0o777),
     )
     .expect("chmod socket");
-    let dockerd =
-        StandinDockerd::install(shared.path(), Readiness::After(Duration::ZERO)).expect("dockerd");
+    let dockerd = StandinDockerd::install(
+        shared.path(),
+        std::path::Path::new(DOCKERD),
+        Readiness::After(Duration::ZERO),
+    )
+    .expect("dockerd");
     let runner = recording_runner(shared.path(), std::path::Path::new(STANDIN)).expect("runner");
     let group = shared.path().join("group");
     std::fs::write(&group, "root:x:0:\nrunner:x:2000:\ndocker:x:2001:runner\n").expect("group");

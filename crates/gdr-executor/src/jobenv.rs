@@ -62,7 +62,7 @@ const LOOP_NODES: u32 = 8;
 /// The child cgroup the root cgroup's processes move to (the name `docker:dind` uses).
 const INIT_CGROUP: &str = "init";
 
-/// Where things are; [`Paths::SYSTEM`] in production, temporary directories in tests.
+/// Where things are; [`Paths::system`] in production, temporary directories in tests.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Paths {
     /// The device directory.

@@ -2,10 +2,10 @@
 //!
 //! Layers, later wins: built-in defaults < TOML file (`--config`) < environment (the Go
 //! version's variable names, e.g. `POD_CAPACITY`) < `--set key=value`. Every key is declared
-//! once in [`keys`], which also generates the references. The layers produce a [`Raw`]
+//! once in `keys`, which also generates the references. The layers produce a `Raw`
 //! value that is converted once ([`Settings::try_from`]) into [`Settings`]: backend kinds
 //! as enums, optional sections that exist only when their component is enabled, durations
-//! and paths typed. The conversion destructures [`Raw`] exhaustively and the runtime
+//! and paths typed. The conversion destructures `Raw` exhaustively and the runtime
 //! destructures [`Settings`] exhaustively, so a key that nothing reads is a compile error,
 //! not a silent no-op.
 //!
