@@ -304,3 +304,53 @@ fn the_executor_image_carries_the_spire_agent_cli_and_starts_the_executor_as_roo
         "the runner is in the docker group"
     );
 }
+
+/// The value of the first `NAME=value` line of a shell script.
+fn shell_assignment<'a>(script: &'a str, name: &str) -> Option<&'a str> {
+    script
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix('='))
+}
+
+/// The value of the first `name = "value";` line of a Nix file.
+fn nix_string<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+    text.lines().find_map(|line| {
+        let rest = line
+            .trim()
+            .strip_prefix(name)?
+            .trim_start()
+            .strip_prefix('=')?;
+        rest.trim()
+            .strip_suffix(';')?
+            .trim()
+            .strip_prefix('"')?
+            .strip_suffix('"')
+    })
+}
+
+/// No DESIGN invariant (the Nix checks): the build sandbox of `checks.nextest` gets the
+/// Kubernetes schemas of the fake API server from a fixed-output fetch of exactly the
+/// kubernetes-validate wheel that deploy/validate.sh installs (same version, same sha256,
+/// the wheel's file name), and the nextest check points KUBERNETES_SCHEMA_DIR at it.
+#[test]
+fn the_nextest_check_gets_the_kubernetes_schemas_that_ci_installs() {
+    let script = read("deploy/validate.sh");
+    let schemas = read("nix/kubernetes-schemas.nix");
+    let version = shell_assignment(&script, "KUBERNETES_VALIDATE_VERSION").expect("version");
+    let sha256 = shell_assignment(&script, "KUBERNETES_VALIDATE_WHEEL_SHA256").expect("hash");
+    assert_eq!(nix_string(&schemas, "version"), Some(version));
+    assert_eq!(nix_string(&schemas, "sha256"), Some(sha256));
+    let url = nix_string(&schemas, "url").expect("url");
+    assert!(
+        url.starts_with("https://files.pythonhosted.org/packages/")
+            && url.ends_with("/kubernetes_validate-${version}-py3-none-any.whl"),
+        "{url}"
+    );
+    let package = read("nix/package.nix");
+    assert!(
+        package.contains(
+            "KUBERNETES_SCHEMA_DIR = \"${import ./kubernetes-schemas.nix { inherit pkgs; }}\";"
+        ),
+        "nix/package.nix's nextest check does not set KUBERNETES_SCHEMA_DIR from the fetch"
+    );
+}
