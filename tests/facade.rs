@@ -18,7 +18,7 @@ use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::{ExecutorBackend, ExecutorSpec};
 use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
-use gdr_executor::oneshot::{ExecutorConfig, Forward, run};
+use gdr_executor::oneshot::{ExecutorConfig, Forward, TERMINATION_DELIVERY, run};
 use gdr_identity::tls;
 use gdr_proto::runner::v1::{
     DeclareRequest, FetchTaskRequest, LogRow, RegisterRequest, RunnerServiceClient,
@@ -993,6 +993,77 @@ async fn an_executor_whose_facade_stays_away_past_the_tolerance_gives_up_and_say
         env.mock.handle.task(task_id).map(|t| t.status),
         Some(Status::Running),
         "the result never reached Gitea"
+    );
+}
+
+/// An executor holding its runner's reports for a facade that went away (with the
+/// default half-hour tolerance) is sent SIGTERM `after` the facade left; returns its
+/// error and how long it took to exit after the signal.
+async fn terminate_while_holding(after: Duration) -> (String, Duration) {
+    let env = Env::new().await;
+    let a = env.assignment("standin:sleep 1500").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let mut config = env.executor_config(&a, &workload);
+    config.report_outage_tolerance = Duration::from_secs(1800);
+    let (signal, signals) = tokio::sync::mpsc::channel(1);
+    let executor = tokio::spawn(run(config, signals));
+    let task_id = a.id().task_id();
+    env.mock
+        .handle
+        .wait_for(
+            |m| m.task(task_id).is_some_and(|t| t.runner_starts() > 0),
+            WAIT,
+        )
+        .await
+        .expect("the runner runs the job");
+    env.stop.trigger();
+    tokio::time::sleep(after).await;
+    signal.send(Forward::Terminate).await.expect("send");
+    let signalled = std::time::Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(30), executor)
+        .await
+        .expect("a terminated executor exits within a Pod's grace period, not after its tolerance")
+        .expect("join");
+    let error = outcome.expect_err("the reports were not delivered").to_string();
+    assert_eq!(
+        env.mock.handle.task(task_id).map(|t| t.status),
+        Some(Status::Running),
+        "the result never reached Gitea"
+    );
+    (error, signalled.elapsed())
+}
+
+/// DESIGN invariant 19 and docs/executor.md ("Termination"): an executor holding its
+/// runner's reports does not ignore SIGTERM (a Pod's deletion sends it, SIGKILL follows
+/// after the grace period): it makes one last attempt of at most
+/// `TERMINATION_DELIVERY`, then exits saying what was lost.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_executor_holding_reports_exits_after_one_bounded_attempt_when_terminated() {
+    // The runner finished (its result is held) before the signal came.
+    let (error, took) = terminate_while_holding(Duration::from_secs(4)).await;
+    assert!(
+        error.contains("gave up delivering the runner's reports")
+            && error.contains("the job's result"),
+        "{error}"
+    );
+    assert!(
+        took >= Duration::from_secs(9) && took < TERMINATION_DELIVERY + Duration::from_secs(5),
+        "one attempt of at most {TERMINATION_DELIVERY:?}, took {took:?}"
+    );
+}
+
+/// As above, the signal arriving while the runner still runs: it is passed on to the
+/// runner, whose cancelled result is then held, and the wait for it is just as bounded.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_executor_terminated_while_its_runner_runs_holds_its_reports_only_for_the_last_attempt() {
+    let (error, took) = terminate_while_holding(Duration::ZERO).await;
+    assert!(
+        error.contains("gave up delivering the runner's reports"),
+        "{error}"
+    );
+    assert!(
+        took < TERMINATION_DELIVERY + Duration::from_secs(5),
+        "took {took:?}"
     );
 }
 

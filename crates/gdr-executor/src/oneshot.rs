@@ -416,16 +416,16 @@ async fn run_executor(
     // The job's daemon ends with its runner, however the runner ended (a forwarded signal
     // included), while the reports may still be on their way.
     let stopping = stop_dockerd(dockerd);
-    let status = match ran {
-        Ok(status) => status,
+    let (status, terminating) = match ran {
+        Ok(ran) => ran,
         Err(e) => {
             stopping.await;
             return Err(e);
         }
     };
     // Invariant 19: the runner may have been answered by the relay; nothing leaves
-    // before the facade has it.
-    let (settled, ()) = tokio::join!(relay.settled(), stopping);
+    // before the facade has it — unless the executor is being terminated.
+    let (settled, ()) = tokio::join!(settle(&relay, &mut signals, terminating), stopping);
     let _ = stop_proxy.send(());
     let _ = proxy.await;
     drop(cleanup);
@@ -443,6 +443,31 @@ async fn run_executor(
             result,
         }),
     }
+}
+
+/// How long a terminated executor still tries to deliver held reports: well inside a
+/// Pod's default 30 s grace between SIGTERM and SIGKILL, and longer than the longest
+/// pause between two delivery attempts (5 s), so one more attempt is made.
+pub const TERMINATION_DELIVERY: Duration = Duration::from_secs(10);
+
+/// Waits until the held reports are delivered, refused or given up after the outage
+/// tolerance; once the executor is told to terminate (before or during the wait) it
+/// makes one last attempt of at most [`TERMINATION_DELIVERY`] and gives up the rest:
+/// a SIGTERM is never ignored for the sake of held reports (docs/executor.md).
+async fn settle(
+    relay: &Relay,
+    signals: &mut tokio::sync::mpsc::Receiver<Forward>,
+    terminating: bool,
+) -> Settled {
+    if !terminating {
+        tokio::select! {
+            settled = relay.settled() => return settled,
+            Some(forward) = signals.recv() => {
+                tracing::info!(signal = ?forward, bound = ?TERMINATION_DELIVERY, "terminating while reports are held: one last attempt to deliver them");
+            }
+        }
+    }
+    relay.settle_within(TERMINATION_DELIVERY).await
 }
 
 /// The runner configuration must be a readable file: the runner would otherwise fail
@@ -477,7 +502,8 @@ async fn stop_dockerd(dockerd: Option<Dockerd>) {
 /// Runs the runner until it has claimed its task (or cannot), starting it again when it
 /// exits before the claim — a restart of the controller during its `Declare` must not
 /// cost the job — with backoff, for as long as the outage tolerance. Returns the last
-/// runner's exit status. `docker_host` is the job's Docker daemon, for `DOCKER_HOST`.
+/// runner's exit status and whether the executor was told to terminate. `docker_host` is
+/// the job's Docker daemon, for `DOCKER_HOST`.
 async fn run_runner(
     config: &ExecutorConfig,
     work_dir: &Path,
@@ -486,7 +512,7 @@ async fn run_runner(
     keep: &[Pid],
     relay: &Relay,
     signals: &mut tokio::sync::mpsc::Receiver<Forward>,
-) -> Result<ExitStatus, RunError> {
+) -> Result<(ExitStatus, bool), RunError> {
     let id = config.assignment_id.as_str();
     let mut restarts = 0u32;
     let mut first_early_exit: Option<tokio::time::Instant> = None;
@@ -518,12 +544,12 @@ async fn run_runner(
         tracing::info!(assignment_id = %id, status = %status, "the one-shot runner exited");
         let claim = relay.claim();
         if signalled || claim != Claim::Unclaimed {
-            return Ok(status);
+            return Ok((status, signalled));
         }
         let since = *first_early_exit.get_or_insert_with(tokio::time::Instant::now);
         if since.elapsed() >= config.report_outage_tolerance {
             tracing::error!(assignment_id = %id, %status, restarts, "the runner keeps exiting before its task was claimed; giving up");
-            return Ok(status);
+            return Ok((status, false));
         }
         let delay = RUNNER_RESTART.delay(restarts);
         tracing::warn!(assignment_id = %id, %status, restarts, retry_in = ?delay, "the runner exited before its task was claimed; starting it again");
@@ -531,7 +557,7 @@ async fn run_runner(
             _ = tokio::time::sleep(delay) => {}
             Some(forward) = signals.recv() => {
                 tracing::info!(assignment_id = %id, signal = ?forward, "stopping instead of starting the runner again");
-                return Ok(status);
+                return Ok((status, true));
             }
         }
         restarts += 1;
