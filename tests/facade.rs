@@ -2069,15 +2069,16 @@ async fn the_jobs_docker_daemon_is_stopped_when_the_runner_cannot_start() {
     let a = env.assignment("standin:success").await;
     let workload = env.workload(a.identity().spiffe_id()).await;
     let docker = DockerJob::new(Readiness::After(Duration::ZERO));
-    // The first of a name wins.
-    let mut variables = vec![("GITEA_RUNNER_BINARY", "/nonexistent/gitea-runner".into())];
+    // The first of a name wins. A bare name is looked up on PATH only when the runner
+    // starts (a path is checked before anything starts).
+    let mut variables = vec![("GITEA_RUNNER_BINARY", "gdr-no-such-gitea-runner".into())];
     variables.extend(docker.variables(30));
     let config = env.executor_config_with(&a, &workload, &variables);
     let error = run(config, no_signals())
         .await
         .expect_err("no runner")
         .to_string();
-    assert!(error.contains("/nonexistent/gitea-runner"), "{error}");
+    assert!(error.contains("gdr-no-such-gitea-runner"), "{error}");
     docker.assert_stopped();
 }
 
@@ -2180,7 +2181,11 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
     .expect("chmod socket");
     let dockerd =
         StandinDockerd::install(shared.path(), Readiness::After(Duration::ZERO)).expect("dockerd");
-    let runner = recording_runner(shared.path(), std::path::Path::new(STANDIN)).expect("runner");
+    // A copy in the shared directory: the checkout (and its target/) may live where uid
+    // 2000 cannot go, such as a 0700 home directory.
+    let standin = shared.path().join("standin-runner");
+    std::fs::copy(STANDIN, &standin).expect("copy the stand-in runner");
+    let runner = recording_runner(shared.path(), &standin).expect("runner");
     let group = shared.path().join("group");
     std::fs::write(&group, "root:x:0:\nrunner:x:2000:\ndocker:x:2001:runner\n").expect("group");
     let socket = shared.path().join("docker.sock");
@@ -2203,6 +2208,8 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
         .env("CI_DOCKER_SOCKET", &socket)
         .env("CI_DOCKER_READY_TIMEOUT", "30")
         .env("GITEA_RUNNER_BINARY", &runner)
+        // Not the checkout, which uid 2000 may not be able to enter.
+        .current_dir(shared.path())
         .kill_on_drop(true)
         .stderr(std::process::Stdio::piped());
     for name in [
@@ -2252,6 +2259,84 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
     assert!(rows.contains(&expected), "{rows:?}\n{stderr}");
     assert!(dockerd.terminated(), "the daemon got SIGTERM");
     assert!(!dockerd.running(), "the daemon's process is gone");
+}
+
+/// DESIGN invariant 16 (issue 37): a runner binary the job's uid cannot execute (here in
+/// a directory only root may enter, as a checkout under a 0700 home is for uid 2000)
+/// fails the executor at once — before it waits for its SVID, the facade or a daemon —
+/// with the path and the uid in the error, instead of leaving it silent until the
+/// controller's deadline.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runner_the_jobs_uid_cannot_execute_fails_the_executor_at_once_naming_path_and_uid() {
+    use std::os::unix::fs::PermissionsExt;
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("SKIPPED: needs root (a change of uid)");
+        return;
+    }
+    const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let shared = tempfile::Builder::new().prefix("r").tempdir().expect("dir");
+    std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let workload = FakeWorkloadApi::start(shared.path(), env.ca.clone(), a.identity().spiffe_id())
+        .await
+        .expect("workload api");
+    std::fs::set_permissions(
+        &workload.socket_path,
+        std::fs::Permissions::from_mode(0o777),
+    )
+    .expect("chmod socket");
+    let private = shared.path().join("home");
+    std::fs::create_dir(&private).expect("private dir");
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let runner = private.join("gitea-runner");
+    std::fs::copy(STANDIN, &runner).expect("copy the runner");
+
+    let mut command = tokio::process::Command::new(BIN);
+    command
+        .arg("executor")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        // As the root executor starts it: the job's uid from its first instruction.
+        .env("CI_EXECUTOR_RUN_AS", "2000:2000:")
+        .env("GITEA_RUNNER_BINARY", &runner)
+        .current_dir(shared.path())
+        .kill_on_drop(true)
+        .stderr(std::process::Stdio::piped());
+    for name in [
+        "CI_ASSIGNMENT_ID",
+        "CI_RUNNER_CAPABILITY",
+        "CI_RUNNER_BACKEND",
+        "CI_RUNNER_FACADE_URL",
+        "CI_RUNNER_FACADE_SPIFFE_ID",
+        "SPIFFE_ENDPOINT_SOCKET",
+        "CI_EXECUTOR_READY_TIMEOUT",
+    ] {
+        if let Some(value) = env.executor_variable(&a, &workload, name) {
+            command.env(name, value);
+        }
+    }
+    let started = std::time::Instant::now();
+    let output = tokio::time::timeout(WAIT, command.output())
+        .await
+        .expect("the executor ends")
+        .expect("the executor runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "failed only after {:?}\n{stderr}",
+        started.elapsed()
+    );
+    assert!(
+        stderr.contains(&runner.display().to_string()) && stderr.contains("uid 2000"),
+        "the error names the runner's path and the uid\n{stderr}"
+    );
+    assert_eq!(
+        workload.fetch_count(),
+        0,
+        "nothing waited for the SVID first\n{stderr}"
+    );
 }
 
 /// DESIGN invariants 12 and 15 (issue 37): the pass-through serves only the executor of a

@@ -141,6 +141,20 @@ pub enum RunError {
         #[source]
         source: std::io::Error,
     },
+    /// `GITEA_RUNNER_BINARY` cannot be executed by the uid the job runs as (a root
+    /// executor runs it as `CI_RUNNER_UID`, which must reach it through every directory).
+    #[error(
+        "GITEA_RUNNER_BINARY: the runner {path} cannot be executed by uid {uid}: {source}"
+    )]
+    RunnerNotExecutable {
+        /// The path.
+        path: PathBuf,
+        /// The uid that tried.
+        uid: u32,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// The job's Docker daemon could not be started.
     #[error(transparent)]
     Docker(#[from] DockerError),
@@ -332,6 +346,7 @@ async fn run_executor(
     if let Some(path) = &config.runner_config {
         config.runner_config = Some(check_runner_config(path)?);
     }
+    check_runner_binary(&config.runner_binary)?;
     let source =
         gdr_identity::tls::x509_source_with_timeout(&config.workload_api, config.ready_timeout)
             .await?;
@@ -470,6 +485,28 @@ async fn settle(
     relay.settle_within(TERMINATION_DELIVERY).await
 }
 
+/// The runner must be executable by this process's uid (the job's, when a root executor
+/// started it): otherwise every start of the runner fails, and the executor would start
+/// it again until the outage tolerance, silent, long after the controller's start
+/// deadline. A bare name is looked up on `PATH` when the runner starts; its failure there
+/// names the uid too.
+fn check_runner_binary(path: &Path) -> Result<(), RunError> {
+    if path.components().count() < 2 {
+        return Ok(());
+    }
+    rustix::fs::accessat(
+        rustix::fs::CWD,
+        path,
+        rustix::fs::Access::EXEC_OK,
+        rustix::fs::AtFlags::EACCESS,
+    )
+    .map_err(|errno| RunError::RunnerNotExecutable {
+        path: path.to_path_buf(),
+        uid: rustix::process::geteuid().as_raw(),
+        source: errno.into(),
+    })
+}
+
 /// The runner configuration must be a readable file: the runner would otherwise fail
 /// only after the executor waited for its SVID, the facade and the Docker daemon.
 /// Returns it absolute (the runner runs in the work directory).
@@ -534,8 +571,9 @@ async fn run_runner(
             .env_remove(crate::jobenv::RUN_AS)
             .kill_on_drop(true)
             .spawn()
-            .map_err(|source| RunError::Io {
-                what: format!("starting the runner {}", config.runner_binary.display()),
+            .map_err(|source| RunError::RunnerNotExecutable {
+                path: config.runner_binary.clone(),
+                uid: rustix::process::geteuid().as_raw(),
                 source,
             })?;
         let (status, signalled) =
