@@ -1754,6 +1754,72 @@ async fn a_connection_bound_to_one_assignment_refuses_requests_for_another() {
     );
 }
 
+/// DESIGN invariant 21 (issue 37): a connection whose request the facade refuses is
+/// closed, so it holds no binding and no place: here a connection bound to an assignment
+/// that has since finished.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connection_whose_request_is_refused_is_closed_and_unbound() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let svid = job_svid(&env, "build");
+    let first = format!(
+        "GET /_mock/blob/1?live HTTP/1.1\r\nhost: facade\r\n{}\r\n",
+        env.credential_lines(&a)
+    );
+    let (mut tls, mut answer) = exchange(&env, &svid, &first, b"").await;
+    assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 200 OK"));
+    let auth = env
+        .dispatch
+        .authorize(
+            a.id().as_str(),
+            env.dispatch.capability_key().issue(a.id()).expose(),
+            a.identity().spiffe_id(),
+        )
+        .expect("authorized");
+    env.dispatch.finish(&auth).await.expect("finished");
+    // Kept alive (no `connection: close`): only the refusal may close it.
+    let second = format!(
+        "GET /_mock/blob/1?finished HTTP/1.1\r\nhost: facade\r\n{}\r\n",
+        env.credential_lines(&a)
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut tls, second.as_bytes())
+        .await
+        .expect("write");
+    let text = answer
+        .read_on(&mut tls, |t| t.contains("403 Forbidden"))
+        .await;
+    assert!(text.contains("HTTP/1.1 403 Forbidden"), "{text}");
+    // Well before the idle timeout would close it.
+    let closed = tokio::time::timeout(Duration::from_secs(3), closed_by_peer(&mut tls)).await;
+    assert_eq!(closed, Ok(true), "the refused connection stays open");
+}
+
+/// DESIGN invariant 21 (issue 37): the backend look-up behind a request of an assignment
+/// this controller was not offered is not repeated for every request: a peer presenting a
+/// finished assignment's credentials again and again costs one look-up per interval.
+#[tokio::test(flavor = "multi_thread")]
+async fn repeated_requests_of_a_finished_assignment_cost_one_backend_look_up() {
+    let env = Env::new().await;
+    let a = env.executor_only("standin:success").await;
+    env.backend.record_claimed(a.id()).await.expect("claimed");
+    env.backend.mark_terminal(a.id()).await.expect("terminal");
+    let own = job_svid(&env, "build");
+    let before = env.backend.find_calls();
+    for n in 0..5 {
+        let head = format!(
+            "GET /_mock/blob/7?again-{n} HTTP/1.1\r\nhost: facade\r\n{}connection: close\r\n\r\n",
+            env.credential_lines(&a)
+        );
+        let (_, answer) = exchange(&env, &own, &head, b"").await;
+        assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 403 Forbidden"));
+    }
+    assert_eq!(
+        env.backend.find_calls() - before,
+        1,
+        "one look-up, then the remembered answer"
+    );
+}
+
 /// A TCP server that accepts every connection and never answers nor closes it: a Gitea
 /// that hangs. Returns its URL; the task keeps the connections.
 async fn silent_upstream() -> String {
