@@ -370,6 +370,7 @@ async fn run_controller(
         backlog_changed: &backlog_changed,
         vm_terminal_grace,
         leadership: &leadership,
+        envelope_id_key: &envelope_id_key,
     };
     for (backend, capacity) in &capacities {
         let Some(adapter) = dispatch.backend(*backend) else {
@@ -894,6 +895,7 @@ struct BackendWiring<'a> {
     backlog_changed: &'a Arc<tokio::sync::Notify>,
     vm_terminal_grace: Option<Duration>,
     leadership: &'a Leadership,
+    envelope_id_key: &'a EnvelopeIdKey,
 }
 
 /// Starts one backend's worker (its JetStream consumer) and lifecycle reconciler.
@@ -967,11 +969,14 @@ async fn spawn_backend(
     .with_wake(wake)
     .with_unstarted(
         w.executors.start_deadline,
-        Arc::new(queue::StreamQueue::new(
-            w.queue.worker.clone(),
-            w.queue.stream.clone(),
-            backend,
-        )),
+        Arc::new(
+            queue::StreamQueue::new(w.queue.worker.clone(), w.queue.stream.clone(), backend)
+                // Envelopes carry an authenticated ID where a task key seals them.
+                .authenticated_by(
+                    w.envelope_id_key.clone(),
+                    w.keyring.is_none() || w.nats.security.accept_plaintext_envelopes,
+                ),
+        ),
     );
     if let Some(h) = housekeeping {
         lifecycle = lifecycle.with_housekeeping(h);
