@@ -1320,6 +1320,43 @@ async fn idle_connections_are_closed_and_one_identity_holds_only_its_share() {
     );
 }
 
+/// DESIGN invariant 21 (issue 37): an HTTP/2 peer that stops answering pings (it vanished
+/// without closing: half-open TCP, a frozen process) is dropped within
+/// `runner_facade_h2_ping_interval` + `runner_facade_h2_ping_timeout`, long before any
+/// other bound would close its connection.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http2_peer_that_stops_answering_pings_is_closed_within_the_ping_bound() {
+    let limits = FacadeLimits {
+        header_read_timeout: Duration::from_secs(120),
+        idle_timeout: Duration::from_secs(120),
+        h2_ping_interval: Duration::from_secs(1),
+        h2_ping_timeout: Duration::from_secs(1),
+        ..FacadeLimits::default()
+    };
+    let env = Env::with_limits(limits).await;
+    let svid = job_svid(&env, "build");
+    let mut h2 = tls_to(env.facade_addr, &svid, &[b"h2"]).await;
+    // The client preface and an empty SETTINGS frame; then nothing, not even a PING ack.
+    let mut preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    preface.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+    tokio::io::AsyncWriteExt::write_all(&mut h2, &preface)
+        .await
+        .expect("preface");
+    let started = std::time::Instant::now();
+    let closed = tokio::time::timeout(Duration::from_secs(8), closed_by_peer(&mut h2)).await;
+    assert_eq!(
+        closed,
+        Ok(true),
+        "still open after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "closed only after {:?}",
+        started.elapsed()
+    );
+}
+
 /// DESIGN invariant 21: the facade bounds connections per assignment, not per SPIFFE ID.
 /// Twenty runs of one job at once — a matrix of one repository and job key, so all share
 /// one SPIFFE ID, more of them than one identity's bound on connections not yet bound to

@@ -65,10 +65,6 @@ const IDLE_CHECK: Duration = Duration::from_secs(1);
 /// After a connection was asked to close (idle, shutdown), how long its peer gets to let
 /// in-flight requests finish before the socket is dropped.
 const CLOSE_GRACE: Duration = Duration::from_secs(30);
-/// HTTP/2 keep-alive: a ping every interval; no answer within the timeout drops the
-/// connection (a peer that vanished without closing: half-open TCP).
-const H2_PING_INTERVAL: Duration = Duration::from_secs(30);
-const H2_PING_TIMEOUT: Duration = Duration::from_secs(10);
 /// Streams one HTTP/2 connection may have open at once (hyper's default is 200; a runner
 /// needs a handful).
 const H2_MAX_STREAMS: u32 = 64;
@@ -521,8 +517,10 @@ pub(crate) async fn serve_with(
     builder
         .http2()
         .timer(TokioTimer::new())
-        .keep_alive_interval(Some(H2_PING_INTERVAL))
-        .keep_alive_timeout(H2_PING_TIMEOUT)
+        // A ping every interval; no answer within the timeout drops the connection (a peer
+        // that vanished without closing: half-open TCP).
+        .keep_alive_interval(Some(limits.h2_ping_interval))
+        .keep_alive_timeout(limits.h2_ping_timeout)
         .max_concurrent_streams(H2_MAX_STREAMS);
     let builder = Arc::new(builder);
     let mut connections = tokio::task::JoinSet::new();
