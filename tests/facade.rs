@@ -1024,7 +1024,9 @@ async fn terminate_while_holding(after: Duration) -> (String, Duration) {
         .await
         .expect("a terminated executor exits within a Pod's grace period, not after its tolerance")
         .expect("join");
-    let error = outcome.expect_err("the reports were not delivered").to_string();
+    let error = outcome
+        .expect_err("the reports were not delivered")
+        .to_string();
     assert_eq!(
         env.mock.handle.task(task_id).map(|t| t.status),
         Some(Status::Running),
@@ -1055,7 +1057,8 @@ async fn an_executor_holding_reports_exits_after_one_bounded_attempt_when_termin
 /// As above, the signal arriving while the runner still runs: it is passed on to the
 /// runner, whose cancelled result is then held, and the wait for it is just as bounded.
 #[tokio::test(flavor = "multi_thread")]
-async fn an_executor_terminated_while_its_runner_runs_holds_its_reports_only_for_the_last_attempt() {
+async fn an_executor_terminated_while_its_runner_runs_holds_its_reports_only_for_the_last_attempt()
+{
     let (error, took) = terminate_while_holding(Duration::ZERO).await;
     assert!(
         error.contains("gave up delivering the runner's reports"),
@@ -1344,12 +1347,7 @@ async fn an_http2_peer_that_stops_answering_pings_is_closed_within_the_ping_boun
         .expect("preface");
     let started = std::time::Instant::now();
     let closed = tokio::time::timeout(Duration::from_secs(8), closed_by_peer(&mut h2)).await;
-    assert_eq!(
-        closed,
-        Ok(true),
-        "still open after {:?}",
-        started.elapsed()
-    );
+    assert_eq!(closed, Ok(true), "still open after {:?}", started.elapsed());
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "closed only after {:?}",

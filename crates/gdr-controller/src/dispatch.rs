@@ -540,7 +540,11 @@ impl Dispatch {
     }
 
     /// Asks each backend for the executor of `id`.
-    async fn look_up(&self, id: &AssignmentId, peer_spiffe_id: &str) -> Result<Authorized, AuthError> {
+    async fn look_up(
+        &self,
+        id: &AssignmentId,
+        peer_spiffe_id: &str,
+    ) -> Result<Authorized, AuthError> {
         let id = id.clone();
         let mut unavailable = None;
         for backend in self.backends.values() {

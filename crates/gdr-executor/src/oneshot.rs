@@ -143,9 +143,7 @@ pub enum RunError {
     },
     /// `GITEA_RUNNER_BINARY` cannot be executed by the uid the job runs as (a root
     /// executor runs it as `CI_RUNNER_UID`, which must reach it through every directory).
-    #[error(
-        "GITEA_RUNNER_BINARY: the runner {path} cannot be executed by uid {uid}: {source}"
-    )]
+    #[error("GITEA_RUNNER_BINARY: the runner {path} cannot be executed by uid {uid}: {source}")]
     RunnerNotExecutable {
         /// The path.
         path: PathBuf,

@@ -749,7 +749,9 @@ async fn connection(
                 };
                 // A bound connection keeps nothing once its assignment's credentials are
                 // refused; an unbound one is bounded by its identity's share already.
-                if conn_state.bound.get().is_some() && response.extensions().get::<Refused>().is_some() {
+                if conn_state.bound.get().is_some()
+                    && response.extensions().get::<Refused>().is_some()
+                {
                     conn_state.refused.notify_one();
                 }
                 Ok::<_, std::convert::Infallible>(response.map(|inner| Tracked {

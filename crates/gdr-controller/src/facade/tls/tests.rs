@@ -221,7 +221,11 @@ fn an_assignment_that_is_over_binds_no_connection() {
     {
         let s = t.lock();
         assert!(s.per_assignment.is_empty(), "nothing counted for it");
-        assert_eq!(s.per_identity.get(JOB), Some(&1), "still in its identity's share");
+        assert_eq!(
+            s.per_identity.get(JOB),
+            Some(&1),
+            "still in its identity's share"
+        );
     }
     assert_eq!(t.bind(&slot, "gitea-task-2"), Binding::Bound);
 }
