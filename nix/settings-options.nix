@@ -516,6 +516,16 @@ in
     default = null;
     description = "A connection with no request in flight for this long is closed (HTTP/1.1 and HTTP/2); HTTP/2 peers are also pinged, and one that stops answering is dropped. Default: `1m 30s`.";
   };
+  runner_facade_h2_ping_interval = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "HTTP/2 connections are pinged this often, so a peer that vanished without closing (half-open TCP) is found even while a request waits on it. Default: `30s`.";
+  };
+  runner_facade_h2_ping_timeout = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "An HTTP/2 peer that does not answer a ping within this is dropped; together with the interval, the bound on how long a dead peer holds its connection. Default: `10s`.";
+  };
   accept_plaintext_envelopes = mkOption {
     type = types.nullOr (types.bool);
     default = null;

@@ -18,7 +18,7 @@ use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::{ExecutorBackend, ExecutorSpec};
 use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
-use gdr_executor::oneshot::{ExecutorConfig, Forward, run};
+use gdr_executor::oneshot::{ExecutorConfig, Forward, TERMINATION_DELIVERY, run};
 use gdr_identity::tls;
 use gdr_proto::runner::v1::{
     DeclareRequest, FetchTaskRequest, LogRow, RegisterRequest, RunnerServiceClient,
@@ -997,6 +997,80 @@ async fn an_executor_whose_facade_stays_away_past_the_tolerance_gives_up_and_say
     );
 }
 
+/// An executor holding its runner's reports for a facade that went away (with the
+/// default half-hour tolerance) is sent SIGTERM `after` the facade left; returns its
+/// error and how long it took to exit after the signal.
+async fn terminate_while_holding(after: Duration) -> (String, Duration) {
+    let env = Env::new().await;
+    let a = env.assignment("standin:sleep 1500").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let mut config = env.executor_config(&a, &workload);
+    config.report_outage_tolerance = Duration::from_secs(1800);
+    let (signal, signals) = tokio::sync::mpsc::channel(1);
+    let executor = tokio::spawn(run(config, signals));
+    let task_id = a.id().task_id();
+    env.mock
+        .handle
+        .wait_for(
+            |m| m.task(task_id).is_some_and(|t| t.runner_starts() > 0),
+            WAIT,
+        )
+        .await
+        .expect("the runner runs the job");
+    env.stop.trigger();
+    tokio::time::sleep(after).await;
+    signal.send(Forward::Terminate).await.expect("send");
+    let signalled = std::time::Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(30), executor)
+        .await
+        .expect("a terminated executor exits within a Pod's grace period, not after its tolerance")
+        .expect("join");
+    let error = outcome
+        .expect_err("the reports were not delivered")
+        .to_string();
+    assert_eq!(
+        env.mock.handle.task(task_id).map(|t| t.status),
+        Some(Status::Running),
+        "the result never reached Gitea"
+    );
+    (error, signalled.elapsed())
+}
+
+/// DESIGN invariant 19 and docs/executor.md ("Termination"): an executor holding its
+/// runner's reports does not ignore SIGTERM (a Pod's deletion sends it, SIGKILL follows
+/// after the grace period): it makes one last attempt of at most
+/// `TERMINATION_DELIVERY`, then exits saying what was lost.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_executor_holding_reports_exits_after_one_bounded_attempt_when_terminated() {
+    // The runner finished (its result is held) before the signal came.
+    let (error, took) = terminate_while_holding(Duration::from_secs(4)).await;
+    assert!(
+        error.contains("gave up delivering the runner's reports")
+            && error.contains("the job's result"),
+        "{error}"
+    );
+    assert!(
+        took >= Duration::from_secs(9) && took < TERMINATION_DELIVERY + Duration::from_secs(5),
+        "one attempt of at most {TERMINATION_DELIVERY:?}, took {took:?}"
+    );
+}
+
+/// As above, the signal arriving while the runner still runs: it is passed on to the
+/// runner, whose cancelled result is then held, and the wait for it is just as bounded.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_executor_terminated_while_its_runner_runs_holds_its_reports_only_for_the_last_attempt()
+{
+    let (error, took) = terminate_while_holding(Duration::ZERO).await;
+    assert!(
+        error.contains("gave up delivering the runner's reports"),
+        "{error}"
+    );
+    assert!(
+        took < TERMINATION_DELIVERY + Duration::from_secs(5),
+        "took {took:?}"
+    );
+}
+
 // === hostile peers (DESIGN invariant 21) ===
 
 /// An SVID of the trust domain, as any job's executor holds one.
@@ -1247,6 +1321,38 @@ async fn idle_connections_are_closed_and_one_identity_holds_only_its_share() {
     assert_eq!(
         status_line(&mut other).await.as_deref(),
         Some("HTTP/1.1 401 Unauthorized")
+    );
+}
+
+/// DESIGN invariant 21 (issue 37): an HTTP/2 peer that stops answering pings (it vanished
+/// without closing: half-open TCP, a frozen process) is dropped within
+/// `runner_facade_h2_ping_interval` + `runner_facade_h2_ping_timeout`, long before any
+/// other bound would close its connection.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http2_peer_that_stops_answering_pings_is_closed_within_the_ping_bound() {
+    let limits = FacadeLimits {
+        header_read_timeout: Duration::from_secs(120),
+        idle_timeout: Duration::from_secs(120),
+        h2_ping_interval: Duration::from_secs(1),
+        h2_ping_timeout: Duration::from_secs(1),
+        ..FacadeLimits::default()
+    };
+    let env = Env::with_limits(limits).await;
+    let svid = job_svid(&env, "build");
+    let mut h2 = tls_to(env.facade_addr, &svid, &[b"h2"]).await;
+    // The client preface and an empty SETTINGS frame; then nothing, not even a PING ack.
+    let mut preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    preface.extend_from_slice(&[0, 0, 0, 0x4, 0, 0, 0, 0, 0]);
+    tokio::io::AsyncWriteExt::write_all(&mut h2, &preface)
+        .await
+        .expect("preface");
+    let started = std::time::Instant::now();
+    let closed = tokio::time::timeout(Duration::from_secs(8), closed_by_peer(&mut h2)).await;
+    assert_eq!(closed, Ok(true), "still open after {:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "closed only after {:?}",
+        started.elapsed()
     );
 }
 
@@ -1684,6 +1790,72 @@ async fn a_connection_bound_to_one_assignment_refuses_requests_for_another() {
     );
 }
 
+/// DESIGN invariant 21 (issue 37): a connection whose request the facade refuses is
+/// closed, so it holds no binding and no place: here a connection bound to an assignment
+/// that has since finished.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_connection_whose_request_is_refused_is_closed_and_unbound() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let svid = job_svid(&env, "build");
+    let first = format!(
+        "GET /_mock/blob/1?live HTTP/1.1\r\nhost: facade\r\n{}\r\n",
+        env.credential_lines(&a)
+    );
+    let (mut tls, mut answer) = exchange(&env, &svid, &first, b"").await;
+    assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 200 OK"));
+    let auth = env
+        .dispatch
+        .authorize(
+            a.id().as_str(),
+            env.dispatch.capability_key().issue(a.id()).expose(),
+            a.identity().spiffe_id(),
+        )
+        .expect("authorized");
+    env.dispatch.finish(&auth).await.expect("finished");
+    // Kept alive (no `connection: close`): only the refusal may close it.
+    let second = format!(
+        "GET /_mock/blob/1?finished HTTP/1.1\r\nhost: facade\r\n{}\r\n",
+        env.credential_lines(&a)
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut tls, second.as_bytes())
+        .await
+        .expect("write");
+    let text = answer
+        .read_on(&mut tls, |t| t.contains("403 Forbidden"))
+        .await;
+    assert!(text.contains("HTTP/1.1 403 Forbidden"), "{text}");
+    // Well before the idle timeout would close it.
+    let closed = tokio::time::timeout(Duration::from_secs(3), closed_by_peer(&mut tls)).await;
+    assert_eq!(closed, Ok(true), "the refused connection stays open");
+}
+
+/// DESIGN invariant 21 (issue 37): the backend look-up behind a request of an assignment
+/// this controller was not offered is not repeated for every request: a peer presenting a
+/// finished assignment's credentials again and again costs one look-up per interval.
+#[tokio::test(flavor = "multi_thread")]
+async fn repeated_requests_of_a_finished_assignment_cost_one_backend_look_up() {
+    let env = Env::new().await;
+    let a = env.executor_only("standin:success").await;
+    env.backend.record_claimed(a.id()).await.expect("claimed");
+    env.backend.mark_terminal(a.id()).await.expect("terminal");
+    let own = job_svid(&env, "build");
+    let before = env.backend.find_calls();
+    for n in 0..5 {
+        let head = format!(
+            "GET /_mock/blob/7?again-{n} HTTP/1.1\r\nhost: facade\r\n{}connection: close\r\n\r\n",
+            env.credential_lines(&a)
+        );
+        let (_, answer) = exchange(&env, &own, &head, b"").await;
+        assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 403 Forbidden"));
+    }
+    assert_eq!(
+        env.backend.find_calls() - before,
+        1,
+        "one look-up, then the remembered answer"
+    );
+}
+
 /// A TCP server that accepts every connection and never answers nor closes it: a Gitea
 /// that hangs. Returns its URL; the task keeps the connections.
 async fn silent_upstream() -> String {
@@ -2000,15 +2172,16 @@ async fn the_jobs_docker_daemon_is_stopped_when_the_runner_cannot_start() {
     let a = env.assignment("standin:success").await;
     let workload = env.workload(a.identity().spiffe_id()).await;
     let docker = DockerJob::new(Readiness::After(Duration::ZERO));
-    // The first of a name wins.
-    let mut variables = vec![("GITEA_RUNNER_BINARY", "/nonexistent/gitea-runner".into())];
+    // The first of a name wins. A bare name is looked up on PATH only when the runner
+    // starts (a path is checked before anything starts).
+    let mut variables = vec![("GITEA_RUNNER_BINARY", "gdr-no-such-gitea-runner".into())];
     variables.extend(docker.variables(30));
     let config = env.executor_config_with(&a, &workload, &variables);
     let error = run(config, no_signals())
         .await
         .expect_err("no runner")
         .to_string();
-    assert!(error.contains("/nonexistent/gitea-runner"), "{error}");
+    assert!(error.contains("gdr-no-such-gitea-runner"), "{error}");
     docker.assert_stopped();
 }
 
@@ -2115,7 +2288,11 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
         Readiness::After(Duration::ZERO),
     )
     .expect("dockerd");
-    let runner = recording_runner(shared.path(), std::path::Path::new(STANDIN)).expect("runner");
+    // A copy in the shared directory: the checkout (and its target/) may live where uid
+    // 2000 cannot go, such as a 0700 home directory.
+    let standin = shared.path().join("standin-runner");
+    std::fs::copy(STANDIN, &standin).expect("copy the stand-in runner");
+    let runner = recording_runner(shared.path(), &standin).expect("runner");
     let group = shared.path().join("group");
     std::fs::write(&group, "root:x:0:\nrunner:x:2000:\ndocker:x:2001:runner\n").expect("group");
     let socket = shared.path().join("docker.sock");
@@ -2138,6 +2315,8 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
         .env("CI_DOCKER_SOCKET", &socket)
         .env("CI_DOCKER_READY_TIMEOUT", "30")
         .env("GITEA_RUNNER_BINARY", &runner)
+        // Not the checkout, which uid 2000 may not be able to enter.
+        .current_dir(shared.path())
         .kill_on_drop(true)
         .stderr(std::process::Stdio::piped());
     for name in [
@@ -2187,6 +2366,84 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
     assert!(rows.contains(&expected), "{rows:?}\n{stderr}");
     assert!(dockerd.terminated(), "the daemon got SIGTERM");
     assert!(!dockerd.running(), "the daemon's process is gone");
+}
+
+/// DESIGN invariant 16 (issue 37): a runner binary the job's uid cannot execute (here in
+/// a directory only root may enter, as a checkout under a 0700 home is for uid 2000)
+/// fails the executor at once — before it waits for its SVID, the facade or a daemon —
+/// with the path and the uid in the error, instead of leaving it silent until the
+/// controller's deadline.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_runner_the_jobs_uid_cannot_execute_fails_the_executor_at_once_naming_path_and_uid() {
+    use std::os::unix::fs::PermissionsExt;
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("SKIPPED: needs root (a change of uid)");
+        return;
+    }
+    const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let shared = tempfile::Builder::new().prefix("r").tempdir().expect("dir");
+    std::fs::set_permissions(shared.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let workload = FakeWorkloadApi::start(shared.path(), env.ca.clone(), a.identity().spiffe_id())
+        .await
+        .expect("workload api");
+    std::fs::set_permissions(
+        &workload.socket_path,
+        std::fs::Permissions::from_mode(0o777),
+    )
+    .expect("chmod socket");
+    let private = shared.path().join("home");
+    std::fs::create_dir(&private).expect("private dir");
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let runner = private.join("gitea-runner");
+    std::fs::copy(STANDIN, &runner).expect("copy the runner");
+
+    let mut command = tokio::process::Command::new(BIN);
+    command
+        .arg("executor")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        // As the root executor starts it: the job's uid from its first instruction.
+        .env("CI_EXECUTOR_RUN_AS", "2000:2000:")
+        .env("GITEA_RUNNER_BINARY", &runner)
+        .current_dir(shared.path())
+        .kill_on_drop(true)
+        .stderr(std::process::Stdio::piped());
+    for name in [
+        "CI_ASSIGNMENT_ID",
+        "CI_RUNNER_CAPABILITY",
+        "CI_RUNNER_BACKEND",
+        "CI_RUNNER_FACADE_URL",
+        "CI_RUNNER_FACADE_SPIFFE_ID",
+        "SPIFFE_ENDPOINT_SOCKET",
+        "CI_EXECUTOR_READY_TIMEOUT",
+    ] {
+        if let Some(value) = env.executor_variable(&a, &workload, name) {
+            command.env(name, value);
+        }
+    }
+    let started = std::time::Instant::now();
+    let output = tokio::time::timeout(WAIT, command.output())
+        .await
+        .expect("the executor ends")
+        .expect("the executor runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "failed only after {:?}\n{stderr}",
+        started.elapsed()
+    );
+    assert!(
+        stderr.contains(&runner.display().to_string()) && stderr.contains("uid 2000"),
+        "the error names the runner's path and the uid\n{stderr}"
+    );
+    assert_eq!(
+        workload.fetch_count(),
+        0,
+        "nothing waited for the SVID first\n{stderr}"
+    );
 }
 
 /// DESIGN invariants 12 and 15 (issue 37): the pass-through serves only the executor of a

@@ -383,8 +383,11 @@ async fn a_deposed_leader_issues_no_fetch_task_after_it_observed_the_loss() {
     })
     .await;
     let seen = mock.handle.calls(RpcMethod::FetchTask);
+    // Its start now ends at the loss too (issue 37 item 9), which also stops the scheduler.
     gdr_testkit::until(WAIT, "the scheduler stopped, or fetched again", || async {
-        fixture.log().contains("scheduler stopped")
+        let log = fixture.log();
+        log.contains("scheduler stopped")
+            || log.contains("starting nothing more")
             || mock.handle.calls(RpcMethod::FetchTask) > seen + 1
     })
     .await;
@@ -396,4 +399,112 @@ async fn a_deposed_leader_issues_no_fetch_task_after_it_observed_the_loss() {
         fixture.log()
     );
     let _ = child.start_kill();
+}
+
+/// DESIGN invariant 18: a leader deposed while its start-up still waits (here for the
+/// facade's SVID) starts nothing more: it neither resumes adopted executors nor starts a
+/// worker or lifecycle pass (each lists the Pods), even once the slow step completes, and
+/// it exits reporting the loss.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_leader_deposed_during_a_slow_start_spawns_no_worker_and_exits() {
+    use gdr_testkit::spiffe::{FakeWorkloadApi, TestCa};
+    use k8s_openapi::api::coordination::v1::Lease;
+    use kube::Api;
+    use kube::api::PostParams;
+
+    let nats = NatsServer::start().await.expect("nats");
+    let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+    let kube = FakeKube::start().await.expect("fake kube");
+    let fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref());
+    // No SPIRE agent answers there yet: the facade's start waits for its SVID.
+    let socket = fixture.path().join("late-agent.sock");
+    let fixture = fixture
+        .set("runner_facade_url", "https://facade.invalid:8443")
+        .set("components", "scheduler,pod-worker")
+        .set("pod_capacity", 1u32)
+        .set("vm_capacity", 0u32)
+        .set("fetch_pollers_max", 1u32)
+        .set("nats_url", nats.url())
+        .set("leader_election", true)
+        .set("lease_duration", "3s")
+        .set("local_identity", false)
+        .set(
+            "spiffe_endpoint_socket",
+            format!("unix://{}", socket.display()),
+        )
+        .set("pod_backend", "kubernetes")
+        .set("pod_namespace", "gitea-actions")
+        .set("pod_executor_image", "registry.example.org/executor:test");
+    let kubeconfig = fixture.file("kubeconfig", &kube.kubeconfig("gitea-actions"));
+    let kubeconfig = kubeconfig.display().to_string();
+    let (facade, health) = (listener(), listener());
+    let mut child = fixture.spawn(
+        BIN.as_ref(),
+        &facade,
+        &health,
+        &[
+            ("KUBECONFIG", &kubeconfig),
+            ("LEADER_IDENTITY", "replica-a"),
+        ],
+    );
+    gdr_testkit::until(WAIT, "the leader starts its scheduler", || async {
+        fixture.log().contains("leading: starting every component")
+    })
+    .await;
+
+    let leases: Api<Lease> = Api::namespaced(kube.client().expect("client"), "gitea-actions");
+    for attempt in 1.. {
+        let mut lease = leases.get("gitea-dynamic-runner").await.expect("get");
+        let spec = lease.spec.as_mut().expect("spec");
+        spec.holder_identity = Some("replica-b".into());
+        spec.renew_time = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime(
+            k8s_openapi::jiff::Timestamp::now(),
+        ));
+        match leases
+            .replace("gitea-dynamic-runner", &PostParams::default(), &lease)
+            .await
+        {
+            Ok(_) => break,
+            Err(kube::Error::Api(s)) if s.code == 409 && attempt < 10 => {}
+            Err(e) => panic!("take over: {e}"),
+        }
+    }
+    gdr_testkit::until(WAIT, "the leader sees the loss", || async {
+        fixture.log().contains("leadership lost")
+    })
+    .await;
+    let pod_requests = |requests: Vec<String>| {
+        requests
+            .into_iter()
+            .filter(|r| r.contains("/pods"))
+            .collect::<Vec<_>>()
+    };
+    let before = pod_requests(kube.handle.requests()).len();
+    // The slow step now completes.
+    let _agent = FakeWorkloadApi::start_at(
+        socket,
+        TestCa::new("example.org").expect("ca"),
+        gdr_testkit::controller::FACADE_SPIFFE_ID,
+    )
+    .await
+    .expect("agent");
+    let status = tokio::time::timeout(WAIT, child.wait())
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "the deposed leader did not exit\ncontroller log:\n{}",
+                fixture.log()
+            )
+        })
+        .expect("wait");
+    assert!(!status.success(), "a lost lease is an error exit");
+    let log = fixture.log();
+    assert!(log.contains("lost the leader lease"), "{log}");
+    let after = pod_requests(kube.handle.requests());
+    assert_eq!(
+        after.len(),
+        before,
+        "Pod requests after the loss: {:?}\ncontroller log:\n{log}",
+        &after[before..]
+    );
 }

@@ -730,3 +730,136 @@ async fn an_unstarted_executor_is_kept_while_the_queue_cannot_tell_whether_its_a
     assert_eq!(pass.deleted, 1);
     assert!(s.backend.records().is_empty());
 }
+
+/// A queue that never answers: a stream so flooded or slow that reading it takes forever.
+struct Stalled;
+
+#[async_trait::async_trait]
+impl gdr_controller::ports::QueuedAssignments for Stalled {
+    async fn queued(
+        &self,
+        _ids: &std::collections::HashSet<gdr_core::assignment::AssignmentId>,
+    ) -> Result<std::collections::HashSet<gdr_core::assignment::AssignmentId>, queue::QueueError>
+    {
+        std::future::pending().await
+    }
+}
+
+/// DESIGN invariants 12, 21 (issue 37): an envelope anyone could publish, naming an overdue
+/// executor's assignment without an ID that authenticates, does not keep that executor:
+/// it is failed and deleted; one whose queued envelope authenticates is left to its worker.
+#[tokio::test]
+async fn only_an_authenticated_envelope_keeps_an_overdue_executor_as_queued() {
+    use gdr_core::assignment::{TaskKey, TaskKeyring, encode_v2_with_id_mac};
+    let s = setup().await;
+    let (_nats, js) = stream().await;
+    let forged = unclaimed_executor_created(&s, LONG_AGO).await;
+    let genuine = unclaimed_executor_created(&s, LONG_AGO).await;
+    let id_key = CapabilityKey::new(KEY).expect("key").envelope_id_key();
+    let keyring = TaskKeyring::new(
+        TaskKey::from_file_contents(
+            b"1111111111111111111111111111111111111111111111111111111111111111",
+        )
+        .expect("task key"),
+        Vec::new(),
+    );
+    for (a, payload) in [
+        (&forged, encode_v1(&forged).expect("encode")),
+        (
+            &genuine,
+            encode_v2_with_id_mac(&genuine, &keyring, &id_key).expect("encode"),
+        ),
+    ] {
+        queue::publish(
+            &js,
+            &stream_settings(),
+            Backend::Pod,
+            a.id().as_str(),
+            payload.into(),
+        )
+        .await
+        .expect("publish");
+    }
+    s.dispatch.restore(&s.backend.records());
+    let queue = StreamQueue::new(js.clone(), stream_settings(), Backend::Pod)
+        .authenticated_by(id_key, false);
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE)
+        .with_unstarted(START_DEADLINE, Arc::new(queue));
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            unstarted: 1,
+            deleted: 1,
+            ..Pass::default()
+        }
+    );
+    let left: Vec<_> = s
+        .backend
+        .records()
+        .iter()
+        .map(|r| r.assignment.id().clone())
+        .collect();
+    assert_eq!(left, vec![genuine.id().clone()], "the forged one is failed");
+}
+
+/// DESIGN invariants 12, 21 (issue 37): the queue read behind overdue executors stops at
+/// its cap; with messages left unread nobody can tell their assignment is gone, so they
+/// are kept (an error of the pass), not failed.
+#[tokio::test]
+async fn a_queue_too_long_to_read_whole_keeps_overdue_executors_and_counts_an_error() {
+    let s = setup().await;
+    let (_nats, js) = stream().await;
+    let overdue = unclaimed_executor_created(&s, LONG_AGO).await;
+    for n in 0..12 {
+        js.publish(
+            stream_settings().subject(Backend::Pod),
+            format!("{{\"junk\":{n}}}").into(),
+        )
+        .await
+        .expect("send")
+        .await
+        .expect("stored");
+    }
+    s.dispatch.restore(&s.backend.records());
+    let queue = StreamQueue::new(js.clone(), stream_settings(), Backend::Pod)
+        .with_limits(queue::ReadLimits { page: 4, max: 10 });
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE)
+        .with_unstarted(START_DEADLINE, Arc::new(queue));
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            errors: 1,
+            ..Pass::default()
+        }
+    );
+    assert_eq!(
+        s.mock.handle.task(overdue.id().task_id()).map(|t| t.status),
+        Some(Status::Running),
+        "kept"
+    );
+}
+
+/// DESIGN invariant 12 (issue 37): a queue that does not answer does not stall the
+/// lifecycle pass: after the read timeout the overdue executor is kept for the next pass
+/// and the pass ends with an error counted.
+#[tokio::test]
+async fn a_queue_that_never_answers_does_not_stall_the_lifecycle_pass() {
+    let s = setup().await;
+    let _overdue = unclaimed_executor_created(&s, LONG_AGO).await;
+    s.dispatch.restore(&s.backend.records());
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE)
+        .with_unstarted(START_DEADLINE, Arc::new(Stalled))
+        .with_queue_read_timeout(Duration::from_millis(300));
+    let pass = tokio::time::timeout(Duration::from_secs(5), lifecycle.reconcile_once())
+        .await
+        .expect("the pass ends")
+        .expect("pass");
+    assert_eq!(
+        pass,
+        Pass {
+            errors: 1,
+            ..Pass::default()
+        }
+    );
+    assert_eq!(s.backend.records().len(), 1, "kept");
+}

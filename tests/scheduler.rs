@@ -1120,3 +1120,59 @@ async fn a_held_fetch_task_answers_with_the_job_queued_while_it_is_held() {
     // The next poll is held again; a graceful stop would wait out its deadline.
     running.join.abort();
 }
+
+/// DESIGN invariant 5b: the backlog bound holds under concurrency. Eight pollers race for
+/// a hundred waiting jobs of both backends (Gitea answering each fetch after a delay, so
+/// many fetches overlap) while claims keep draining the stream: no backend ever holds
+/// more unclaimed assignments than its limit.
+#[tokio::test(flavor = "multi_thread")]
+async fn racing_pollers_never_queue_more_than_each_backends_backlog_limit() {
+    use gdr_core::backend::Backend;
+    let config = MockConfig {
+        fetch_delay: Some(Duration::from_millis(30)),
+        ..MockConfig::default()
+    };
+    let env = Env::start(config).await;
+    let mut yaml = String::from("on: push\njobs:\n");
+    for i in 0..100 {
+        let backend = if i % 2 == 0 { "pod" } else { "vm" };
+        yaml.push_str(&format!(
+            "  job_{i}:\n    runs-on: [self-hosted, {backend}]\n    steps: []\n"
+        ));
+    }
+    env.gitea_mock()
+        .queue_workflow("owner/repo", &yaml)
+        .expect("queue");
+    let mut settings = env.settings(8, 5);
+    settings.backlog_limits = [(Backend::Pod, 3), (Backend::Vm, 2)].into();
+    let running = Running::start(env.scheduler_with(settings));
+    let stream = || async {
+        queue::open_stream(&env.js, &stream_settings())
+            .await
+            .expect("open stream")
+    };
+    let mut worst = (0, 0);
+    let mut drained = 0usize;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
+    while tokio::time::Instant::now() < deadline {
+        let counts = queue::unclaimed_per_backend(&stream().await, &stream_settings())
+            .await
+            .expect("counts");
+        let pod = counts.get(&Backend::Pod).copied().unwrap_or(0);
+        let vm = counts.get(&Backend::Vm).copied().unwrap_or(0);
+        worst = (worst.0.max(pod), worst.1.max(vm));
+        assert!(
+            pod <= 3 && vm <= 2,
+            "backlog overshot: {pod} pod (limit 3), {vm} vm (limit 2) unclaimed"
+        );
+        // Claims now and then: room opens and every poller races for it.
+        if pod + vm == 5 {
+            env.drain_stream().await;
+            drained += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    running.stop().await;
+    assert!(drained >= 3, "the backlog filled only {drained} times");
+    assert_eq!(worst, (3, 2), "both backlogs reached their limit");
+}

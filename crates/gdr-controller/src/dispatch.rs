@@ -207,6 +207,57 @@ pub struct Dispatch {
     /// The assignments that finished, so a replayed envelope never runs one again
     /// (invariant 20); `None` only where no queue exists (unit tests).
     finished: Option<Arc<dyn FinishedLog>>,
+    /// Definite "no" answers of the backend look-up, remembered for a while (21).
+    negative: Mutex<Negative>,
+}
+
+/// How long a definite "no" of the backend look-up is remembered (invariant 21): a peer
+/// repeating a finished or unknown assignment's credentials costs one look-up per
+/// interval, not one per request.
+const NEGATIVE_TTL: std::time::Duration = std::time::Duration::from_secs(30);
+/// Assignments remembered at most: beyond, the expired ones go, then all.
+const NEGATIVE_MAX: usize = 4096;
+
+/// Why the backends said no.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    /// No backend has an executor of the assignment.
+    Unknown,
+    /// Its executor is finished (terminal marker, or recorded as finished).
+    Finished,
+}
+
+impl From<Refusal> for AuthError {
+    fn from(r: Refusal) -> Self {
+        match r {
+            Refusal::Unknown => AuthError::UnknownAssignment,
+            Refusal::Finished => AuthError::Finished,
+        }
+    }
+}
+
+/// The remembered refusals, each with when it was learnt.
+#[derive(Default)]
+struct Negative(HashMap<AssignmentId, (Instant, Refusal)>);
+
+impl Negative {
+    fn get(&self, id: &AssignmentId, now: Instant) -> Option<Refusal> {
+        self.0
+            .get(id)
+            .filter(|(at, _)| now.duration_since(*at) < NEGATIVE_TTL)
+            .map(|(_, r)| *r)
+    }
+
+    fn remember(&mut self, id: &AssignmentId, refusal: Refusal, now: Instant) {
+        if self.0.len() >= NEGATIVE_MAX {
+            self.0
+                .retain(|_, (at, _)| now.duration_since(*at) < NEGATIVE_TTL);
+            if self.0.len() >= NEGATIVE_MAX {
+                self.0.clear();
+            }
+        }
+        self.0.insert(id.clone(), (now, refusal));
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -235,6 +286,7 @@ impl Dispatch {
             entries: Mutex::new(HashMap::new()),
             heard: Mutex::new(HashMap::new()),
             finished: None,
+            negative: Mutex::new(Negative::default()),
         }
     }
 
@@ -448,7 +500,9 @@ impl Dispatch {
 
     /// Authenticates a runner whose assignment is not offered in this process (yet): the
     /// controller restarted and the assignment waits for redelivery. The capability
-    /// proves we issued it; the backend's metadata says which workload may use it.
+    /// proves we issued it; the backend's metadata says which workload may use it. A
+    /// definite "no" (no executor, or a finished one) is remembered for [`NEGATIVE_TTL`],
+    /// so repeated requests do not each cost a look-up.
     pub async fn authorize_from_backend(
         &self,
         assignment_id: &str,
@@ -456,6 +510,42 @@ impl Dispatch {
         peer_spiffe_id: &str,
     ) -> Result<Authorized, AuthError> {
         let id = self.verified_id(assignment_id, capability)?;
+        if let Some(refusal) = lock(&self.negative).get(&id, Instant::now()) {
+            return Err(refusal.into());
+        }
+        let found = self.look_up(&id, peer_spiffe_id).await;
+        let refusal = match &found {
+            Err(AuthError::UnknownAssignment) => Some(Refusal::Unknown),
+            Err(AuthError::Finished) => Some(Refusal::Finished),
+            _ => None,
+        };
+        if let Some(refusal) = refusal {
+            lock(&self.negative).remember(&id, refusal, Instant::now());
+        }
+        found
+    }
+
+    /// Whether a connection may be bound to `assignment_id` (invariant 21): not once its
+    /// start deadline expired it, nor once it finished (here, or as the backend look-up
+    /// found), nor when no backend has it.
+    pub fn may_bind(&self, assignment_id: &str) -> bool {
+        let Ok(id) = AssignmentId::parse(assignment_id) else {
+            return false;
+        };
+        match self.claim_state(&id) {
+            Some(ClaimState::Expired | ClaimState::Terminal) => false,
+            Some(ClaimState::Pending | ClaimState::Claimed) => true,
+            None => lock(&self.negative).get(&id, Instant::now()).is_none(),
+        }
+    }
+
+    /// Asks each backend for the executor of `id`.
+    async fn look_up(
+        &self,
+        id: &AssignmentId,
+        peer_spiffe_id: &str,
+    ) -> Result<Authorized, AuthError> {
+        let id = id.clone();
         let mut unavailable = None;
         for backend in self.backends.values() {
             match backend.find(&id).await {

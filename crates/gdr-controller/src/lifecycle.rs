@@ -61,7 +61,13 @@ pub trait Housekeeping: Send + Sync {
 struct Unstarted {
     start_deadline: Duration,
     queue: Arc<dyn QueuedAssignments>,
+    /// How long one pass waits for the queue's answer (invariant 21: a flooded or slow
+    /// stream must not stall the pass, which also deletes finished executors).
+    read_timeout: Duration,
 }
+
+/// Default of [`Unstarted::read_timeout`].
+const QUEUE_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What one pass did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -167,7 +173,18 @@ impl Lifecycle {
         self.unstarted = Some(Unstarted {
             start_deadline,
             queue,
+            read_timeout: QUEUE_READ_TIMEOUT,
         });
+        self
+    }
+
+    /// How long a pass waits for the queue's answer about unstarted executors (default
+    /// 10 s); without an answer they are looked at again next pass.
+    #[must_use]
+    pub fn with_queue_read_timeout(mut self, timeout: Duration) -> Self {
+        if let Some(u) = self.unstarted.as_mut() {
+            u.read_timeout = timeout;
+        }
         self
     }
 
@@ -260,9 +277,16 @@ impl Lifecycle {
         }
         let ids: HashSet<AssignmentId> =
             overdue.iter().map(|r| r.assignment.id().clone()).collect();
-        let queued = match unstarted.queue.queued(&ids).await {
-            Ok(q) => q,
-            Err(e) => {
+        let read = tokio::time::timeout(unstarted.read_timeout, unstarted.queue.queued(&ids));
+        let queued = match read.await {
+            Ok(Ok(q)) => q,
+            Err(_) => {
+                pass.errors += 1;
+                self.count(|m| &m.lifecycle_errors);
+                tracing::warn!(backend = %self.backend.backend(), overdue = overdue.len(), timeout = ?unstarted.read_timeout, "the queue did not say in time whether executors past their start deadline still have their assignment; looking again next pass");
+                return;
+            }
+            Ok(Err(e)) => {
                 pass.errors += 1;
                 self.count(|m| &m.lifecycle_errors);
                 tracing::warn!(backend = %self.backend.backend(), overdue = overdue.len(), error = %e, "cannot read the queue to tell whether executors past their start deadline still have their assignment; looking again next pass");

@@ -655,21 +655,69 @@ impl crate::ports::FinishedLog for FinishedAssignments {
 /// releases or fails them). The lifecycle reconciler asks before it fails an unclaimed
 /// executor whose start deadline has passed: while its message is there, the worker
 /// that delivers it fails it, and only one of the two may report.
+///
+/// Anyone who can publish can fill the stream (invariant 21), so it reads page by page
+/// and at most [`ReadLimits::max`] messages per subject (beyond, it cannot tell, and says
+/// so), and counts a message only under an ID it can trust: one whose `id_mac` verifies
+/// under the envelope-ID key, or any readable ID where envelopes carry none (no task key,
+/// or plaintext accepted).
 pub struct StreamQueue {
     js: jetstream::Context,
     settings: StreamSettings,
     backend: Backend,
+    limits: ReadLimits,
+    id_key: Option<gdr_core::capability::EnvelopeIdKey>,
+    trust_unauthenticated: bool,
 }
 
 impl StreamQueue {
-    /// Reads `backend`'s subjects of the stream `settings` names.
+    /// Reads `backend`'s subjects of the stream `settings` names, trusting every readable
+    /// ID until [`Self::authenticated_by`] says otherwise.
     pub fn new(js: jetstream::Context, settings: StreamSettings, backend: Backend) -> Self {
         StreamQueue {
             js,
             settings,
             backend,
+            limits: ReadLimits::DEFAULT,
+            id_key: None,
+            trust_unauthenticated: true,
         }
     }
+
+    /// Reads at most `limits` per subject.
+    #[must_use]
+    pub fn with_limits(mut self, limits: ReadLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Counts IDs whose `id_mac` verifies under `key`, and unauthenticated ones only when
+    /// `trust_unauthenticated` (the workers run such envelopes too).
+    #[must_use]
+    pub fn authenticated_by(
+        mut self,
+        key: gdr_core::capability::EnvelopeIdKey,
+        trust_unauthenticated: bool,
+    ) -> Self {
+        self.id_key = Some(key);
+        self.trust_unauthenticated = trust_unauthenticated;
+        self
+    }
+}
+
+/// The assignment a queued message counts for: its authenticated ID, else (where
+/// unauthenticated envelopes are trusted) its readable one.
+fn trusted_id(
+    payload: &[u8],
+    key: Option<&gdr_core::capability::EnvelopeIdKey>,
+    trust_unauthenticated: bool,
+) -> Option<AssignmentId> {
+    if let Some(a) = key.and_then(|k| gdr_core::assignment::authenticated_id(payload, k)) {
+        return Some(a.id().clone());
+    }
+    trust_unauthenticated
+        .then(|| gdr_core::assignment::envelope_id(payload))
+        .flatten()
 }
 
 #[async_trait::async_trait]
@@ -678,42 +726,39 @@ impl crate::ports::QueuedAssignments for StreamQueue {
         &self,
         ids: &std::collections::HashSet<AssignmentId>,
     ) -> Result<std::collections::HashSet<AssignmentId>, QueueError> {
-        use async_nats::jetstream::stream::LastRawMessageErrorKind;
-        let err = |e: &dyn std::fmt::Display| QueueError::Stream {
-            stream: self.settings.stream.clone(),
-            message: e.to_string(),
-        };
         let mut found = std::collections::HashSet::new();
         if ids.is_empty() {
             return Ok(found);
         }
         let mut stream = open_stream(&self.js, &self.settings).await?;
-        let state = stream.info().await.map_err(|e| err(&e))?.state.clone();
-        if state.messages == 0 {
-            return Ok(found);
-        }
+        stream.info().await.map_err(|e| QueueError::Stream {
+            stream: self.settings.stream.clone(),
+            message: e.to_string(),
+        })?;
         for subject in [
             self.settings.subject(self.backend),
             self.settings.held_subject(self.backend),
         ] {
-            let mut sequence = state.first_sequence;
-            // Messages present now; one published later is a later pass's to see. Read one
-            // by one (the server filters by subject) and only until every ID is found.
-            while found.len() < ids.len() && sequence <= state.last_sequence {
-                let message = match stream
-                    .get_first_raw_message_by_subject(&subject, sequence)
-                    .await
-                {
-                    Ok(m) => m,
-                    Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => break,
-                    Err(e) => return Err(err(&e)),
+            // Messages present now; one published later is a later pass's to see.
+            let mut reader = QueuedReader::new(&stream, &subject, self.limits);
+            while found.len() < ids.len() {
+                let Some(page) = reader.next_page().await? else {
+                    break;
                 };
-                sequence = message.sequence + 1;
-                if let Some(id) = gdr_core::assignment::envelope_id(&message.payload)
-                    .filter(|id| ids.contains(id))
-                {
-                    found.insert(id);
-                }
+                found.extend(page.iter().filter_map(|m| {
+                    trusted_id(&m.payload, self.id_key.as_ref(), self.trust_unauthenticated)
+                        .filter(|id| ids.contains(id))
+                }));
+            }
+            // Unread messages may hold the rest: nobody may conclude they are gone.
+            if found.len() < ids.len() && reader.capped() {
+                return Err(QueueError::Stream {
+                    stream: self.settings.stream.clone(),
+                    message: format!(
+                        "more than {} messages on {subject}; cannot tell which assignments are still queued",
+                        self.limits.max
+                    ),
+                });
             }
         }
         Ok(found)

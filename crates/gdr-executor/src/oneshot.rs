@@ -141,6 +141,18 @@ pub enum RunError {
         #[source]
         source: std::io::Error,
     },
+    /// `GITEA_RUNNER_BINARY` cannot be executed by the uid the job runs as (a root
+    /// executor runs it as `CI_RUNNER_UID`, which must reach it through every directory).
+    #[error("GITEA_RUNNER_BINARY: the runner {path} cannot be executed by uid {uid}: {source}")]
+    RunnerNotExecutable {
+        /// The path.
+        path: PathBuf,
+        /// The uid that tried.
+        uid: u32,
+        /// Cause.
+        #[source]
+        source: std::io::Error,
+    },
     /// The job's Docker daemon could not be started.
     #[error(transparent)]
     Docker(#[from] DockerError),
@@ -332,6 +344,7 @@ async fn run_executor(
     if let Some(path) = &config.runner_config {
         config.runner_config = Some(check_runner_config(path)?);
     }
+    check_runner_binary(&config.runner_binary)?;
     let source =
         gdr_identity::tls::x509_source_with_timeout(&config.workload_api, config.ready_timeout)
             .await?;
@@ -416,16 +429,16 @@ async fn run_executor(
     // The job's daemon ends with its runner, however the runner ended (a forwarded signal
     // included), while the reports may still be on their way.
     let stopping = stop_dockerd(dockerd);
-    let status = match ran {
-        Ok(status) => status,
+    let (status, terminating) = match ran {
+        Ok(ran) => ran,
         Err(e) => {
             stopping.await;
             return Err(e);
         }
     };
     // Invariant 19: the runner may have been answered by the relay; nothing leaves
-    // before the facade has it.
-    let (settled, ()) = tokio::join!(relay.settled(), stopping);
+    // before the facade has it — unless the executor is being terminated.
+    let (settled, ()) = tokio::join!(settle(&relay, &mut signals, terminating), stopping);
     let _ = stop_proxy.send(());
     let _ = proxy.await;
     drop(cleanup);
@@ -443,6 +456,53 @@ async fn run_executor(
             result,
         }),
     }
+}
+
+/// How long a terminated executor still tries to deliver held reports: well inside a
+/// Pod's default 30 s grace between SIGTERM and SIGKILL, and longer than the longest
+/// pause between two delivery attempts (5 s), so one more attempt is made.
+pub const TERMINATION_DELIVERY: Duration = Duration::from_secs(10);
+
+/// Waits until the held reports are delivered, refused or given up after the outage
+/// tolerance; once the executor is told to terminate (before or during the wait) it
+/// makes one last attempt of at most [`TERMINATION_DELIVERY`] and gives up the rest:
+/// a SIGTERM is never ignored for the sake of held reports (docs/executor.md).
+async fn settle(
+    relay: &Relay,
+    signals: &mut tokio::sync::mpsc::Receiver<Forward>,
+    terminating: bool,
+) -> Settled {
+    if !terminating {
+        tokio::select! {
+            settled = relay.settled() => return settled,
+            Some(forward) = signals.recv() => {
+                tracing::info!(signal = ?forward, bound = ?TERMINATION_DELIVERY, "terminating while reports are held: one last attempt to deliver them");
+            }
+        }
+    }
+    relay.settle_within(TERMINATION_DELIVERY).await
+}
+
+/// The runner must be executable by this process's uid (the job's, when a root executor
+/// started it): otherwise every start of the runner fails, and the executor would start
+/// it again until the outage tolerance, silent, long after the controller's start
+/// deadline. A bare name is looked up on `PATH` when the runner starts; its failure there
+/// names the uid too.
+fn check_runner_binary(path: &Path) -> Result<(), RunError> {
+    if path.components().count() < 2 {
+        return Ok(());
+    }
+    rustix::fs::accessat(
+        rustix::fs::CWD,
+        path,
+        rustix::fs::Access::EXEC_OK,
+        rustix::fs::AtFlags::EACCESS,
+    )
+    .map_err(|errno| RunError::RunnerNotExecutable {
+        path: path.to_path_buf(),
+        uid: rustix::process::geteuid().as_raw(),
+        source: errno.into(),
+    })
 }
 
 /// The runner configuration must be a readable file: the runner would otherwise fail
@@ -477,7 +537,8 @@ async fn stop_dockerd(dockerd: Option<Dockerd>) {
 /// Runs the runner until it has claimed its task (or cannot), starting it again when it
 /// exits before the claim — a restart of the controller during its `Declare` must not
 /// cost the job — with backoff, for as long as the outage tolerance. Returns the last
-/// runner's exit status. `docker_host` is the job's Docker daemon, for `DOCKER_HOST`.
+/// runner's exit status and whether the executor was told to terminate. `docker_host` is
+/// the job's Docker daemon, for `DOCKER_HOST`.
 async fn run_runner(
     config: &ExecutorConfig,
     work_dir: &Path,
@@ -486,7 +547,7 @@ async fn run_runner(
     keep: &[Pid],
     relay: &Relay,
     signals: &mut tokio::sync::mpsc::Receiver<Forward>,
-) -> Result<ExitStatus, RunError> {
+) -> Result<(ExitStatus, bool), RunError> {
     let id = config.assignment_id.as_str();
     let mut restarts = 0u32;
     let mut first_early_exit: Option<tokio::time::Instant> = None;
@@ -508,8 +569,9 @@ async fn run_runner(
             .env_remove(crate::jobenv::RUN_AS)
             .kill_on_drop(true)
             .spawn()
-            .map_err(|source| RunError::Io {
-                what: format!("starting the runner {}", config.runner_binary.display()),
+            .map_err(|source| RunError::RunnerNotExecutable {
+                path: config.runner_binary.clone(),
+                uid: rustix::process::geteuid().as_raw(),
                 source,
             })?;
         let (status, signalled) =
@@ -518,12 +580,12 @@ async fn run_runner(
         tracing::info!(assignment_id = %id, status = %status, "the one-shot runner exited");
         let claim = relay.claim();
         if signalled || claim != Claim::Unclaimed {
-            return Ok(status);
+            return Ok((status, signalled));
         }
         let since = *first_early_exit.get_or_insert_with(tokio::time::Instant::now);
         if since.elapsed() >= config.report_outage_tolerance {
             tracing::error!(assignment_id = %id, %status, restarts, "the runner keeps exiting before its task was claimed; giving up");
-            return Ok(status);
+            return Ok((status, false));
         }
         let delay = RUNNER_RESTART.delay(restarts);
         tracing::warn!(assignment_id = %id, %status, restarts, retry_in = ?delay, "the runner exited before its task was claimed; starting it again");
@@ -531,7 +593,7 @@ async fn run_runner(
             _ = tokio::time::sleep(delay) => {}
             Some(forward) = signals.recv() => {
                 tracing::info!(assignment_id = %id, signal = ?forward, "stopping instead of starting the runner again");
-                return Ok(status);
+                return Ok((status, true));
             }
         }
         restarts += 1;

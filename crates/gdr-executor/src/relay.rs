@@ -602,20 +602,51 @@ impl Relay {
         if waited < self.tolerance {
             return false;
         }
+        let gave_up = Self::give_up(&mut shared, waited);
+        tracing::error!(assignment_id = %self.assignment, settled = ?gave_up, "the facade stayed unreachable longer than executor_report_outage_tolerance; giving up the held reports");
+        drop(shared);
+        self.bump();
+        true
+    }
+
+    /// Records that what is still held is given up after `waited`.
+    fn give_up(shared: &mut Shared, waited: Duration) -> Settled {
         let rows = shared
             .outbox
             .held_rows()
             .saturating_add(shared.refused_rows);
         let result = shared.outbox.holds_result() || shared.refused_result;
-        tracing::error!(assignment_id = %self.assignment, waited = ?waited, rows, result, "the facade stayed unreachable longer than executor_report_outage_tolerance; giving up the held reports");
-        shared.gave_up = Some(Settled::GaveUp {
+        let gave_up = Settled::GaveUp {
             waited,
             rows,
             result,
-        });
+        };
+        shared.gave_up = Some(gave_up.clone());
+        gave_up
+    }
+
+    /// The executor is being terminated (a Pod's deletion sends SIGTERM, then SIGKILL
+    /// after its grace period): what is held gets one last delivery attempt of at most
+    /// `bound` instead of the whole outage tolerance, then is given up, so the executor
+    /// exits on its own, saying what was lost, before it is killed.
+    pub async fn settle_within(&self, bound: Duration) -> Settled {
+        self.wake.notify_one();
+        if let Ok(settled) = tokio::time::timeout(bound, self.settled()).await {
+            return settled;
+        }
+        let mut shared = self.lock();
+        if let Some(settled) = &shared.gave_up {
+            return settled.clone();
+        }
+        let waited = shared
+            .holding_since
+            .map(|since| since.elapsed())
+            .unwrap_or_default();
+        let gave_up = Self::give_up(&mut shared, waited);
+        tracing::error!(assignment_id = %self.assignment, settled = ?gave_up, bound = ?bound, "terminating: the held reports were not delivered in the last attempt; giving them up");
         drop(shared);
         self.bump();
-        true
+        gave_up
     }
 
     fn bad_gateway(&self, head: &Head, failure: &Failure) -> Response<Body> {

@@ -148,13 +148,17 @@ impl Facade {
         stats: Arc<tls::FacadeStats>,
         shutdown: Shutdown,
     ) -> std::io::Result<()> {
-        let capabilities = Some(self.dispatch.capability_key().clone());
+        let dispatch = self.dispatch.clone();
+        let binder = tls::Binder {
+            key: self.dispatch.capability_key().clone(),
+            may_bind: Arc::new(move |id: &str| dispatch.may_bind(id)),
+        };
         tls::serve_tls_limited(
             listener,
             tls,
             self.app(proxy),
             limits,
-            capabilities,
+            Some(binder),
             stats,
             shutdown,
         )
@@ -351,8 +355,23 @@ async fn authenticate_request(
             request.extensions_mut().insert(auth);
             next.run(request).await
         }
-        Err(e) => e.into_response(),
+        Err(e) => {
+            let refused = matches!(
+                e.code,
+                connectrpc::ErrorCode::PermissionDenied | connectrpc::ErrorCode::Unauthenticated
+            );
+            refusal(e.into_response(), refused)
+        }
     }
+}
+
+/// Marks an answer that refuses the caller's credentials, so its connection is closed
+/// (and unbound) once it is written (invariant 21); "retry later" answers keep it.
+fn refusal(mut response: axum::response::Response, refused: bool) -> axum::response::Response {
+    if refused {
+        response.extensions_mut().insert(tls::Refused);
+    }
+    response
 }
 
 /// Lets only the executor of a live assignment use the pass-through to Gitea: its
@@ -396,11 +415,11 @@ async fn authenticate_pass_through(
                 .map(|p| p.0.clone());
             tracing::warn!(peer = peer.as_deref().unwrap_or(""), path = request.uri().path(), count, interval = ?tls::LOG_INTERVAL, "pass-through requests without runner credentials refused");
         }
-        return (
+        let answer = (
             http::StatusCode::UNAUTHORIZED,
             format!("{WHO}: x-runner-uuid and x-runner-token are required\n"),
-        )
-            .into_response();
+        );
+        return refusal(answer.into_response(), true);
     }
     let peer = request.extensions().get::<PeerSpiffeId>().cloned();
     let auth = match facade
@@ -415,16 +434,17 @@ async fn authenticate_pass_through(
                 _ => http::StatusCode::UNAUTHORIZED,
             };
             let why = e.message.as_deref().unwrap_or("refused");
-            return (status, format!("{WHO}: {why}\n")).into_response();
+            let refused = status != http::StatusCode::SERVICE_UNAVAILABLE;
+            return refusal((status, format!("{WHO}: {why}\n")).into_response(), refused);
         }
     };
     if let Some(why) = not_live(facade.dispatch.claim_state(&auth.id)) {
         tracing::warn!(assignment_id = %auth.id, path = request.uri().path(), why, "pass-through request of an assignment that is not live refused");
-        return (
+        let answer = (
             http::StatusCode::FORBIDDEN,
             format!("{WHO}: {} {why}\n", auth.id),
-        )
-            .into_response();
+        );
+        return refusal(answer.into_response(), true);
     }
     next.run(request).await
 }

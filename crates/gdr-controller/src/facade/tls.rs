@@ -17,7 +17,11 @@
 //!   sessions without sending anything cannot hold the facade). A connection beyond that
 //!   share stays evictable like a handshake until its first request binds it, and is
 //!   closed unanswered if that request does not: a crowd of one job's executors connecting
-//!   at once is never refused for it.
+//!   at once is never refused for it. An assignment that expired or finished (as the
+//!   application knows it, see [`Binder`]) binds nothing, and a bound connection whose
+//!   request the facade refuses (a [`Refused`] answer: its assignment finished, another
+//!   assignment's request, an assignment at its limit) is closed once that answer is
+//!   written, so it keeps neither its binding nor its place.
 //! - The first request bytes, and every HTTP/1.1 request head, are bounded by the header
 //!   timeout, and so is the idleness of a connection not bound to an assignment; a bound
 //!   connection without a request in flight for `idle_timeout` is closed (HTTP/1.1 and
@@ -61,10 +65,6 @@ const IDLE_CHECK: Duration = Duration::from_secs(1);
 /// After a connection was asked to close (idle, shutdown), how long its peer gets to let
 /// in-flight requests finish before the socket is dropped.
 const CLOSE_GRACE: Duration = Duration::from_secs(30);
-/// HTTP/2 keep-alive: a ping every interval; no answer within the timeout drops the
-/// connection (a peer that vanished without closing: half-open TCP).
-const H2_PING_INTERVAL: Duration = Duration::from_secs(30);
-const H2_PING_TIMEOUT: Duration = Duration::from_secs(10);
 /// Streams one HTTP/2 connection may have open at once (hyper's default is 200; a runner
 /// needs a handful).
 const H2_MAX_STREAMS: u32 = 64;
@@ -74,6 +74,23 @@ const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(20);
 const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// Refusals, evictions and accept errors are logged at most once per this interval.
 pub const LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Whether an assignment may still have connections bound to it (the application's
+/// answer, from memory: no look-up per request).
+pub type MayBind = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+/// What binds connections to assignments: the key their capabilities verify under, and
+/// whether the assignment is still live.
+#[derive(Clone)]
+pub struct Binder {
+    pub key: CapabilityKey,
+    pub may_bind: MayBind,
+}
+
+/// Marks a response by which the application refused the request's credentials: its
+/// connection is closed once the answer is written.
+#[derive(Debug, Clone, Copy)]
+pub struct Refused;
 
 /// Counters of the facade's connection handling (exported as metrics).
 #[derive(Debug, Default)]
@@ -227,6 +244,8 @@ enum Binding {
     Full,
     /// The connection was evicted meanwhile.
     Gone,
+    /// The assignment expired or finished: its capability binds nothing any more.
+    Over,
 }
 
 /// The connection limits, shared by the accept loop and the connection tasks.
@@ -234,6 +253,8 @@ struct Tracker {
     limits: FacadeLimits,
     /// Verifies the capabilities that bind connections to assignments.
     capabilities: Option<CapabilityKey>,
+    /// Whether an assignment is still live enough to bind (`None`: every one is).
+    may_bind: Option<MayBind>,
     state: Mutex<TrackerState>,
     stats: Arc<FacadeStats>,
     /// Requests refused at an assignment's connection limit, logged once per interval.
@@ -333,6 +354,8 @@ impl Tracker {
     /// verified): it leaves its identity's share of unbound connections (and the evictable
     /// ones) and counts against the assignment's limit instead.
     fn bind(&self, slot: &Slot, assignment: &str) -> Binding {
+        // Asked before the tracker's lock is taken: it takes the application's own.
+        let over = self.may_bind.as_ref().is_some_and(|live| !live(assignment));
         let mut s = self.lock();
         let Some(entry) = s.entries.get(&slot.id) else {
             return Binding::Gone;
@@ -343,6 +366,9 @@ impl Tracker {
             } else {
                 Binding::Other
             };
+        }
+        if over {
+            return Binding::Over;
         }
         let identity = entry.identity.clone().unwrap_or_default();
         let key = (assignment.to_owned(), identity.clone());
@@ -447,7 +473,7 @@ pub async fn serve_tls(
 
 /// Serves `app` over mTLS on `listener` until `shutdown`, then closes connections
 /// gracefully (each within `CLOSE_GRACE`). HTTP/1.1 and h2 are both served (ALPN).
-/// Connections are bound to the assignment whose capability under `capabilities` their
+/// Connections are bound to the live assignment whose capability under `binder` their
 /// first request presents (see the module documentation); with `None` nothing binds.
 ///
 /// The result is `Err` only when the listener itself fails for good.
@@ -456,11 +482,11 @@ pub async fn serve_tls_limited(
     config: Arc<rustls::ServerConfig>,
     app: axum::Router,
     limits: FacadeLimits,
-    capabilities: Option<CapabilityKey>,
+    binder: Option<Binder>,
     stats: Arc<FacadeStats>,
     shutdown: Shutdown,
 ) -> std::io::Result<()> {
-    serve_with(listener, config, app, limits, capabilities, stats, shutdown).await
+    serve_with(listener, config, app, limits, binder, stats, shutdown).await
 }
 
 pub(crate) async fn serve_with(
@@ -468,13 +494,15 @@ pub(crate) async fn serve_with(
     config: Arc<rustls::ServerConfig>,
     app: axum::Router,
     limits: FacadeLimits,
-    capabilities: Option<CapabilityKey>,
+    binder: Option<Binder>,
     stats: Arc<FacadeStats>,
     shutdown: Shutdown,
 ) -> std::io::Result<()> {
+    let (capabilities, may_bind) = binder.map(|b| (b.key, b.may_bind)).unzip();
     let tracker = Arc::new(Tracker {
         limits,
         capabilities,
+        may_bind,
         state: Mutex::new(TrackerState::default()),
         stats: stats.clone(),
         refusals: Mutex::new(Throttle::new(LOG_INTERVAL)),
@@ -489,8 +517,10 @@ pub(crate) async fn serve_with(
     builder
         .http2()
         .timer(TokioTimer::new())
-        .keep_alive_interval(Some(H2_PING_INTERVAL))
-        .keep_alive_timeout(H2_PING_TIMEOUT)
+        // A ping every interval; no answer within the timeout drops the connection (a peer
+        // that vanished without closing: half-open TCP).
+        .keep_alive_interval(Some(limits.h2_ping_interval))
+        .keep_alive_timeout(limits.h2_ping_timeout)
         .max_concurrent_streams(H2_MAX_STREAMS);
     let builder = Arc::new(builder);
     let mut connections = tokio::task::JoinSet::new();
@@ -686,6 +716,7 @@ async fn connection(
         standing,
         bound: std::sync::OnceLock::new(),
         close: Notify::new(),
+        refused: Notify::new(),
     });
     let service = {
         let activity = activity.clone();
@@ -705,13 +736,24 @@ async fn connection(
                 Admitted::Serve => Some(app.clone().oneshot(req.map(axum::body::Body::new))),
                 Admitted::Refuse(..) | Admitted::Close => None,
             };
+            let conn_state = conn_state.clone();
             async move {
                 let response = match (admitted, response) {
                     (_, Some(response)) => response.await?,
-                    (Admitted::Refuse(status, text), _) => (status, text).into_response(),
+                    (Admitted::Refuse(status, text), _) => {
+                        conn_state.refused.notify_one();
+                        (status, text).into_response()
+                    }
                     // The connection task drops the connection; nothing is answered.
                     _ => std::future::pending::<axum::response::Response>().await,
                 };
+                // A bound connection keeps nothing once its assignment's credentials are
+                // refused; an unbound one is bounded by its identity's share already.
+                if conn_state.bound.get().is_some()
+                    && response.extensions().get::<Refused>().is_some()
+                {
+                    conn_state.refused.notify_one();
+                }
                 Ok::<_, std::convert::Infallible>(response.map(|inner| Tracked {
                     inner,
                     _in_flight: in_flight,
@@ -736,6 +778,12 @@ async fn connection(
                 inc(&stats.identity_refused);
                 tracing::debug!(peer = %remote, %identity, "facade connection closed: this SPIFFE ID holds its share of connections not bound to an assignment, and the first request did not bind this one");
                 return;
+            }
+            // A refused request: closed once its answer is written (unbound with its slot).
+            _ = conn_state.refused.notified(), if closing.is_none() => {
+                tracing::debug!(peer = %remote, %identity, "facade connection closed after a refused request");
+                conn.as_mut().graceful_shutdown();
+                closing = Some(Instant::now() + CLOSE_GRACE);
             }
             _ = shutdown.wait(), if closing.is_none() => {
                 conn.as_mut().graceful_shutdown();
@@ -781,6 +829,8 @@ struct ConnectionState {
     bound: std::sync::OnceLock<String>,
     /// Its first request did not bind a connection on probation: drop it unanswered.
     close: Notify,
+    /// A request on it was refused: close it once the answer is written.
+    refused: Notify,
 }
 
 /// What becomes of one request before the application sees it.
@@ -825,16 +875,21 @@ fn admit_request(
         .capabilities
         .as_ref()
         .is_some_and(|key| key.verify(uuid, header(headers, TOKEN_HEADER)));
-    if !verified {
-        return match conn.standing {
+    let binding = if verified {
+        tracker.bind(&conn.slot, uuid)
+    } else {
+        Binding::Over
+    };
+    match binding {
+        // Binds nothing: the application refuses it (and the connection is then closed),
+        // unless the connection is on probation, which is closed unanswered now.
+        Binding::Over => match conn.standing {
             Standing::Held => Admitted::Serve,
             Standing::Probation => {
                 conn.close.notify_one();
                 Admitted::Close
             }
-        };
-    }
-    match tracker.bind(&conn.slot, uuid) {
+        },
         Binding::Bound => {
             // Set once; a concurrent first request of the same assignment finds it set.
             let _ = conn.bound.set(uuid.to_owned());

@@ -296,6 +296,7 @@ async fn run_controller(
     // next fetch through at once.
     let backlog_changed = Arc::new(tokio::sync::Notify::new());
     if let Some(scheduler) = scheduler {
+        still_leading(&leadership)?;
         let facade = Arc::new(
             Facade::new(
                 dispatch.clone(),
@@ -333,19 +334,23 @@ async fn run_controller(
             &scheduler.facade.spiffe_id,
         )
         .await?;
-        spawn_facade(
-            &mut tasks,
-            facade,
-            listeners.facade,
-            FacadeWiring {
-                endpoint: &endpoint,
-                trust_domain: policy.trust_domain.as_str(),
-                gitea_url: gitea.url.as_str(),
-                extra_ca: extra_ca.as_deref(),
-                limits: facade_limits(scheduler.facade.limits, &open_files),
-                stats: facade_stats.clone(),
-            },
-            work_shutdown.clone(),
+        // Its SVID may be long in coming: a loss meanwhile ends the start (18).
+        while_leading(
+            &leadership,
+            spawn_facade(
+                &mut tasks,
+                facade,
+                listeners.facade,
+                FacadeWiring {
+                    endpoint: &endpoint,
+                    trust_domain: policy.trust_domain.as_str(),
+                    gitea_url: gitea.url.as_str(),
+                    extra_ca: extra_ca.as_deref(),
+                    limits: facade_limits(scheduler.facade.limits, &open_files),
+                    stats: facade_stats.clone(),
+                },
+                work_shutdown.clone(),
+            ),
         )
         .await?;
     }
@@ -364,12 +369,15 @@ async fn run_controller(
         observations: &observations,
         backlog_changed: &backlog_changed,
         vm_terminal_grace,
+        leadership: &leadership,
+        envelope_id_key: &envelope_id_key,
     };
     for (backend, capacity) in &capacities {
         let Some(adapter) = dispatch.backend(*backend) else {
             continue;
         };
         let extras = extras.remove(backend).unwrap_or_default();
+        still_leading(&leadership)?;
         spawn_backend(
             &mut tasks,
             &backend_wiring,
@@ -382,6 +390,7 @@ async fn run_controller(
     }
     let depth = queue_depth(&queue).await;
     if !capacities.is_empty() {
+        still_leading(&leadership)?;
         spawn_held(
             &mut tasks,
             HeldWiring {
@@ -682,6 +691,34 @@ async fn stop_fetching_on_loss(
     }
 }
 
+/// Invariant 18: a replica that lost the Lease while it was still starting starts nothing
+/// more; the check runs before every component is spawned.
+fn still_leading(leadership: &Leadership) -> Result<(), RuntimeError> {
+    if leadership.is_leader() {
+        Ok(())
+    } else {
+        tracing::warn!("lost the leader lease while starting: starting nothing more");
+        Err(RuntimeError::LostLeadership)
+    }
+}
+
+/// Runs a start-up step that may wait long (an SVID not yet issued) unless leadership is
+/// lost first, so a deposed leader neither waits for it nor goes on starting (18).
+async fn while_leading<T>(
+    leadership: &Leadership,
+    step: impl std::future::Future<Output = Result<T, RuntimeError>>,
+) -> Result<T, RuntimeError> {
+    let mut watch = leadership.clone();
+    tokio::select! {
+        biased;
+        () = watch.lost() => {
+            tracing::warn!("lost the leader lease while starting: starting nothing more");
+            Err(RuntimeError::LostLeadership)
+        }
+        done = step => done,
+    }
+}
+
 type ElectorTask = tokio::task::JoinHandle<Result<(), crate::lease::LeaseError>>;
 
 async fn campaign(
@@ -857,6 +894,8 @@ struct BackendWiring<'a> {
     observations: &'a Arc<Observations>,
     backlog_changed: &'a Arc<tokio::sync::Notify>,
     vm_terminal_grace: Option<Duration>,
+    leadership: &'a Leadership,
+    envelope_id_key: &'a EnvelopeIdKey,
 }
 
 /// Starts one backend's worker (its JetStream consumer) and lifecycle reconciler.
@@ -909,7 +948,11 @@ async fn spawn_backend(
     .with_metrics(w.metrics.clone())
     .with_wake(wake.clone())
     .with_backlog_signal(w.backlog_changed.clone());
+    // Creating the consumer may have waited: a deposed leader must not re-offer adopted
+    // executors' assignments nor consume (invariant 18).
+    still_leading(w.leadership)?;
     w.queue.resume_adopted(&worker, backend).await;
+    still_leading(w.leadership)?;
     let stop = shutdown.clone();
     tasks.spawn(async move {
         worker.run(consumer, stop).await;
@@ -926,11 +969,14 @@ async fn spawn_backend(
     .with_wake(wake)
     .with_unstarted(
         w.executors.start_deadline,
-        Arc::new(queue::StreamQueue::new(
-            w.queue.worker.clone(),
-            w.queue.stream.clone(),
-            backend,
-        )),
+        Arc::new(
+            queue::StreamQueue::new(w.queue.worker.clone(), w.queue.stream.clone(), backend)
+                // Envelopes carry an authenticated ID where a task key seals them.
+                .authenticated_by(
+                    w.envelope_id_key.clone(),
+                    w.keyring.is_none() || w.nats.security.accept_plaintext_envelopes,
+                ),
+        ),
     );
     if let Some(h) = housekeeping {
         lifecycle = lifecycle.with_housekeeping(h);

@@ -7,8 +7,8 @@
 //! controller re-declares its labels without it (the scheduler's declarer does, whenever
 //! the set of open backends changes) and pollers fetch only while the labels Gitea has are
 //! exactly those of the open backends. A fetch already in flight when a backend closes
-//! may still bring one of its jobs, so a backlog can exceed its limit by at most the
-//! number of pollers.
+//! may still bring one of its jobs; its reservation was counted against every open
+//! backend's room, so that job still fits.
 //!
 //! One watcher task refreshes the per-subject message counts; pollers consult the cached
 //! values. Between refreshes the gate counts its own admissions, so N pollers passing at

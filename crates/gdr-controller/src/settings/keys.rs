@@ -462,6 +462,12 @@ keys! {
     /// A connection with no request in flight for this long is closed (HTTP/1.1 and
     /// HTTP/2); HTTP/2 peers are also pinged, and one that stops answering is dropped.
     runner_facade_idle_timeout: Secs = Secs::from_secs(90);
+    /// HTTP/2 connections are pinged this often, so a peer that vanished without closing
+    /// (half-open TCP) is found even while a request waits on it.
+    runner_facade_h2_ping_interval: Secs = Secs::from_secs(30);
+    /// An HTTP/2 peer that does not answer a ping within this is dropped; together with
+    /// the interval, the bound on how long a dead peer holds its connection.
+    runner_facade_h2_ping_timeout: Secs = Secs::from_secs(10);
 
     // === Queue security: who may write the queue, and what a worker trusts ===
 

@@ -384,6 +384,10 @@ pub struct FacadeLimits {
     pub header_read_timeout: Duration,
     /// A connection without a request in flight this long is closed.
     pub idle_timeout: Duration,
+    /// HTTP/2 keep-alive: a ping every interval…
+    pub h2_ping_interval: Duration,
+    /// …and a peer that does not answer one within this is dropped.
+    pub h2_ping_timeout: Duration,
 }
 
 /// One enabled backend.
@@ -739,6 +743,8 @@ impl TryFrom<Raw> for Settings {
             runner_facade_tls_handshake_timeout,
             runner_facade_header_read_timeout,
             runner_facade_idle_timeout,
+            runner_facade_h2_ping_interval,
+            runner_facade_h2_ping_timeout,
             accept_plaintext_envelopes,
             accept_undated_envelopes,
             gitea_endless_task_timeout,
@@ -1062,6 +1068,8 @@ impl TryFrom<Raw> for Settings {
                 tls_handshake_timeout: runner_facade_tls_handshake_timeout.0,
                 header_read_timeout: runner_facade_header_read_timeout.0,
                 idle_timeout: runner_facade_idle_timeout.0,
+                h2_ping_interval: runner_facade_h2_ping_interval.0,
+                h2_ping_timeout: runner_facade_h2_ping_timeout.0,
             },
         );
         let secrets = check
@@ -1197,6 +1205,8 @@ struct FacadeLimitKeys {
     tls_handshake_timeout: Duration,
     header_read_timeout: Duration,
     idle_timeout: Duration,
+    h2_ping_interval: Duration,
+    h2_ping_timeout: Duration,
 }
 
 impl Default for FacadeLimits {
@@ -1213,6 +1223,8 @@ impl Default for FacadeLimits {
                 tls_handshake_timeout: raw.runner_facade_tls_handshake_timeout.0,
                 header_read_timeout: raw.runner_facade_header_read_timeout.0,
                 idle_timeout: raw.runner_facade_idle_timeout.0,
+                h2_ping_interval: raw.runner_facade_h2_ping_interval.0,
+                h2_ping_timeout: raw.runner_facade_h2_ping_timeout.0,
             },
         )
     }
@@ -1259,6 +1271,16 @@ fn facade_limits(check: &mut Check, keys: FacadeLimitKeys) -> FacadeLimits {
             keys.idle_timeout,
             Duration::from_secs(10),
         ),
+        (
+            "runner_facade_h2_ping_interval",
+            keys.h2_ping_interval,
+            Duration::from_secs(1),
+        ),
+        (
+            "runner_facade_h2_ping_timeout",
+            keys.h2_ping_timeout,
+            Duration::from_secs(1),
+        ),
     ] {
         if value < least {
             check.problem(
@@ -1278,6 +1300,8 @@ fn facade_limits(check: &mut Check, keys: FacadeLimitKeys) -> FacadeLimits {
         tls_handshake_timeout: keys.tls_handshake_timeout,
         header_read_timeout: keys.header_read_timeout,
         idle_timeout: keys.idle_timeout,
+        h2_ping_interval: keys.h2_ping_interval,
+        h2_ping_timeout: keys.h2_ping_timeout,
     }
 }
 

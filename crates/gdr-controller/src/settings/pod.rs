@@ -124,6 +124,10 @@ pub(super) fn kubernetes(
             continue;
         }
         if let Some(profile) = typed::<PodProfile>(check, "pod_profiles", Some(&label), body) {
+            if let Some(why) = profile.runtime_class_name.as_deref().and_then(kata_refusal) {
+                check.problem("pod_profiles", format!("{label:?}: {why}"));
+                continue;
+            }
             typed_profiles.insert(label, profile);
         }
     }
@@ -204,6 +208,18 @@ fn key_of(field: &str) -> (&'static str, Option<&str>) {
         // Every field the backend names is a declared key; keep the whole name otherwise.
         None => ("pod_backend", Some(field)),
     }
+}
+
+/// Why a Pod profile cannot use `runtime_class`: a Kata runtime class (by convention
+/// named `kata`, `kata-qemu`, `kata-clh`, …) runs the Pod in a guest VM, and the SPIFFE CSI
+/// driver's Workload API socket (a Unix socket on the node) does not cross into it, so the
+/// executor would never get its SVID. The VM backend gives each sandbox its identity.
+pub(super) fn kata_refusal(runtime_class: &str) -> Option<String> {
+    runtime_class.to_ascii_lowercase().contains("kata").then(|| {
+        format!(
+            "runtime_class_name {runtime_class:?} runs the Pod in a Kata guest, which the SPIFFE CSI driver's Workload API socket does not reach: its executor would never get an SVID. Run such jobs on the VM backend instead (vm_backend = \"opensandbox\", `runs-on: [self-hosted, vm]`), which gives each sandbox its own identity"
+        )
+    })
 }
 
 /// Why `label` cannot name a profile: it must be a label Gitea stores and must not select

@@ -676,7 +676,7 @@ requests = { cpu = 4 }
 limits = { memory = "16Gi" }
 node_selector = { "node.example.org/size" = "large" }
 tolerations = [{ key = "size", operator = "Equal", value = "large", effect = "NoSchedule" }]
-runtime_class_name = "kata"
+runtime_class_name = "hardened"
 volumes = [{ name = "cache", mount_path = "/cache" }]
 image = "registry.example/executor-large@sha256:11"
 
@@ -730,7 +730,7 @@ node_selector = { gpu = "true" }
         assert_eq!(large.resources.requests["cpu"], "4");
         assert_eq!(large.node_selector["node.example.org/size"], "large");
         assert_eq!(large.tolerations[0].effect.as_deref(), Some("NoSchedule"));
-        assert_eq!(large.runtime_class_name.as_deref(), Some("kata"));
+        assert_eq!(large.runtime_class_name.as_deref(), Some("hardened"));
         assert_eq!(large.volumes[0].mount_path, "/cache");
         assert!(large.volumes[0].read_only);
         assert_eq!(
@@ -845,6 +845,12 @@ node_selector = { gpu = "true" }
                 "[pod_profiles.vm]\nruntime_class_name = \"kata\"\n",
                 "pod_profiles (POD_PROFILES): \"vm\":",
                 "selects the runner or a backend",
+            ),
+            // Issue 37: no SVID reaches a Kata guest through the SPIFFE CSI socket.
+            (
+                "[pod_profiles.isolated]\nruntime_class_name = \"kata-qemu\"\n",
+                "pod_profiles (POD_PROFILES): \"isolated\": runtime_class_name \"kata-qemu\" runs the Pod in a Kata guest",
+                "Run such jobs on the VM backend",
             ),
             (
                 "[pod_executor_env]\nDEBUG = 1\n",

@@ -17,6 +17,7 @@ fn tracker(limits: FacadeLimits) -> Arc<Tracker> {
     Arc::new(Tracker {
         limits,
         capabilities: None,
+        may_bind: None,
         state: Mutex::new(TrackerState::default()),
         stats: Arc::new(FacadeStats::default()),
         refusals: Mutex::new(Throttle::new(LOG_INTERVAL)),
@@ -200,6 +201,33 @@ fn bound_connections_count_per_assignment_and_leave_their_identitys_share() {
             && s.handshaking.is_empty(),
         "every count is given back"
     );
+}
+
+/// DESIGN invariant 21 (issue 37): the capability of an assignment that expired or
+/// finished binds nothing: the connection keeps its standing (held, or evictable on
+/// probation) and no assignment count moves; a live one still binds.
+#[test]
+fn an_assignment_that_is_over_binds_no_connection() {
+    const JOB: &str = "spiffe://example.org/ci/o/r/job";
+    let mut t = Tracker {
+        may_bind: Some(Arc::new(|id: &str| id != "gitea-task-1")),
+        ..Arc::into_inner(tracker(limits(10, 10, 1))).expect("only reference")
+    };
+    t.limits.max_connections_per_assignment = 2;
+    let t = Arc::new(t);
+    let slot = t.admit(A).unwrap();
+    assert_eq!(t.established(&slot, JOB), HELD);
+    assert_eq!(t.bind(&slot, "gitea-task-1"), Binding::Over);
+    {
+        let s = t.lock();
+        assert!(s.per_assignment.is_empty(), "nothing counted for it");
+        assert_eq!(
+            s.per_identity.get(JOB),
+            Some(&1),
+            "still in its identity's share"
+        );
+    }
+    assert_eq!(t.bind(&slot, "gitea-task-2"), Binding::Bound);
 }
 
 /// An acceptor whose `accept` always fails with `EMFILE`, as a process out of file
