@@ -8,7 +8,9 @@
 //! the set of open backends changes) and pollers fetch only while the labels Gitea has are
 //! exactly those of the open backends. A fetch already in flight when a backend closes
 //! may still bring one of its jobs; its reservation was counted against every open
-//! backend's room, so that job still fits.
+//! backend's room, so that job still fits. The other way round, a backend reopens (its
+//! labels are declared again) only once the fetches in flight fit its room: Gitea answers
+//! a held fetch with the labels it has when it answers.
 //!
 //! One watcher task refreshes the per-subject message counts; pollers consult the cached
 //! values. Between refreshes the gate counts its own admissions, so N pollers passing at
@@ -127,11 +129,32 @@ impl BacklogGate {
     }
 
     /// The backends whose labels Gitea should have now: the open ones, when that set is
-    /// known, not empty and not what Gitea has already.
+    /// known, not empty and not what Gitea has already. Gitea answers a fetch in flight
+    /// with the labels it has when it answers, so a fetch admitted while a backend was
+    /// closed may bring that backend's job once its labels are back: labels widen only
+    /// when every fetch in flight fits the room of each backend they would offer.
     pub(crate) fn wanted(&self) -> Option<BTreeSet<Backend>> {
         let s = self.lock();
         let open = self.open(&s)?;
-        (!open.is_empty() && s.declared.as_ref() != Some(&open)).then_some(open)
+        if open.is_empty() || s.declared.as_ref() == Some(&open) {
+            return None;
+        }
+        let widens = s.declared.as_ref().is_some_and(|d| !open.is_subset(d));
+        if widens && s.reserved > self.room(&s, &open)? {
+            return None;
+        }
+        Some(open)
+    }
+
+    /// The fewest free places among `open` backends: what any fetch may fill.
+    fn room(&self, s: &GateState, open: &BTreeSet<Backend>) -> Option<u64> {
+        let counts = s.in_stream.as_ref()?;
+        open.iter()
+            .map(|b| {
+                let limit = self.limits.get(b).copied().unwrap_or(0);
+                limit.saturating_sub(counts.get(b).copied().unwrap_or(0))
+            })
+            .min()
     }
 
     /// Gitea now has the labels of `backends`.
@@ -155,15 +178,8 @@ impl BacklogGate {
         if open.is_empty() || s.declared.as_ref() != Some(&open) {
             return None;
         }
-        let counts = s.in_stream.as_ref()?;
         // Every fetch in flight may bring a job of any open backend.
-        let room = open
-            .iter()
-            .map(|b| {
-                let limit = self.limits.get(b).copied().unwrap_or(0);
-                limit.saturating_sub(counts.get(b).copied().unwrap_or(0))
-            })
-            .min()?;
+        let room = self.room(&s, &open)?;
         if s.reserved < room {
             s.reserved += 1;
             Some(Slot)
@@ -283,6 +299,33 @@ mod tests {
         gate.refreshed(&both(2, 2), &gate.epoch());
         assert_eq!(gate.wanted(), None, "nothing to declare with both full");
         assert!(gate.try_admit().is_none());
+    }
+
+    /// DESIGN invariants 5b and 22: fetches admitted while a backend was closed are still
+    /// in flight when it drains; Gitea would answer them with the reopened backend's jobs
+    /// once its labels are back, so the labels widen only when those fetches fit its room.
+    #[tokio::test]
+    async fn a_drained_backend_reopens_only_when_the_fetches_in_flight_fit_its_room() {
+        let gate = BacklogGate::new(both(3, 2));
+        gate.declared(set(&[Backend::Pod, Backend::Vm]));
+        gate.refreshed(&both(0, 2), &gate.epoch());
+        assert_eq!(gate.wanted(), Some(set(&[Backend::Pod])));
+        gate.declared(set(&[Backend::Pod]));
+        let in_flight: Vec<Slot> = (0..3)
+            .map(|_| gate.try_admit().expect("pod room"))
+            .collect();
+        gate.refreshed(&both(0, 0), &gate.epoch());
+        assert_eq!(
+            gate.wanted(),
+            None,
+            "three fetches in flight could bring three vm jobs into a room of two"
+        );
+        let mut in_flight = in_flight.into_iter();
+        gate.release(in_flight.next().expect("slot"));
+        assert_eq!(gate.wanted(), Some(set(&[Backend::Pod, Backend::Vm])));
+        for slot in in_flight {
+            gate.release(slot);
+        }
     }
 
     /// DESIGN invariant 5b: a poller held at the limit is let through the moment a
