@@ -1,0 +1,512 @@
+//! Issue 38: the Pod backend, its identity entries and the Lease election against the real
+//! Kubernetes API server. kube-apiserver v1.37 and etcd, built from their Go modules by
+//! `tests/kube-peers/build.sh`, run on loopback as envtest runs them
+//! (`gdr_testkit::real_kube`), with RBAC, the default admission plugins, the shipped RBAC
+//! and the vendored CRDs installed; every product call goes through a token of the
+//! TokenRequest API for the account the manifests give the component. Nothing here is the
+//! test kit's imitation: defaulting, validation, authorisation, conflicts and watches are
+//! the server's own.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use gdr_backends::kubernetes::{KubernetesBackend, KubernetesSettings};
+use gdr_controller::lease::{LeaderElector, Leadership, LeaseError, LeaseSettings};
+use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
+use gdr_core::executor::{Binding, ExecutorBackend};
+use gdr_testkit::backend_contract::{self, task_spec};
+use gdr_testkit::real_kube::{Peers, RealKube, ServiceAccount};
+use gdr_testkit::{eventually, until_sync};
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Pod, Secret};
+use k8s_openapi::api::rbac::v1::Role;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, PostParams};
+use kube::{Api, Client};
+use serde_json::json;
+use tokio::task::JoinHandle;
+
+/// Only a bound on a hang: each step takes well under a second.
+const WAIT: Duration = Duration::from_secs(30);
+/// The namespace of the shipped base: the controller's account, its Role and Lease, and
+/// the executor Pods.
+const NS: &str = "gitea-actions";
+const LEASE: &str = "gitea-dynamic-runner";
+const IMAGE: &str = "registry.example/gitea-dynamic-runner@sha256:0000000000000000000000000000000000000000000000000000000000000000";
+
+/// The control plane with the shipped RBAC and the vendored CRDs installed.
+async fn cluster() -> RealKube {
+    let kube = RealKube::start(&Peers::from_env()).await;
+    kube.install_shipped_rbac().await;
+    kube.install_crds().await;
+    let (apiserver, etcd) = kube.rss_kib();
+    eprintln!(
+        "real control plane: started in {:?}; RSS kube-apiserver {apiserver:?} KiB, etcd {etcd:?} KiB",
+        kube.started_in
+    );
+    kube
+}
+
+fn entry_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("spire.spiffe.io", "v1alpha1", "ClusterStaticEntry"),
+        "clusterstaticentries",
+    )
+}
+
+fn backend(client: Client) -> KubernetesBackend {
+    let mut settings = KubernetesSettings::new(
+        IMAGE,
+        backend_contract::trust_domain(),
+        "test-cluster",
+        "spire-mgmt",
+    );
+    settings.namespace = NS.into();
+    KubernetesBackend::new(client, settings).unwrap()
+}
+
+/// A Node, and the executor Pod `name` bound to it as a scheduler binds it (the `binding`
+/// subresource), both as the admin: the cluster's components, not the controller, do this.
+async fn schedule(kube: &RealKube, name: &str) {
+    let admin = kube.admin().await;
+    let nodes: Api<Node> = Api::all(admin.clone());
+    let node = Node {
+        metadata: ObjectMeta {
+            name: Some("node-a".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    match nodes.create(&PostParams::default(), &node).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(s)) if s.code == 409 => {}
+        Err(e) => panic!("creating the Node: {e}"),
+    }
+    let pods: Api<Pod> = Api::namespaced(admin, NS);
+    let binding = json!({
+        "apiVersion": "v1", "kind": "Binding",
+        "metadata": {"name": name},
+        "target": {"apiVersion": "v1", "kind": "Node", "name": "node-a"},
+    });
+    pods.create_subresource::<_, serde_json::Value>(
+        "binding",
+        name,
+        &PostParams::default(),
+        &binding,
+    )
+    .await
+    .unwrap();
+}
+
+/// Whether the real authorizer lets `account` do `verb` on `resource` in `NS` now (RBAC
+/// changes reach the authorizer through its informers, a moment after the write).
+async fn allowed(kube: &RealKube, account: &ServiceAccount, verb: &str, resource: &str) -> bool {
+    let reviews: Api<SubjectAccessReview> = Api::all(kube.admin().await);
+    let review = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some(account.user()),
+            groups: Some(vec![
+                "system:serviceaccounts".into(),
+                format!("system:serviceaccounts:{}", account.namespace),
+                "system:authenticated".into(),
+            ]),
+            resource_attributes: Some(ResourceAttributes {
+                namespace: Some(NS.into()),
+                verb: Some(verb.into()),
+                resource: Some(resource.into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    reviews
+        .create(&PostParams::default(), &review)
+        .await
+        .unwrap()
+        .status
+        .is_some_and(|s| s.allowed)
+}
+
+/// Issue 38, DESIGN invariant 5 (one executor per assignment, found again by its name) under
+/// the shipped RBAC: the Pod backend, as the controller's ServiceAccount, creates the
+/// executor's Secret and Pod (the real admission plugins and defaulting accept them), binds
+/// its identity with a ClusterStaticEntry the real CRD schema accepts, writes its markers,
+/// finds, lists, sweeps and deletes it, and its watch reports the changes: every call is
+/// allowed by the real RBAC authorizer.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_pod_backend_drives_an_executor_through_the_real_api_server_under_the_shipped_rbac() {
+    let kube = cluster().await;
+    let backend = backend(kube.client_as(&ServiceAccount::controller()).await);
+    let mut changes = backend.changes();
+    let spec = task_spec(7, "[self-hosted, pod]", "https://127.0.0.1:9");
+    let id = spec.assignment.id();
+    let record = backend.create(&spec).await.unwrap();
+
+    // What the server stored is the product's Pod with the server's defaults and admission.
+    let admin = kube.admin().await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let pod = pods.get(&record.name).await.unwrap();
+    let pod_spec = pod.spec.as_ref().unwrap();
+    assert_eq!(
+        pod_spec.service_account_name.as_deref(),
+        Some("gitea-task-executor")
+    );
+    assert_eq!(pod_spec.restart_policy.as_deref(), Some("Never"));
+    let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
+    let secret_owners: Vec<String> = secrets
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .flat_map(|s| s.metadata.owner_references.clone().unwrap_or_default())
+        .map(|o| o.uid)
+        .collect();
+    assert!(
+        secret_owners.contains(pod.metadata.uid.as_ref().unwrap()),
+        "the capability Secret is owned by its Pod"
+    );
+
+    eventually(
+        WAIT,
+        "the backend's watch reports the created Pod",
+        || async { changes.has_changed().unwrap_or(false).then_some(()) },
+    )
+    .await;
+    changes.mark_unchanged();
+
+    // Unscheduled: not ready to bind. Scheduled: bound with an entry the schema accepts.
+    assert!(matches!(
+        backend.bind_identity(&record).await.unwrap(),
+        Binding::NotReady(_)
+    ));
+    schedule(&kube, &record.name).await;
+    assert_eq!(
+        backend.bind_identity(&record).await.unwrap(),
+        Binding::Bound
+    );
+    let entries: Api<DynamicObject> = Api::all_with(admin.clone(), &entry_resource());
+    let entry = entries.get(&record.name).await.unwrap();
+    assert!(
+        entry.data["spec"]["parentID"]
+            .as_str()
+            .unwrap()
+            .starts_with("spiffe://"),
+        "{entry:?}"
+    );
+    // Idempotent: a second bind finds the same entry.
+    assert_eq!(
+        backend.bind_identity(&record).await.unwrap(),
+        Binding::Bound
+    );
+
+    backend.record_claimed(id).await.unwrap();
+    backend.mark_terminal(id).await.unwrap();
+    let found = backend.find(id).await.unwrap().unwrap();
+    assert!(found.claimed && found.terminal, "{found:?}");
+    assert_eq!(backend.list().await.unwrap().len(), 1);
+    backend.sweep().await.unwrap();
+    eventually(WAIT, "the backend's watch reports the markers", || async {
+        changes.has_changed().unwrap_or(false).then_some(())
+    })
+    .await;
+
+    backend.delete(id).await.unwrap();
+    // No kubelet confirms the termination of a bound Pod: the real server keeps it, marked
+    // for deletion, for its grace period and beyond.
+    let deleted = pods.get_opt(&record.name).await.unwrap();
+    assert!(
+        deleted.is_none_or(|p| p.metadata.deletion_timestamp.is_some()),
+        "the Pod is deleted or terminating"
+    );
+    assert!(entries.get_opt(&record.name).await.unwrap().is_none());
+    // Deleting again is a no-op, not an error.
+    backend.delete(id).await.unwrap();
+}
+
+/// Issue 38 (a grant removed): the real authorizer refuses a call the shipped Role no
+/// longer grants with 403, and the backend reports it as the named call that failed. With
+/// `delete` on Pods removed from the controller's Role, deleting an executor fails.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_grant_removed_from_the_shipped_role_makes_the_real_server_refuse_the_call_with_403() {
+    let kube = cluster().await;
+    let controller = ServiceAccount::controller();
+    let backend = backend(kube.client_as(&controller).await);
+    let spec = task_spec(8, "[self-hosted, pod]", "https://127.0.0.1:9");
+    let id = spec.assignment.id();
+    backend.create(&spec).await.unwrap();
+    assert!(allowed(&kube, &controller, "delete", "pods").await);
+
+    let roles: Api<Role> = Api::namespaced(kube.admin().await, NS);
+    let mut role = roles.get("gitea-dynamic-runner").await.unwrap();
+    for rule in role.rules.as_mut().unwrap() {
+        if rule
+            .resources
+            .as_ref()
+            .is_some_and(|r| r.contains(&"pods".to_owned()))
+        {
+            rule.verbs.retain(|v| v != "delete");
+        }
+    }
+    roles
+        .replace("gitea-dynamic-runner", &PostParams::default(), &role)
+        .await
+        .unwrap();
+    let kube_ref = &kube;
+    let controller_ref = &controller;
+    eventually(WAIT, "the authorizer sees the narrowed Role", || async move {
+        (!allowed(kube_ref, controller_ref, "delete", "pods").await).then_some(())
+    })
+    .await;
+
+    let refused = backend.delete(id).await.unwrap_err().to_string();
+    assert!(
+        refused.contains("403") || refused.to_lowercase().contains("forbidden"),
+        "{refused}"
+    );
+    // The Pod stays: nothing was deleted behind the refusal.
+    let pods: Api<Pod> = Api::namespaced(kube.admin().await, NS);
+    assert!(pods.get_opt(id.as_str()).await.unwrap().is_some());
+}
+
+/// Issue 38 (the vendored CRDs against the real schema validation): the ClusterStaticEntry
+/// schema the test kit vendors is a valid structural CRD for the real server, which then
+/// refuses an entry without its required `spiffeID` (422) and prunes a field the schema
+/// does not declare, instead of storing it (the fake refuses it as `fieldValidation=Strict`
+/// would).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_real_server_validates_cluster_static_entries_against_the_vendored_crd() {
+    let kube = cluster().await;
+    let entries: Api<DynamicObject> = Api::all_with(kube.admin().await, &entry_resource());
+    let entry = |spec: serde_json::Value| {
+        DynamicObject::new("entry-a", &entry_resource()).data(json!({ "spec": spec }))
+    };
+    let refused = entries
+        .create(
+            &PostParams::default(),
+            &entry(json!({
+                "parentID": "spiffe://example.org/spire/agent/k8s_psat/c/n",
+                "selectors": ["k8s:pod-uid:1"],
+            })),
+        )
+        .await
+        .unwrap_err();
+    match refused {
+        kube::Error::Api(s) => {
+            assert_eq!(s.code, 422, "{s:?}");
+            assert!(s.message.contains("spiffeID"), "{s:?}");
+        }
+        other => panic!("{other}"),
+    }
+    let stored = entries
+        .create(
+            &PostParams::default(),
+            &entry(json!({
+                "parentID": "spiffe://example.org/spire/agent/k8s_psat/c/n",
+                "selectors": ["k8s:pod-uid:1"],
+                "spiffeID": "spiffe://example.org/ci/a",
+                "notInTheSchema": true,
+            })),
+        )
+        .await
+        .unwrap();
+    assert!(
+        stored.data["spec"].get("notInTheSchema").is_none(),
+        "{stored:?}"
+    );
+}
+
+// ---- leader election ----
+
+struct Candidate {
+    identity: String,
+    leadership: Leadership,
+    stop: ShutdownTrigger,
+    task: JoinHandle<Result<(), LeaseError>>,
+}
+
+/// Short timings: a 2 s lease, stepping down after 1 s without a renewal.
+fn lease_settings(identity: &str) -> LeaseSettings {
+    LeaseSettings {
+        lease_duration: Duration::from_secs(2),
+        renew_deadline: Duration::from_secs(1),
+        retry_period: Duration::from_millis(100),
+        ..LeaseSettings::new(NS, LEASE, identity)
+    }
+}
+
+/// A replica campaigning as the controller's ServiceAccount (its own token).
+async fn campaign(kube: &RealKube, settings: LeaseSettings) -> Candidate {
+    let identity = settings.identity.clone();
+    let (tx, leadership) = Leadership::channel();
+    let (stop, stopped) = shutdown_channel();
+    let client = kube.client_as(&ServiceAccount::controller()).await;
+    let task = tokio::spawn(LeaderElector::new(client, settings).run(tx, stopped));
+    Candidate {
+        identity,
+        leadership,
+        stop,
+        task,
+    }
+}
+
+async fn stored_lease(kube: &RealKube) -> Lease {
+    let leases: Api<Lease> = Api::namespaced(kube.admin().await, NS);
+    leases.get(LEASE).await.unwrap()
+}
+
+fn holder(lease: &Lease) -> Option<String> {
+    lease.spec.as_ref()?.holder_identity.clone()
+}
+
+/// DESIGN invariant 18 against the real server: of two replicas exactly one leads, never
+/// both at once; the Lease names it and it renews; when it stops (a rolling update) it
+/// releases and the other takes over at once; when that one is deposed (another holder
+/// written into its Lease) it steps down with `Lost`.
+#[tokio::test(flavor = "multi_thread")]
+async fn of_two_replicas_exactly_one_leads_the_other_takes_over_and_a_deposed_leader_steps_down() {
+    let kube = cluster().await;
+    let a = campaign(&kube, lease_settings("replica-a")).await;
+    let b = campaign(&kube, lease_settings("replica-b")).await;
+
+    let both = Arc::new(AtomicBool::new(false));
+    let monitor = {
+        let (mut ra, mut rb) = (a.leadership.receiver(), b.leadership.receiver());
+        let both = both.clone();
+        tokio::spawn(async move {
+            loop {
+                if *ra.borrow_and_update() && *rb.borrow_and_update() {
+                    both.store(true, Ordering::SeqCst);
+                }
+                tokio::select! {
+                    r = ra.changed() => if r.is_err() { break },
+                    r = rb.changed() => if r.is_err() { break },
+                }
+            }
+        })
+    };
+    until_sync(WAIT, "one replica leads", || {
+        a.leadership.is_leader() || b.leadership.is_leader()
+    })
+    .await;
+    let (leader, mut standby) = if a.leadership.is_leader() {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    let first = stored_lease(&kube).await;
+    assert_eq!(holder(&first).as_deref(), Some(leader.identity.as_str()));
+    // It renews (the real server's resourceVersion moves), the standby keeps out.
+    let kube_ref = &kube;
+    let first_version = &first.metadata.resource_version;
+    eventually(WAIT, "the leader renews", || async move {
+        let now = stored_lease(kube_ref).await;
+        (&now.metadata.resource_version != first_version).then_some(())
+    })
+    .await;
+    assert!(!standby.leadership.is_leader());
+
+    // A rolling update: the leader stops and releases; the standby leads long before the
+    // 2 s lease could have expired.
+    leader.stop.trigger();
+    leader.task.await.unwrap().unwrap();
+    let released = tokio::time::Instant::now();
+    assert!(standby.leadership.acquired().await);
+    assert!(
+        released.elapsed() < Duration::from_secs(2),
+        "took over after {:?}",
+        released.elapsed()
+    );
+    let taken = stored_lease(&kube).await;
+    assert_eq!(holder(&taken).as_deref(), Some(standby.identity.as_str()));
+    assert_eq!(taken.spec.as_ref().unwrap().lease_transitions, Some(1));
+    assert!(!both.load(Ordering::SeqCst), "both replicas led at once");
+
+    // Deposed: another holder written into the Lease (a stale resourceVersion is a real 409,
+    // so the intruder reads again, as a real writer does).
+    let leases: Api<Lease> = Api::namespaced(kube.admin().await, NS);
+    for attempt in 1.. {
+        let mut lease = leases.get(LEASE).await.unwrap();
+        lease.spec.as_mut().unwrap().holder_identity = Some("intruder".into());
+        match leases.replace(LEASE, &PostParams::default(), &lease).await {
+            Ok(_) => break,
+            Err(kube::Error::Api(s)) if s.code == 409 && attempt < 20 => {}
+            Err(e) => panic!("overwrite: {e}"),
+        }
+    }
+    standby.leadership.lost().await;
+    let result = standby.task.await.unwrap();
+    assert!(matches!(result, Err(LeaseError::Lost)), "{result:?}");
+    assert_eq!(
+        holder(&stored_lease(&kube).await).as_deref(),
+        Some("intruder")
+    );
+    monitor.abort();
+}
+
+/// Issue 38 (the real server's optimistic concurrency, on which a single leader rests): a
+/// Lease write carrying a stale resourceVersion is refused with 409 Conflict and changes
+/// nothing; a second create is 409 AlreadyExists.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stale_lease_write_is_a_409_conflict_on_the_real_server() {
+    let kube = cluster().await;
+    let leases: Api<Lease> =
+        Api::namespaced(kube.client_as(&ServiceAccount::controller()).await, NS);
+    let lease = Lease {
+        metadata: ObjectMeta {
+            name: Some(LEASE.into()),
+            labels: Some(BTreeMap::from([("a".into(), "b".into())])),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let created = leases.create(&PostParams::default(), &lease).await.unwrap();
+    match leases.create(&PostParams::default(), &lease).await {
+        Err(kube::Error::Api(s)) => assert_eq!((s.code, s.reason.as_str()), (409, "AlreadyExists")),
+        other => panic!("{other:?}"),
+    }
+    let mut first = created.clone();
+    first.spec = Some(Default::default());
+    first.spec.as_mut().unwrap().holder_identity = Some("replica-a".into());
+    leases
+        .replace(LEASE, &PostParams::default(), &first)
+        .await
+        .unwrap();
+    let mut stale = created;
+    stale.spec = Some(Default::default());
+    stale.spec.as_mut().unwrap().holder_identity = Some("replica-b".into());
+    match leases.replace(LEASE, &PostParams::default(), &stale).await {
+        Err(kube::Error::Api(s)) => assert_eq!((s.code, s.reason.as_str()), (409, "Conflict")),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        holder(&leases.get(LEASE).await.unwrap()).as_deref(),
+        Some("replica-a")
+    );
+}
+
+/// Peer harness: the control plane dies with its fixture. Dropping it kills kube-apiserver
+/// and etcd (a test that fails half-way leaves no process listening behind it).
+#[tokio::test(flavor = "multi_thread")]
+async fn dropping_the_fixture_ends_kube_apiserver_and_etcd() {
+    let kube = RealKube::start(&Peers::from_env()).await;
+    let (apiserver, etcd) = kube.pids();
+    let pids = [apiserver.unwrap(), etcd.unwrap()];
+    let alive = |pid: &u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            // A zombie (state Z) has ended; only its exit status is left to collect.
+            .is_ok_and(|stat| !stat.rsplit(") ").next().unwrap_or("").starts_with('Z'))
+    };
+    assert!(pids.iter().all(alive));
+    drop(kube);
+    // SIGKILL on drop: gone within moments, not when some later failure ends them.
+    until_sync(Duration::from_secs(3), "both processes ended", || {
+        !pids.iter().any(alive)
+    })
+    .await;
+}
