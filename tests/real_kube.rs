@@ -510,3 +510,123 @@ async fn dropping_the_fixture_ends_kube_apiserver_and_etcd() {
     })
     .await;
 }
+
+// ---- the fake against the real server ----
+
+/// What one failing call answered: the Status' code, reason and message.
+type Answer = (u16, String, String);
+
+fn answer<T: std::fmt::Debug>(result: Result<T, kube::Error>) -> Answer {
+    match result {
+        Err(kube::Error::Api(s)) => (s.code, s.reason, s.message),
+        other => (0, "no error Status".into(), format!("{other:?}")),
+    }
+}
+
+/// The same failing calls, against any server: the admin's and the controller's clients.
+async fn failing_calls(admin: Client, controller: Client) -> Vec<(&'static str, Answer)> {
+    let pp = PostParams::default();
+    let leases: Api<Lease> = Api::namespaced(admin.clone(), NS);
+    let lease = |holder: &str| Lease {
+        metadata: ObjectMeta {
+            name: Some("fidelity".into()),
+            ..Default::default()
+        },
+        spec: Some(k8s_openapi::api::coordination::v1::LeaseSpec {
+            holder_identity: Some(holder.into()),
+            lease_duration_seconds: Some(10),
+            ..Default::default()
+        }),
+    };
+    let created = leases.create(&pp, &lease("a")).await.unwrap();
+    let mut newer = created.clone();
+    newer.spec.as_mut().unwrap().holder_identity = Some("b".into());
+    leases.replace("fidelity", &pp, &newer).await.unwrap();
+    let mut stale = created;
+    stale.spec.as_mut().unwrap().holder_identity = Some("c".into());
+    let mut zero = lease("d");
+    zero.metadata.name = Some("zero".into());
+    zero.spec.as_mut().unwrap().lease_duration_seconds = Some(0);
+    let mut bad_name = lease("e");
+    bad_name.metadata.name = Some("Not_A_Name".into());
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let entries: Api<DynamicObject> = Api::all_with(admin.clone(), &entry_resource());
+    let incomplete = DynamicObject::new("incomplete", &entry_resource()).data(json!({
+        // Only the schema's error: the fake also refuses at once what SPIRE would refuse
+        // later (an empty selector list, no className), which the real server stores.
+        "spec": {
+            "parentID": "spiffe://example.org/spire/agent/x",
+            "selectors": ["k8s:pod-uid:6f1c1a9e-2b8e-4f43-9c7a-0c5b1c6d7e8f"],
+            "className": "spire-mgmt",
+        }
+    }));
+    let nodes: Api<Node> = Api::all(controller.clone());
+    let secrets: Api<Secret> = Api::namespaced(controller.clone(), NS);
+    vec![
+        ("get a missing Pod", answer(pods.get("missing").await)),
+        (
+            "delete a missing Pod",
+            answer(pods.delete("missing", &Default::default()).await),
+        ),
+        (
+            "create an existing Lease",
+            answer(leases.create(&pp, &lease("a")).await),
+        ),
+        (
+            "replace a Lease with a stale resourceVersion",
+            answer(leases.replace("fidelity", &pp, &stale).await),
+        ),
+        (
+            "create a Lease of duration 0",
+            answer(leases.create(&pp, &zero).await),
+        ),
+        (
+            "create a Lease with an invalid name",
+            answer(leases.create(&pp, &bad_name).await),
+        ),
+        (
+            "create an entry without spiffeID",
+            answer(entries.create(&pp, &incomplete).await),
+        ),
+        (
+            "list Nodes as the controller",
+            answer(nodes.list(&Default::default()).await),
+        ),
+        (
+            "get a Secret as the controller",
+            answer(secrets.get("any").await),
+        ),
+    ]
+}
+
+/// Peer fidelity (issue 38, differences): the fake API server answers the failing calls
+/// the product meets (404, 409 AlreadyExists and Conflict, 422 of a built-in kind and of
+/// the CRD, 403 of a namespaced and a cluster-scoped resource) with the real server's
+/// code, reason and message.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_fake_answers_failing_calls_with_the_real_servers_status() {
+    let kube = cluster().await;
+    let real = failing_calls(
+        kube.admin().await,
+        kube.client_as(&ServiceAccount::controller()).await,
+    )
+    .await;
+    let fake = gdr_testkit::fake_kube::start().await.unwrap();
+    fake.handle.enforce_shipped_rbac(&[]);
+    let imitated = failing_calls(
+        fake.client().unwrap(),
+        fake.client_as(&ServiceAccount::controller()).unwrap(),
+    )
+    .await;
+    let differences: Vec<String> = real
+        .iter()
+        .zip(&imitated)
+        .filter(|((_, r), (_, f))| r != f)
+        .map(|((case, r), (_, f))| format!("{case}:\n  real: {r:?}\n  fake: {f:?}"))
+        .collect();
+    assert!(
+        differences.is_empty(),
+        "the fake answered differently:\n{}",
+        differences.join("\n")
+    );
+}
