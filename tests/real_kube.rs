@@ -12,12 +12,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use futures::StreamExt as _;
 use gdr_backends::kubernetes::{KubernetesBackend, KubernetesSettings};
 use gdr_controller::lease::{LeaderElector, Leadership, LeaseError, LeaseSettings};
 use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
 use gdr_core::executor::{Binding, ExecutorBackend};
 use gdr_testkit::backend_contract::{self, task_spec};
-use gdr_testkit::real_kube::{Peers, RealKube, ServiceAccount};
+use gdr_testkit::real_kube::{Options, Peers, RealKube, ServiceAccount};
 use gdr_testkit::{eventually, until_sync};
 use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
@@ -25,7 +26,9 @@ use k8s_openapi::api::authorization::v1::{
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::api::rbac::v1::Role;
-use kube::api::{ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, PostParams};
+use kube::api::{
+    ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, PostParams, WatchEvent, WatchParams,
+};
 use kube::{Api, Client};
 use serde_json::json;
 use tokio::task::JoinHandle;
@@ -629,4 +632,85 @@ async fn the_fake_answers_failing_calls_with_the_real_servers_status() {
         "the fake answered differently:\n{}",
         differences.join("\n")
     );
+}
+
+/// Issue 38 (the watcher against a real 410): after etcd's history is compacted past the
+/// revision the backend's Pod watch last saw and the API server restarts, resuming the
+/// watch is refused with `410 Expired` (etcd's own answer: the watch cache is off), and the
+/// backend's watcher re-lists (its change signal fires with no Pod changed) and goes on
+/// reporting changes.
+#[tokio::test(flavor = "multi_thread")]
+async fn after_a_compaction_the_pod_watch_gets_a_real_410_and_re_lists() {
+    let mut kube = RealKube::start_with(&Peers::from_env(), Options { watch_cache: false }).await;
+    kube.install_shipped_rbac().await;
+    kube.install_crds().await;
+    let client = kube.client_as(&ServiceAccount::controller()).await;
+    let spec = task_spec(9, "[self-hosted, pod]", "https://127.0.0.1:9");
+    let record = backend(client.clone()).create(&spec).await.unwrap();
+    // A backend started after the Pod exists: its watcher's first list holds the Pod, so
+    // its one change until the compaction is that list's end.
+    let backend = backend(client);
+    let mut changes = backend.changes();
+    let admin = kube.admin().await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let seen = pods
+        .get(&record.name)
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    eventually(WAIT, "the watcher has listed the Pod", || async {
+        changes.has_changed().unwrap_or(false).then_some(())
+    })
+    .await;
+    changes.mark_unchanged();
+    // Move etcd past the watcher's revision with writes its Pod watch does not see (Leases),
+    // and compact.
+
+    let leases: Api<Lease> = Api::namespaced(admin.clone(), NS);
+    for n in 0..3 {
+        let lease = Lease {
+            metadata: ObjectMeta {
+                name: Some(format!("unrelated-{n}")),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        leases.create(&PostParams::default(), &lease).await.unwrap();
+    }
+    let compacted = kube.compact_etcd().await;
+    assert!(compacted > seen.parse::<i64>().unwrap());
+
+    // The real answer to a watch from the compacted revision.
+    let mut watch = pods
+        .watch(&WatchParams::default(), &seen)
+        .await
+        .map(|s| s.boxed());
+    let expired = match &mut watch {
+        Ok(events) => match events.next().await {
+            Some(Ok(WatchEvent::Error(status))) => (status.code, status.reason.clone()),
+            other => panic!("a watch from a compacted revision: {other:?}"),
+        },
+        Err(kube::Error::Api(status)) => (status.code, status.reason.clone()),
+        Err(e) => panic!("{e}"),
+    };
+    assert_eq!(expired, (410, "Expired".to_owned()));
+    drop(watch);
+    assert!(!changes.has_changed().unwrap());
+
+    // The API server restarts: the backend's watch breaks, resumes from the compacted
+    // revision, gets the 410 and re-lists.
+    kube.restart_apiserver().await;
+    eventually(WAIT, "the watcher re-lists after the 410", || async {
+        changes.has_changed().unwrap_or(false).then_some(())
+    })
+    .await;
+    changes.mark_unchanged();
+    // And goes on watching: deleting the (unscheduled) Pod is reported.
+    backend.delete(spec.assignment.id()).await.unwrap();
+    eventually(WAIT, "the watch reports the deleted Pod", || async {
+        changes.has_changed().unwrap_or(false).then_some(())
+    })
+    .await;
 }

@@ -74,6 +74,20 @@ impl Peers {
     }
 }
 
+/// How a test wants the control plane to differ from a cluster's defaults.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The API server's watch cache (`--watch-cache`, on by default). Off, every watch goes
+    /// to etcd, so a watch from a compacted revision is etcd's own `410 Expired`.
+    pub watch_cache: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { watch_cache: true }
+    }
+}
+
 /// A running etcd and kube-apiserver with their certificates and data under a temporary
 /// directory; both killed when dropped.
 pub struct RealKube {
@@ -87,6 +101,9 @@ pub struct RealKube {
     ca_pem: String,
     admin_cert_pem: String,
     admin_key_pem: String,
+    peers: Peers,
+    options: Options,
+    port: u16,
     // Fields drop in declaration order: the API server is killed first, then etcd, and only
     // then is their directory removed.
     apiserver: Child,
@@ -197,6 +214,11 @@ impl RealKube {
     /// taken meanwhile) and waits until the API server is ready and has its `default`
     /// namespace, as envtest does.
     pub async fn start(peers: &Peers) -> RealKube {
+        Self::start_with(peers, Options::default()).await
+    }
+
+    /// [`Self::start`] with `options`.
+    pub async fn start_with(peers: &Peers, options: Options) -> RealKube {
         let started = Instant::now();
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("no temporary directory: {e}"));
         let pki = Pki::new().unwrap_or_else(|e| panic!("the fixture's certificates: {e}"));
@@ -217,7 +239,10 @@ impl RealKube {
                 ca_pem: pki.ca_pem.clone(),
                 admin_cert_pem: pki.admin_cert_pem.clone(),
                 admin_key_pem: pki.admin_key_pem.clone(),
-                apiserver: start_apiserver(peers, dir.path(), &etcd_url, port),
+                apiserver: start_apiserver(peers, dir.path(), &etcd_url, port, &options),
+                peers: peers.clone(),
+                options: options.clone(),
+                port,
                 etcd,
                 dir,
             };
@@ -235,7 +260,7 @@ impl RealKube {
             // Another port, with a fresh etcd (its data directory is the fixture's).
             let RealKube { dir: kept, .. } = kube;
             let _ = std::fs::remove_dir_all(kept.path().join("etcd"));
-            return Box::pin(Self::start_again(peers, kept, pki, started)).await;
+            return Box::pin(Self::start_again(peers, options, kept, pki, started)).await;
         }
         panic!(
             "etcd found no free ports in five attempts:\n{}",
@@ -246,6 +271,7 @@ impl RealKube {
     /// [`Self::start`] in the directory of an attempt whose port was taken meanwhile.
     async fn start_again(
         peers: &Peers,
+        options: Options,
         dir: tempfile::TempDir,
         pki: Pki,
         started: Instant,
@@ -261,7 +287,10 @@ impl RealKube {
             ca_pem: pki.ca_pem,
             admin_cert_pem: pki.admin_cert_pem,
             admin_key_pem: pki.admin_key_pem,
-            apiserver: start_apiserver(peers, dir.path(), &etcd_url, port),
+            apiserver: start_apiserver(peers, dir.path(), &etcd_url, port, &options),
+            peers: peers.clone(),
+            options,
+            port,
             etcd,
             dir,
         };
@@ -457,6 +486,59 @@ impl RealKube {
         }
     }
 
+    /// Kills the API server and starts it again on the same port with the same etcd, as an
+    /// API server restarts in a cluster: open watches break and clients reconnect.
+    pub async fn restart_apiserver(&mut self) {
+        let _ = self.apiserver.kill().await;
+        self.apiserver = start_apiserver(
+            &self.peers,
+            self.dir.path(),
+            &self.etcd_url,
+            self.port,
+            &self.options,
+        );
+        assert!(
+            self.ready().await,
+            "kube-apiserver did not come back on port {}:\n{}",
+            self.port,
+            self.apiserver_log()
+        );
+    }
+
+    /// Compacts etcd's history up to its current revision (what `etcdctl compact` does,
+    /// through etcd's JSON gateway); returns that revision. A watch from an older
+    /// resourceVersion is then refused with `410 Expired`.
+    pub async fn compact_etcd(&self) -> i64 {
+        // A range over one key answers with the store's current revision in its header.
+        let range = self
+            .etcd_post("/v3/kv/range", json!({ "key": "AA==" }))
+            .await;
+        let revision: i64 = range["header"]["revision"]
+            .as_str()
+            .and_then(|r| r.parse().ok())
+            .unwrap_or_else(|| panic!("etcd's range answer has no revision: {range}"));
+        self.etcd_post(
+            "/v3/kv/compaction",
+            json!({ "revision": revision.to_string(), "physical": true }),
+        )
+        .await;
+        revision
+    }
+
+    /// A call of etcd's JSON gateway (`/v3/...`, the gRPC API as JSON).
+    async fn etcd_post(&self, path: &str, body: Value) -> Value {
+        let answer = reqwest::Client::new()
+            .post(format!("{}{path}", self.etcd_url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("etcd {path}: {e}"));
+        let status = answer.status();
+        let text = answer.text().await.unwrap_or_default();
+        assert!(status.is_success(), "etcd {path}: {status}: {text}");
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("etcd {path}: {e}: {text}"))
+    }
+
     /// Installs the RBAC of the shipped manifests (`kubectl kustomize` of
     /// `deploy/kubernetes/base` and `deploy/kubernetes/sandbox-identity`): their Namespaces,
     /// ServiceAccounts, Roles, ClusterRoles and bindings, and the namespaces they name.
@@ -575,7 +657,13 @@ async fn start_etcd(peers: &Peers, dir: &Path) -> (Child, Option<String>) {
 
 /// Starts kube-apiserver on `port` against etcd at `etcd_url`, with envtest's flags but the
 /// default admission plugins.
-fn start_apiserver(peers: &Peers, dir: &Path, etcd_url: &str, port: u16) -> Child {
+fn start_apiserver(
+    peers: &Peers,
+    dir: &Path,
+    etcd_url: &str,
+    port: u16,
+    options: &Options,
+) -> Child {
     let path = |name: &str| dir.join(name).display().to_string();
     let log = dir.join("kube-apiserver.log");
     Command::new(&peers.apiserver)
@@ -596,6 +684,7 @@ fn start_apiserver(peers: &Peers, dir: &Path, etcd_url: &str, port: u16) -> Chil
         .arg("--service-cluster-ip-range=10.0.0.0/24")
         // Executor Pods are privileged (their namespace allows it, as the shipped one does).
         .arg("--allow-privileged=true")
+        .arg(format!("--watch-cache={}", options.watch_cache))
         .stdin(Stdio::null())
         .stdout(append(&log))
         .stderr(append(&log))
