@@ -135,8 +135,8 @@ async fn allowed(kube: &RealKube, account: &ServiceAccount, verb: &str, resource
         .is_some_and(|s| s.allowed)
 }
 
-/// Issue 38, DESIGN invariant 5 (one executor per assignment, found again by its name) under
-/// the shipped RBAC: the Pod backend, as the controller's ServiceAccount, creates the
+/// DESIGN invariants 8, 11 (the worker finds, creates and binds the executor Pod by its
+/// assignment ID, directly), against the real API server under the shipped RBAC: the Pod backend, as the controller's ServiceAccount, creates the
 /// executor's Secret and Pod (the real admission plugins and defaulting accept them), binds
 /// its identity with a ClusterStaticEntry the real CRD schema accepts, writes its markers,
 /// finds, lists, sweeps and deletes it, and its watch reports the changes: every call is
@@ -232,9 +232,10 @@ async fn the_pod_backend_drives_an_executor_through_the_real_api_server_under_th
     backend.delete(id).await.unwrap();
 }
 
-/// Issue 38 (a grant removed): the real authorizer refuses a call the shipped Role no
-/// longer grants with 403, and the backend reports it as the named call that failed. With
-/// `delete` on Pods removed from the controller's Role, deleting an executor fails.
+/// No DESIGN invariant (deployment, least privilege; issue 38): the real authorizer refuses
+/// a call the shipped Role no longer grants with 403, and the backend reports it as the
+/// named call that failed. With `delete` on Pods removed from the controller's Role,
+/// deleting an executor fails.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_grant_removed_from_the_shipped_role_makes_the_real_server_refuse_the_call_with_403() {
     let kube = cluster().await;
@@ -277,8 +278,9 @@ async fn a_grant_removed_from_the_shipped_role_makes_the_real_server_refuse_the_
     assert!(pods.get_opt(id.as_str()).await.unwrap().is_some());
 }
 
-/// Issue 38 (the vendored CRDs against the real schema validation): the ClusterStaticEntry
-/// schema the test kit vendors is a valid structural CRD for the real server, which then
+/// Peer fidelity (the vendored CRD against the real schema validation): the
+/// ClusterStaticEntry schema the test kit vendors is a valid structural CRD for the real
+/// server, which then
 /// refuses an entry without its required `spiffeID` (422) and prunes a field the schema
 /// does not declare, instead of storing it (the fake refuses it as `fieldValidation=Strict`
 /// would).
@@ -367,7 +369,7 @@ fn holder(lease: &Lease) -> Option<String> {
     lease.spec.as_ref()?.holder_identity.clone()
 }
 
-/// DESIGN invariant 18 against the real server: of two replicas exactly one leads, never
+/// DESIGN invariant 18, against the real server: of two replicas exactly one leads, never
 /// both at once; the Lease names it and it renews; when it stops (a rolling update) it
 /// releases and the other takes over at once; when that one is deposed (another holder
 /// written into its Lease) it steps down with `Lost`.
@@ -452,7 +454,8 @@ async fn of_two_replicas_exactly_one_leads_the_other_takes_over_and_a_deposed_le
     monitor.abort();
 }
 
-/// Issue 38 (the real server's optimistic concurrency, on which a single leader rests): a
+/// DESIGN invariant 18 (the real server's optimistic concurrency, on which a single leader
+/// rests): a
 /// Lease write carrying a stale resourceVersion is refused with 409 Conflict and changes
 /// nothing; a second create is 409 AlreadyExists.
 #[tokio::test(flavor = "multi_thread")]
@@ -634,7 +637,8 @@ async fn the_fake_answers_failing_calls_with_the_real_servers_status() {
     );
 }
 
-/// Issue 38 (the watcher against a real 410): after etcd's history is compacted past the
+/// No DESIGN invariant (the Pod watch wakes the worker and the clean-up; issue 38): after
+/// etcd's history is compacted past the
 /// revision the backend's Pod watch last saw and the API server restarts, resuming the
 /// watch is refused with `410 Expired` (etcd's own answer: the watch cache is off), and the
 /// backend's watcher re-lists (its change signal fires with no Pod changed) and goes on
@@ -713,4 +717,145 @@ async fn after_a_compaction_the_pod_watch_gets_a_real_410_and_re_lists() {
         changes.has_changed().unwrap_or(false).then_some(())
     })
     .await;
+}
+
+/// The executor Pod as the server stored it, and what three calls the fake answers
+/// differently from the real server answered.
+async fn known_differences(
+    admin: Client,
+    controller: Client,
+) -> (serde_json::Value, Vec<(&'static str, Answer)>) {
+    let backend = backend(controller);
+    let spec = task_spec(10, "[self-hosted, pod]", "https://127.0.0.1:9");
+    let record = backend.create(&spec).await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let stored = pods.get(&record.name).await.unwrap();
+
+    let pp = PostParams::default();
+    let mut missing_account = Pod {
+        metadata: ObjectMeta {
+            name: Some("missing-account".into()),
+            ..Default::default()
+        },
+        spec: stored.spec.clone(),
+        ..Default::default()
+    };
+    missing_account.spec.as_mut().unwrap().service_account_name = Some("no-such-account".into());
+    let elsewhere: Api<Lease> = Api::namespaced(admin.clone(), "no-such-namespace");
+    let lease = Lease {
+        metadata: ObjectMeta {
+            name: Some("elsewhere".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let leases: Api<DynamicObject> =
+        Api::namespaced_with(admin.clone(), NS, &ApiResource::erase::<Lease>(&()));
+    let unknown = DynamicObject::new("unknown-field", &ApiResource::erase::<Lease>(&()))
+        .data(json!({ "spec": { "holderIdentity": "a", "notInTheSchema": 1 } }));
+    let answers = vec![
+        (
+            "create a Pod whose ServiceAccount does not exist",
+            answer(pods.create(&pp, &missing_account).await.map(|_| ())),
+        ),
+        (
+            "create a Lease in a namespace that does not exist",
+            answer(elsewhere.create(&pp, &lease).await.map(|_| ())),
+        ),
+        (
+            "create a Lease with a field its schema does not declare",
+            answer(
+                leases
+                    .create(&pp, &unknown)
+                    .await
+                    .map(|o| o.data["spec"].clone()),
+            ),
+        ),
+    ];
+    (serde_json::to_value(stored).unwrap(), answers)
+}
+
+/// The keys of `real`'s Pod spec and first container that `fake`'s lacks: what the real
+/// server defaulted or its admission added.
+fn defaulted(real: &serde_json::Value, fake: &serde_json::Value) -> Vec<String> {
+    let mut added = Vec::new();
+    for (path, real, fake) in [
+        ("spec", &real["spec"], &fake["spec"]),
+        (
+            "spec.containers[0]",
+            &real["spec"]["containers"][0],
+            &fake["spec"]["containers"][0],
+        ),
+    ] {
+        for key in real.as_object().unwrap().keys() {
+            if fake.get(key).is_none() {
+                added.push(format!("{path}.{key}"));
+            }
+        }
+    }
+    added
+}
+
+/// Peer fidelity (issue 38, the differences left): what the fake still does differently
+/// from the real server, exactly as docs/pod-backend.md lists it, so that the list cannot
+/// go stale: the real server defaults fields of the executor Pod the fake stores as sent,
+/// refuses a Pod naming a missing ServiceAccount (admission) and an object in a missing
+/// namespace, and drops an undeclared field where the fake refuses it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_fakes_remaining_differences_from_the_real_server_are_the_documented_ones() {
+    let kube = cluster().await;
+    let (real_pod, real) = known_differences(
+        kube.admin().await,
+        kube.client_as(&ServiceAccount::controller()).await,
+    )
+    .await;
+    let fake = gdr_testkit::fake_kube::start().await.unwrap();
+    fake.handle.enforce_shipped_rbac(&[]);
+    let (fake_pod, imitated) = known_differences(
+        fake.client().unwrap(),
+        fake.client_as(&ServiceAccount::controller()).unwrap(),
+    )
+    .await;
+    // Defaults and admission (DefaultTolerationSeconds adds the not-ready and unreachable
+    // tolerations); none of these is read by the product.
+    assert_eq!(
+        defaulted(&real_pod, &fake_pod),
+        [
+            "spec.dnsPolicy",
+            "spec.preemptionPolicy",
+            "spec.priority",
+            "spec.schedulerName",
+            "spec.securityContext",
+            "spec.serviceAccount",
+            "spec.terminationGracePeriodSeconds",
+            "spec.tolerations",
+            "spec.containers[0].imagePullPolicy",
+            "spec.containers[0].resources",
+            "spec.containers[0].terminationMessagePath",
+        ]
+    );
+    assert!(defaulted(&fake_pod, &real_pod).is_empty());
+    let codes = |answers: &[(&str, Answer)]| -> Vec<(u16, String)> {
+        answers
+            .iter()
+            .map(|(_, (c, r, _))| (*c, r.clone()))
+            .collect()
+    };
+    let accepted = (0, "no error Status".to_owned());
+    assert_eq!(
+        codes(&real),
+        [
+            (403, "Forbidden".to_owned()),
+            (404, "NotFound".to_owned()),
+            accepted.clone(),
+        ],
+        "{real:#?}"
+    );
+    // The undeclared field is dropped, not stored.
+    assert!(!real[2].1.2.contains("notInTheSchema"), "{real:#?}");
+    assert_eq!(
+        codes(&imitated),
+        [accepted.clone(), accepted, (400, "BadRequest".to_owned())],
+        "{imitated:#?}"
+    );
 }
