@@ -859,3 +859,62 @@ async fn the_fakes_remaining_differences_from_the_real_server_are_the_documented
         "{imitated:#?}"
     );
 }
+
+/// No DESIGN invariant (what the docs claim): the control plane the tests ran against is
+/// the one `tests/kube-peers/go.mod` pins (the binaries' `--version` and the running
+/// server's `/version`), and the README and the docs name those versions.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_real_control_plane_is_the_pinned_version() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let pinned = std::fs::read_to_string(root.join("tests/kube-peers/go.mod")).unwrap();
+    let version_of = |module: &str| -> String {
+        pinned
+            .lines()
+            .map(|l| l.trim().trim_start_matches("require ").trim())
+            .find_map(|l| l.strip_prefix(&format!("{module} ")))
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("{module} is not pinned in tests/kube-peers/go.mod"))
+            .trim_start_matches('v')
+            .to_owned()
+    };
+    let kubernetes = version_of("k8s.io/kubernetes");
+    let etcd = version_of("go.etcd.io/etcd/server/v3");
+    let peers = Peers::from_env();
+    for (binary, expected) in [
+        (&peers.apiserver, format!("Kubernetes v{kubernetes}")),
+        (&peers.etcd, format!("etcd Version: {etcd}")),
+    ] {
+        let out = std::process::Command::new(binary)
+            .arg("--version")
+            .output()
+            .unwrap();
+        let printed = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            printed.lines().any(|l| l.trim() == expected),
+            "{} --version says {printed:?}, go.mod pins {expected}",
+            binary.display()
+        );
+    }
+    let kube = RealKube::start(&peers).await;
+    let served = kube.admin().await.apiserver_version().await.unwrap();
+    assert_eq!(served.git_version, format!("v{kubernetes}"));
+    for (doc, versions) in [
+        ("README.md", [&kubernetes, &etcd]),
+        ("docs/testing.md", [&kubernetes, &etcd]),
+        ("docs/pod-backend.md", [&kubernetes, &etcd]),
+    ] {
+        let text = std::fs::read_to_string(root.join(doc)).unwrap();
+        for version in versions {
+            // The whole version, not a prefix of another one (3.7.0 in 3.7.01).
+            let named = text.match_indices(version.as_str()).any(|(at, _)| {
+                let after = text[at + version.len()..].chars().next();
+                !after.is_some_and(|c| c.is_ascii_digit() || c == '.')
+                    && text[..at].ends_with([' ', 'v', '`'])
+            });
+            assert!(
+                named,
+                "{doc} does not name {version}, which tests/kube-peers/go.mod pins"
+            );
+        }
+    }
+}
