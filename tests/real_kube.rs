@@ -17,6 +17,9 @@ use gdr_backends::kubernetes::{KubernetesBackend, KubernetesSettings};
 use gdr_controller::lease::{LeaderElector, Leadership, LeaseError, LeaseSettings};
 use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
 use gdr_core::executor::{Binding, ExecutorBackend};
+use gdr_sandbox_identity::{
+    Metrics, Reconciler, Settings, batchsandbox_resource, entry_resource as sandbox_entry_resource,
+};
 use gdr_testkit::backend_contract::{self, task_spec};
 use gdr_testkit::real_kube::{Options, Peers, RealKube, ServiceAccount};
 use gdr_testkit::{eventually, until_sync};
@@ -27,7 +30,8 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use k8s_openapi::api::rbac::v1::Role;
 use kube::api::{
-    ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, PostParams, WatchEvent, WatchParams,
+    ApiResource, DynamicObject, GroupVersionKind, ObjectMeta, Patch, PatchParams, PostParams,
+    WatchEvent, WatchParams,
 };
 use kube::{Api, Client};
 use serde_json::json;
@@ -917,4 +921,225 @@ async fn the_real_control_plane_is_the_pinned_version() {
             );
         }
     }
+}
+
+/// DESIGN invariant 13 (a sandbox's Pod gets the job's SPIFFE ID, bound to that Pod), for
+/// `sandbox-identity` against the real API server as its own ServiceAccount under its
+/// shipped RBAC: a runner BatchSandbox (accepted by the vendored CRD's schema) allocated a
+/// Pod, and the reconciler creates the Pod's ClusterStaticEntry, repairs it when changed
+/// and deletes it when the Pod is released; its watches run against the real server.
+#[tokio::test(flavor = "multi_thread")]
+async fn sandbox_identity_binds_a_sandbox_pod_through_the_real_api_server_under_its_shipped_rbac() {
+    const SANDBOX_NS: &str = "opensandbox";
+    let kube = cluster().await;
+    let admin = kube.admin().await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), SANDBOX_NS);
+    let pod: Pod = serde_json::from_value(json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "ci-vm-1"},
+        "spec": {"containers": [{"name": "sandbox", "image": "runner"}]},
+    }))
+    .unwrap();
+    let pod = pods.create(&PostParams::default(), &pod).await.unwrap();
+    let sandboxes: Api<DynamicObject> =
+        Api::namespaced_with(admin.clone(), SANDBOX_NS, &batchsandbox_resource());
+    let mut sandbox = DynamicObject::new("sb-a", &batchsandbox_resource()).data(json!({
+        "spec": {
+            "replicas": 1,
+            "poolRef": "ci-vm",
+            "taskTemplate": {"spec": {"process": {"command": ["/bin/sh"], "env": [
+                {"name": "CI_SPIFFE_ID", "value": "spiffe://example.org/ci/octo-org/hello-world/build"}
+            ]}}},
+        }
+    }));
+    sandbox.metadata.labels = Some(BTreeMap::from([(
+        "ci.ddupan.top/runner".into(),
+        "true".into(),
+    )]));
+    sandbox.metadata.annotations = Some(BTreeMap::from([(
+        "sandbox.opensandbox.io/alloc-status".into(),
+        json!({"pods": ["ci-vm-1"], "poolRef": "ci-vm"}).to_string(),
+    )]));
+    sandboxes
+        .create(&PostParams::default(), &sandbox)
+        .await
+        .unwrap();
+
+    let identity = kube.client_as(&ServiceAccount::sandbox_identity()).await;
+    let reconciler = Arc::new(Reconciler::new(
+        identity,
+        Settings::new(backend_contract::trust_domain()),
+        Metrics::default(),
+    ));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let run = tokio::spawn(reconciler.run(stopped));
+    let entries: Api<DynamicObject> = Api::all_with(admin.clone(), &sandbox_entry_resource());
+    let entry = eventually(WAIT, "the sandbox's Pod has its entry", || async {
+        entries.list(&Default::default()).await.unwrap().items.pop()
+    })
+    .await;
+    let name = entry.metadata.name.clone().unwrap();
+    assert!(
+        entry.data["spec"]["parentID"]
+            .as_str()
+            .unwrap()
+            .ends_with(pod.metadata.uid.as_deref().unwrap()),
+        "{entry:?}"
+    );
+    entries
+        .patch(
+            &name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"selectors": ["unix:uid:0"]}})),
+        )
+        .await
+        .unwrap();
+    eventually(WAIT, "the changed entry is repaired", || async {
+        let e = entries.get(&name).await.unwrap();
+        (e.data["spec"]["selectors"] == json!(["unix:uid:2000"])).then_some(())
+    })
+    .await;
+    sandboxes
+        .patch(
+            "sb-a",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {
+                "sandbox.opensandbox.io/alloc-release": json!({"pods": ["ci-vm-1"]}).to_string()
+            }}})),
+        )
+        .await
+        .unwrap();
+    eventually(WAIT, "the released Pod's entry is deleted", || async {
+        entries
+            .get_opt(&name)
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    stop.send_replace(true);
+    run.await.unwrap();
+}
+
+/// DESIGN invariants 11, 16 (Pods are created directly; the executor runs the runner), the
+/// chain against the real API server: mock Gitea → the controller process (the Pod backend,
+/// as the controller's ServiceAccount, found through a kubeconfig) → kube-apiserver → the
+/// node stand-in (the test kit's kubelet, as the cluster's admin: it binds the Pod, runs its
+/// container as a local process, writes its status and deletes it once its containers
+/// ended) → the real executor, its SVID from the fake SPIRE agent once the entry is bound →
+/// the stand-in runner → the facade → mock Gitea. The job succeeds, and the Pod, its
+/// Secret and its entry are gone afterwards.
+#[cfg(all(feature = "testkit", feature = "kubernetes"))]
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_job_runs_through_the_real_api_server_on_the_node_stand_in_and_succeeds() {
+    use gdr_testkit::controller::{ControllerFixture, FACADE_SPIFFE_ID, Value, listener};
+    use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
+    use gdr_testkit::fake_spire::FakeSpireAgent;
+    use gdr_testkit::mock_gitea::{MockConfig, MockGitea, Status};
+    use gdr_testkit::nats_server::NatsServer;
+    use gdr_testkit::spiffe::{FakeWorkloadApi, TestCa};
+
+    const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
+    const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
+    const CHAIN_WAIT: Duration = Duration::from_secs(90);
+    let kube = cluster().await;
+    let admin = kube.admin().await;
+    let nats = NatsServer::start().await.unwrap();
+    let mock = MockGitea::start(MockConfig::default()).await.unwrap();
+    let dir = tempfile::Builder::new().prefix("rk").tempdir().unwrap();
+    let ca = TestCa::new("example.org").unwrap();
+    let node_labels = BTreeMap::from([("kubernetes.io/hostname".to_owned(), "node-a".to_owned())]);
+    let node_uid = FakeKubelet::register_node(admin.clone(), "node-a", &node_labels)
+        .await
+        .unwrap();
+    let spire = Arc::new(FakeSpireAgent::start(
+        admin.clone(),
+        ca.clone(),
+        &format!("spiffe://example.org/spire/agent/k8s_psat/test-cluster/{node_uid}"),
+        "spire-mgmt",
+        &dir.path().join("s"),
+    ));
+    let _kubelet = FakeKubelet::start(
+        admin.clone(),
+        KubeletConfig {
+            node_name: "node-a".into(),
+            node_labels,
+            images: BTreeMap::from([(IMAGE.to_owned(), std::path::PathBuf::from(BIN))]),
+            root: dir.path().join("p"),
+            spire: Some(spire.clone()),
+        },
+    )
+    .await
+    .unwrap();
+    let controller_identity = FakeWorkloadApi::start(dir.path(), ca, FACADE_SPIFFE_ID)
+        .await
+        .unwrap();
+    let (facade, health) = (listener(), listener());
+    let fixture = ControllerFixture::new(&mock, BIN.as_ref(), STANDIN.as_ref())
+        .facade_at(facade.local_addr().unwrap())
+        .set("components", "scheduler,pod-worker")
+        .set("pod_capacity", 2u32)
+        .set("vm_capacity", 0u32)
+        .set("nats_url", nats.url())
+        .set("local_identity", false)
+        .set(
+            "spiffe_endpoint_socket",
+            controller_identity.endpoint().as_str(),
+        )
+        .set("pod_backend", "kubernetes")
+        .set("pod_namespace", NS)
+        .set("pod_executor_image", IMAGE)
+        .set("spire_cluster", "test-cluster")
+        .set("spire_class", "spire-mgmt")
+        .set(
+            "pod_executor_env",
+            Value::Inline(format!("{{ GITEA_RUNNER_BINARY = {STANDIN:?} }}")),
+        );
+    let kubeconfig = fixture.file(
+        "kubeconfig",
+        &kube.kubeconfig_as(NS, &ServiceAccount::controller()).await,
+    );
+    let kubeconfig = kubeconfig.display().to_string();
+    let mut controller = fixture.spawn(
+        BIN.as_ref(),
+        &facade,
+        &health,
+        &[("KUBECONFIG", kubeconfig.as_str())],
+    );
+    let job = mock
+        .handle
+        .queue_workflow(
+            "owner/repo",
+            "on: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: standin:success\n",
+        )
+        .unwrap()[0];
+    if mock
+        .handle
+        .wait_for(
+            |m| m.job(job).is_some_and(|j| j.status == Status::Success),
+            CHAIN_WAIT,
+        )
+        .await
+        .is_err()
+    {
+        panic!(
+            "the job never succeeded (is {:?})\ncontroller log:\n{}",
+            mock.handle.job(job).map(|j| j.status),
+            fixture.log()
+        );
+    }
+    assert_eq!(mock.handle.runner_starts(job), 1);
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
+    let entries: Api<DynamicObject> = Api::all_with(admin.clone(), &entry_resource());
+    let (pods, secrets, entries) = (&pods, &secrets, &entries);
+    eventually(CHAIN_WAIT, "no Pod, Secret or entry left", || async move {
+        let left = pods.list(&Default::default()).await.unwrap().items.len()
+            + secrets.list(&Default::default()).await.unwrap().items.len()
+            + entries.list(&Default::default()).await.unwrap().items.len();
+        (left == 0).then_some(())
+    })
+    .await;
+    let _ = controller.start_kill();
 }
