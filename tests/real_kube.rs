@@ -1101,6 +1101,23 @@ async fn a_pod_job_runs_through_the_real_api_server_on_the_node_stand_in_and_suc
         &kube.kubeconfig_as(NS, &ServiceAccount::controller()).await,
     );
     let kubeconfig = kubeconfig.display().to_string();
+    // The phases the real server stored for the executor Pod: the stand-in's status writes
+    // pass the real server's validation of the status subresource.
+    let phases = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let recorder = {
+        let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+        let phases = phases.clone();
+        tokio::spawn(async move {
+            let mut events = kube::runtime::watcher(pods, Default::default()).boxed();
+            while let Some(event) = events.next().await {
+                if let Ok(kube::runtime::watcher::Event::Apply(pod)) = event
+                    && let Some(phase) = pod.status.and_then(|s| s.phase)
+                {
+                    phases.lock().unwrap().push(phase);
+                }
+            }
+        })
+    };
     let mut controller = fixture.spawn(
         BIN.as_ref(),
         &facade,
@@ -1130,6 +1147,12 @@ async fn a_pod_job_runs_through_the_real_api_server_on_the_node_stand_in_and_suc
         );
     }
     assert_eq!(mock.handle.runner_starts(job), 1);
+    let seen = phases.lock().unwrap().clone();
+    assert!(
+        seen.iter().any(|p| p == "Running"),
+        "the real server stored no Running phase: {seen:?}"
+    );
+    recorder.abort();
     let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
     let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
     let entries: Api<DynamicObject> = Api::all_with(admin.clone(), &entry_resource());
