@@ -5,7 +5,7 @@
 # nixos/modules/services/continuous-integration/{act-runner/generic.nix,forgejo-runner.nix}
 # (runner packages, host packages on PATH, LoadCredential),
 # nixos/modules/services/networking/nats.nix (services.nats options, its unit and its
-# build-time `nats-server -t` validation), nixos/modules/services/cluster/k3s/default.nix
+# build-time `nats-server -t` validation), nixos/modules/services/cluster/rancher/{default,k3s}.nix
 # (KillMode = "process" for a daemon whose children must outlive it) and
 # nixos/lib/systemd-unit-options.nix (stopIfChanged).
 #

@@ -121,6 +121,8 @@ in
         ];
         env = commonArgs.env // {
           NATS_SERVER_BIN = lib.getExe' pkgs.nats-server "nats-server";
+          # The Kubernetes schemas of the fake API server (about 60 tests need them).
+          KUBERNETES_SCHEMA_DIR = "${import ./kubernetes-schemas.nix { inherit pkgs; }}";
         };
         # nextest does not run doctests; `cargo test --doc` would need its own check.
         cargoNextestExtraArgs = "--profile nix --no-tests=fail";

@@ -336,6 +336,11 @@ in
     default = null;
     description = "CSI driver of the SPIFFE Workload API volume of executor Pods. Default: `csi.spiffe.io`.";
   };
+  pod_spiffe_host_path = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "A node directory holding the SPIRE agent's Workload API socket, mounted read-only into executor Pods as a `hostPath` volume instead of the CSI volume of `pod_spiffe_csi_driver`: for clusters without the SPIFFE CSI driver. Each node's agent must listen in it, and the namespace's Pod Security level must admit hostPath volumes (`privileged`, as `pod_privileged` needs anyway). Unset: the CSI volume.";
+  };
   pod_spiffe_socket_dir = mkOption {
     type = types.nullOr (types.str);
     default = null;

@@ -24,7 +24,8 @@
   # these never rebuilds the package): flake.nix, flake.lock and nix/ (tests/nix.rs), the
   # generated and checked docs (tests/cli.rs, tests/deploy.rs), the manifests, dashboard and
   # alert rules (tests/deploy.rs, tests/operations.rs), what the cluster VM test deploys
-  # (tests/deploy.rs renders it) and the OpenSandbox harness scripts (gdr-testkit).
+  # (tests/deploy.rs renders it), the Kata VM test and its containerd template (tests/nix.rs)
+  # and the OpenSandbox harness scripts (gdr-testkit).
   test = [
     "README.md"
     "flake.nix"
@@ -34,6 +35,8 @@
     "deploy"
     "images"
     "nixos-tests/cluster-manifests.nix"
+    "nixos-tests/kata-containerd.nix"
+    "nixos-tests/kata.nix"
     "crates/gdr-testkit/opensandbox"
   ];
 }

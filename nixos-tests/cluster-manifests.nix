@@ -150,6 +150,8 @@ in
       pod_service_account = "gitea-task-executor"
       pod_executor_image = "${imageRef "executor"}"
       pod_spiffe_socket_name = "api.sock"
+      # No SPIFFE CSI driver in the test cluster: executor Pods mount the agent's directory.
+      pod_spiffe_host_path = "${agentSocketDir}"
       spire_agent_id = "spiffe://${trustDomain}/node"
       spire_cluster = "test"
       lease_namespace = "gitea-actions"

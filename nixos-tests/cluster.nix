@@ -16,7 +16,8 @@
 #   host-side uids (k3s runs no user namespaces). k8s_psat node attestation with
 #   use_pod_uid_for_agent_id (the production parent ID) is therefore not exercised.
 # - the SPIFFE CSI driver: not packaged; the overlay mounts the agent's socket directory into
-#   the controller with hostPath instead of the base's csi.spiffe.io volume.
+#   the controller with hostPath instead of the base's csi.spiffe.io volume, and executor Pods
+#   get the same directory through `pod_spiffe_host_path` (cluster-manifests.nix).
 # - OpenSandbox and Kata: see nixos-tests/README.md; the vm backend is off (vm_capacity = 0).
 #
 # What is deployed on top of deploy/kubernetes/base (the overlay, the configuration, the
@@ -24,10 +25,7 @@
 # tests/deploy.rs renders with kubectl kustomize in every CI run and checks against the base
 # (names, no CSI volume, the NetworkPolicy admitting Gitea, NATS and the API server).
 #
-# Not yet consistent, so this test cannot pass as it stands: the pod-worker gives every
-# executor Pod a `csi.spiffe.io` volume (pod_spiffe_csi_driver; there is no hostPath
-# alternative), so without the CSI driver the executor Pod never starts and the job subtest
-# times out. Never run: see nixos-tests/README.md.
+# Never run here (no KVM, no Nix binary cache): see nixos-tests/README.md.
 {
   lib,
   pkgs,

@@ -40,6 +40,15 @@ let
     contents = [ pkgs.busybox ];
   };
 
+  # nixpkgs' kata-runtime 4.x sets `virtio_fs_daemon` to virtiofsd's path but lists only
+  # qemu's libexec path as valid, so the runtime would refuse its own daemon: the
+  # configuration the shim is given lists the daemon it runs.
+  kataConfig = pkgs.runCommand "kata-configuration-qemu-runtime-rs.toml" { } ''
+    sed -e 's!^valid_virtio_fs_daemon_paths.*!valid_virtio_fs_daemon_paths = ["${pkgs.virtiofsd}/bin/virtiofsd"]!' \
+      ${pkgs.kata-runtime}/share/defaults/kata-containers/runtime-rs/configuration-qemu-runtime-rs.toml > "$out"
+    grep -qx 'virtio_fs_daemon *= *"${pkgs.virtiofsd}/bin/virtiofsd"' "$out"
+  '';
+
   manifests = pkgs.writeText "kata.yaml" ''
     apiVersion: node.k8s.io/v1
     kind: RuntimeClass
@@ -106,15 +115,9 @@ in
           "--disable traefik"
           "--pause-image test.local/pause:local"
         ];
-        # containerd 2 (config version 3, what k3s renders from "base"): the `kata` handler
-        # runs containerd-shim-kata-v2, found on k3s' PATH.
-        containerdConfigTemplate = ''
-          {{ template "base" . }}
-
-          [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.kata]
-            runtime_type = "io.containerd.kata.v2"
-            privileged_without_host_devices = true
-        '';
+        # The `kata` handler runs containerd-shim-kata-v2 (found on k3s' PATH) with the
+        # configuration above; kata-containerd.nix says why the keys are version 2's.
+        containerdConfigTemplate = import ./kata-containerd.nix { inherit kataConfig; };
       };
       systemd.services.k3s.path = [ pkgs.kata-runtime ];
     };

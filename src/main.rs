@@ -43,11 +43,17 @@ fn controller(args: &ControllerArgs) -> ExitCode {
         );
         let mut inherited = listenfd::ListenFd::from_env();
         let listeners = Listeners {
-            facade: listen(&mut inherited, "facade:health", "facade", &facade_addr).await?,
+            facade: listen(
+                &mut inherited,
+                "facade:health",
+                ("facade", "runner_facade_listen"),
+                &facade_addr,
+            )
+            .await?,
             health: listen(
                 &mut inherited,
                 "facade:health",
-                "health",
+                ("health", "health_listen"),
                 &settings.health_listen,
             )
             .await?,
@@ -65,7 +71,13 @@ fn sandbox_identity(args: &ConfigArgs) -> ExitCode {
     };
     block_on(async move {
         let mut inherited = listenfd::ListenFd::from_env();
-        let health = listen(&mut inherited, "health", "health", &settings.health_listen).await?;
+        let health = listen(
+            &mut inherited,
+            "health",
+            ("health", "health_listen"),
+            &settings.health_listen,
+        )
+        .await?;
         runtime::sandbox_identity::run(settings, health, signalled())
             .await
             .map_err(|e| e.to_string())
@@ -82,11 +94,12 @@ fn block_on(work: impl Future<Output = Result<(), String>>) -> ExitCode {
 }
 
 /// The listener named `name` handed over by socket activation (`LISTEN_FDS`, named by
-/// `LISTEN_FDNAMES`, else by `default_names`), or a new one bound on `addr`.
+/// `LISTEN_FDNAMES`, else by `default_names`), or a new one bound on `addr`, which the
+/// configuration key `key` set (a failure names it, its variable and the value).
 async fn listen(
     inherited: &mut listenfd::ListenFd,
     default_names: &str,
-    name: &str,
+    (name, key): (&str, &str),
     addr: &str,
 ) -> Result<tokio::net::TcpListener, String> {
     let names = std::env::var("LISTEN_FDNAMES").unwrap_or_else(|_| default_names.into());
@@ -99,9 +112,12 @@ async fn listen(
             .map_err(|e| format!("{name}: {e}"))?;
         return tokio::net::TcpListener::from_std(std).map_err(|e| format!("{name}: {e}"));
     }
-    tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|e| format!("{name}: cannot listen on {addr}: {e}"))
+    tokio::net::TcpListener::bind(addr).await.map_err(|e| {
+        format!(
+            "{name}: cannot listen on {addr:?} ({key}, environment variable {}): {e}",
+            key.to_ascii_uppercase()
+        )
+    })
 }
 
 fn executor() -> ExitCode {

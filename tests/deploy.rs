@@ -632,8 +632,9 @@ fn host_port(url: &str) -> (std::net::Ipv4Addr, u16) {
 /// No DESIGN invariant (deployment; the cluster VM test): what `nixos-tests/cluster.nix`
 /// deploys is the base with the test's overlay, and the overlay fits the base: the
 /// ConfigMap and Secret it replaces are the ones the Deployment mounts, the configuration it
-/// supplies loads and names only files of that Secret, no CSI volume is left (the test
-/// cluster has no SPIFFE CSI driver), the facade Service gets the address
+/// supplies loads and names only files of that Secret, no CSI volume is left and executor
+/// Pods get the agent's directory with `pod_spiffe_host_path` (the test cluster has no
+/// SPIFFE CSI driver), the facade Service gets the address
 /// `runner_facade_url` names, and the controller's NetworkPolicy (k3s enforces it) admits
 /// Gitea, NATS and the API server at the addresses the test gives them.
 #[test]
@@ -667,6 +668,12 @@ fn the_cluster_vm_tests_overlay_fits_the_base_it_deploys() {
     std::fs::write(&path, config).unwrap();
     let settings = gdr_controller::settings::Settings::load(&sources(path))
         .unwrap_or_else(|e| panic!("the cluster test's config.toml does not load:\n{e}"));
+    // Executor Pods mount the node agent's directory too (no CSI driver there either).
+    assert_eq!(
+        toml_string(config, "pod_spiffe_host_path"),
+        manifests["agentSocketDir"].as_str(),
+        "executor Pods must get the agent's socket directory without the CSI driver"
+    );
 
     // Every secret file it names is a file of the mounted Secret, readable under the mode
     // the Secret volume gives it (its group's read bit through fsGroup).

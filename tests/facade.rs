@@ -43,6 +43,7 @@ fn no_signals() -> tokio::sync::mpsc::Receiver<Forward> {
 const KEY: &[u8] = b"0123456789abcdef0123456789abcdef";
 pub(super) const FACADE_ID: &str = "spiffe://example.org/controller";
 const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
+const DOCKERD: &str = env!("CARGO_BIN_EXE_dockerd-standin");
 
 /// How [`Env::with`] sets its facade up.
 struct EnvOptions {
@@ -1847,7 +1848,8 @@ struct DockerJob {
 impl DockerJob {
     fn new(readiness: Readiness) -> Self {
         let dir = tempfile::Builder::new().prefix("d").tempdir().expect("dir");
-        let dockerd = StandinDockerd::install(dir.path(), readiness).expect("stand-in dockerd");
+        let dockerd = StandinDockerd::install(dir.path(), std::path::Path::new(DOCKERD), readiness)
+            .expect("stand-in dockerd");
         let runner = recording_runner(dir.path(), std::path::Path::new(STANDIN)).expect("runner");
         DockerJob {
             dir,
@@ -2107,8 +2109,12 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
         std::fs::Permissions::from_mode(0o777),
     )
     .expect("chmod socket");
-    let dockerd =
-        StandinDockerd::install(shared.path(), Readiness::After(Duration::ZERO)).expect("dockerd");
+    let dockerd = StandinDockerd::install(
+        shared.path(),
+        std::path::Path::new(DOCKERD),
+        Readiness::After(Duration::ZERO),
+    )
+    .expect("dockerd");
     let runner = recording_runner(shared.path(), std::path::Path::new(STANDIN)).expect("runner");
     let group = shared.path().join("group");
     std::fs::write(&group, "root:x:0:\nrunner:x:2000:\ndocker:x:2001:runner\n").expect("group");
@@ -2181,4 +2187,63 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
     assert!(rows.contains(&expected), "{rows:?}\n{stderr}");
     assert!(dockerd.terminated(), "the daemon got SIGTERM");
     assert!(!dockerd.running(), "the daemon's process is gone");
+}
+
+/// DESIGN invariants 12 and 15 (issue 37): the pass-through serves only the executor of a
+/// live assignment: once the job's start deadline expired it (the job is being failed in
+/// Gitea) its credentials open nothing; and only the runner's own calls count as it being
+/// heard from, so an executor that keeps fetching artifacts but reports nothing still
+/// falls silent for the idle timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_pass_through_refuses_an_expired_assignment_and_does_not_count_as_the_runner_being_heard()
+ {
+    let env = Env::new().await;
+    let own = job_svid(&env, "build");
+    // A claimed assignment: its silence counts from the claim.
+    let live = env.assignment("standin:success").await;
+    let auth = env
+        .dispatch
+        .authorize(
+            live.id().as_str(),
+            env.dispatch.capability_key().issue(live.id()).expose(),
+            live.identity().spiffe_id(),
+        )
+        .expect("authorized");
+    assert!(matches!(
+        env.dispatch.take_task(&auth).await.expect("claimed"),
+        gdr_controller::dispatch::Fetched::Task(_)
+    ));
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let head = format!(
+        "GET /_mock/blob/8?live HTTP/1.1\r\nhost: facade\r\n{}connection: close\r\n\r\n",
+        env.credential_lines(&live)
+    );
+    let (_, answer) = exchange(&env, &own, &head, b"").await;
+    assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 200 OK"));
+    let silence = env.dispatch.silence(live.id()).expect("heard at the claim");
+    assert!(
+        silence >= Duration::from_millis(500),
+        "a pass-through request reset the runner's silence to {silence:?}"
+    );
+
+    // An assignment whose start deadline expired it.
+    let expired = env.assignment("standin:success").await;
+    assert!(env.dispatch.expire(expired.id()));
+    let head = format!(
+        "GET /_mock/blob/9?expired HTTP/1.1\r\nhost: facade\r\n{}connection: close\r\n\r\n",
+        env.credential_lines(&expired)
+    );
+    let (_, answer) = exchange(&env, &own, &head, b"").await;
+    assert_eq!(answer.status().as_deref(), Some("HTTP/1.1 403 Forbidden"));
+    let reached: Vec<String> = env
+        .mock
+        .handle
+        .seen_requests()
+        .into_iter()
+        .filter(|p| p.contains("?expired"))
+        .collect();
+    assert!(
+        reached.is_empty(),
+        "a refused request reached Gitea: {reached:?}"
+    );
 }

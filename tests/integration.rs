@@ -6,12 +6,14 @@
 //! own. A module's tests are selected by its name, e.g. `cargo nextest run -E
 //! 'test(/^kill_restart::/)'`; a file's `required-features` are the `cfg` on its module.
 
-// A panic is how a test fails.
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+// A panic is how a test fails. A test is a scenario read top to bottom: the length limit
+// on functions is for product code.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::too_many_lines)]
 
 mod opensandbox_common;
 mod queue_common;
 
+mod architecture;
 mod backend_contract;
 mod cli;
 #[cfg(feature = "kubernetes")]

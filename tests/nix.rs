@@ -304,3 +304,104 @@ fn the_executor_image_carries_the_spire_agent_cli_and_starts_the_executor_as_roo
         "the runner is in the docker group"
     );
 }
+
+/// The value of the first `NAME=value` line of a shell script.
+fn shell_assignment<'a>(script: &'a str, name: &str) -> Option<&'a str> {
+    script
+        .lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix('='))
+}
+
+/// The value of the first `name = "value";` line of a Nix file.
+fn nix_string<'a>(text: &'a str, name: &str) -> Option<&'a str> {
+    text.lines().find_map(|line| {
+        let rest = line
+            .trim()
+            .strip_prefix(name)?
+            .trim_start()
+            .strip_prefix('=')?;
+        rest.trim()
+            .strip_suffix(';')?
+            .trim()
+            .strip_prefix('"')?
+            .strip_suffix('"')
+    })
+}
+
+/// No DESIGN invariant (the Nix checks): the build sandbox of `checks.nextest` gets the
+/// Kubernetes schemas of the fake API server from a fixed-output fetch of exactly the
+/// kubernetes-validate wheel that deploy/validate.sh installs (same version, same sha256,
+/// the wheel's file name), and the nextest check points KUBERNETES_SCHEMA_DIR at it.
+#[test]
+fn the_nextest_check_gets_the_kubernetes_schemas_that_ci_installs() {
+    let script = read("deploy/validate.sh");
+    let schemas = read("nix/kubernetes-schemas.nix");
+    let version = shell_assignment(&script, "KUBERNETES_VALIDATE_VERSION").expect("version");
+    let sha256 = shell_assignment(&script, "KUBERNETES_VALIDATE_WHEEL_SHA256").expect("hash");
+    assert_eq!(nix_string(&schemas, "version"), Some(version));
+    assert_eq!(nix_string(&schemas, "sha256"), Some(sha256));
+    let url = nix_string(&schemas, "url").expect("url");
+    assert!(
+        url.starts_with("https://files.pythonhosted.org/packages/")
+            && url.ends_with("/kubernetes_validate-${version}-py3-none-any.whl"),
+        "{url}"
+    );
+    let package = read("nix/package.nix");
+    assert!(
+        package.contains(
+            "KUBERNETES_SCHEMA_DIR = \"${import ./kubernetes-schemas.nix { inherit pkgs; }}\";"
+        ),
+        "nix/package.nix's nextest check does not set KUBERNETES_SCHEMA_DIR from the fetch"
+    );
+}
+
+/// No DESIGN invariant (the Kata VM test): the containerd template of `vm-kata`
+/// (nixos-tests/kata-containerd.nix) appends to k3s' version-2 base only tables of config
+/// version 2 (the CRI plugin `io.containerd.grpc.v1.cri`; a version-3 ID such as
+/// `io.containerd.cri.v1.runtime` makes containerd migrate the file and drop the base's
+/// runc settings), and gives the `kata` runtime the shim type and the configuration file
+/// the test builds (kata-runtime 4.x finds none of its own otherwise).
+#[test]
+fn the_kata_tests_containerd_template_is_config_version_2_with_the_shims_configuration() {
+    const CONFIG: &str = "/nix/store/00000000000000000000000000000000-kata.toml";
+    let out = std::process::Command::new("nix-instantiate")
+        .args(["--store", "dummy://", "--eval", "--strict", "--json"])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("nixos-tests/kata-containerd.nix"))
+        .args(["--argstr", "kataConfig", CONFIG])
+        .env("NIX_STATE_DIR", tempfile::tempdir().unwrap().path())
+        .output()
+        .expect("nix-instantiate (apt-get install nix-bin; .ci/run does)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let template: String = serde_json::from_slice(&out.stdout).unwrap();
+    let (base, appended) = template.split_once('\n').unwrap();
+    assert_eq!(
+        base.trim(),
+        "{{ template \"base\" . }}",
+        "the base comes first"
+    );
+    let tables: serde_json::Value = figment::Figment::from(
+        <figment::providers::Toml as figment::providers::Format>::string(appended),
+    )
+    .extract()
+    .unwrap_or_else(|e| panic!("the appended tables are not TOML: {e}\n{appended}"));
+    let plugins = tables["plugins"].as_object().expect("plugins");
+    assert_eq!(
+        plugins.keys().collect::<Vec<_>>(),
+        ["io.containerd.grpc.v1.cri"],
+        "only the version-2 CRI plugin"
+    );
+    let kata = &plugins["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]["kata"];
+    assert_eq!(kata["runtime_type"], "io.containerd.kata.v2");
+    assert_eq!(kata["options"]["ConfigPath"], CONFIG);
+    let kata_nix = read("nixos-tests/kata.nix");
+    assert!(
+        kata_nix.contains(
+            "containerdConfigTemplate = import ./kata-containerd.nix { inherit kataConfig; };"
+        ),
+        "nixos-tests/kata.nix does not use kata-containerd.nix"
+    );
+}

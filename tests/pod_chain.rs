@@ -339,6 +339,55 @@ async fn a_pod_job_fetches_a_jwt_svid_of_its_own_spiffe_id_and_nothing_for_anoth
     let _ = controller.start_kill();
 }
 
+/// DESIGN invariant 13 on a cluster without the SPIFFE CSI driver: with
+/// `pod_spiffe_host_path` the Pod mounts the node agent's directory (`hostPath`) instead of
+/// a `csi.spiffe.io` volume, and the job still gets a JWT-SVID of its own SPIFFE ID only.
+#[tokio::test(flavor = "multi_thread")]
+async fn without_the_csi_driver_a_pod_job_gets_its_own_identity_through_the_node_directory() {
+    let c = Chain::new(|f| {
+        f.set(
+            "pod_spiffe_host_path",
+            gdr_testkit::fake_kubelet::AGENT_HOST_DIR,
+        )
+    })
+    .await;
+    let mut controller = c.controller(None);
+    let own = c.queue("own", "[self-hosted, pod]", "standin:fetch-jwt ci-smoke");
+    c.status(own, Status::Success).await;
+    assert!(
+        c.log_rows(own).iter().any(|r| r
+            == "jwt-svid: sub=spiffe://example.org/ci/owner/repo/branch/main/own aud=ci-smoke"),
+        "{:?}",
+        c.log_rows(own)
+    );
+    // A held job shows the Pod's volumes while it runs.
+    let release = c._dir.path().join("release");
+    let held = c.queue(
+        "held",
+        "[self-hosted, pod]",
+        &format!("standin:wait-for {}", release.display()),
+    );
+    let volumes = gdr_testkit::eventually(WAIT, "the held job's Pod", || async {
+        c.fake
+            .handle
+            .objects(&ResourceType::pods(), Some(NS))
+            .first()
+            .map(|pod| pod["spec"]["volumes"].clone())
+    })
+    .await;
+    let volumes = volumes.as_array().expect("volumes").clone();
+    assert!(
+        volumes.iter().all(|v| v.get("csi").is_none())
+            && volumes.iter().any(|v| v["hostPath"]
+                == serde_json::json!({"path": gdr_testkit::fake_kubelet::AGENT_HOST_DIR, "type": "Directory"})),
+        "{volumes:?}"
+    );
+    std::fs::write(&release, "").unwrap();
+    c.status(held, Status::Success).await;
+    c.nothing_left().await;
+    let _ = controller.start_kill();
+}
+
 /// DESIGN invariant 12: a Pod that cannot pull its image is failed at the start deadline
 /// with `ImagePullBackOff` and the kubelet's message, in Gitea and in the controller's log;
 /// the mutable tag was warned about at start.

@@ -755,9 +755,11 @@ async fn the_identity_is_provisioned_before_the_spawn_and_again_after_a_restart_
 /// DESIGN invariant 10 (nothing of a deleted executor keeps running): the job's Docker
 /// daemon, orphaned when its executor is SIGKILLed outside a Pod or VM (no executor is
 /// left to stop it), is stopped by the backend's delete.
+#[cfg(feature = "testkit")]
 #[tokio::test(flavor = "multi_thread")]
 async fn a_docker_daemon_orphaned_by_a_sigkilled_executor_is_stopped_by_delete() {
     use gdr_testkit::standin_dockerd::{Readiness, StandinDockerd};
+    const DOCKERD: &str = env!("CARGO_BIN_EXE_dockerd-standin");
     const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
     let s = setup().await;
     let ca = gdr_identity::workload_api::LocalCa::new("example.org").expect("ca");
@@ -766,8 +768,12 @@ async fn a_docker_daemon_orphaned_by_a_sigkilled_executor_is_stopped_by_delete()
         Duration::from_secs(3600),
     ));
     let docker = tempfile::Builder::new().prefix("d").tempdir().expect("dir");
-    let dockerd =
-        StandinDockerd::install(docker.path(), Readiness::After(Duration::ZERO)).expect("dockerd");
+    let dockerd = StandinDockerd::install(
+        docker.path(),
+        Path::new(DOCKERD),
+        Readiness::After(Duration::ZERO),
+    )
+    .expect("dockerd");
     let settings = ProcessBackendSettings {
         backend: Backend::Pod,
         state_root: s.state.path().to_path_buf(),

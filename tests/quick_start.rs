@@ -33,6 +33,14 @@ struct Host {
     health: std::net::TcpListener,
 }
 
+impl Drop for Host {
+    fn drop(&mut self) {
+        // What its controllers left (executors in process groups of their own) ends with
+        // the test.
+        gdr_testkit::leftovers::end_processes_under(self.dir.path());
+    }
+}
+
 impl Host {
     /// A fresh machine: the official runner (the stand-in, named as the real one is) and
     /// nats-server on `PATH`, a registration token in a file, an empty state directory.
@@ -261,4 +269,86 @@ async fn a_first_start_creates_state_dir_the_ca_and_the_workload_api_socket_dire
     }
     host.mock.handle.cancel_job(job).expect("cancel");
     stop(&mut child).await;
+}
+
+impl Host {
+    /// The one command as [`Host::start`] runs it, but binding its own listeners, with
+    /// `PATH` and `env` as given.
+    fn start_binding(&self, path: &str, env: &[(&str, &str)]) -> tokio::process::Child {
+        let token = self.dir.path().join("registration-token");
+        let url = self.mock.url.to_string();
+        let state = self.state().display().to_string();
+        let home = self.dir.path().display().to_string();
+        let mut vars = vec![
+            ("PATH", path),
+            ("STATE_DIRECTORY", state.as_str()),
+            ("HOME", home.as_str()),
+        ];
+        vars.extend_from_slice(env);
+        spawn_activated(
+            BIN.as_ref(),
+            &[
+                "controller",
+                "--gitea-url",
+                &url,
+                "--registration-token-file",
+                &token.display().to_string(),
+            ],
+            &[],
+            &vars,
+            &self.dir.path().join("controller.log"),
+        )
+    }
+
+    async fn fails(&self, mut child: tokio::process::Child) -> String {
+        let status = tokio::time::timeout(WAIT, child.wait())
+            .await
+            .expect("the controller exits")
+            .expect("wait");
+        assert!(!status.success());
+        self.log()
+    }
+}
+
+/// DESIGN invariant 24 (issue 37): a listen address that cannot be bound fails the start
+/// naming the key, its environment variable and the value, so the operator knows what to
+/// change.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_facade_listen_address_that_cannot_be_bound_names_the_key_its_variable_and_the_value() {
+    let host = Host::new("act_runner").await;
+    let path = format!("{}:/usr/bin:/bin", host.dir.path().join("bin").display());
+    let log = host
+        .fails(host.start_binding(&path, &[("RUNNER_FACADE_LISTEN", "not-an-address")]))
+        .await;
+    assert!(
+        log.contains("runner_facade_listen")
+            && log.contains("RUNNER_FACADE_LISTEN")
+            && log.contains("not-an-address"),
+        "{log}"
+    );
+}
+
+/// DESIGN invariant 24 (issue 37): a nats-server that exits at start (a pyenv shim in the
+/// controller's cleaned environment) fails the start with the server's own last stderr
+/// lines in the error, not only its exit status.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_nats_server_that_exits_at_start_fails_the_start_with_its_last_stderr_lines() {
+    let host = Host::new("act_runner").await;
+    let shim = host.dir.path().join("shim");
+    std::fs::create_dir(&shim).unwrap();
+    std::os::unix::fs::symlink(STANDIN, shim.join("act_runner")).unwrap();
+    let script = shim.join("nats-server");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\necho 'pyenv: nats-server: command not found' >&2\necho \"The 'nats-server' command exists in these Python versions: 3.11.7\" >&2\nexit 127\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!("{}:/usr/bin:/bin", shim.display());
+    let log = host.fails(host.start_with_path(&path)).await;
+    assert!(
+        log.contains("pyenv: nats-server: command not found")
+            && log.contains("command exists in these Python versions"),
+        "{log}"
+    );
 }

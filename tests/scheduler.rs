@@ -892,6 +892,48 @@ async fn a_task_without_a_ref_is_failed_in_gitea_with_a_reason_naming_it() {
     assert_eq!(env.unclaimed().await, 0, "nothing reached the stream");
 }
 
+/// DESIGN invariant 2 (issue 37): a poller publishes until JetStream stores the
+/// assignment, but an envelope larger than the NATS server's `max_payload` (1 MiB by
+/// default) is never stored: its task is failed in Gitea at once with a reason naming the
+/// limit, its poller and its backlog room are freed, and the next job is fetched.
+#[tokio::test]
+async fn an_envelope_larger_than_the_servers_max_payload_fails_its_task_at_once_with_the_reason() {
+    let env = Env::start(MockConfig::default()).await;
+    // A workflow just under its own limit (1 MiB): its envelope (the task, base64) is larger.
+    let large = env
+        .gitea_mock()
+        .queue_workflow(
+            "owner/repo",
+            &format!(
+                "on: push\njobs:\n  big:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: echo {}\n",
+                "x".repeat(1_000_000)
+            ),
+        )
+        .expect("queue")[0];
+    let running = Running::start(env.scheduler(1, 1));
+    env.gitea_mock()
+        .wait_for(|m| m.job(large).is_some_and(|j| j.status.is_done()), WAIT)
+        .await
+        .expect("the oversized job is failed");
+    let small = env.queue_jobs(1)[0];
+    env.gitea_mock()
+        .wait_for(|m| m.job(small).is_some_and(|j| j.task_id.is_some()), WAIT)
+        .await
+        .expect("the next job is fetched by the freed poller within the backlog of one");
+    let report = running.stop().await;
+
+    let job = env.gitea_mock().job(large).expect("job");
+    assert_eq!(job.status, Status::Failure);
+    let rows = job.task.expect("task").log_rows;
+    assert!(
+        rows.iter()
+            .any(|r| r.starts_with(INVALID_TASK_LOG_PREFIX) && r.contains("max_payload")),
+        "{rows:?}"
+    );
+    assert_eq!(report.invalid_tasks_failed, 1);
+    assert_eq!(report.tasks_published, 1, "only the small job was stored");
+}
+
 /// DESIGN invariant 4: stopping stops new fetches but lets a fetch in flight publish its task.
 #[tokio::test]
 async fn shutdown_lets_an_in_flight_fetch_publish_its_task() {

@@ -1044,3 +1044,160 @@ async fn a_start_deadline_that_passes_while_the_claim_is_written_leaves_the_job_
     );
     assert_eq!(h.pod.deleted(), 0);
 }
+
+impl Harness {
+    /// Gives the harness's dispatch a finished-assignments bucket (invariant 20), as the
+    /// controller has; workers started afterwards consult it.
+    async fn with_finished_bucket(&mut self) -> gdr_controller::queue::FinishedAssignments {
+        let finished = gdr_controller::queue::FinishedAssignments::open(
+            &self.js,
+            "finished-test",
+            Duration::from_secs(3600),
+            true,
+        )
+        .await
+        .expect("bucket");
+        self.dispatch = Arc::new(
+            Dispatch::new(
+                [
+                    (self.pod.clone() as Arc<dyn ExecutorBackend>, 1),
+                    (self.vm.clone() as Arc<dyn ExecutorBackend>, 1),
+                ],
+                CapabilityKey::new(KEY).expect("key"),
+            )
+            .with_finished(finished.clone()),
+        );
+        finished
+    }
+
+    /// Plays a runner polling for `a`'s task every 20 ms for `time`; whether it got it.
+    async fn runner_got_task_within(&self, a: &Assignment, time: Duration) -> bool {
+        let capability = self.dispatch.capability_key().issue(a.id());
+        let deadline = tokio::time::Instant::now() + time;
+        while tokio::time::Instant::now() < deadline {
+            if let Ok(auth) = self.dispatch.authorize(
+                a.id().as_str(),
+                capability.expose(),
+                a.identity().spiffe_id(),
+            ) && let Ok(Fetched::Task(_)) = self.dispatch.take_task(&auth).await
+            {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        false
+    }
+}
+
+/// DESIGN invariant 12 (issue 37): once a job's start-deadline failure has won, no runner
+/// can claim it, also after the delivery is put back because neither the terminal marker
+/// nor the deletion could be written: the redelivery finds the unclaimed executor and must
+/// not offer its task again.
+#[tokio::test]
+async fn a_job_failed_at_its_start_deadline_is_never_claimed_by_a_redelivery_after_its_clean_up_failed()
+ {
+    let mut h = Harness::new(1, 1).await;
+    h.with_finished_bucket().await;
+    let a = h.fetched("late", "[self-hosted, pod]").await;
+    h.pod.insert(
+        &spec_of(&h, &a),
+        std::time::SystemTime::now() - Duration::from_secs(120),
+    );
+    h.pod.fail_marks_of(a.id());
+    h.pod.fail_deletes_of(a.id());
+    h.start_worker(Backend::Pod, 1).await;
+    let payload = encode_v1(&a).expect("encode");
+    queue::publish(
+        &h.js,
+        &stream_settings(),
+        Backend::Pod,
+        a.id().as_str(),
+        payload.into(),
+    )
+    .await
+    .expect("publish");
+    h.wait_outcome(a.id().as_str(), Outcome::BackendError).await;
+    assert_eq!(
+        h.mock.handle.task(a.id().task_id()).expect("task").result,
+        gdr_proto::runner::v1::TaskResult::RESULT_FAILURE as i32,
+        "Gitea has the failure"
+    );
+    // Redeliveries come every 300 ms meanwhile.
+    assert!(
+        !h.runner_got_task_within(&a, Duration::from_secs(4)).await,
+        "a job Gitea failed was handed to its runner"
+    );
+    h.wait_outcome(a.id().as_str(), Outcome::BackendError).await;
+    h.pod.heal_marks(a.id());
+    h.pod.heal_delete(a.id());
+    h.wait_outcome(a.id().as_str(), Outcome::ExecutorFailed)
+        .await;
+    assert!(h.pod.records().is_empty(), "cleaned up in the end");
+}
+
+/// DESIGN invariant 12 (issue 37): the failure of an unclaimed job is durable before Gitea
+/// hears of it, so a controller that restarts after the report (before the terminal
+/// marker) never offers the job to the executor it finds: the restarted worker cleans the
+/// executor up instead, and its runner gets nothing.
+#[tokio::test]
+async fn a_failure_recorded_before_a_restart_keeps_the_adopted_executor_from_claiming() {
+    let mut h = Harness::new(1, 1).await;
+    let finished = h.with_finished_bucket().await;
+    let a = h.fetched("failed", "[self-hosted, pod]").await;
+    // What the controller before the restart left: an unclaimed executor (not overdue by
+    // this controller's clock) and the record of the job's failure.
+    h.pod.insert(&spec_of(&h, &a), std::time::SystemTime::now());
+    finished.record(a.id()).await.expect("record");
+    h.start_worker(Backend::Pod, 1).await;
+    let payload = encode_v1(&a).expect("encode");
+    queue::publish(
+        &h.js,
+        &stream_settings(),
+        Backend::Pod,
+        a.id().as_str(),
+        payload.into(),
+    )
+    .await
+    .expect("publish");
+    assert!(
+        !h.runner_got_task_within(&a, Duration::from_secs(3)).await,
+        "the runner of a failed job got its task"
+    );
+    h.wait_outcome(a.id().as_str(), Outcome::ExecutorFailed)
+        .await;
+    assert!(h.pod.records().is_empty(), "the executor is cleaned up");
+    assert_eq!(
+        h.mock.handle.task(a.id().task_id()).expect("task").result,
+        gdr_proto::runner::v1::TaskResult::RESULT_FAILURE as i32,
+        "Gitea has the failure"
+    );
+}
+
+/// DESIGN invariant 12 (issue 37): the failure of an unclaimed job is recorded as finished
+/// before it is reported, so no crash between the report and the terminal marker can leave
+/// a failed job claimable; while the record cannot be written nothing is reported.
+#[tokio::test]
+async fn the_failure_of_an_unclaimed_job_is_recorded_before_gitea_hears_of_it() {
+    use gdr_testkit::mock_gitea::{MockFault, RpcMethod};
+    let mut h = Harness::new(1, 1).await;
+    let finished = h.with_finished_bucket().await;
+    h.start_worker(Backend::Pod, 1).await;
+    let a = h.publish_job("[self-hosted, pod]").await;
+    h.wait_offered(a.id()).await;
+    for _ in 0..4 {
+        h.mock.handle.fail_next(
+            RpcMethod::UpdateTask,
+            MockFault::Connect {
+                code: connectrpc::ErrorCode::Unavailable,
+                message: "Gitea restarting".into(),
+            },
+        );
+    }
+    h.pod.finish(a.id(), false);
+    h.wait_outcome(a.id().as_str(), Outcome::ReportPending)
+        .await;
+    assert!(
+        finished.contains(a.id()).await.expect("read"),
+        "a report was sent before the failure was durable"
+    );
+}

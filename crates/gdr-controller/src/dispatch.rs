@@ -26,6 +26,7 @@ use gdr_proto::runner::v1::Task;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::ports::{FinishedLog, QueueError};
 use crate::shutdown::Shutdown;
 
 /// Where an offered assignment stands.
@@ -205,7 +206,7 @@ pub struct Dispatch {
     heard: Mutex<HashMap<AssignmentId, Instant>>,
     /// The assignments that finished, so a replayed envelope never runs one again
     /// (invariant 20); `None` only where no queue exists (unit tests).
-    finished: Option<crate::queue::FinishedAssignments>,
+    finished: Option<Arc<dyn FinishedLog>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -240,14 +241,14 @@ impl Dispatch {
     /// Records finished assignments in `finished` and consults it before any executor is
     /// created (DESIGN invariant 20: an assignment runs at most once, ever).
     #[must_use]
-    pub fn with_finished(mut self, finished: crate::queue::FinishedAssignments) -> Self {
-        self.finished = Some(finished);
+    pub fn with_finished(mut self, finished: impl FinishedLog + 'static) -> Self {
+        self.finished = Some(Arc::new(finished));
         self
     }
 
     /// Records that `id` finished: Gitea has its result, or it was failed there. Callers
     /// record before deleting the executor that proves it.
-    pub async fn record_finished(&self, id: &AssignmentId) -> Result<(), crate::queue::QueueError> {
+    pub async fn record_finished(&self, id: &AssignmentId) -> Result<(), QueueError> {
         match &self.finished {
             Some(f) => f.record(id).await,
             None => Ok(()),
@@ -255,7 +256,7 @@ impl Dispatch {
     }
 
     /// Whether `id` finished before (a replay, if its envelope arrives again).
-    pub async fn has_finished(&self, id: &AssignmentId) -> Result<bool, crate::queue::QueueError> {
+    pub async fn has_finished(&self, id: &AssignmentId) -> Result<bool, QueueError> {
         match &self.finished {
             Some(f) => f.contains(id).await,
             None => Ok(false),
@@ -466,6 +467,13 @@ impl Dispatch {
                     // must not reopen the pass-through to an executor whose result Gitea has.
                     if record.terminal || record.phase.is_finished() {
                         return Err(AuthError::Finished);
+                    }
+                    // A job failed before its claim is recorded as finished before Gitea
+                    // hears of it, while its executor may outlive a failed clean-up.
+                    match self.has_finished(&id).await {
+                        Ok(false) => {}
+                        Ok(true) => return Err(AuthError::Finished),
+                        Err(e) => return Err(AuthError::Unavailable(e.to_string())),
                     }
                     return Ok(Authorized {
                         id,

@@ -29,6 +29,7 @@ pub mod lifecycle;
 pub mod limits;
 pub mod logging;
 pub mod metrics;
+pub mod ports;
 pub mod queue;
 pub mod register;
 pub mod runtime;
@@ -36,6 +37,7 @@ pub mod scheduler;
 pub mod settings;
 pub mod shutdown;
 pub mod status;
+pub mod vocabulary;
 pub mod wake;
 pub mod worker;
 

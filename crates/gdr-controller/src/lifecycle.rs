@@ -37,6 +37,7 @@ use crate::backoff::Backoff;
 use crate::dispatch::Dispatch;
 use crate::gitea::{GiteaClient, Reported};
 use crate::metrics::FailureReason;
+pub use crate::ports::QueuedAssignments;
 use crate::shutdown::Shutdown;
 use crate::status::Observations;
 use crate::wake::Wake;
@@ -54,17 +55,6 @@ pub trait Housekeeping: Send + Sync {
     /// Removes what is left over (identity entries, Secrets of gone Pods); returns how
     /// many objects were removed.
     async fn sweep(&self) -> Result<usize, ExecutorError>;
-}
-
-/// Which assignments still wait in the queue, where a worker (or the held reconciler) sees
-/// them again.
-#[async_trait]
-pub trait QueuedAssignments: Send + Sync {
-    /// The members of `ids` that have a message in the queue now.
-    async fn queued(
-        &self,
-        ids: &HashSet<AssignmentId>,
-    ) -> Result<HashSet<AssignmentId>, crate::queue::QueueError>;
 }
 
 /// Failing unclaimed executors whose assignment left the queue.
@@ -99,9 +89,9 @@ enum StepError {
     #[error("{0}")]
     Backend(#[source] ExecutorError),
     #[error("recording the finished assignment: {0}")]
-    Record(#[source] crate::queue::QueueError),
+    Record(#[source] crate::ports::QueueError),
     #[error("reading whether the assignment finished: {0}")]
-    Finished(#[source] crate::queue::QueueError),
+    Finished(#[source] crate::ports::QueueError),
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

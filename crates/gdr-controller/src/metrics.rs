@@ -380,6 +380,8 @@ impl Default for Metrics {
 
 impl Metrics {
     /// A registry with every metric registered under the [`PREFIX`].
+    // TODO(issue 36 step 2): split; each component registers its own metrics.
+    #[allow(clippy::too_many_lines)]
     pub fn new() -> Self {
         let mut b = Builder {
             registry: Registry::with_prefix(PREFIX),
@@ -436,7 +438,7 @@ impl Metrics {
         )
         .values(
             "kind",
-            &crate::scheduler::ERROR_KINDS.map(crate::gitea::ErrorKind::as_str),
+            &crate::vocabulary::ERROR_KINDS.map(crate::gitea::ErrorKind::as_str),
         );
         let queue_depth = Family::<BackendLabel, Gauge>::default();
         b.family(
@@ -450,7 +452,10 @@ impl Metrics {
             "Worker deliveries by backend and outcome",
             &assignments,
         )
-        .values("outcome", &crate::worker::Outcome::ALL.map(|o| o.as_str()));
+        .values(
+            "outcome",
+            &crate::vocabulary::Outcome::ALL.map(|o| o.as_str()),
+        );
         let pool_in_use = Family::<BackendLabel, Gauge>::default();
         b.family(
             "pool_in_use",
@@ -469,7 +474,7 @@ impl Metrics {
             "Executors by backend and phase, as the last lifecycle pass listed them",
             &executors,
         )
-        .values("phase", &crate::status::Phase::ALL.map(|p| p.as_str()));
+        .values("phase", &crate::vocabulary::Phase::ALL.map(|p| p.as_str()));
         let queue_wait: HistogramFamily<BackendLabel> =
             Family::new_with_constructor(queue_wait_histogram);
         b.family(
@@ -627,7 +632,7 @@ impl Metrics {
                 reason: reason.as_str().into(),
             });
         }
-        for phase in crate::status::Phase::ALL {
+        for phase in crate::vocabulary::Phase::ALL {
             self.executors.get_or_create_owned(&PhaseLabels {
                 backend: name.clone(),
                 phase: phase.as_str().into(),

@@ -49,44 +49,7 @@ impl StreamSettings {
     }
 }
 
-/// Why a queue operation failed.
-#[derive(Debug, thiserror::Error)]
-pub enum QueueError {
-    /// The stream could not be created or read.
-    #[error("JetStream stream {stream}: {message}")]
-    Stream {
-        /// Stream name.
-        stream: String,
-        /// Cause.
-        message: String,
-    },
-    /// The consumer could not be created or read.
-    #[error("JetStream consumer {consumer}: {message}")]
-    Consumer {
-        /// Durable name.
-        consumer: String,
-        /// Cause.
-        message: String,
-    },
-    /// JetStream did not acknowledge a publish.
-    #[error("publishing {id} to {subject}: {message}")]
-    Publish {
-        /// Assignment ID.
-        id: String,
-        /// Subject.
-        subject: String,
-        /// Cause.
-        message: String,
-    },
-    /// The finished-assignments bucket could not be created, read or written.
-    #[error("JetStream key-value bucket {bucket}: {message}")]
-    Finished {
-        /// Bucket name.
-        bucket: String,
-        /// Cause.
-        message: String,
-    },
-}
+pub use crate::ports::QueueError;
 
 /// Creates the stream if missing, or makes an existing one cover every subject (a stream
 /// of the Go version, or of an older release, lacks the held subjects).
@@ -234,13 +197,22 @@ pub async fn publish(
         subject: subject.clone(),
         message: e.to_string(),
     };
+    let size = payload.len();
     let message = jetstream::message::PublishMessage::build()
         .payload(payload)
         .message_id(assignment_id);
     let ack = js
         .send_publish(subject.clone(), message)
         .await
-        .map_err(|e| err(&e))?
+        .map_err(|e| match e.kind() {
+            jetstream::context::PublishErrorKind::MaxPayloadExceeded => QueueError::TooLarge {
+                id: assignment_id.to_string(),
+                subject: subject.clone(),
+                size,
+                message: e.to_string(),
+            },
+            _ => err(&e),
+        })?
         .await
         .map_err(|e| err(&e))?;
     Ok(Published {
@@ -337,7 +309,7 @@ impl ConsumerDepth {
 }
 
 #[async_trait::async_trait]
-impl crate::status::QueueDepth for ConsumerDepth {
+impl crate::ports::QueueDepth for ConsumerDepth {
     async fn unclaimed(&self, backend: Backend) -> Result<u64, QueueError> {
         let name = backend.as_str();
         let info = self
@@ -657,6 +629,25 @@ impl FinishedAssignments {
     }
 }
 
+#[async_trait::async_trait]
+impl crate::ports::FinishedLog for FinishedAssignments {
+    async fn record(&self, id: &AssignmentId) -> Result<(), QueueError> {
+        FinishedAssignments::record(self, id).await
+    }
+
+    async fn contains(&self, id: &AssignmentId) -> Result<bool, QueueError> {
+        FinishedAssignments::contains(self, id).await
+    }
+
+    fn remember(&self, id: &AssignmentId) {
+        FinishedAssignments::remember(self, id);
+    }
+
+    async fn save_unsaved(&self) -> usize {
+        FinishedAssignments::save_unsaved(self).await
+    }
+}
+
 // === assignments still queued ===
 
 /// The assignments of one backend that still have a message in the stream: on the
@@ -682,7 +673,7 @@ impl StreamQueue {
 }
 
 #[async_trait::async_trait]
-impl crate::lifecycle::QueuedAssignments for StreamQueue {
+impl crate::ports::QueuedAssignments for StreamQueue {
     async fn queued(
         &self,
         ids: &std::collections::HashSet<AssignmentId>,

@@ -114,87 +114,7 @@ impl EnvelopeTrust {
     }
 }
 
-/// What became of one delivery; logged and counted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// The runner claimed the task; the message is acknowledged.
-    Claimed,
-    /// Already claimed before this delivery (redelivery after a restart); acknowledged.
-    AlreadyClaimed,
-    /// Pool full: NAK with delay.
-    Full,
-    /// Identity target not ready: NAK with delay.
-    NotReady,
-    /// Backend error: NAK with a longer delay.
-    BackendError,
-    /// Undecodable, tampered or misrouted: terminated, never retried.
-    Poison,
-    /// The executor ended or never started without claiming, or the backend refused it
-    /// for good: reported as failed in Gitea, cleaned up, acknowledged.
-    ExecutorFailed,
-    /// The executor failed but Gitea did not take the report: NAK, the next delivery
-    /// reports again (nothing is cleaned up before Gitea has the result).
-    ReportPending,
-    /// Another delivery of this assignment is still being handled here: NAK.
-    InFlight,
-    /// Shutting down: NAK so another controller takes it at once.
-    Interrupted,
-    /// Sealed with a task key this controller does not have, and setting it aside failed:
-    /// NAK with a long delay.
-    MissingKey,
-    /// Sealed with a task key this controller does not have: moved to the held subject
-    /// (it holds no admission slot there), acknowledged here.
-    Held,
-    /// A plaintext envelope where a task key is configured: terminated.
-    Plaintext,
-    /// Fetched longer ago than a task may live (or in the future), or sealed without a
-    /// fetch time by an older release: terminated.
-    Expired,
-    /// The assignment finished before: a replay, terminated.
-    Replayed,
-}
-
-impl Outcome {
-    /// Every outcome (the metrics reference lists them).
-    pub const ALL: [Outcome; 15] = [
-        Outcome::Claimed,
-        Outcome::AlreadyClaimed,
-        Outcome::Full,
-        Outcome::NotReady,
-        Outcome::BackendError,
-        Outcome::Poison,
-        Outcome::ExecutorFailed,
-        Outcome::ReportPending,
-        Outcome::InFlight,
-        Outcome::Interrupted,
-        Outcome::MissingKey,
-        Outcome::Held,
-        Outcome::Plaintext,
-        Outcome::Expired,
-        Outcome::Replayed,
-    ];
-
-    /// Metric/log label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Claimed => "claimed",
-            Outcome::AlreadyClaimed => "already_claimed",
-            Outcome::Full => "full",
-            Outcome::NotReady => "not_ready",
-            Outcome::BackendError => "backend_error",
-            Outcome::Poison => "poison",
-            Outcome::ExecutorFailed => "executor_failed",
-            Outcome::ReportPending => "report_pending",
-            Outcome::InFlight => "in_flight",
-            Outcome::Interrupted => "interrupted",
-            Outcome::MissingKey => "missing_key",
-            Outcome::Held => "held",
-            Outcome::Plaintext => "plaintext_refused",
-            Outcome::Expired => "expired",
-            Outcome::Replayed => "replayed",
-        }
-    }
-}
+pub use crate::vocabulary::Outcome;
 
 /// How a delivery is settled.
 enum Settle {
@@ -344,7 +264,7 @@ impl Worker {
     /// A redelivery that comes before the claim is handled as any delivery.
     pub async fn resume_adopted(&self, stream: &jetstream::stream::Stream, subject: &str) -> usize {
         let backend = self.settings.backend;
-        let waiting: HashSet<AssignmentId> = match self.backend.list().await {
+        let candidates: Vec<AssignmentId> = match self.backend.list().await {
             Ok(records) => records
                 .into_iter()
                 .filter(|r| !r.claimed && !r.terminal && !r.phase.is_finished())
@@ -355,6 +275,7 @@ impl Worker {
                 return 0;
             }
         };
+        let waiting = self.not_finished(candidates).await;
         if waiting.is_empty() {
             return 0;
         }
@@ -376,6 +297,25 @@ impl Worker {
             tracing::warn!(%backend, read = reader.read(), unread = reader.unread(), "more assignments queued than one start reads; the rest of the adopted executors are resumed by their redelivery");
         }
         resumed
+    }
+
+    /// The members of `ids` not recorded as finished. A job failed before the restart
+    /// (the record is written before the report) is never offered again; neither is one
+    /// whose record cannot be read now: its redelivery decides.
+    async fn not_finished(&self, ids: Vec<AssignmentId>) -> HashSet<AssignmentId> {
+        let mut open = HashSet::new();
+        for id in ids {
+            match self.dispatch.has_finished(&id).await {
+                Ok(false) => {
+                    open.insert(id);
+                }
+                Ok(true) => {}
+                Err(e) => {
+                    tracing::warn!(backend = %self.settings.backend, assignment_id = %id, error = %e, "cannot tell whether an adopted executor's job finished; its redelivery decides");
+                }
+            }
+        }
+        open
     }
 
     /// [`Worker::resume_adopted`] for one page of the stream.
@@ -665,18 +605,30 @@ impl Worker {
         if existing.as_ref().is_some_and(|r| r.claimed || r.terminal) {
             return Outcome::AlreadyClaimed;
         }
-        if existing.is_none() {
-            // Invariant 20: its executor is gone, but the record of its end outlives it.
-            match self.dispatch.has_finished(&id).await {
-                Ok(false) => {}
-                Ok(true) => {
+        // Invariant 20: the record of a job's end outlives its executor. Invariant 12: it
+        // is written before an unclaimed job's failure is reported, so an executor that is
+        // still there (its clean-up failed, or the controller restarted after the report)
+        // is never offered its task again.
+        match self.dispatch.has_finished(&id).await {
+            Ok(false) => {}
+            Ok(true) => {
+                let Some(record) = existing.as_ref() else {
                     tracing::warn!(%backend, assignment_id = %id, "terminating an assignment that finished before (a replayed envelope)");
                     return Outcome::Replayed;
-                }
-                Err(e) => {
-                    tracing::warn!(%backend, assignment_id = %id, error = %e, "cannot tell whether the assignment finished before; retrying later");
-                    return Outcome::BackendError;
-                }
+                };
+                let reason = format!(
+                    "the job was failed before its runner claimed it; its executor {} is removed",
+                    record.name
+                );
+                // Reported again (Gitea keeps the first result) in case the first report
+                // never reached it; counted as what stopped it from starting.
+                return self
+                    .fail(&assignment, FailureReason::StartDeadline, &reason)
+                    .await;
+            }
+            Err(e) => {
+                tracing::warn!(%backend, assignment_id = %id, error = %e, "cannot tell whether the assignment finished before; retrying later");
+                return Outcome::BackendError;
             }
         }
         match self.dispatch.admit(backend, &id) {
@@ -880,12 +832,26 @@ impl Worker {
         }
     }
 
-    /// Invariant 12: report the failure first; only once Gitea has it, mark terminal,
-    /// release the slot and clean up. If Gitea does not take it, keep everything and put
-    /// the delivery back, so the next one reports again.
+    /// Invariant 12: expire the offer (a claim in flight wins) and record the job as
+    /// finished, so no redelivery or restarted controller offers it again; then report the
+    /// failure; only once Gitea has it, mark terminal, release the slot and clean up. If
+    /// Gitea does not take it, keep everything and put the delivery back, so the next one
+    /// reports again.
     async fn fail(&self, assignment: &Assignment, why: FailureReason, reason: &str) -> Outcome {
         let backend = self.settings.backend;
         let id = assignment.id();
+        // A claim being recorded, or recorded, wins: the runner has the job (invariant 12).
+        if !self.dispatch.expire(id) {
+            tracing::info!(%backend, assignment_id = %id, "the runner claimed the job before it could be failed; the next delivery hands it over");
+            return Outcome::BackendError;
+        }
+        // The exclusion must outlive this process and this delivery before Gitea hears of
+        // the failure: a redelivery or a restarted controller reads this record and never
+        // offers the task again, whatever becomes of the clean-up below.
+        if let Err(e) = self.dispatch.record_finished(id).await {
+            tracing::warn!(%backend, assignment_id = %id, error = %e, "cannot record the failed assignment as finished; failing it with the next delivery");
+            return Outcome::ReportPending;
+        }
         tracing::error!(%backend, assignment_id = %id, event = "failing", failure = why.as_str(), reason, "the job failed before its runner claimed it; failing it in Gitea, then cleaning up");
         match self
             .gitea
@@ -907,17 +873,6 @@ impl Worker {
             }
         }
         let marked = self.backend.mark_terminal(id).await;
-        if let Err(e) = self.dispatch.record_finished(id).await {
-            // Deleting now would leave nothing that stops a replay: keep the executor (the
-            // terminal marker holds meanwhile) for the lifecycle reconciler, which records
-            // before it deletes.
-            tracing::warn!(%backend, assignment_id = %id, error = %e, "recording the failed assignment as finished failed; the lifecycle reconciler cleans up");
-            self.dispatch.forget(backend, id);
-            return match marked {
-                Ok(()) => Outcome::ExecutorFailed,
-                Err(_) => Outcome::BackendError,
-            };
-        }
         self.dispatch.forget(backend, id);
         match (self.backend.delete(id).await, marked) {
             (Ok(()), _) => {
@@ -929,8 +884,8 @@ impl Worker {
                 tracing::warn!(%backend, assignment_id = %id, error = %e, "deleting the failed executor failed; the lifecycle reconciler retries");
                 Outcome::ExecutorFailed
             }
-            // Neither marked nor deleted: only a redelivery still knows it. Reporting again
-            // is harmless (Gitea keeps the first result).
+            // Neither marked nor deleted: a redelivery finds the finished record and cleans
+            // up (reporting again is harmless: Gitea keeps the first result).
             (Err(e), Err(mark)) => {
                 tracing::warn!(%backend, assignment_id = %id, error = %e, mark_error = %mark, "cleaning up the failed executor failed; retrying with the next delivery");
                 Outcome::BackendError

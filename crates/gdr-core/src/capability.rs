@@ -15,7 +15,7 @@ use aws_lc_rs::{constant_time, hmac};
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 
-use super::assignment::AssignmentId;
+use super::assignment_id::AssignmentId;
 
 /// Minimum key length: HMAC-SHA256 gains nothing from more, and less is guessable.
 pub const MIN_KEY_BYTES: usize = 32;

@@ -16,6 +16,7 @@
 #![deny(missing_docs)]
 
 pub mod assignment;
+pub mod assignment_id;
 pub mod backend;
 pub mod backoff;
 pub mod capability;

@@ -35,7 +35,7 @@ use std::process::ExitStatus;
 use rustix::process::{Pid, Signal};
 
 use crate::docker::{DockerError, DockerSettings, Dockerd};
-use crate::oneshot::Forward;
+use crate::forward::Forward;
 
 /// `CI_EXECUTOR_SANDBOXED`: `true` in the executor image only: this executor is its Pod's
 /// or VM's own and, started as root, prepares that environment.
@@ -62,7 +62,7 @@ const LOOP_NODES: u32 = 8;
 /// The child cgroup the root cgroup's processes move to (the name `docker:dind` uses).
 const INIT_CGROUP: &str = "init";
 
-/// Where things are; [`Paths::SYSTEM`] in production, temporary directories in tests.
+/// Where things are; [`Paths::system`] in production, temporary directories in tests.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Paths {
     /// The device directory.

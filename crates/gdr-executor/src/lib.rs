@@ -14,8 +14,10 @@
 
 mod descendants;
 pub mod docker;
+mod forward;
 pub mod jobenv;
 pub mod oneshot;
 pub mod outbox;
 pub mod proxy;
 pub mod relay;
+mod upstream;

@@ -30,6 +30,7 @@ use rustix::process::{Pid, Signal};
 use serde::Serialize;
 
 use crate::docker::{DockerError, DockerSettings, Dockerd};
+pub use crate::forward::Forward;
 use crate::relay::{Claim, Relay, Settled};
 
 /// `CI_RUNNER_CONFIG`: the official runner's configuration file, passed as `--config`.
@@ -293,16 +294,6 @@ pub fn write_runner_file(
     let mut handle = options.open(&path).map_err(io)?;
     std::io::Write::write_all(&mut handle, text.as_bytes()).map_err(io)?;
     Ok(path)
-}
-
-/// A signal the executor passes on to its runner (the runner cancels its job on either and
-/// still reports a cancelled result).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Forward {
-    /// SIGTERM.
-    Terminate,
-    /// SIGINT.
-    Interrupt,
 }
 
 /// Removes the capability-bearing `.runner` (and a temporary work directory) however the

@@ -74,6 +74,9 @@ pub struct Outbox {
     /// Rows acknowledged to the runner that Gitea never got (refused for good): the
     /// runner's index of a row is Gitea's plus this.
     shift: i64,
+    /// The rows Gitea never got, as `(first, count)` in the runner's index, in order: the
+    /// runner's step log ranges are translated through them.
+    dropped: Vec<(i64, i64)>,
     /// A delivery size the facade (or something in front of it) refused as too large.
     too_large: Option<usize>,
     /// Rows acknowledged to the runner beyond `acked`, in order.
@@ -119,6 +122,25 @@ impl Outbox {
             return false;
         }
         request.index = request.index.saturating_sub(self.shift).max(0);
+        true
+    }
+
+    /// The runner's `UpdateTask` as Gitea must get it: each step's log range, counted in
+    /// the runner's index, translated into Gitea's (the rows Gitea never got leave it), so
+    /// Gitea slices each step's log from the step's own rows. Returns whether it changed.
+    pub fn to_gitea_state(&self, request: &mut pb::UpdateTaskRequest) -> bool {
+        if self.dropped.is_empty() {
+            return false;
+        }
+        let Some(state) = request.state.as_option_mut() else {
+            return false;
+        };
+        for step in &mut state.steps {
+            let end = step.log_index.saturating_add(step.log_length);
+            let start = gitea_index(&self.dropped, step.log_index);
+            step.log_index = start;
+            step.log_length = gitea_index(&self.dropped, end).saturating_sub(start).max(0);
+        }
         true
     }
 
@@ -279,9 +301,13 @@ impl Outbox {
                 rows: take,
             });
         }
-        self.state.as_ref().map(|request| Delivery::State {
-            request: request.clone(),
-            generation: self.generation,
+        self.state.as_ref().map(|request| {
+            let mut request = request.clone();
+            self.to_gitea_state(&mut request);
+            Delivery::State {
+                request,
+                generation: self.generation,
+            }
         })
     }
 
@@ -297,6 +323,7 @@ impl Outbox {
             // Gitea has fewer rows than the runner was told: those are gone, and the held
             // ones go on at Gitea's own index.
             let lost = self.acked - ack;
+            self.dropped.push((ack.saturating_add(self.shift), lost));
             self.shift = self.shift.saturating_add(lost);
             self.acked = ack;
             return Logged::Behind {
@@ -347,9 +374,9 @@ impl Outbox {
         for row in self.rows.drain(..count) {
             self.held_bytes = self.held_bytes.saturating_sub(row.content.len());
         }
-        self.shift = self
-            .shift
-            .saturating_add(i64::try_from(count).unwrap_or(i64::MAX));
+        let dropped = i64::try_from(count).unwrap_or(i64::MAX);
+        self.dropped.push((first, dropped));
+        self.shift = self.shift.saturating_add(dropped);
         if request.no_more {
             self.no_more = false;
         }
@@ -387,6 +414,16 @@ pub struct RefusedRows {
     pub first: i64,
     /// How many.
     pub count: usize,
+}
+
+/// Gitea's index of the row the runner counted as `runner`: less every row before it that
+/// Gitea never got (`dropped`, runner's index).
+fn gitea_index(dropped: &[(i64, i64)], runner: i64) -> i64 {
+    let before: i64 = dropped
+        .iter()
+        .map(|&(first, count)| runner.saturating_sub(first).clamp(0, count))
+        .sum();
+    runner.saturating_sub(before).max(0)
 }
 
 /// A row's share of an encoded `UpdateLogRequest`: its tag, its length, the row.
@@ -639,6 +676,77 @@ mod tests {
         outbox.passed_log(&sent, &answer);
         outbox.to_runner(&mut answer);
         assert_eq!(answer.ack_index, 8);
+    }
+
+    /// A final state whose steps' logs span `ranges` (runner's index, length).
+    fn state_with_steps(ranges: &[(i64, i64)]) -> pb::UpdateTaskRequest {
+        let mut request = state(pb::TaskResult::RESULT_SUCCESS, &[]);
+        request.state.as_option_mut().unwrap().steps = ranges
+            .iter()
+            .map(|&(log_index, log_length)| pb::StepState {
+                log_index,
+                log_length,
+                ..Default::default()
+            })
+            .collect();
+        request
+    }
+
+    fn step_ranges(request: &pb::UpdateTaskRequest) -> Vec<(i64, i64)> {
+        request
+            .state
+            .as_option()
+            .unwrap()
+            .steps
+            .iter()
+            .map(|s| (s.log_index, s.log_length))
+            .collect()
+    }
+
+    /// DESIGN invariant 19 (issue 37): after rows were refused for good, the steps' log
+    /// ranges in the runner's `UpdateTask` are translated into Gitea's index as the log's
+    /// index is, held or sent through, so Gitea slices each step's log from its own rows: a
+    /// step before the dropped rows keeps its range, one spanning them loses them, one
+    /// after them moves up.
+    #[test]
+    fn after_a_refused_batch_the_steps_log_ranges_are_translated_like_the_logs_index() {
+        let mut outbox = Outbox::default();
+        outbox.passed_log(&log(0, rows(0, 2), false), &ack(2));
+        outbox.hold_log(&log(2, big_rows(2, 4, 1024 * 1024), false));
+        let first = next_log(&outbox);
+        assert_eq!(
+            outbox.refuse_log(&first),
+            RefusedRows { first: 2, count: 3 }
+        );
+        // Steps: rows 0–1, rows 1–5 (spanning the dropped 2–4), rows 6–7.
+        outbox.hold_state(state_with_steps(&[(0, 2), (1, 5), (6, 2)]));
+        let rest = next_log(&outbox);
+        assert_eq!(outbox.delivered_log(&rest, &ack(3)), Logged::Progress);
+        let Some(Delivery::State { request, .. }) = outbox.next() else {
+            panic!("the state is delivered next");
+        };
+        assert_eq!(step_ranges(&request), vec![(0, 2), (1, 2), (3, 2)]);
+
+        // Sent through once nothing is held: translated the same way.
+        let mut sent = state_with_steps(&[(6, 2)]);
+        assert!(outbox.to_gitea_state(&mut sent));
+        assert_eq!(step_ranges(&sent), vec![(3, 2)]);
+    }
+
+    /// DESIGN invariant 19 (issue 37): rows Gitea turned out not to have (it acknowledged
+    /// fewer than the runner was told) shift the steps' log ranges as they shift the log.
+    #[test]
+    fn after_a_re_base_the_steps_log_ranges_follow_giteas_index() {
+        let mut outbox = Outbox::default();
+        outbox.hold_log(&log(5, rows(5, 2), false));
+        let first = next_log(&outbox);
+        assert_eq!(
+            outbox.delivered_log(&first, &ack(3)),
+            Logged::Behind { lost: 2 }
+        );
+        let mut sent = state_with_steps(&[(5, 2)]);
+        assert!(outbox.to_gitea_state(&mut sent));
+        assert_eq!(step_ranges(&sent), vec![(3, 2)]);
     }
 
     /// DESIGN invariant 19: when Gitea has fewer rows than the runner was told (an

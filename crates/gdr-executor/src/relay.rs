@@ -33,7 +33,7 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use crate::outbox::{Delivery, FACADE_REQUEST_LIMIT, Logged, Outbox};
-use crate::proxy::{
+use crate::upstream::{
     Body, Exchange, Facade, Failure, Head, OUTAGE_BACKOFF, ProxyError, Rpc, error_response,
     proto_response,
 };
@@ -365,6 +365,13 @@ impl Relay {
         };
         self.reported(Rpc::UpdateTask, &head);
         if !self.holding() {
+            // Step log ranges in Gitea's index, as the log's own index is (to_gitea).
+            let mut sent = request.clone();
+            let body = if self.lock().outbox.to_gitea_state(&mut sent) {
+                Bytes::from(sent.encode_to_vec())
+            } else {
+                body
+            };
             let outcome = self.facade.unary(&head, body.clone()).await;
             match (judge(&outcome, body.len()), outcome) {
                 (Verdict::Accepted, Ok(exchange)) => {

@@ -10,6 +10,7 @@
     unused_qualifications,
     rust_2018_idioms,
     clippy::all,
+    clippy::too_many_lines,
     refining_impl_trait
 )]
 

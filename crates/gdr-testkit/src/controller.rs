@@ -83,6 +83,14 @@ pub struct ControllerFixture {
     keys: BTreeMap<String, Value>,
 }
 
+impl Drop for ControllerFixture {
+    fn drop(&mut self) {
+        // The controllers' executors run in process groups of their own, so that they
+        // outlive a controller crash: they end with the test instead.
+        crate::leftovers::end_processes_under(self.dir.path());
+    }
+}
+
 impl ControllerFixture {
     /// Registers a runner labelled `self-hosted, pod, vm` in `mock`, writes its credentials
     /// and a capability key, and starts from the single-host defaults: local identity,

@@ -14,7 +14,8 @@
 //!   environment leaks in but `PATH`, `HOME` and `TMPDIR`.
 //! - **Volumes** map to directories under the kubelet's root: `emptyDir`, `secret` and
 //!   `projected` Secret sources written as files, and the SPIFFE CSI volume
-//!   (`csi.spiffe.io`) mapped to the fake SPIRE agent's directory for that Pod. A process
+//!   (`csi.spiffe.io`) or the agent's node directory ([`AGENT_HOST_DIR`], a `hostPath`)
+//!   mapped to the fake SPIRE agent's directory for that Pod. A process
 //!   cannot see the mount paths, so every mount path appearing in an env value or argument
 //!   is rewritten to its directory (the fake's one visible deviation).
 //! - **Lifecycle**: `Pending` → `Running` → `Succeeded`/`Failed` with the container's exit
@@ -40,6 +41,11 @@ use tokio::task::JoinHandle;
 
 use crate::fake_kube::now_rfc3339;
 use crate::fake_spire::FakeSpireAgent;
+
+/// The node directory where the fake node's SPIRE agent listens, for Pods that mount it
+/// with `hostPath` (`pod_spiffe_host_path`) instead of the SPIFFE CSI driver; any other
+/// `hostPath` fails the Pod's start as a missing `Directory` does on a real node.
+pub const AGENT_HOST_DIR: &str = "/run/spire/agent-sockets";
 
 /// How often the kubelet re-examines its Pods besides watch events (a missing Secret may
 /// appear; a real kubelet resyncs too).
@@ -499,6 +505,30 @@ impl Shared {
                     }
                     Ok(())
                 };
+            if let Some(host) = &volume.host_path {
+                // A real node's agent serves every Pod on one socket and attests callers by
+                // their cgroup; the fake agent tells Pods apart by the directory it gives
+                // each, so the node's agent directory becomes the Pod's own here.
+                match (&self.config.spire, host.path.as_str()) {
+                    (Some(spire), AGENT_HOST_DIR) => {
+                        let d = spire
+                            .socket_dir(uid)
+                            .await
+                            .map_err(|e| Waiting("ContainerCreating", e.to_string()))?;
+                        dirs.insert(volume.name.clone(), d);
+                    }
+                    (_, path) => {
+                        return Err(Waiting(
+                            "ContainerCreating",
+                            format!(
+                                "MountVolume.SetUp failed for volume \"{}\" : hostPath type check failed: {path} is not a directory",
+                                volume.name
+                            ),
+                        ));
+                    }
+                }
+                continue;
+            }
             if let Some(csi) = &volume.csi {
                 match (&self.config.spire, csi.driver.as_str()) {
                     (Some(spire), "csi.spiffe.io") => {

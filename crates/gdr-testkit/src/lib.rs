@@ -30,12 +30,16 @@
 //! - [`service`]: a Kubernetes Service stand-in that routes to the ready replica.
 //! - [`eventually`] / [`until`] / [`until_sync`]: waiting on observable state with a deadline.
 
+// Test peers are test code: the length limit on functions is for product code.
+#![allow(clippy::too_many_lines)]
+
 pub mod backend_contract;
 pub mod browser;
 pub mod controller;
 pub mod fake_kube;
 pub mod fake_kubelet;
 pub mod fake_spire;
+pub mod leftovers;
 pub mod local_controller;
 pub mod log_capture;
 pub mod memory_backend;

@@ -68,6 +68,8 @@ struct State {
     find_calls: usize,
     /// Assignments whose `delete` fails.
     failing_deletes: std::collections::BTreeSet<AssignmentId>,
+    /// Assignments whose `mark_terminal` fails.
+    failing_marks: std::collections::BTreeSet<AssignmentId>,
     not_ready_binds: usize,
 }
 
@@ -158,6 +160,16 @@ impl MemoryBackend {
     /// `delete` of `id` fails (Unavailable) until [`MemoryBackend::heal_delete`].
     pub fn fail_deletes_of(&self, id: &AssignmentId) {
         self.state().failing_deletes.insert(id.clone());
+    }
+
+    /// `mark_terminal` of `id` fails (Unavailable) until [`MemoryBackend::heal_marks`].
+    pub fn fail_marks_of(&self, id: &AssignmentId) {
+        self.state().failing_marks.insert(id.clone());
+    }
+
+    /// `mark_terminal` of `id` works again.
+    pub fn heal_marks(&self, id: &AssignmentId) {
+        self.state().failing_marks.remove(id);
     }
 
     /// `delete` of `id` works again.
@@ -359,7 +371,13 @@ impl ExecutorBackend for MemoryBackend {
 
     async fn mark_terminal(&self, id: &AssignmentId) -> Result<(), ExecutorError> {
         self.check()?;
-        if let Some(r) = self.state().executors.get_mut(id) {
+        let mut state = self.state();
+        if state.failing_marks.contains(id) {
+            return Err(ExecutorError::unavailable(Injected(format!(
+                "injected: marking {id} terminal fails"
+            ))));
+        }
+        if let Some(r) = state.executors.get_mut(id) {
             r.terminal = true;
         }
         Ok(())

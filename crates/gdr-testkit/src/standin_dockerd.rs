@@ -1,16 +1,22 @@
 //! A stand-in for `dockerd` (no Docker engine on the test machines), and a recording
 //! wrapper around the stand-in runner, for the tests of the executor's job Docker daemon.
 //!
-//! The stand-in daemon is a small Python program (python3 is on every test machine: the
-//! OpenSandbox tests run Python too). It takes `--host unix://<socket>` as dockerd does,
-//! records its arguments and pid, then — as [`Readiness`] says — answers
-//! `GET /_ping` with `200 OK` on the socket (what the Docker CLI and the executor probe),
-//! never binds it, or exits at once. On SIGTERM it records that and exits 0, as dockerd's
-//! orderly shutdown does.
+//! The stand-in daemon is the `dockerd-standin` binary (this crate's [`main`], built with
+//! the `testkit` feature) behind a `/bin/sh` wrapper that [`StandinDockerd::install`]
+//! writes: nothing here needs python3 or `/usr/bin/env`, which the Nix build sandbox of
+//! `checks.nextest` lacks. It takes `--host unix://<socket>` as dockerd does, records its
+//! arguments and pid, then — as [`Readiness`] says — answers `GET /_ping` with `200 OK` on
+//! the socket (what the Docker CLI and the executor probe), never binds it, or exits at
+//! once. On SIGTERM it records that and exits 0, as dockerd's orderly shutdown does.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+
+/// Where the stand-in writes its records (set by the wrapper).
+const RECORDS_ENV: &str = "STANDIN_DOCKERD_RECORDS";
+/// What the stand-in does (set by the wrapper): `after <ms>`, `never` or `exit <code>`.
+const READINESS_ENV: &str = "STANDIN_DOCKERD_READINESS";
 
 /// When the stand-in daemon answers.
 #[derive(Debug, Clone, Copy)]
@@ -23,6 +29,28 @@ pub enum Readiness {
     Exits(i32),
 }
 
+impl Readiness {
+    fn encode(self) -> String {
+        match self {
+            Readiness::After(d) => format!("after {}", d.as_millis()),
+            Readiness::Never => "never".to_string(),
+            Readiness::Exits(code) => format!("exit {code}"),
+        }
+    }
+
+    fn decode(text: &str) -> Option<Self> {
+        match text.split_once(' ') {
+            Some(("after", ms)) => ms
+                .parse()
+                .ok()
+                .map(|ms| Readiness::After(Duration::from_millis(ms))),
+            Some(("exit", code)) => code.parse().ok().map(Readiness::Exits),
+            None if text == "never" => Some(Readiness::Never),
+            _ => None,
+        }
+    }
+}
+
 /// A stand-in `dockerd` written into a directory, with what it recorded there.
 #[derive(Debug, Clone)]
 pub struct StandinDockerd {
@@ -30,49 +58,18 @@ pub struct StandinDockerd {
 }
 
 impl StandinDockerd {
-    /// Writes the program into `dir` (which then holds its records too).
-    pub fn install(dir: &Path, readiness: Readiness) -> std::io::Result<Self> {
-        let (delay, exit) = match readiness {
-            Readiness::After(d) => (d.as_secs_f64(), None),
-            Readiness::Never => (f64::INFINITY, None),
-            Readiness::Exits(code) => (0.0, Some(code)),
-        };
-        let exit = exit.map_or_else(|| "None".to_string(), |c| c.to_string());
-        let records = dir.display();
+    /// Writes `dir/dockerd`, a wrapper that runs the `dockerd-standin` binary at
+    /// `program` with its records in `dir` (which then holds them).
+    pub fn install(dir: &Path, program: &Path, readiness: Readiness) -> std::io::Result<Self> {
         let body = format!(
-            r#"#!/usr/bin/env python3
-import os, signal, socket, sys, time
-records = "{records}"
-args = sys.argv[1:]
-with open(os.path.join(records, "dockerd.args"), "w") as f:
-    f.write("\n".join(args))
-with open(os.path.join(records, "dockerd.pid"), "w") as f:
-    f.write(str(os.getpid()))
-def term(*_):
-    open(os.path.join(records, "dockerd.terminated"), "w").close()
-    sys.exit(0)
-signal.signal(signal.SIGTERM, term)
-if {exit} is not None:
-    sys.exit({exit})
-delay = float("{delay}")
-if delay == float("inf"):
-    while True:
-        time.sleep(3600)
-time.sleep(delay)
-path = args[args.index("--host") + 1].removeprefix("unix://")
-s = socket.socket(socket.AF_UNIX)
-s.bind(path)
-s.listen(8)
-while True:
-    c, _ = s.accept()
-    c.recv(1024)
-    c.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nOK")
-    c.close()
-"#
+            "#!/bin/sh\n{RECORDS_ENV}='{records}' {READINESS_ENV}='{readiness}' exec '{program}' \"$@\"\n",
+            records = dir.display(),
+            readiness = readiness.encode(),
+            program = program.display(),
         );
-        let program = dir.join("dockerd");
-        std::fs::write(&program, body)?;
-        std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755))?;
+        let wrapper = dir.join("dockerd");
+        std::fs::write(&wrapper, body)?;
+        std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755))?;
         Ok(StandinDockerd {
             dir: dir.to_path_buf(),
         })
@@ -182,4 +179,80 @@ pub fn runner_start(dir: &Path) -> Option<RunnerStart> {
         }
     }
     Some(start)
+}
+
+/// The `dockerd-standin` binary: records, then behaves as `STANDIN_DOCKERD_READINESS` says.
+/// Exits 2 on a wrong invocation (no records directory, no `--host unix://…`).
+pub fn main() -> std::process::ExitCode {
+    match run_daemon() {
+        Ok(code) => std::process::ExitCode::from(code),
+        Err(message) => {
+            eprintln!("dockerd-standin: {message}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+fn run_daemon() -> Result<u8, String> {
+    let records =
+        PathBuf::from(std::env::var_os(RECORDS_ENV).ok_or(format!("{RECORDS_ENV} is unset"))?);
+    let readiness = std::env::var(READINESS_ENV)
+        .ok()
+        .and_then(|r| Readiness::decode(&r))
+        .ok_or(format!(
+            "{READINESS_ENV} is unset or not `after <ms>`, `never` or `exit <code>`"
+        ))?;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let write = |name: &str, text: String| {
+        std::fs::write(records.join(name), text).map_err(|e| format!("writing {name}: {e}"))
+    };
+    write("dockerd.args", args.join("\n"))?;
+    write("dockerd.pid", std::process::id().to_string())?;
+    let socket = args
+        .iter()
+        .position(|a| a == "--host")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|h| h.strip_prefix("unix://"))
+        .map(PathBuf::from);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("starting the runtime: {e}"))?;
+    runtime.block_on(async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(|e| format!("installing the SIGTERM handler: {e}"))?;
+        tokio::select! {
+            _ = term.recv() => {
+                write("dockerd.terminated", String::new())?;
+                Ok(0)
+            }
+            outcome = behave(readiness, socket) => outcome,
+        }
+    })
+}
+
+/// What the daemon does until SIGTERM: exit, hang, or answer every connection with `OK`.
+async fn behave(readiness: Readiness, socket: Option<PathBuf>) -> Result<u8, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let delay = match readiness {
+        Readiness::Exits(code) => return Ok(u8::try_from(code).unwrap_or(1)),
+        Readiness::Never => return futures::future::pending().await,
+        Readiness::After(delay) => delay,
+    };
+    tokio::time::sleep(delay).await;
+    let socket = socket.ok_or("no `--host unix://<socket>` argument")?;
+    let listener = tokio::net::UnixListener::bind(&socket)
+        .map_err(|e| format!("binding {}: {e}", socket.display()))?;
+    loop {
+        let (mut conn, _) = listener
+            .accept()
+            .await
+            .map_err(|e| format!("accepting: {e}"))?;
+        let mut request = [0_u8; 1024];
+        // The request is not parsed: every probe gets dockerd's answer to `GET /_ping`.
+        let _ = conn.read(&mut request).await;
+        let _ = conn
+            .write_all(b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nOK")
+            .await;
+    }
 }

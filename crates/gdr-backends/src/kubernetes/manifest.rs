@@ -7,15 +7,15 @@ use gdr_core::assignment::AssignmentId;
 use gdr_core::executor::{ExecutorSpec, env};
 use gdr_core::metadata::keys;
 use k8s_openapi::api::core::v1::{
-    CSIVolumeSource, Capabilities, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource, Pod,
-    PodSpec, ResourceRequirements, SeccompProfile, Secret, SecretKeySelector, SecurityContext,
-    Volume, VolumeMount,
+    CSIVolumeSource, Capabilities, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource,
+    HostPathVolumeSource, Pod, PodSpec, ResourceRequirements, SeccompProfile, Secret,
+    SecretKeySelector, SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use serde_json::{Value, json};
 
-use super::settings::{KubernetesSettings, PodProfile, Resources};
+use super::settings::{KubernetesSettings, PodProfile, Resources, WorkloadApiVolume};
 
 /// `app.kubernetes.io/name` of everything the backend creates.
 pub const APP_NAME: &str = "gitea-dynamic-runner";
@@ -159,20 +159,38 @@ fn environment(s: &KubernetesSettings, spec: &ExecutorSpec) -> Vec<EnvVar> {
         .collect()
 }
 
-/// The executor Pod of `spec`, named after its assignment.
-pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProfile>) -> Pod {
-    let mut labels = spec.metadata.labels.clone();
-    labels.extend(app_labels(COMPONENT_EXECUTOR));
-    let mut volumes = vec![
-        Volume {
+/// The volume carrying the node agent's Workload API socket (mounted read-only either way).
+fn workload_api_volume(source: &WorkloadApiVolume) -> Volume {
+    match source {
+        WorkloadApiVolume::Csi { driver } => Volume {
             name: SPIFFE_VOLUME.into(),
+            // The SPIFFE CSI driver refuses to publish a writable volume.
             csi: Some(CSIVolumeSource {
-                driver: s.csi_driver.clone(),
+                driver: driver.clone(),
                 read_only: Some(true),
                 ..CSIVolumeSource::default()
             }),
             ..Volume::default()
         },
+        WorkloadApiVolume::HostPath { path } => Volume {
+            name: SPIFFE_VOLUME.into(),
+            // `Directory`: a node without the agent's directory fails the Pod's start with
+            // the kubelet's reason instead of handing the job an empty directory.
+            host_path: Some(HostPathVolumeSource {
+                path: path.clone(),
+                type_: Some("Directory".into()),
+            }),
+            ..Volume::default()
+        },
+    }
+}
+
+/// The executor Pod of `spec`, named after its assignment.
+pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProfile>) -> Pod {
+    let mut labels = spec.metadata.labels.clone();
+    labels.extend(app_labels(COMPONENT_EXECUTOR));
+    let mut volumes = vec![
+        workload_api_volume(&s.workload_api_volume),
         Volume {
             name: DOCKER_VOLUME.into(),
             empty_dir: Some(EmptyDirVolumeSource {

@@ -58,7 +58,8 @@ pub use manifest::{APP_NAME, CAPABILITY_KEY, CONTAINER, secret_name};
 pub use phase::phase;
 use serde_json::{Value, json};
 pub use settings::{
-    KubernetesSettings, PodProfile, ProfileVolume, Resources, SettingsError, parse_quantity,
+    KubernetesSettings, PodProfile, ProfileVolume, Resources, SettingsError, WorkloadApiVolume,
+    parse_quantity,
 };
 use tokio::sync::watch;
 use tokio::task::JoinHandle;

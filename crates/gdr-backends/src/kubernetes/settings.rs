@@ -53,8 +53,8 @@ pub struct KubernetesSettings {
     /// aliases. Unset (the default): the agent ID of the node the Pod is scheduled on,
     /// `spiffe://<td>/spire/agent/k8s_psat/<spire_cluster>/<Node UID>`.
     pub spire_agent_id: Option<String>,
-    /// CSI driver of the Workload API volume (default `csi.spiffe.io`).
-    pub csi_driver: String,
+    /// Where the Workload API volume comes from (default: the CSI driver `csi.spiffe.io`).
+    pub workload_api_volume: WorkloadApiVolume,
     /// Where the Workload API volume is mounted (default `/run/spire/agent-sockets`).
     pub agent_socket_dir: String,
     /// Socket file name in it (default `spire-agent.sock`).
@@ -84,6 +84,25 @@ pub struct KubernetesSettings {
     pub identity_deadline: Duration,
 }
 
+/// The source of the volume that carries the SPIRE agent's Workload API socket into an
+/// executor Pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WorkloadApiVolume {
+    /// A CSI volume of this driver (`pod_spiffe_csi_driver`; the SPIFFE CSI driver mounts
+    /// the node agent's socket directory, read-only).
+    Csi {
+        /// The driver's name.
+        driver: String,
+    },
+    /// The node directory at this absolute path, as a `hostPath` volume
+    /// (`pod_spiffe_host_path`): for clusters without the CSI driver, where each node's
+    /// agent listens in that directory.
+    HostPath {
+        /// The directory on the node.
+        path: String,
+    },
+}
+
 impl KubernetesSettings {
     /// Defaults for everything but the deployment facts.
     pub fn new(
@@ -106,7 +125,9 @@ impl KubernetesSettings {
             spire_cluster: spire_cluster.into(),
             spire_class: spire_class.into(),
             spire_agent_id: None,
-            csi_driver: "csi.spiffe.io".into(),
+            workload_api_volume: WorkloadApiVolume::Csi {
+                driver: "csi.spiffe.io".into(),
+            },
             agent_socket_dir: "/run/spire/agent-sockets".into(),
             agent_socket_name: "spire-agent.sock".into(),
             extra_env: BTreeMap::new(),
@@ -140,6 +161,20 @@ impl KubernetesSettings {
         };
         if self.image.trim().is_empty() {
             return bad("pod_executor_image", "is required".into());
+        }
+        match &self.workload_api_volume {
+            WorkloadApiVolume::Csi { driver } if driver.trim().is_empty() => {
+                return bad("pod_spiffe_csi_driver", "must not be empty".into());
+            }
+            WorkloadApiVolume::HostPath { path }
+                if !path.starts_with('/') || path.contains("..") =>
+            {
+                return bad(
+                    "pod_spiffe_host_path",
+                    format!("{path:?} is not an absolute directory on the node"),
+                );
+            }
+            _ => {}
         }
         if !is_dns_label(&self.namespace) {
             return bad(

@@ -231,7 +231,11 @@ impl Facade {
         };
         match self.dispatch.authorize(uuid, token, peer) {
             Ok(auth) => {
-                self.dispatch.heard_from(&auth.id);
+                // Only the runner's own calls show it is alive (invariant 12): an executor
+                // that only fetches artifacts or git objects must still fall silent.
+                if method != PASS_THROUGH {
+                    self.dispatch.heard_from(&auth.id);
+                }
                 Ok(auth)
             }
             // Not offered in this process (yet): after a restart the fallback may accept it,
@@ -356,6 +360,19 @@ async fn authenticate_request(
 /// or found on a backend after a restart), before anything reads the body; an assignment
 /// whose result Gitea has is refused. The credentials never reach Gitea (the proxy
 /// forwards only its allow-listed headers).
+/// Why an assignment in `state` is no longer live for the pass-through, if it is not: its
+/// result is in Gitea, or its start deadline expired it and it is being failed there.
+fn not_live(state: Option<crate::dispatch::ClaimState>) -> Option<&'static str> {
+    match state? {
+        crate::dispatch::ClaimState::Terminal => Some("has finished"),
+        crate::dispatch::ClaimState::Expired => Some("expired before its runner claimed it"),
+        crate::dispatch::ClaimState::Pending | crate::dispatch::ClaimState::Claimed => None,
+    }
+}
+
+/// The `method` name of pass-through requests in authentication and its log lines.
+const PASS_THROUGH: &str = "pass-through";
+
 async fn authenticate_pass_through(
     axum::extract::State(facade): axum::extract::State<Arc<Facade>>,
     request: axum::extract::Request,
@@ -387,7 +404,7 @@ async fn authenticate_pass_through(
     }
     let peer = request.extensions().get::<PeerSpiffeId>().cloned();
     let auth = match facade
-        .authenticate_waiting(request.headers(), peer.as_ref(), "pass-through")
+        .authenticate_waiting(request.headers(), peer.as_ref(), PASS_THROUGH)
         .await
     {
         Ok(auth) => auth,
@@ -401,11 +418,11 @@ async fn authenticate_pass_through(
             return (status, format!("{WHO}: {why}\n")).into_response();
         }
     };
-    if facade.dispatch.claim_state(&auth.id) == Some(crate::dispatch::ClaimState::Terminal) {
-        tracing::warn!(assignment_id = %auth.id, path = request.uri().path(), "pass-through request of a finished assignment refused");
+    if let Some(why) = not_live(facade.dispatch.claim_state(&auth.id)) {
+        tracing::warn!(assignment_id = %auth.id, path = request.uri().path(), why, "pass-through request of an assignment that is not live refused");
         return (
             http::StatusCode::FORBIDDEN,
-            format!("{WHO}: {} has finished\n", auth.id),
+            format!("{WHO}: {} {why}\n", auth.id),
         )
             .into_response();
     }

@@ -446,7 +446,7 @@ pub async fn serve_tls(
 }
 
 /// Serves `app` over mTLS on `listener` until `shutdown`, then closes connections
-/// gracefully (each within [`CLOSE_GRACE`]). HTTP/1.1 and h2 are both served (ALPN).
+/// gracefully (each within `CLOSE_GRACE`). HTTP/1.1 and h2 are both served (ALPN).
 /// Connections are bound to the assignment whose capability under `capabilities` their
 /// first request presents (see the module documentation); with `None` nothing binds.
 ///

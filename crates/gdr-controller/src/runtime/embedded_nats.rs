@@ -290,10 +290,10 @@ fn supervise(
             }
             match spawn(launch, store, port, shared) {
                 Ok(mut next) => {
-                    if let Err(e) = wait_ready(&mut next, port) {
+                    if let Err(e) = wait_ready(&mut next, launch, port) {
                         tracing::error!(error = %e, "embedded nats-server restart failed");
                     }
-                    child = next;
+                    child = next.0;
                     break;
                 }
                 Err(e) => {
@@ -319,10 +319,11 @@ fn first_start(
                 EmbeddedNatsError::Start(format!("choosing a loopback port for NATS: {e}"))
             })?
             .port();
-        let mut child = spawn(launch, store, port, shared)?;
-        match wait_ready(&mut child, port) {
-            Ok(()) => return Ok((child, port)),
+        let mut server = spawn(launch, store, port, shared)?;
+        match wait_ready(&mut server, launch, port) {
+            Ok(()) => return Ok((server.0, port)),
             Err(e) => {
+                let child = &mut server.0;
                 let _ = child.kill();
                 let _ = child.wait();
                 shared.pid.store(0, Ordering::SeqCst);
@@ -385,14 +386,63 @@ fn server_args(store: &Path, port: u16) -> Vec<OsString> {
     args
 }
 
+/// The last lines a server wrote to its stderr, kept so that a server that exits at start
+/// can say why in the error (a pyenv shim, a bad flag); bounded, drained until the end.
+#[derive(Default)]
+struct StderrTail {
+    lines: std::sync::Mutex<std::collections::VecDeque<String>>,
+    ended: AtomicBool,
+}
+
+/// Lines of a server's stderr kept, and the length kept of each.
+const STDERR_LINES: usize = 20;
+const STDERR_LINE_CHARS: usize = 512;
+
+impl StderrTail {
+    /// Reads `stderr` to its end on a thread of its own.
+    fn follow(stderr: std::process::ChildStderr) -> Arc<Self> {
+        let tail = Arc::new(StderrTail::default());
+        let reader = tail.clone();
+        let spawned = std::thread::Builder::new()
+            .name("nats-stderr".into())
+            .spawn(move || {
+                use std::io::BufRead;
+                for line in std::io::BufReader::new(stderr).lines() {
+                    let Ok(line) = line else { break };
+                    let mut lines = reader.lines.lock().unwrap_or_else(|p| p.into_inner());
+                    if lines.len() == STDERR_LINES {
+                        lines.pop_front();
+                    }
+                    lines.push_back(line.chars().take(STDERR_LINE_CHARS).collect());
+                }
+                reader.ended.store(true, Ordering::SeqCst);
+            });
+        if spawned.is_err() {
+            tail.ended.store(true, Ordering::SeqCst);
+        }
+        tail
+    }
+
+    /// What the server wrote last, once it has closed its stderr (waiting a little for
+    /// that: it exited just now), as one line.
+    fn last_lines(&self) -> String {
+        let deadline = Instant::now() + Duration::from_millis(500);
+        while !self.ended.load(Ordering::SeqCst) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let lines = self.lines.lock().unwrap_or_else(|p| p.into_inner());
+        lines.iter().cloned().collect::<Vec<_>>().join(" | ")
+    }
+}
+
 /// Starts the server through the binder, from this (supervisor) thread, and records its pid.
 fn spawn(
     launch: &Launch,
     store: &Path,
     port: u16,
     shared: &Shared,
-) -> Result<Child, EmbeddedNatsError> {
-    let child = Command::new(&launch.binder)
+) -> Result<(Child, Arc<StderrTail>), EmbeddedNatsError> {
+    let mut child = Command::new(&launch.binder)
         .arg(EXEC_BOUND_TO_PARENT)
         .arg("--parent")
         .arg(std::process::id().to_string())
@@ -401,7 +451,7 @@ fn spawn(
         .args(server_args(store, port))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| {
             EmbeddedNatsError::Start(format!(
@@ -410,19 +460,29 @@ fn spawn(
                 launch.binder.display()
             ))
         })?;
+    let tail = match child.stderr.take() {
+        Some(stderr) => StderrTail::follow(stderr),
+        None => Arc::new(StderrTail::default()),
+    };
     shared.pid.store(child.id(), Ordering::SeqCst);
     std::fs::write(&shared.pid_file, format!("{}\n", child.id()))
         .map_err(io("writing", &shared.pid_file))?;
-    Ok(child)
+    Ok((child, tail))
 }
 
-fn wait_ready(child: &mut Child, port: u16) -> Result<(), EmbeddedNatsError> {
+fn wait_ready(
+    (child, tail): &mut (Child, Arc<StderrTail>),
+    launch: &Launch,
+    port: u16,
+) -> Result<(), EmbeddedNatsError> {
     let deadline = Instant::now() + READY_TIMEOUT;
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     loop {
         if let Ok(Some(status)) = child.try_wait() {
             return Err(EmbeddedNatsError::Start(format!(
-                "nats-server exited at start: {status}"
+                "{} (nats_server_binary) exited at start: {status}; its last stderr lines: {}",
+                launch.binary.display(),
+                tail.last_lines()
             )));
         }
         if let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1))

@@ -7,10 +7,10 @@
 //! in-flight work finish within bounds (invariant 4) and returns; a lost lease is an error so
 //! the process exits non-zero.
 
+mod backends;
 mod embedded_nats;
 pub mod first_start;
-#[cfg(feature = "kubernetes")]
-mod kubernetes;
+mod nats;
 pub mod sandbox_identity;
 
 use std::collections::BTreeMap;
@@ -19,10 +19,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream;
 pub use embedded_nats::{EmbeddedNats, EmbeddedNatsError, Launch, exec_bound_to_parent};
-use gdr_backends::opensandbox::{ApiKey, ClientSettings, OpenSandboxBackend};
-use gdr_backends::process::{LogRetention, ProcessBackend, ProcessBackendSettings};
 use gdr_core::assignment::{DerivationPolicy, TaskKey, TaskKeyring};
 use gdr_core::backend::Backend;
 use gdr_core::capability::{CapabilityKey, EnvelopeIdKey};
@@ -31,6 +28,8 @@ use gdr_core::metadata::MetadataCodec;
 use gdr_identity::workload_api::{LocalCa, LocalIdentity};
 use tokio::task::JoinSet;
 
+use self::backends::{Extras, Wiring, backends, restore, terminal_grace};
+use self::nats::{Queue, queue_depth, watch_nats};
 use crate::dispatch::Dispatch;
 use crate::facade::Facade;
 use crate::facade::proxy::ReverseProxy;
@@ -39,24 +38,20 @@ use crate::gitea::{ClientOptions, Credentials, GiteaClient};
 use crate::health::Health;
 use crate::held::HeldAssignments;
 use crate::lease::{LeaderElector, Leadership, LeaseSettings};
-use crate::lifecycle::{Housekeeping, Lifecycle};
+use crate::lifecycle::Lifecycle;
 use crate::metrics::{BackendLabel, Metrics, OutcomeLabels};
-use crate::queue::{self, ConsumerSettings, FinishedAssignments, StreamSettings};
+use crate::queue::{self, FinishedAssignments};
 use crate::scheduler::{Heartbeater, Scheduler, SchedulerStats};
 use crate::settings::{
-    self, BackendSettings, FacadeLimits, GiteaSettings, IdentitySource, KeyFile, LeaderSettings,
-    NatsAuth, NatsServer, NatsSettings, OpenSandboxSettings, PodBackend, ProcessSettings,
+    self, BackendSettings, ExecutorTimings, FacadeLimits, FacadeSettings, GiteaSettings,
+    IdentitySource, KeyFile, LeaderSettings, NatsServer, NatsSettings, PodBackend,
     SecretPermissions, Settings, TaskKeyFiles, VmBackend, check_secret_file_mode,
     read_secret_file_with,
 };
 use crate::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use crate::status::{Observations, Observed, QueueDepth};
-use crate::wake::Wake;
 use crate::worker::{EnvelopeTrust, Worker, WorkerSettings};
 
-/// JetStream drops a repeated message ID within this window (a retried publish). Two
-/// minutes is JetStream's default and far longer than any publish retry loop.
-const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
 /// How long a fetched task's publish is still retried after shutdown is requested: long
 /// enough to ride out a NATS restart, short enough for a rolling upgrade.
 const SHUTDOWN_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
@@ -79,10 +74,6 @@ const LOCAL_SVID_TTL: Duration = Duration::from_secs(3600);
 const PROCESS_STOP_GRACE: Duration = Duration::from_secs(10);
 /// How often pool and scheduler counters are copied into the metrics.
 const METRICS_INTERVAL: Duration = Duration::from_secs(1);
-/// Finished assignments are remembered this much longer than a task may live, so clock
-/// skew between replicas never opens a gap between the record expiring and the envelope
-/// counting as too old.
-const FINISHED_MARGIN: Duration = Duration::from_secs(3600);
 /// How often held assignments (sealed with an unknown task key) are looked at.
 const HELD_INTERVAL: Duration = Duration::from_secs(30);
 /// The facade may hold at most this fraction of the open-file limit: each connection can
@@ -150,6 +141,8 @@ pub fn run(settings: Settings, listeners: Listeners, shutdown: Shutdown) -> Prog
     Box::pin(run_controller(settings, listeners, shutdown))
 }
 
+// TODO(issue 36 step 4): split; NATS, backends and the per-backend loops move out.
+#[allow(clippy::too_many_lines)]
 async fn run_controller(
     settings: Settings,
     listeners: Listeners,
@@ -356,84 +349,36 @@ async fn run_controller(
         )
         .await?;
     }
+    let backend_wiring = BackendWiring {
+        dispatch: &dispatch,
+        gitea: &gitea_client,
+        queue: &queue,
+        nats: &nats,
+        executors: &executors,
+        policy: &policy,
+        codec: &codec,
+        keyring: keyring.as_ref(),
+        facade: facade_settings.as_ref(),
+        facade_url: &facade_url,
+        metrics: &metrics,
+        observations: &observations,
+        backlog_changed: &backlog_changed,
+        vm_terminal_grace,
+    };
     for (backend, capacity) in &capacities {
         let Some(adapter) = dispatch.backend(*backend) else {
             continue;
         };
-        let Extras {
-            wake,
-            housekeeping,
-            resync,
-        } = extras.remove(backend).unwrap_or_default();
-        let facade = facade_settings.as_ref();
-        let settings = WorkerSettings {
-            backend: *backend,
-            full_delay: FULL_DELAY,
-            not_ready_delay: NOT_READY_DELAY,
-            error_delay: ERROR_DELAY,
-            progress_interval: nats.ack_wait / 3,
-            start_deadline: executors.start_deadline,
-            facade_url: facade.map(|_| facade_url.clone()).unwrap_or_default(),
-            facade_spiffe_id: facade.map(|f| f.spiffe_id.clone()).unwrap_or_default(),
-            runner_label: policy.labels.label_of(*backend).to_owned(),
-            codec: codec.clone(),
-            report_outage_tolerance: executors.report_outage_tolerance,
-            envelopes: EnvelopeTrust {
-                accept_plaintext: nats.security.accept_plaintext_envelopes,
-                max_age: nats.security.task_lifetime,
-                accept_undated: nats.security.accept_undated_envelopes,
-            },
-            held_subject: queue.stream.held_subject(*backend),
-        };
-        let consumer = queue
-            .consumer(*backend, *capacity, nats.ack_wait, nats.create_stream)
-            .await?;
-        let worker = Worker::new(
-            dispatch.clone(),
-            gitea_client.clone(),
-            policy.clone(),
-            keyring.clone(),
-            settings,
-        )
-        .map_err(setup("starting a worker"))?
-        .with_outcomes(count_outcomes(&metrics, *backend))
-        .with_metrics(metrics.clone())
-        .with_wake(wake.clone())
-        .with_backlog_signal(backlog_changed.clone());
-        queue.resume_adopted(&worker, *backend).await;
-        let stop = work_shutdown.clone();
-        tasks.spawn(async move {
-            worker.run(consumer, stop).await;
-            ("worker", Ok(()))
-        });
-        let mut lifecycle = Lifecycle::new(
-            dispatch.clone(),
+        let extras = extras.remove(backend).unwrap_or_default();
+        spawn_backend(
+            &mut tasks,
+            &backend_wiring,
+            (*backend, *capacity),
             adapter,
-            gitea_client.clone(),
-            executors.idle_timeout,
+            extras,
+            &work_shutdown,
         )
-        .with_metrics(metrics.clone())
-        .with_observations(observations.clone())
-        .with_wake(wake)
-        .with_unstarted(
-            executors.start_deadline,
-            Arc::new(queue::StreamQueue::new(
-                queue.worker.clone(),
-                queue.stream.clone(),
-                *backend,
-            )),
-        );
-        if let Some(h) = housekeeping {
-            lifecycle = lifecycle.with_housekeeping(h);
-        }
-        if let (Backend::Vm, Some(grace)) = (backend, vm_terminal_grace) {
-            lifecycle = lifecycle.with_terminal_grace(grace);
-        }
-        let stop = work_shutdown.clone();
-        tasks.spawn(async move {
-            lifecycle.run(resync, stop).await;
-            ("lifecycle", Ok(()))
-        });
+        .await?;
     }
     let depth = queue_depth(&queue).await;
     if !capacities.is_empty() {
@@ -701,197 +646,6 @@ fn generated_task_key(path: &Path) -> Result<TaskKey, RuntimeError> {
     Ok(key)
 }
 
-// === NATS ===
-
-/// The producer and worker connections, and the embedded server when there is one.
-struct Queue {
-    producer: jetstream::Context,
-    worker: jetstream::Context,
-    stream: StreamSettings,
-    /// Stopped when the queue is dropped, after every component.
-    _embedded: Option<EmbeddedNats>,
-}
-
-#[derive(Clone, Copy)]
-enum Role {
-    Producer,
-    Worker,
-}
-
-impl Queue {
-    async fn connect(
-        nats: &NatsSettings,
-        state_dir: &Path,
-        secrets: SecretPermissions,
-    ) -> Result<Self, RuntimeError> {
-        let stream = StreamSettings {
-            stream: nats.stream.clone(),
-            subject_base: nats.subject_base.clone(),
-            duplicate_window: DUPLICATE_WINDOW,
-        };
-        let (url, producer_auth, worker_auth, embedded, ca) = match &nats.server {
-            NatsServer::Embedded { binary, binder } => {
-                let binder = match binder {
-                    Some(b) => b.clone(),
-                    None => std::env::current_exe()
-                        .map_err(setup("locating this binary for the embedded nats-server"))?,
-                };
-                let launch = Launch {
-                    binary: binary.clone(),
-                    binder,
-                };
-                let server = EmbeddedNats::start(&launch, &state_dir.join("nats"))
-                    .await
-                    .map_err(setup("starting the embedded nats-server"))?;
-                (
-                    server.url(),
-                    NatsAuth::clone(&server.producer_auth()),
-                    server.worker_auth(),
-                    Some(server),
-                    None,
-                )
-            }
-            NatsServer::External {
-                url,
-                producer,
-                worker,
-                ca_file,
-            } => (
-                url.clone(),
-                producer.clone(),
-                worker.clone(),
-                None,
-                ca_file.clone(),
-            ),
-        };
-        let producer =
-            connect(&url, Role::Producer, &producer_auth, ca.as_deref(), secrets).await?;
-        let worker = connect(&url, Role::Worker, &worker_auth, ca.as_deref(), secrets).await?;
-        let queue = Queue {
-            producer: jetstream::new(producer),
-            worker: jetstream::new(worker),
-            stream,
-            _embedded: embedded,
-        };
-        if nats.create_stream {
-            queue::ensure_stream(&queue.producer, &queue.stream)
-                .await
-                .map_err(setup("creating the JetStream stream"))?;
-        } else {
-            queue::open_stream(&queue.producer, &queue.stream)
-                .await
-                .map_err(setup("opening the JetStream stream"))?;
-        }
-        Ok(queue)
-    }
-
-    /// Lets `worker` offer the assignments of adopted, unclaimed executors now instead of
-    /// after their redelivery (`nats_ack_wait` after the previous controller died).
-    async fn resume_adopted(&self, worker: &Worker, backend: Backend) {
-        match queue::open_stream(&self.worker, &self.stream).await {
-            Ok(stream) => {
-                let resumed = worker
-                    .resume_adopted(&stream, &self.stream.subject(backend))
-                    .await;
-                if resumed > 0 {
-                    tracing::info!(%backend, resumed, "resumed adopted executors waiting for their task");
-                }
-            }
-            Err(e) => {
-                tracing::warn!(%backend, error = %e, "cannot read the stream to resume adopted executors")
-            }
-        }
-    }
-
-    /// The finished-assignments bucket (created with the stream, else provisioned).
-    async fn finished(&self, nats: &NatsSettings) -> Result<FinishedAssignments, RuntimeError> {
-        FinishedAssignments::open(
-            &self.worker,
-            &nats.security.finished_bucket,
-            nats.security.task_lifetime + FINISHED_MARGIN,
-            nats.create_stream,
-        )
-        .await
-        .map_err(setup("opening the finished-assignments bucket"))
-    }
-
-    async fn consumer(
-        &self,
-        backend: Backend,
-        capacity: usize,
-        ack_wait: Duration,
-        create: bool,
-    ) -> Result<jetstream::consumer::PullConsumer, RuntimeError> {
-        let stream = queue::open_stream(&self.worker, &self.stream)
-            .await
-            .map_err(setup("opening the JetStream stream for a worker"))?;
-        let settings = ConsumerSettings {
-            max_ack_pending: i64::try_from(capacity).unwrap_or(i64::MAX),
-            ack_wait,
-            // Unlimited on purpose: a NAK while the pool is full counts as a delivery, so
-            // a finite limit would silently strand queued jobs.
-            max_deliver: -1,
-        };
-        if create {
-            queue::ensure_consumer(&stream, &self.stream, backend, &settings)
-                .await
-                .map_err(setup("creating the worker consumer"))
-        } else {
-            queue::open_consumer(&stream, backend).await.map_err(setup(
-                "opening the worker consumer (nats_create_stream = false)",
-            ))
-        }
-    }
-}
-
-/// Separate connections and credentials for the producer and the workers, as in the Go
-/// version, so each can be granted only what it needs.
-async fn connect(
-    url: &str,
-    role: Role,
-    auth: &NatsAuth,
-    ca_file: Option<&Path>,
-    secrets: SecretPermissions,
-) -> Result<async_nats::Client, RuntimeError> {
-    let name = match role {
-        Role::Producer => "gitea-dynamic-runner-scheduler",
-        Role::Worker => "gitea-dynamic-runner-worker",
-    };
-    let mut options = match auth {
-        NatsAuth::Creds(path) => {
-            let key = match role {
-                Role::Producer => "nats_producer_creds_file",
-                Role::Worker => "nats_worker_creds_file",
-            };
-            check_secret_file_mode(key, path, secrets)
-                .map_err(setup("reading the NATS credentials file"))?;
-            async_nats::ConnectOptions::with_credentials_file(path.clone())
-                .await
-                .map_err(|e| {
-                    step("reading the NATS credentials file")(
-                        format!("{}: {e}", path.display()).into(),
-                    )
-                })?
-        }
-        NatsAuth::Password { user, file, key } => {
-            let password = read_secret_file_with(key, file, secrets)
-                .map_err(setup("reading a NATS password"))?;
-            async_nats::ConnectOptions::new().user_and_password(user.clone(), password)
-        }
-        NatsAuth::Anonymous => async_nats::ConnectOptions::new(),
-    }
-    .name(name)
-    .retry_on_initial_connect();
-    if let Some(ca) = ca_file {
-        options = options
-            .add_root_certificates(ca.to_path_buf())
-            .require_tls(true);
-    }
-    options.connect(url).await.map_err(|e| {
-        step("connecting to NATS")(format!("{}: {e}", settings::redact_url_userinfo(url)).into())
-    })
-}
-
 // === leadership ===
 
 /// The host (Pod) name: `$HOSTNAME`, else the kernel's (a systemd service has no
@@ -1000,201 +754,6 @@ async fn facade_endpoint(
     }
 }
 
-// === backends ===
-
-/// What building a backend needs besides its own settings.
-struct Wiring<'a> {
-    state_dir: &'a Path,
-    policy: &'a DerivationPolicy,
-    codec: &'a MetadataCodec,
-    local: Option<&'a Arc<LocalIdentity>>,
-    secrets: SecretPermissions,
-}
-
-/// Each enabled backend's adapter and capacity.
-type Backends = Vec<(Arc<dyn ExecutorBackend>, usize)>;
-
-/// What a backend gives the worker and the lifecycle reconciler besides its adapter.
-struct Extras {
-    /// Its change signal (the Pod watch); none for backends without a watch.
-    wake: Wake,
-    /// Its clean-up beyond executors (the Pod backend's sweep).
-    housekeeping: Option<Arc<dyn Housekeeping>>,
-    /// Interval of lifecycle passes. With a wake signal passes follow the changes, and
-    /// the timer is only the resync against a watch that went quiet.
-    resync: Duration,
-}
-
-impl Default for Extras {
-    fn default() -> Self {
-        Extras {
-            wake: Wake::none(),
-            housekeeping: None,
-            resync: LIFECYCLE_INTERVAL,
-        }
-    }
-}
-
-async fn backends(
-    pod: Option<BackendSettings<PodBackend>>,
-    vm: Option<BackendSettings<VmBackend>>,
-    wiring: &Wiring<'_>,
-) -> Result<(Backends, BTreeMap<Backend, Extras>), RuntimeError> {
-    let mut out: Backends = Vec::new();
-    #[cfg_attr(not(feature = "kubernetes"), allow(unused_mut))]
-    let mut extras = BTreeMap::new();
-    if let Some(pod) = pod {
-        let slots = pod.slots();
-        let adapter: Arc<dyn ExecutorBackend> = match pod.kind {
-            PodBackend::Process(process) => {
-                Arc::new(process_backend(Backend::Pod, &process, wiring)?)
-            }
-            #[cfg(feature = "kubernetes")]
-            PodBackend::Kubernetes(settings) => {
-                let (adapter, more) = kubernetes::pod_backend(*settings).await?;
-                extras.insert(Backend::Pod, more);
-                adapter
-            }
-            #[cfg(not(feature = "kubernetes"))]
-            PodBackend::Kubernetes(settings) => match *settings {},
-        };
-        out.push((adapter, slots));
-    }
-    if let Some(vm) = vm {
-        let slots = vm.slots();
-        let adapter: Arc<dyn ExecutorBackend> = match vm.kind {
-            VmBackend::Process(process) => {
-                Arc::new(process_backend(Backend::Vm, &process, wiring)?)
-            }
-            VmBackend::OpenSandbox(opensandbox) => {
-                Arc::new(opensandbox_backend(*opensandbox, wiring)?)
-            }
-        };
-        out.push((adapter, slots));
-    }
-    Ok((out, extras))
-}
-
-fn process_backend(
-    backend: Backend,
-    process: &ProcessSettings,
-    wiring: &Wiring<'_>,
-) -> Result<ProcessBackend, RuntimeError> {
-    let identity = wiring.local.cloned().ok_or_else(|| {
-        step("building the process backend")(
-            "the process backend needs local_identity = true".into(),
-        )
-    })?;
-    let program = match &process.program {
-        Some(p) => p.clone(),
-        None => std::env::current_exe().map_err(setup("locating this binary for executors"))?,
-    };
-    let state_root = wiring.state_dir.join(backend.as_str());
-    private_dir(&state_root).map_err(|e| step("building the process backend")(e.into()))?;
-    let settings = ProcessBackendSettings {
-        backend,
-        state_root,
-        program,
-        args: vec!["executor".into()],
-        extra_env: BTreeMap::from([(
-            "GITEA_RUNNER_BINARY".to_owned(),
-            first_start::runner_binary(
-                process.runner_binary.as_deref(),
-                std::env::var_os("PATH").as_deref(),
-            )
-            .map_err(setup("runner_binary"))?
-            .display()
-            .to_string(),
-        )]),
-        codec: wiring.codec.clone(),
-        trust_domain: wiring.policy.trust_domain.clone(),
-        stop_grace: PROCESS_STOP_GRACE,
-        log_retention: LogRetention {
-            max_age: process.log_retention,
-            max_count: usize::try_from(process.log_retention_count).unwrap_or(usize::MAX),
-        },
-    };
-    ProcessBackend::new(settings, identity).map_err(setup("building the process backend"))
-}
-
-/// How long a terminal VM may keep running: only OpenSandbox cannot see its executor exit.
-fn terminal_grace(vm: &BackendSettings<VmBackend>) -> Option<Duration> {
-    match &vm.kind {
-        VmBackend::OpenSandbox(o) => Some(o.terminal_grace),
-        VmBackend::Process(_) => None,
-    }
-}
-
-/// The VM backend: the API key is read once, here; the TLS configuration is the shared one
-/// (system roots plus `opensandbox_ca_file`).
-fn opensandbox_backend(
-    settings: OpenSandboxSettings,
-    wiring: &Wiring<'_>,
-) -> Result<OpenSandboxBackend, RuntimeError> {
-    let OpenSandboxSettings {
-        api,
-        api_key_file,
-        ca_file,
-        pool,
-        request_timeout,
-        create_timeout,
-        entrypoint,
-        executor_env,
-        timeout,
-        renew_before,
-        // Read by the lifecycle reconciler ([`terminal_grace`]).
-        terminal_grace: _,
-    } = settings;
-    let key = read_secret_file_with("opensandbox_api_key_file", &api_key_file, wiring.secrets)
-        .map_err(setup("reading the OpenSandbox API key"))?;
-    let key = ApiKey::from_file_contents(&key).map_err(|e| {
-        step("opensandbox_api_key_file")(format!("{}: {e}", api_key_file.display()).into())
-    })?;
-    let extra_ca = match &ca_file {
-        Some(p) => Some(std::fs::read(p).map_err(|e| {
-            step("opensandbox_ca_file")(format!("cannot read {}: {e}", p.display()).into())
-        })?),
-        None => None,
-    };
-    let tls = crate::client_tls::client_config(
-        "opensandbox_ca_file",
-        extra_ca.as_deref(),
-        api.scheme() == "https",
-    )
-    .map_err(setup("building the OpenSandbox TLS configuration"))?;
-    let mut client = ClientSettings::new(api);
-    client.request_timeout = request_timeout;
-    client.create_timeout = create_timeout;
-    let mut backend = gdr_backends::opensandbox::OpenSandboxSettings::new(
-        client,
-        pool,
-        wiring.codec.clone(),
-        wiring.policy.trust_domain.clone(),
-    );
-    backend.entrypoint = entrypoint;
-    backend.extra_env = executor_env;
-    backend.timeout = timeout;
-    backend.renew_before = renew_before;
-    OpenSandboxBackend::connect(backend, &key, tls).map_err(setup("building the vm backend"))
-}
-
-async fn restore(
-    dispatch: &Dispatch,
-    capacities: &BTreeMap<Backend, usize>,
-) -> Result<(), RuntimeError> {
-    for backend in capacities.keys() {
-        if let Some(adapter) = dispatch.backend(*backend) {
-            let records = adapter
-                .list()
-                .await
-                .map_err(setup("listing executors to restore"))?;
-            let (admitted, claimed) = dispatch.restore(&records);
-            tracing::info!(%backend, admitted, claimed, "restored executors from the backend");
-        }
-    }
-    Ok(())
-}
-
 // === components ===
 
 struct SchedulerWiring<'a> {
@@ -1280,6 +839,111 @@ fn spawn_scheduler(
         heartbeater.run(stop).await;
         ("heartbeater", Ok(()))
     });
+}
+
+/// What a backend's worker and lifecycle reconciler are built from, besides the backend.
+struct BackendWiring<'a> {
+    dispatch: &'a Arc<Dispatch>,
+    gitea: &'a GiteaClient,
+    queue: &'a Queue,
+    nats: &'a NatsSettings,
+    executors: &'a ExecutorTimings,
+    policy: &'a DerivationPolicy,
+    codec: &'a MetadataCodec,
+    keyring: Option<&'a TaskKeyring>,
+    facade: Option<&'a FacadeSettings>,
+    facade_url: &'a str,
+    metrics: &'a Arc<Metrics>,
+    observations: &'a Arc<Observations>,
+    backlog_changed: &'a Arc<tokio::sync::Notify>,
+    vm_terminal_grace: Option<Duration>,
+}
+
+/// Starts one backend's worker (its JetStream consumer) and lifecycle reconciler.
+async fn spawn_backend(
+    tasks: &mut JoinSet<(&'static str, Result<(), Source>)>,
+    w: &BackendWiring<'_>,
+    (backend, capacity): (Backend, usize),
+    adapter: Arc<dyn ExecutorBackend>,
+    extras: Extras,
+    shutdown: &Shutdown,
+) -> Result<(), RuntimeError> {
+    let Extras {
+        wake,
+        housekeeping,
+        resync,
+    } = extras;
+    let facade = w.facade;
+    let settings = WorkerSettings {
+        backend,
+        full_delay: FULL_DELAY,
+        not_ready_delay: NOT_READY_DELAY,
+        error_delay: ERROR_DELAY,
+        progress_interval: w.nats.ack_wait / 3,
+        start_deadline: w.executors.start_deadline,
+        facade_url: facade.map(|_| w.facade_url.to_owned()).unwrap_or_default(),
+        facade_spiffe_id: facade.map(|f| f.spiffe_id.clone()).unwrap_or_default(),
+        runner_label: w.policy.labels.label_of(backend).to_owned(),
+        codec: w.codec.clone(),
+        report_outage_tolerance: w.executors.report_outage_tolerance,
+        envelopes: EnvelopeTrust {
+            accept_plaintext: w.nats.security.accept_plaintext_envelopes,
+            max_age: w.nats.security.task_lifetime,
+            accept_undated: w.nats.security.accept_undated_envelopes,
+        },
+        held_subject: w.queue.stream.held_subject(backend),
+    };
+    let consumer = w
+        .queue
+        .consumer(backend, capacity, w.nats.ack_wait, w.nats.create_stream)
+        .await?;
+    let worker = Worker::new(
+        w.dispatch.clone(),
+        w.gitea.clone(),
+        w.policy.clone(),
+        w.keyring.cloned(),
+        settings,
+    )
+    .map_err(setup("starting a worker"))?
+    .with_outcomes(count_outcomes(w.metrics, backend))
+    .with_metrics(w.metrics.clone())
+    .with_wake(wake.clone())
+    .with_backlog_signal(w.backlog_changed.clone());
+    w.queue.resume_adopted(&worker, backend).await;
+    let stop = shutdown.clone();
+    tasks.spawn(async move {
+        worker.run(consumer, stop).await;
+        ("worker", Ok(()))
+    });
+    let mut lifecycle = Lifecycle::new(
+        w.dispatch.clone(),
+        adapter,
+        w.gitea.clone(),
+        w.executors.idle_timeout,
+    )
+    .with_metrics(w.metrics.clone())
+    .with_observations(w.observations.clone())
+    .with_wake(wake)
+    .with_unstarted(
+        w.executors.start_deadline,
+        Arc::new(queue::StreamQueue::new(
+            w.queue.worker.clone(),
+            w.queue.stream.clone(),
+            backend,
+        )),
+    );
+    if let Some(h) = housekeeping {
+        lifecycle = lifecycle.with_housekeeping(h);
+    }
+    if let (Backend::Vm, Some(grace)) = (backend, w.vm_terminal_grace) {
+        lifecycle = lifecycle.with_terminal_grace(grace);
+    }
+    let stop = shutdown.clone();
+    tasks.spawn(async move {
+        lifecycle.run(resync, stop).await;
+        ("lifecycle", Ok(()))
+    });
+    Ok(())
 }
 
 struct FacadeWiring<'a> {
@@ -1389,49 +1053,6 @@ fn count_outcomes(
 
 /// The JetStream consumers' depth for the status and the metrics; `None` (reported as
 /// unknown) if the stream cannot be opened now.
-async fn queue_depth(queue: &Queue) -> Option<Arc<dyn QueueDepth>> {
-    match queue::ConsumerDepth::open(&queue.worker, &queue.stream).await {
-        Ok(depth) => Some(Arc::new(depth)),
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot open the stream to read queue depths; /status and queue_depth report them as unknown");
-            None
-        }
-    }
-}
-
-/// Keeps `nats_connected` in step with each connection's state, for the whole process
-/// (a standby's connections matter too).
-async fn watch_nats(
-    metrics: Arc<Metrics>,
-    connections: Vec<(&'static str, async_nats::Client)>,
-    stop: Shutdown,
-) {
-    let mut was: Vec<Option<bool>> = vec![None; connections.len()];
-    loop {
-        for ((name, client), was) in connections.iter().zip(was.iter_mut()) {
-            let up = client.connection_state() == async_nats::connection::State::Connected;
-            metrics
-                .nats_connected
-                .get_or_create(&crate::metrics::ConnectionLabel {
-                    connection: (*name).to_owned(),
-                })
-                .set(i64::from(up));
-            if *was == Some(true) && !up {
-                tracing::warn!(
-                    connection = name,
-                    "lost the NATS connection; reconnecting (fetching pauses, queued jobs stay stored)"
-                );
-            } else if *was == Some(false) && up {
-                tracing::info!(connection = name, "NATS connection back");
-            }
-            *was = Some(up);
-        }
-        if !stop.sleep(METRICS_INTERVAL).await {
-            return;
-        }
-    }
-}
-
 /// Copies the scheduler's counters, the pools and the queue depths into Prometheus every
 /// second.
 async fn export_metrics(

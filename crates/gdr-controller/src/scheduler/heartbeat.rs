@@ -37,9 +37,8 @@ use gdr_proto::runner::v1 as pb;
 
 use super::stats::SchedulerStats;
 use crate::gitea::GiteaClient;
-use crate::queue::{
-    self, FinishedAssignments, QueueError, QueuedReader, ReadLimits, StreamSettings,
-};
+use crate::ports::{FinishedLog, QueueError};
+use crate::queue::{self, QueuedReader, ReadLimits, StreamSettings};
 use crate::shutdown::Shutdown;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -118,7 +117,7 @@ pub struct Heartbeater {
     interval: Duration,
     stats: Arc<SchedulerStats>,
     fetched: Arc<FetchedTasks>,
-    finished: Option<FinishedAssignments>,
+    finished: Option<Arc<dyn FinishedLog>>,
     id_key: Option<EnvelopeIdKey>,
     held_timeout: Duration,
     limits: ReadLimits,
@@ -217,8 +216,8 @@ impl Heartbeater {
 
     /// Records queued tasks Gitea reports as ended in `finished`, so no executor starts.
     #[must_use]
-    pub fn with_finished(mut self, finished: FinishedAssignments) -> Self {
-        self.finished = Some(finished);
+    pub fn with_finished(mut self, finished: impl FinishedLog + 'static) -> Self {
+        self.finished = Some(Arc::new(finished));
         self
     }
 

@@ -650,7 +650,7 @@ async fn hand_off(
         "task fetched from Gitea"
     );
     match publish_until_stored(shared, &assignment, payload, shutdown).await {
-        Some(published) => {
+        Ok(published) => {
             shared.fetched.stored(task_id, published.sequence);
             shared.gate.stored(slot, backend, published.duplicate);
             let window = fetched_at.elapsed();
@@ -671,7 +671,16 @@ async fn hand_off(
                 "assignment queued"
             );
         }
-        None => {
+        // No retry stores it: holding the poller, its backlog room and the task's
+        // heartbeats for it would only keep a job Running in Gitea that never runs.
+        Err(Unstored::Refused(e)) => {
+            shared.fetched.forget(task_id);
+            shared.gate.release(slot);
+            fail_invalid_task(shared, task_id, &e.to_string()).await;
+            SchedulerStats::inc(&shared.stats.invalid_tasks_failed);
+            report.invalid_tasks_failed += 1;
+        }
+        Err(Unstored::Lost) => {
             shared.fetched.forget(task_id);
             shared.gate.release(slot);
             SchedulerStats::inc(&shared.stats.tasks_lost);
@@ -688,14 +697,23 @@ async fn hand_off(
     }
 }
 
-/// Publishes until JetStream acknowledges; gives up only once shutdown has been
-/// requested and `shutdown_publish_timeout` has passed since.
+/// Why an assignment was not stored.
+enum Unstored {
+    /// Shutdown was requested and `shutdown_publish_timeout` passed first.
+    Lost,
+    /// The server refuses it for good (larger than its `max_payload`).
+    Refused(queue::QueueError),
+}
+
+/// Publishes until JetStream acknowledges; gives up once shutdown has been requested and
+/// `shutdown_publish_timeout` has passed since, or at once when the server refuses the
+/// envelope for good.
 async fn publish_until_stored(
     shared: &Shared,
     assignment: &Assignment,
     payload: bytes::Bytes,
     shutdown: &Shutdown,
-) -> Option<queue::Published> {
+) -> Result<queue::Published, Unstored> {
     let id = assignment.id().as_str();
     let backend = assignment.backend();
     let task_id = assignment.id().task_id();
@@ -715,17 +733,23 @@ async fn publish_until_stored(
             payload.clone(),
         );
         let result = match deadline {
-            None => publish.await.map_err(|e| e.to_string()),
-            Some(d) => match tokio::time::timeout_at(d, publish).await {
-                Ok(r) => r.map_err(|e| e.to_string()),
-                Err(_) => Err("publish timed out at shutdown".to_string()),
-            },
+            None => Some(publish.await),
+            Some(d) => tokio::time::timeout_at(d, publish).await.ok(),
+        };
+        let duplicate = match &result {
+            Some(Ok(published)) if published.duplicate => {
+                stored_is_ours(shared, published.sequence, &payload, attempt > 0).await
+            }
+            // Not a duplicate (or not stored at all): nothing to look at.
+            _ => Duplicate::Ours,
         };
         let error = match result {
-            Ok(published)
-                if published.duplicate
-                    && !stored_is_ours(shared, published.sequence, &payload, attempt > 0).await =>
-            {
+            // Never taken as stored unread: a forgery could otherwise drop the assignment.
+            Some(Ok(published)) if duplicate == Duplicate::Unread => format!(
+                "JetStream counted the publish a duplicate of message {}, which cannot be read now",
+                published.sequence
+            ),
+            Some(Ok(published)) if duplicate == Duplicate::Foreign => {
                 // Anyone able to publish can take an upcoming assignment ID within the
                 // duplicate window; the real assignment must not be dropped for it.
                 tracing::error!(
@@ -738,11 +762,15 @@ async fn publish_until_stored(
                 message_id = format!("{id}.after-{}", published.sequence);
                 continue;
             }
-            Ok(published) => {
+            Some(Ok(published)) => {
                 crate::failpoint::hit(crate::failpoint::points::AFTER_PUBLISH);
-                return Some(published);
+                return Ok(published);
             }
-            Err(e) => e,
+            Some(Err(e @ queue::QueueError::TooLarge { .. })) => {
+                return Err(Unstored::Refused(e));
+            }
+            Some(Err(e)) => e.to_string(),
+            None => "publish timed out at shutdown".to_string(),
         };
         SchedulerStats::inc(&shared.stats.publish_retries);
         tracing::warn!(
@@ -758,7 +786,7 @@ async fn publish_until_stored(
         match deadline {
             Some(d) => {
                 if Instant::now() >= d {
-                    return None;
+                    return Err(Unstored::Lost);
                 }
                 tokio::time::sleep_until(d.min(Instant::now() + delay)).await;
             }
@@ -770,25 +798,63 @@ async fn publish_until_stored(
     }
 }
 
-/// Whether the message JetStream counted our publish a duplicate of is this very envelope
-/// (an earlier attempt whose acknowledgement was lost). A message that is gone already is
-/// ours only if an earlier attempt may have stored it (`retried`); when the stream cannot
-/// be read, it is taken as ours, as JetStream said.
+/// What the message JetStream counted a publish a duplicate of turned out to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Duplicate {
+    /// This very envelope (an earlier attempt whose acknowledgement was lost): stored.
+    Ours,
+    /// Another message holds the assignment's message ID.
+    Foreign,
+    /// The message could not be read: nothing is known, so publish again and look again.
+    Unread,
+}
+
+/// How reading the message at a duplicate's sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DuplicateRead {
+    /// Read; whether its payload is this envelope.
+    Read { same_payload: bool },
+    /// No message at that sequence (removed since).
+    Gone,
+    /// The stream or the message could not be read.
+    Failed,
+}
+
+/// Judges a duplicate acknowledgement from the read of the message it names. A message
+/// that is gone already is ours only if an earlier attempt may have stored it
+/// (`retried`).
+fn judge_duplicate(read: DuplicateRead, retried: bool) -> Duplicate {
+    match read {
+        DuplicateRead::Read { same_payload: true } => Duplicate::Ours,
+        DuplicateRead::Read {
+            same_payload: false,
+        } => Duplicate::Foreign,
+        DuplicateRead::Gone if retried => Duplicate::Ours,
+        DuplicateRead::Gone => Duplicate::Foreign,
+        DuplicateRead::Failed => Duplicate::Unread,
+    }
+}
+
+/// What the message JetStream counted our publish a duplicate of is (see
+/// [`judge_duplicate`]).
 async fn stored_is_ours(
     shared: &Shared,
     sequence: u64,
     payload: &bytes::Bytes,
     retried: bool,
-) -> bool {
+) -> Duplicate {
     use async_nats::jetstream::stream::LastRawMessageErrorKind;
-    let Ok(stream) = queue::open_stream(&shared.js, &shared.stream).await else {
-        return true;
+    let read = match queue::open_stream(&shared.js, &shared.stream).await {
+        Err(_) => DuplicateRead::Failed,
+        Ok(stream) => match stream.get_raw_message(sequence).await {
+            Ok(message) => DuplicateRead::Read {
+                same_payload: message.payload == *payload,
+            },
+            Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => DuplicateRead::Gone,
+            Err(_) => DuplicateRead::Failed,
+        },
     };
-    match stream.get_raw_message(sequence).await {
-        Ok(message) => message.payload == *payload,
-        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => retried,
-        Err(_) => true,
-    }
+    judge_duplicate(read, retried)
 }
 
 /// Reports a task that cannot run as failed, with one log row saying why.
@@ -832,5 +898,42 @@ where
             }
             Err(e) => return Err(e),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// DESIGN invariant 21 (issue 37): a duplicate acknowledgement whose message cannot be
+    /// read is never taken as this assignment stored: the publish is tried again (and the
+    /// message looked at again), so a forged message can never drop the assignment by
+    /// making the stream unreadable at the wrong moment.
+    #[test]
+    fn a_duplicate_whose_message_cannot_be_read_is_published_again_never_taken_as_ours() {
+        for retried in [false, true] {
+            assert_eq!(
+                judge_duplicate(DuplicateRead::Failed, retried),
+                Duplicate::Unread
+            );
+        }
+        assert_eq!(
+            judge_duplicate(DuplicateRead::Read { same_payload: true }, false),
+            Duplicate::Ours
+        );
+        assert_eq!(
+            judge_duplicate(
+                DuplicateRead::Read {
+                    same_payload: false
+                },
+                true
+            ),
+            Duplicate::Foreign
+        );
+        assert_eq!(judge_duplicate(DuplicateRead::Gone, true), Duplicate::Ours);
+        assert_eq!(
+            judge_duplicate(DuplicateRead::Gone, false),
+            Duplicate::Foreign
+        );
     }
 }

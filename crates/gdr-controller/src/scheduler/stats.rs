@@ -54,15 +54,7 @@ fn kind_index(kind: ErrorKind) -> usize {
     }
 }
 
-/// Every error kind, in a stable order (for metrics export).
-pub const ERROR_KINDS: [ErrorKind; 6] = [
-    ErrorKind::Unauthenticated,
-    ErrorKind::NotFound,
-    ErrorKind::Invalid,
-    ErrorKind::Unavailable,
-    ErrorKind::Other,
-    ErrorKind::TooLarge,
-];
+pub use crate::vocabulary::ERROR_KINDS;
 
 impl SchedulerStats {
     /// Fresh counters.

@@ -336,6 +336,12 @@ keys! {
     pod_executor_env: Table = Table::default();
     /// CSI driver of the SPIFFE Workload API volume of executor Pods.
     pod_spiffe_csi_driver: String = "csi.spiffe.io".into();
+    /// A node directory holding the SPIRE agent's Workload API socket, mounted read-only
+    /// into executor Pods as a `hostPath` volume instead of the CSI volume of
+    /// `pod_spiffe_csi_driver`: for clusters without the SPIFFE CSI driver. Each node's agent
+    /// must listen in it, and the namespace's Pod Security level must admit hostPath volumes
+    /// (`privileged`, as `pod_privileged` needs anyway). Unset: the CSI volume.
+    pod_spiffe_host_path: Option<PathBuf> = None;
     /// Where the Workload API volume is mounted in the executor container.
     pod_spiffe_socket_dir: String = "/run/spire/agent-sockets".into();
     /// The Workload API socket's file name in `pod_spiffe_socket_dir`.

@@ -2,10 +2,10 @@
 //!
 //! Layers, later wins: built-in defaults < TOML file (`--config`) < environment (the Go
 //! version's variable names, e.g. `POD_CAPACITY`) < `--set key=value`. Every key is declared
-//! once in [`keys`], which also generates the references. The layers produce a [`Raw`]
+//! once in `keys`, which also generates the references. The layers produce a `Raw`
 //! value that is converted once ([`Settings::try_from`]) into [`Settings`]: backend kinds
 //! as enums, optional sections that exist only when their component is enabled, durations
-//! and paths typed. The conversion destructures [`Raw`] exhaustively and the runtime
+//! and paths typed. The conversion destructures `Raw` exhaustively and the runtime
 //! destructures [`Settings`] exhaustively, so a key that nothing reads is a compile error,
 //! not a silent no-op.
 //!
@@ -639,6 +639,8 @@ fn name_without_wildcards(check: &mut Check, key: &'static str, name: &str) {
 impl TryFrom<Raw> for Settings {
     type Error = SettingsError;
 
+    // TODO(issue 36 step 3): split; each section converts into its component's settings.
+    #[allow(clippy::too_many_lines)]
     fn try_from(raw: Raw) -> Result<Self, SettingsError> {
         // Exhaustive: a key declared but not converted does not compile (unused binding
         // under `-D warnings`).
@@ -709,6 +711,7 @@ impl TryFrom<Raw> for Settings {
             pod_executor_args,
             pod_executor_env,
             pod_spiffe_csi_driver,
+            pod_spiffe_host_path,
             pod_spiffe_socket_dir,
             pod_spiffe_socket_name,
             pod_resources,
@@ -937,6 +940,7 @@ impl TryFrom<Raw> for Settings {
                     executor_args: pod_executor_args.0,
                     executor_env: pod_executor_env,
                     csi_driver: pod_spiffe_csi_driver,
+                    host_path: pod_spiffe_host_path,
                     socket_dir: pod_spiffe_socket_dir,
                     socket_name: pod_spiffe_socket_name,
                     resources: pod_resources,

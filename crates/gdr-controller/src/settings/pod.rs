@@ -40,6 +40,7 @@ pub(super) struct PodKeys {
     pub executor_args: Vec<String>,
     pub executor_env: Table,
     pub csi_driver: String,
+    pub host_path: Option<std::path::PathBuf>,
     pub socket_dir: String,
     pub socket_name: String,
     pub resources: Table,
@@ -69,7 +70,7 @@ pub(super) fn kubernetes(
     keys: PodKeys,
     context: &Context<'_>,
 ) -> Option<KubernetesSettings> {
-    use gdr_backends::kubernetes::{PodProfile, Resources};
+    use gdr_backends::kubernetes::{PodProfile, Resources, WorkloadApiVolume};
 
     let PodKeys {
         namespace,
@@ -83,6 +84,7 @@ pub(super) fn kubernetes(
         executor_args,
         executor_env,
         csi_driver,
+        host_path,
         socket_dir,
         socket_name,
         resources,
@@ -149,7 +151,12 @@ pub(super) fn kubernetes(
     s.active_deadline = active_deadline;
     s.automount_service_account_token = automount_service_account_token;
     s.spire_agent_id = spire_agent_id.filter(|id| !id.trim().is_empty());
-    s.csi_driver = csi_driver;
+    s.workload_api_volume = match host_path {
+        Some(path) => WorkloadApiVolume::HostPath {
+            path: path.display().to_string(),
+        },
+        None => WorkloadApiVolume::Csi { driver: csi_driver },
+    };
     s.agent_socket_dir = socket_dir;
     s.agent_socket_name = socket_name;
     s.extra_env = extra_env;

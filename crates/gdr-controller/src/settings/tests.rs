@@ -697,7 +697,12 @@ node_selector = { gpu = "true" }
         assert_eq!(k.docker_storage_limit, "50Gi");
         assert_eq!(k.active_deadline, Duration::from_secs(7200));
         assert_eq!(k.executor_args, ["executor", "--verbose"]);
-        assert_eq!(k.csi_driver, "csi.example.org");
+        assert_eq!(
+            k.workload_api_volume,
+            gdr_backends::kubernetes::WorkloadApiVolume::Csi {
+                driver: "csi.example.org".into()
+            }
+        );
         assert_eq!(k.endpoint_socket(), "unix:///run/agent/agent.sock");
         assert_eq!(k.orphan_secret_grace, Duration::from_secs(1200));
         assert_eq!(k.identity_deadline, Duration::from_secs(45));
@@ -744,6 +749,28 @@ node_selector = { gpu = "true" }
                 .rendered
                 .contains("pod_profile_max = { cpu = 8, memory = \"32Gi\" }"),
             "check-config renders tables as TOML"
+        );
+    }
+
+    /// A cluster without the SPIFFE CSI driver gets the agent's socket directory from the
+    /// node (`pod_spiffe_host_path`); a path that is not an absolute node directory is
+    /// refused naming the key.
+    #[test]
+    fn a_host_path_replaces_the_csi_volume_and_must_be_absolute() {
+        let s = cluster("pod_spiffe_host_path = \"/run/spire/agent-sockets\"").unwrap();
+        assert_eq!(
+            kubernetes(&s).workload_api_volume,
+            gdr_backends::kubernetes::WorkloadApiVolume::HostPath {
+                path: "/run/spire/agent-sockets".into()
+            }
+        );
+        let problems = pod_problems("pod_spiffe_host_path = \"run/spire\"");
+        assert!(
+            problems
+                .iter()
+                .any(|p| p.contains("pod_spiffe_host_path")
+                    && p.contains("not an absolute directory")),
+            "{problems:?}"
         );
     }
 

@@ -25,57 +25,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::dispatch::Dispatch;
 use crate::metrics::{Metrics, PhaseLabels};
-use crate::queue::QueueError;
+pub use crate::ports::QueueDepth;
 
 /// How long `/status` waits for JetStream before it reports the queue as unknown.
 const QUEUE_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Where an executor stands, as the backend reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Phase {
-    /// Created; its runner has not fetched the task yet.
-    Starting,
-    /// Its runner claimed the task and runs it.
-    Running,
-    /// It ended without a result in Gitea; the controller fails the job and cleans up.
-    Ended,
-    /// Gitea has the job's result; the executor is being cleaned up.
-    Reported,
-}
-
-impl Phase {
-    /// Every phase, in the order of a job's life.
-    pub const ALL: [Phase; 4] = [
-        Phase::Starting,
-        Phase::Running,
-        Phase::Ended,
-        Phase::Reported,
-    ];
-
-    /// The label value and JSON spelling.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Phase::Starting => "starting",
-            Phase::Running => "running",
-            Phase::Ended => "ended",
-            Phase::Reported => "reported",
-        }
-    }
-
-    /// The phase of an executor record.
-    pub fn of(record: &ExecutorRecord) -> Self {
-        if record.terminal {
-            Phase::Reported
-        } else if record.phase.is_finished() {
-            Phase::Ended
-        } else if record.claimed {
-            Phase::Running
-        } else {
-            Phase::Starting
-        }
-    }
-}
+pub use crate::vocabulary::Phase;
 
 /// The whole status document (`/status`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -171,14 +126,6 @@ fn now_rfc3339() -> String {
 pub trait StatusSource: Send + Sync {
     /// The current document (`ready` is filled in by the caller).
     async fn report(&self) -> StatusReport;
-}
-
-/// How many assignments of a backend wait in JetStream.
-#[async_trait]
-pub trait QueueDepth: Send + Sync {
-    /// Assignments of `backend` stored and not yet acknowledged (i.e. not yet claimed by
-    /// their runner: work-queue retention drops a message when it is acknowledged).
-    async fn unclaimed(&self, backend: Backend) -> Result<u64, QueueError>;
 }
 
 /// One backend listing.
@@ -499,6 +446,7 @@ fn last_event(record: &ExecutorRecord, phase: Phase, silence: Option<Duration>) 
 
 #[cfg(test)]
 mod tests {
+    use crate::ports::QueueError;
     use gdr_core::capability::CapabilityKey;
     use gdr_core::executor::{ExecutorBackend, ExecutorSpec};
     use gdr_core::metadata::MetadataCodec;

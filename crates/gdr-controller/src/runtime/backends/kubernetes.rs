@@ -8,9 +8,10 @@ use async_trait::async_trait;
 use gdr_backends::kubernetes::{KubernetesBackend, RESYNC};
 use gdr_core::executor::ExecutorError;
 
-use super::{Extras, RuntimeError, setup};
+use super::Extras;
 use crate::kube_client::{self, Retries};
 use crate::lifecycle::Housekeeping;
+use crate::runtime::{RuntimeError, setup};
 use crate::settings::KubernetesSettings;
 
 #[async_trait]

@@ -1,0 +1,223 @@
+//! The backends of the wiring: each enabled backend's adapter built from its settings
+//! (process, Kubernetes, OpenSandbox), what it gives the workers and lifecycle reconcilers
+//! besides ([`Extras`]), and the dispatch state restored from what the backends hold.
+
+#[cfg(feature = "kubernetes")]
+mod kubernetes;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gdr_backends::opensandbox::{ApiKey, ClientSettings, OpenSandboxBackend};
+use gdr_backends::process::{LogRetention, ProcessBackend, ProcessBackendSettings};
+use gdr_core::assignment::DerivationPolicy;
+use gdr_core::backend::Backend;
+use gdr_core::executor::ExecutorBackend;
+use gdr_core::metadata::MetadataCodec;
+use gdr_identity::workload_api::LocalIdentity;
+
+use super::{
+    LIFECYCLE_INTERVAL, PROCESS_STOP_GRACE, RuntimeError, first_start, private_dir, setup, step,
+};
+use crate::dispatch::Dispatch;
+use crate::lifecycle::Housekeeping;
+use crate::settings::{
+    BackendSettings, OpenSandboxSettings, PodBackend, ProcessSettings, SecretPermissions,
+    VmBackend, read_secret_file_with,
+};
+use crate::wake::Wake;
+
+/// What building a backend needs besides its own settings.
+pub(super) struct Wiring<'a> {
+    pub(super) state_dir: &'a Path,
+    pub(super) policy: &'a DerivationPolicy,
+    pub(super) codec: &'a MetadataCodec,
+    pub(super) local: Option<&'a Arc<LocalIdentity>>,
+    pub(super) secrets: SecretPermissions,
+}
+
+/// Each enabled backend's adapter and capacity.
+pub(super) type Backends = Vec<(Arc<dyn ExecutorBackend>, usize)>;
+
+/// What a backend gives the worker and the lifecycle reconciler besides its adapter.
+pub(super) struct Extras {
+    /// Its change signal (the Pod watch); none for backends without a watch.
+    pub(super) wake: Wake,
+    /// Its clean-up beyond executors (the Pod backend's sweep).
+    pub(super) housekeeping: Option<Arc<dyn Housekeeping>>,
+    /// Interval of lifecycle passes. With a wake signal passes follow the changes, and
+    /// the timer is only the resync against a watch that went quiet.
+    pub(super) resync: Duration,
+}
+
+impl Default for Extras {
+    fn default() -> Self {
+        Extras {
+            wake: Wake::none(),
+            housekeeping: None,
+            resync: LIFECYCLE_INTERVAL,
+        }
+    }
+}
+
+pub(super) async fn backends(
+    pod: Option<BackendSettings<PodBackend>>,
+    vm: Option<BackendSettings<VmBackend>>,
+    wiring: &Wiring<'_>,
+) -> Result<(Backends, BTreeMap<Backend, Extras>), RuntimeError> {
+    let mut out: Backends = Vec::new();
+    #[cfg_attr(not(feature = "kubernetes"), allow(unused_mut))]
+    let mut extras = BTreeMap::new();
+    if let Some(pod) = pod {
+        let slots = pod.slots();
+        let adapter: Arc<dyn ExecutorBackend> = match pod.kind {
+            PodBackend::Process(process) => {
+                Arc::new(process_backend(Backend::Pod, &process, wiring)?)
+            }
+            #[cfg(feature = "kubernetes")]
+            PodBackend::Kubernetes(settings) => {
+                let (adapter, more) = kubernetes::pod_backend(*settings).await?;
+                extras.insert(Backend::Pod, more);
+                adapter
+            }
+            #[cfg(not(feature = "kubernetes"))]
+            PodBackend::Kubernetes(settings) => match *settings {},
+        };
+        out.push((adapter, slots));
+    }
+    if let Some(vm) = vm {
+        let slots = vm.slots();
+        let adapter: Arc<dyn ExecutorBackend> = match vm.kind {
+            VmBackend::Process(process) => {
+                Arc::new(process_backend(Backend::Vm, &process, wiring)?)
+            }
+            VmBackend::OpenSandbox(opensandbox) => {
+                Arc::new(opensandbox_backend(*opensandbox, wiring)?)
+            }
+        };
+        out.push((adapter, slots));
+    }
+    Ok((out, extras))
+}
+
+fn process_backend(
+    backend: Backend,
+    process: &ProcessSettings,
+    wiring: &Wiring<'_>,
+) -> Result<ProcessBackend, RuntimeError> {
+    let identity = wiring.local.cloned().ok_or_else(|| {
+        step("building the process backend")(
+            "the process backend needs local_identity = true".into(),
+        )
+    })?;
+    let program = match &process.program {
+        Some(p) => p.clone(),
+        None => std::env::current_exe().map_err(setup("locating this binary for executors"))?,
+    };
+    let state_root = wiring.state_dir.join(backend.as_str());
+    private_dir(&state_root).map_err(|e| step("building the process backend")(e.into()))?;
+    let settings = ProcessBackendSettings {
+        backend,
+        state_root,
+        program,
+        args: vec!["executor".into()],
+        extra_env: BTreeMap::from([(
+            "GITEA_RUNNER_BINARY".to_owned(),
+            first_start::runner_binary(
+                process.runner_binary.as_deref(),
+                std::env::var_os("PATH").as_deref(),
+            )
+            .map_err(setup("runner_binary"))?
+            .display()
+            .to_string(),
+        )]),
+        codec: wiring.codec.clone(),
+        trust_domain: wiring.policy.trust_domain.clone(),
+        stop_grace: PROCESS_STOP_GRACE,
+        log_retention: LogRetention {
+            max_age: process.log_retention,
+            max_count: usize::try_from(process.log_retention_count).unwrap_or(usize::MAX),
+        },
+    };
+    ProcessBackend::new(settings, identity).map_err(setup("building the process backend"))
+}
+
+/// How long a terminal VM may keep running: only OpenSandbox cannot see its executor exit.
+pub(super) fn terminal_grace(vm: &BackendSettings<VmBackend>) -> Option<Duration> {
+    match &vm.kind {
+        VmBackend::OpenSandbox(o) => Some(o.terminal_grace),
+        VmBackend::Process(_) => None,
+    }
+}
+
+/// The VM backend: the API key is read once, here; the TLS configuration is the shared one
+/// (system roots plus `opensandbox_ca_file`).
+fn opensandbox_backend(
+    settings: OpenSandboxSettings,
+    wiring: &Wiring<'_>,
+) -> Result<OpenSandboxBackend, RuntimeError> {
+    let OpenSandboxSettings {
+        api,
+        api_key_file,
+        ca_file,
+        pool,
+        request_timeout,
+        create_timeout,
+        entrypoint,
+        executor_env,
+        timeout,
+        renew_before,
+        // Read by the lifecycle reconciler ([`terminal_grace`]).
+        terminal_grace: _,
+    } = settings;
+    let key = read_secret_file_with("opensandbox_api_key_file", &api_key_file, wiring.secrets)
+        .map_err(setup("reading the OpenSandbox API key"))?;
+    let key = ApiKey::from_file_contents(&key).map_err(|e| {
+        step("opensandbox_api_key_file")(format!("{}: {e}", api_key_file.display()).into())
+    })?;
+    let extra_ca = match &ca_file {
+        Some(p) => Some(std::fs::read(p).map_err(|e| {
+            step("opensandbox_ca_file")(format!("cannot read {}: {e}", p.display()).into())
+        })?),
+        None => None,
+    };
+    let tls = crate::client_tls::client_config(
+        "opensandbox_ca_file",
+        extra_ca.as_deref(),
+        api.scheme() == "https",
+    )
+    .map_err(setup("building the OpenSandbox TLS configuration"))?;
+    let mut client = ClientSettings::new(api);
+    client.request_timeout = request_timeout;
+    client.create_timeout = create_timeout;
+    let mut backend = gdr_backends::opensandbox::OpenSandboxSettings::new(
+        client,
+        pool,
+        wiring.codec.clone(),
+        wiring.policy.trust_domain.clone(),
+    );
+    backend.entrypoint = entrypoint;
+    backend.extra_env = executor_env;
+    backend.timeout = timeout;
+    backend.renew_before = renew_before;
+    OpenSandboxBackend::connect(backend, &key, tls).map_err(setup("building the vm backend"))
+}
+
+pub(super) async fn restore(
+    dispatch: &Dispatch,
+    capacities: &BTreeMap<Backend, usize>,
+) -> Result<(), RuntimeError> {
+    for backend in capacities.keys() {
+        if let Some(adapter) = dispatch.backend(*backend) {
+            let records = adapter
+                .list()
+                .await
+                .map_err(setup("listing executors to restore"))?;
+            let (admitted, claimed) = dispatch.restore(&records);
+            tracing::info!(%backend, admitted, claimed, "restored executors from the backend");
+        }
+    }
+    Ok(())
+}
