@@ -49,6 +49,7 @@ mod queue_trust;
 mod quick_start;
 mod rbac;
 mod real_gitea;
+mod real_kube;
 #[cfg(feature = "testkit")]
 mod relay;
 mod sandbox_identity;

@@ -13,6 +13,8 @@
 //! - [`nats_server`]: a real `nats-server` child process with a temporary store.
 //! - [`real_gitea`]: the real Gitea built from its Go module (`tests/peers`), headless on
 //!   loopback, read through its own API.
+//! - [`real_kube`]: the real kube-apiserver and etcd built from their Go modules
+//!   (`tests/kube-peers`), as envtest runs them, with a client per ServiceAccount.
 //! - [`opensandbox`]: the real OpenSandbox server on an in-memory cluster.
 //! - [`vm_host`]: runs the sandboxes of an OpenSandbox pool as local processes (the VMs),
 //!   each with the identity `sandbox-identity` would grant it.
@@ -45,6 +47,7 @@ pub mod mock_gitea;
 pub mod nats_server;
 pub mod opensandbox;
 pub mod real_gitea;
+pub mod real_kube;
 pub mod service;
 pub mod spiffe;
 pub mod standin_dockerd;

@@ -353,6 +353,37 @@ impl Release {
 }
 
 impl Crd {
+    /// The `CustomResourceDefinition` (`apiextensions.k8s.io/v1`) that declares this kind
+    /// with this schema, for a real API server to serve and validate it
+    /// (`gdr_testkit::real_kube`).
+    pub fn definition(&self) -> Value {
+        let mut version = serde_json::json!({
+            "name": self.version,
+            "served": true,
+            "storage": true,
+            "schema": { "openAPIV3Schema": self.schema },
+        });
+        if self.status_subresource {
+            version["subresources"] = serde_json::json!({ "status": {} });
+        }
+        serde_json::json!({
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": { "name": format!("{}.{}", self.plural, self.group) },
+            "spec": {
+                "group": self.group,
+                "names": {
+                    "kind": self.kind,
+                    "listKind": format!("{}List", self.kind),
+                    "plural": self.plural,
+                    "singular": self.kind.to_lowercase(),
+                },
+                "scope": if self.namespaced { "Namespaced" } else { "Cluster" },
+                "versions": [version],
+            },
+        })
+    }
+
     fn parse(name: &str, text: &str) -> Result<Crd, SchemaError> {
         let path = format!("crates/gdr-testkit/schemas/{name}");
         let doc: Value = serde_saphyr::from_str(text).map_err(|e| SchemaError::Crd {

@@ -48,6 +48,20 @@ impl Cause {
         }
     }
 
+    /// As [`Self::invalid`] for a number, which `field.Invalid` prints unquoted
+    /// (`Invalid value: 0: …`; the real server's answer, seen in tests/real_kube.rs).
+    fn invalid_number(
+        field: impl Into<String>,
+        value: impl std::fmt::Display,
+        detail: &str,
+    ) -> Self {
+        Cause {
+            reason: "FieldValueInvalid",
+            message: format!("Invalid value: {value}: {detail}"),
+            field: field.into(),
+        }
+    }
+
     fn duplicate(field: impl Into<String>, value: &str) -> Self {
         Cause {
             reason: "FieldValueDuplicate",
@@ -347,9 +361,9 @@ fn pod_spec(spec: Option<&Value>, out: &mut Vec<Cause>) {
     if let Some(d) = spec.get("activeDeadlineSeconds")
         && d.as_i64().is_none_or(|d| d < 1)
     {
-        out.push(Cause::invalid(
+        out.push(Cause::invalid_number(
             "spec.activeDeadlineSeconds",
-            &d.to_string(),
+            d,
             "must be between 1 and 2147483647, inclusive",
         ));
     }
@@ -693,9 +707,9 @@ fn lease(obj: &Map<String, Value>, out: &mut Vec<Cause>) {
         .and_then(Value::as_i64)
         && d <= 0
     {
-        out.push(Cause::invalid(
+        out.push(Cause::invalid_number(
             "spec.leaseDurationSeconds",
-            &d.to_string(),
+            d,
             "must be greater than 0",
         ));
     }
@@ -704,9 +718,9 @@ fn lease(obj: &Map<String, Value>, out: &mut Vec<Cause>) {
         .and_then(Value::as_i64)
         && t < 0
     {
-        out.push(Cause::invalid(
+        out.push(Cause::invalid_number(
             "spec.leaseTransitions",
-            &t.to_string(),
+            t,
             "must be greater than or equal to 0",
         ));
     }
