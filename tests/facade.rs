@@ -56,6 +56,9 @@ struct EnvOptions {
     timeouts: UpstreamTimeouts,
     /// Request timeout of the client the facade forwards UpdateTask/UpdateLog with.
     forward_timeout: Duration,
+    /// The Workload API the facade's SVID comes from instead of the fake one of the test
+    /// CA (the real SPIRE agent of tests/real_spire.rs).
+    facade_endpoint: Option<String>,
 }
 
 impl Default for EnvOptions {
@@ -66,6 +69,7 @@ impl Default for EnvOptions {
             upstream: None,
             timeouts: UpstreamTimeouts::default(),
             forward_timeout: ClientOptions::new("http://unused").request_timeout,
+            facade_endpoint: None,
         }
     }
 }
@@ -86,6 +90,15 @@ pub(super) struct Env {
 impl Env {
     pub(super) async fn new() -> Self {
         Self::with_limits(FacadeLimits::default()).await
+    }
+
+    /// A facade whose SVID comes from the Workload API at `endpoint`.
+    pub(super) async fn with_facade_identity(endpoint: String) -> Self {
+        Self::with(EnvOptions {
+            facade_endpoint: Some(endpoint),
+            ..EnvOptions::default()
+        })
+        .await
     }
 
     async fn with_limits(limits: FacadeLimits) -> Self {
@@ -109,6 +122,7 @@ impl Env {
             upstream,
             timeouts,
             forward_timeout,
+            facade_endpoint,
         } = options;
         let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
         let (uuid, token) = mock
@@ -124,7 +138,7 @@ impl Env {
         let facade_api = FakeWorkloadApi::start(dir.path(), ca.clone(), FACADE_ID)
             .await
             .expect("workload api");
-        let source = tls::x509_source(&facade_api.endpoint())
+        let source = tls::x509_source(&facade_endpoint.unwrap_or_else(|| facade_api.endpoint()))
             .await
             .expect("facade svid");
         let tls = Arc::new(tls::facade_server_config(&source, "example.org").expect("tls"));
@@ -241,7 +255,7 @@ impl Env {
         assignment
     }
 
-    fn facade_url(&self) -> String {
+    pub(super) fn facade_url(&self) -> String {
         format!("https://{}", self.facade_addr)
     }
 
@@ -383,7 +397,7 @@ impl Env {
             .collect()
     }
 
-    async fn job_status(&self, assignment: &Assignment, status: Status) {
+    pub(super) async fn job_status(&self, assignment: &Assignment, status: Status) {
         let task_id = assignment.id().task_id();
         self.mock
             .handle

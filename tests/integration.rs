@@ -51,6 +51,8 @@ mod rbac;
 mod real_gitea;
 mod real_kube;
 #[cfg(feature = "testkit")]
+mod real_spire;
+#[cfg(feature = "testkit")]
 mod relay;
 mod sandbox_identity;
 mod scheduler;

@@ -15,6 +15,8 @@
 //!   loopback, read through its own API.
 //! - [`real_kube`]: the real kube-apiserver and etcd built from their Go modules
 //!   (`tests/kube-peers`), as envtest runs them, with a client per ServiceAccount.
+//! - [`real_spire`]: the real SPIRE server and agent built from their Go module
+//!   (`tests/spire-peers`), join-token node attestation, `unix` workload attestation.
 //! - [`opensandbox`]: the real OpenSandbox server on an in-memory cluster.
 //! - [`vm_host`]: runs the sandboxes of an OpenSandbox pool as local processes (the VMs),
 //!   each with the identity `sandbox-identity` would grant it.
@@ -48,6 +50,7 @@ pub mod nats_server;
 pub mod opensandbox;
 pub mod real_gitea;
 pub mod real_kube;
+pub mod real_spire;
 pub mod service;
 pub mod spiffe;
 pub mod standin_dockerd;

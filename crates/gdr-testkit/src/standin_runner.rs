@@ -24,6 +24,7 @@
 //! | `standin:checkout <n>` | streams `GET <address>/_mock/blob/<n>`, logs the byte count, SUCCESS iff all `n` bytes arrived |
 //! | `standin:wait-for <path>` | heartbeats until the file `<path>` exists (a test's release of many jobs at once), reports SUCCESS |
 //! | `standin:id` | logs the process's identity (`identity: uid=… euid=… gid=… groups=…`), SUCCESS |
+//! | `standin:exec <command>` | runs `sh -c <command>` (a real program, as a `run:` step), logs its output lines and `exit: <status>`, SUCCESS iff it exited 0 |
 //! | `standin:fetch-jwt <audience> [socket=<path>] [spiffe-id=<id>]` | what `spire-agent api fetch jwt -audience <audience> [-socketPath <path>] [-spiffeID <id>]` does: `FetchJWTBundles`, then `FetchJWTSVID` through the Workload API at `<path>` (default: `SPIFFE_ENDPOINT_SOCKET`, as a job step sees it); logs `jwt-svid: sub=<sub> aud=<aud>` for a token that verifies against the bundle and reports SUCCESS, else logs `jwt-svid: <error>` and reports FAILURE |
 //!
 //! A payload without any `standin:` step runs as `standin:success`. Cancellation (server
@@ -195,6 +196,8 @@ pub enum Script {
     Checkout(u64),
     WaitFor(PathBuf),
     Id,
+    /// `standin:exec <command>`: a real program, as a job's `run:` step runs it.
+    Exec(String),
     FetchJwt {
         audience: String,
         socket: Option<String>,
@@ -206,6 +209,9 @@ impl Script {
     /// Parses `standin:<verb> [arg]`; `None` for anything else.
     pub fn parse(text: &str) -> Option<Script> {
         let rest = text.trim().strip_prefix("standin:")?;
+        if let Some(command) = rest.strip_prefix("exec ") {
+            return Some(Script::Exec(command.trim().to_string()));
+        }
         let mut words = rest.split_whitespace();
         let verb = words.next()?;
         if verb == "fetch-jwt" {
@@ -494,6 +500,7 @@ async fn run_script(reporter: &Reporter, script: &Script, address: &str) -> Opti
             ));
             Some(pb::TaskResult::RESULT_SUCCESS)
         }
+        Script::Exec(command) => Some(exec(reporter, command).await),
         Script::FetchJwt {
             audience,
             socket,
@@ -525,6 +532,36 @@ async fn run_script(reporter: &Reporter, script: &Script, address: &str) -> Opti
                     Some(pb::TaskResult::RESULT_FAILURE)
                 }
             }
+        }
+    }
+}
+
+/// Runs `sh -c <command>` and logs what it wrote, each line a row (standard output, then
+/// standard error), then `exit: <status>`; SUCCESS iff it exited 0, as a `run:` step.
+async fn exec(reporter: &Reporter, command: &str) -> pb::TaskResult {
+    let output = tokio::process::Command::new("sh")
+        .args(["-c", command])
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await;
+    match output {
+        Ok(out) => {
+            for stream in [&out.stdout, &out.stderr] {
+                for line in String::from_utf8_lossy(stream).lines() {
+                    reporter.log(line.to_string());
+                }
+            }
+            reporter.log(format!("exit: {}", out.status));
+            if out.status.success() {
+                pb::TaskResult::RESULT_SUCCESS
+            } else {
+                pb::TaskResult::RESULT_FAILURE
+            }
+        }
+        Err(e) => {
+            reporter.log(format!("exec: sh: {e}"));
+            pb::TaskResult::RESULT_FAILURE
         }
     }
 }
