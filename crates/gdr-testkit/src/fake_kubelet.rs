@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use base64::Engine;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Pod, Secret};
+use k8s_openapi::api::core::v1::{Node, Pod, Secret, Volume};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
@@ -46,6 +46,33 @@ use crate::fake_spire::FakeSpireAgent;
 /// with `hostPath` (`pod_spiffe_host_path`) instead of the SPIFFE CSI driver; any other
 /// `hostPath` fails the Pod's start as a missing `Directory` does on a real node.
 pub const AGENT_HOST_DIR: &str = "/run/spire/agent-sockets";
+
+/// Whether `volume` carries the node's SPIRE agent socket: `None` for any other volume;
+/// else whether this node can mount it (`agent`: a fake SPIRE agent runs here), with the
+/// kubelet's reason when not. A real node's agent serves every Pod on one socket and
+/// attests callers by their cgroup; the fake agent tells Pods apart by the directory it
+/// gives each, so the volume becomes the Pod's own directory.
+fn agent_volume(volume: &Volume, agent: bool) -> Option<Result<(), String>> {
+    if let Some(host) = &volume.host_path {
+        return Some(if agent && host.path == AGENT_HOST_DIR {
+            Ok(())
+        } else {
+            Err(format!(
+                "hostPath type check failed: {} is not a directory",
+                host.path
+            ))
+        });
+    }
+    let csi = volume.csi.as_ref()?;
+    Some(if agent && csi.driver == "csi.spiffe.io" {
+        Ok(())
+    } else {
+        Err(format!(
+            "kubernetes.io/csi: mounter.SetUpAt failed to get CSI client: driver name {} not found in the list of registered CSI drivers",
+            csi.driver
+        ))
+    })
+}
 
 /// How often the kubelet re-examines its Pods besides watch events (a missing Secret may
 /// appear; a real kubelet resyncs too).
@@ -505,49 +532,25 @@ impl Shared {
                     }
                     Ok(())
                 };
-            if let Some(host) = &volume.host_path {
-                // A real node's agent serves every Pod on one socket and attests callers by
-                // their cgroup; the fake agent tells Pods apart by the directory it gives
-                // each, so the node's agent directory becomes the Pod's own here.
-                match (&self.config.spire, host.path.as_str()) {
-                    (Some(spire), AGENT_HOST_DIR) => {
-                        let d = spire
-                            .socket_dir(uid)
-                            .await
-                            .map_err(|e| Waiting("ContainerCreating", e.to_string()))?;
-                        dirs.insert(volume.name.clone(), d);
-                    }
-                    (_, path) => {
+            if let Some(mount) = agent_volume(volume, self.config.spire.is_some()) {
+                let spire = match (mount, &self.config.spire) {
+                    (Ok(()), Some(spire)) => spire,
+                    (result, _) => {
                         return Err(Waiting(
                             "ContainerCreating",
                             format!(
-                                "MountVolume.SetUp failed for volume \"{}\" : hostPath type check failed: {path} is not a directory",
-                                volume.name
+                                "MountVolume.SetUp failed for volume \"{}\" : {}",
+                                volume.name,
+                                result.err().unwrap_or_default()
                             ),
                         ));
                     }
-                }
-                continue;
-            }
-            if let Some(csi) = &volume.csi {
-                match (&self.config.spire, csi.driver.as_str()) {
-                    (Some(spire), "csi.spiffe.io") => {
-                        let d = spire
-                            .socket_dir(uid)
-                            .await
-                            .map_err(|e| Waiting("ContainerCreating", e.to_string()))?;
-                        dirs.insert(volume.name.clone(), d);
-                    }
-                    (_, driver) => {
-                        return Err(Waiting(
-                            "ContainerCreating",
-                            format!(
-                                "MountVolume.SetUp failed for volume \"{}\" : kubernetes.io/csi: mounter.SetUpAt failed to get CSI client: driver name {driver} not found in the list of registered CSI drivers",
-                                volume.name
-                            ),
-                        ));
-                    }
-                }
+                };
+                let d = spire
+                    .socket_dir(uid)
+                    .await
+                    .map_err(|e| Waiting("ContainerCreating", e.to_string()))?;
+                dirs.insert(volume.name.clone(), d);
                 continue;
             }
             if let Some(secret) = &volume.secret {
