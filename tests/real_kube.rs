@@ -1166,3 +1166,96 @@ async fn a_pod_job_runs_through_the_real_api_server_on_the_node_stand_in_and_suc
     .await;
     let _ = controller.start_kill();
 }
+
+/// The names `list` answers for each selector, or the failing call's Status, on any server.
+async fn selected(admin: Client) -> Vec<(String, Result<Vec<String>, Answer>)> {
+    use kube::api::ListParams;
+    let secrets: Api<Secret> = Api::namespaced(admin, NS);
+    let runner = "ci.ddupan.top/runner";
+    let backend = "ci.ddupan.top/backend";
+    let labelled: [(&str, &[(&str, &str)]); 4] = [
+        ("pod-runner", &[(runner, "true"), (backend, "pod")]),
+        ("vm-runner", &[(runner, "true"), (backend, "vm")]),
+        ("not-runner", &[(runner, "false"), (backend, "pod")]),
+        ("bare", &[]),
+    ];
+    for (name, labels) in labelled {
+        let secret = Secret {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                labels: Some(
+                    labels
+                        .iter()
+                        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                        .collect(),
+                ),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        secrets
+            .create(&PostParams::default(), &secret)
+            .await
+            .unwrap();
+    }
+    let cases: [(&str, Option<&str>); 9] = [
+        // What the product sends (equality, comma-joined).
+        ("ci.ddupan.top/runner=true,ci.ddupan.top/backend=pod", None),
+        ("ci.ddupan.top/runner=true", None),
+        // What an operator's tooling may send.
+        ("ci.ddupan.top/backend in (pod,vm)", None),
+        ("ci.ddupan.top/backend!=pod", None),
+        ("!ci.ddupan.top/runner", None),
+        ("ci.ddupan.top/runner", None),
+        ("", Some("metadata.name=bare")),
+        (
+            "ci.ddupan.top/runner=true",
+            Some("metadata.name!=vm-runner"),
+        ),
+        ("ci.ddupan.top/runner==", None),
+    ];
+    let mut answers = Vec::new();
+    for (labels, fields) in cases {
+        let mut params = ListParams::default();
+        if !labels.is_empty() {
+            params = params.labels(labels);
+        }
+        if let Some(fields) = fields {
+            params = params.fields(fields);
+        }
+        let names = secrets.list(&params).await.map(|list| {
+            let mut names: Vec<String> = list
+                .items
+                .iter()
+                .filter_map(|s| s.metadata.name.clone())
+                .collect();
+            names.sort();
+            names
+        });
+        let case = format!("labels {labels:?} fields {fields:?}");
+        answers.push((case, names.map_err(|e| answer::<()>(Err(e)))));
+    }
+    answers
+}
+
+/// Peer fidelity (issue 38, differences): the fake API server selects by label and field as
+/// the real one does — the product's equality selectors, the set-based forms, field
+/// selectors on the name — and refuses a malformed selector with the real server's Status.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_fake_selects_by_label_and_field_as_the_real_server_does() {
+    let kube = cluster().await;
+    let real = selected(kube.admin().await).await;
+    let fake = gdr_testkit::fake_kube::start().await.unwrap();
+    let imitated = selected(fake.client().unwrap()).await;
+    let differences: Vec<String> = real
+        .iter()
+        .zip(&imitated)
+        .filter(|((_, r), (_, f))| r != f)
+        .map(|((case, r), (_, f))| format!("{case}:\n  real: {r:?}\n  fake: {f:?}"))
+        .collect();
+    assert!(
+        differences.is_empty(),
+        "the fake selected differently:\n{}",
+        differences.join("\n")
+    );
+}
