@@ -501,7 +501,7 @@ impl Dispatch {
     /// Authenticates a runner whose assignment is not offered in this process (yet): the
     /// controller restarted and the assignment waits for redelivery. The capability
     /// proves we issued it; the backend's metadata says which workload may use it. A
-    /// definite "no" (no executor, or a finished one) is remembered for [`NEGATIVE_TTL`],
+    /// definite "no" (no executor, or a finished one) is remembered for `NEGATIVE_TTL` (30 s),
     /// so repeated requests do not each cost a look-up.
     pub async fn authorize_from_backend(
         &self,
