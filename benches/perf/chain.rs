@@ -528,7 +528,7 @@ fn breakdown(log: &str, tasks: &[i64]) -> Breakdown {
                 span("admitted", "executor_created", true),
             ),
             (
-                "executor start: process, SVID fetch, proxy, facade probe, runner start, Declare",
+                "executor start: process, SVID fetch, proxy, runner start, Declare",
                 span("executor_created", "declared", true),
             ),
             (
