@@ -169,7 +169,12 @@ in
   fetch_pollers_max = mkOption {
     type = types.nullOr (types.ints.unsigned);
     default = null;
-    description = "Most concurrent FetchTask pollers (at least 1); there are as many as the enabled capacity up to this bound. Gitea serialises task picks per instance (`MAX_CONCURRENT_TASK_PICKS`, default 16), so more only cost. While Gitea has nothing, one poller calls FetchTask every 2s and the others wait, whatever the bound. Default: `8`.";
+    description = "Most concurrent FetchTask pollers (at least 1); there are as many as the enabled capacity up to this bound. Gitea serialises task picks per instance (`MAX_CONCURRENT_TASK_PICKS`, default 16), so more only cost. While Gitea has nothing, one poller calls FetchTask every `fetch_interval` and the others wait, whatever the bound. Default: `8`.";
+  };
+  fetch_interval = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "While Gitea has no job for this controller, one FetchTask per this interval, as the official runner's `fetch_interval` (at least 100ms). Only the idle pace: a job arriving, a freed slot or a drained backlog makes the pollers fetch at once. Default: `2s`.";
   };
   runner_facade_listen = mkOption {
     type = types.nullOr (types.str);

@@ -489,6 +489,49 @@ async fn a_job_runs_through_executor_facade_and_mock_gitea_with_its_logs_and_res
     assert_eq!(env.dispatch.claim_state(a.id()), Some(ClaimState::Terminal));
 }
 
+/// Issue 39 item 2: no probe of the facade precedes the runner. The runner starts while
+/// the facade does not answer yet (a door in front of it holds every connection
+/// unanswered); its first call, held by the relay, proves the channel once the door
+/// opens, and the job runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_runner_starts_before_the_facade_answers_and_its_first_call_proves_the_channel() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let records = tempfile::tempdir().expect("dir");
+    let door = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let mut config = env.executor_config(&a, &workload);
+    config.facade_url = format!("https://{}", door.local_addr().expect("addr"));
+    config.runner_binary =
+        recording_runner(records.path(), STANDIN.as_ref()).expect("recording runner");
+    let executor = tokio::spawn(run(config, no_signals()));
+    gdr_testkit::until(
+        WAIT,
+        "the runner to start while the facade does not answer",
+        || async { runner_start(records.path()).is_some() },
+    )
+    .await;
+    let facade = env.facade_addr;
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = door.accept().await {
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = tokio::net::TcpStream::connect(facade).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    let status = tokio::time::timeout(WAIT, executor)
+        .await
+        .expect("the executor ends")
+        .expect("join")
+        .expect("executor runs");
+    assert!(status.success(), "the runner exits 0");
+    env.job_status(&a, Status::Success).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_cancel_in_gitea_reaches_the_runner_which_reports_cancelled() {
     let env = Env::new().await;

@@ -54,6 +54,18 @@ impl Controller {
         extra: &[(&str, &str)],
     ) -> Self {
         let mock = MockGitea::start(mock).await.expect("mock");
+        Self::start_against(mock, pod_capacity, vm_capacity, nats_url, extra).await
+    }
+
+    /// [`Controller::start_with`] against a mock Gitea the test started (and may have
+    /// queued jobs in already).
+    async fn start_against(
+        mock: RunningMock,
+        pod_capacity: u32,
+        vm_capacity: u32,
+        nats_url: Option<String>,
+        extra: &[(&str, &str)],
+    ) -> Self {
         let facade = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -449,5 +461,30 @@ async fn fetch_pollers_max_bounds_the_concurrent_fetch_task_calls() {
         2,
         "as many concurrent FetchTask calls as fetch_pollers_max allows"
     );
+    c.stop().await;
+}
+
+/// DESIGN invariant 5b, issue 39: every free slot is refilled as soon as it frees, never
+/// at the idle poller's pace. With both backends enabled (the default), a full pod
+/// backlog re-declares the vm labels alone, so the pollers' FetchTask finds nothing and
+/// they park; when the backlog drains, the pod labels are declared again and that wakes
+/// them. With the idle interval an hour long, 10 pod jobs queued before the start at
+/// `pod_capacity = 2` all run only if nothing waits for the idle poller (the wait is a
+/// bound on a hang, not a speed assertion).
+#[tokio::test(flavor = "multi_thread")]
+async fn ten_queued_jobs_at_capacity_two_all_run_without_waiting_for_the_idle_poller() {
+    let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+    let yaml = "on: push\njobs:\n  build:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: standin:success\n";
+    let jobs: Vec<JobId> = (0..10)
+        .map(|_| {
+            mock.handle
+                .queue_workflow("owner/repo", yaml)
+                .expect("queue")[0]
+        })
+        .collect();
+    let mut c = Controller::start_against(mock, 2, 1, None, &[("fetch_interval", "1h")]).await;
+    for job in &jobs {
+        c.wait_status(*job, Status::Success).await;
+    }
     c.stop().await;
 }

@@ -299,7 +299,8 @@ async fn listing_extends_running_sandboxes_close_to_expiry_but_not_terminal_ones
 /// entrypoint is the real executor, started (as a kubelet would) with the assignment's
 /// environment from the sandbox spec; it fetches the job's SVID from the Workload API it
 /// was pointed at and writes the one-shot `.runner` with the assignment ID and capability.
-/// With no facade it gives up after its ready timeout, and the sandbox stays `Running`;
+/// With no facade it gives up after its ready timeout (its runner, which would wait, is
+/// started at once: no probe of the facade precedes it), and the sandbox stays `Running`;
 /// deleting the sandbox stops its process.
 #[tokio::test]
 async fn the_sandbox_entrypoint_runs_the_real_executor_with_the_assignment_environment() {
@@ -314,6 +315,11 @@ async fn the_sandbox_entrypoint_runs_the_real_executor_with_the_assignment_envir
         .unwrap();
     let work = dir.path().join("work");
     std::fs::create_dir(&work).unwrap();
+    // A runner that waits for the facade as the real one would (its first call never
+    // gets an answer here).
+    let runner = dir.path().join("runner");
+    std::fs::write(&runner, "#!/bin/sh\nexec sleep 60\n").unwrap();
+    std::fs::set_permissions(&runner, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     setup.settings.entrypoint = vec![
         env!("CARGO_BIN_EXE_gitea-dynamic-runner").into(),
         "executor".into(),
@@ -322,6 +328,7 @@ async fn the_sandbox_entrypoint_runs_the_real_executor_with_the_assignment_envir
         (env::SPIFFE_ENDPOINT_SOCKET.into(), workload.endpoint()),
         ("CI_RUNNER_WORKDIR".into(), work.display().to_string()),
         ("CI_EXECUTOR_READY_TIMEOUT".into(), "1".into()),
+        ("GITEA_RUNNER_BINARY".into(), runner.display().to_string()),
     ]);
     let closed = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

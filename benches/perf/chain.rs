@@ -69,7 +69,7 @@ fn since(earlier: SystemTime, later: SystemTime) -> Duration {
 
 /// Idle FetchTask rate, idle pickups and (with `burst`) a burst of `N`, against whatever
 /// polls `mock`.
-async fn measure(mock: &MockGitea, burst: bool) -> Side {
+async fn measure(mock: &MockGitea, with_burst: bool) -> Side {
     // Let start-up polling settle into the idle pace first.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let before = mock.calls(RpcMethod::FetchTask);
@@ -98,7 +98,7 @@ async fn measure(mock: &MockGitea, burst: bool) -> Side {
         idle_pickups.push(since(queued, first));
     }
     eprintln!("  idle pickups {idle_pickups:?}");
-    if !burst {
+    if !with_burst {
         return Side {
             idle_calls_per_s,
             idle_pickups,
@@ -108,6 +108,40 @@ async fn measure(mock: &MockGitea, burst: bool) -> Side {
         };
     }
 
+    let queued_at_once = burst(mock).await;
+    Side {
+        idle_calls_per_s,
+        idle_pickups,
+        makespan: queued_at_once.makespan,
+        burst_pickups: queued_at_once.pickups,
+        burst_tasks: queued_at_once.tasks,
+    }
+}
+
+/// What one burst of N jobs queued at once showed.
+struct Burst {
+    makespan: Duration,
+    /// Queued → first log row, per job.
+    pickups: Vec<Duration>,
+    tasks: Vec<i64>,
+}
+
+impl Burst {
+    /// The longest time between two successive pickups: a slot refilled at once keeps it
+    /// near one job's cycle; a fixed wait shows as a gap of its length.
+    fn largest_gap(&self) -> Duration {
+        let mut sorted = self.pickups.clone();
+        sorted.sort();
+        sorted
+            .windows(2)
+            .map(|w| w[1].saturating_sub(w[0]))
+            .max()
+            .unwrap_or_default()
+    }
+}
+
+/// Queues N jobs at once and waits until every one succeeded.
+async fn burst(mock: &MockGitea) -> Burst {
     let queued = SystemTime::now();
     let jobs = mock
         .queue_workflow("owner/burst", &workflow(N, "standin:success"))
@@ -131,19 +165,51 @@ async fn measure(mock: &MockGitea, burst: bool) -> Side {
         .map(|s| since(queued, s))
         .max()
         .unwrap_or_default();
-    let burst_pickups = tasks
+    let pickups = tasks
         .iter()
         .filter_map(|t| t.first_log)
         .map(|f| since(queued, f))
         .collect();
     eprintln!("  burst of {N}: makespan {makespan:?}");
-    Side {
-        idle_calls_per_s,
-        idle_pickups,
+    Burst {
         makespan,
-        burst_pickups,
-        burst_tasks: tasks.iter().map(|t| t.id).collect(),
+        pickups,
+        tasks: tasks.iter().map(|t| t.id).collect(),
     }
+}
+
+/// Issue 39: the burst as the default configuration runs it, with the vm backend enabled
+/// next to the pod backend (`vm_capacity = 1`): a full pod backlog then re-declares the
+/// vm labels alone, and the pollers find nothing until the pod labels are declared again.
+/// Next to it the same burst with the vm backend off, where the labels never change.
+pub async fn run_burst(table: &mut Table) {
+    let mut sides = Vec::new();
+    for vm in [1u32, 0] {
+        let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
+        let controller = Controller::start(&mock, K, &[("vm_capacity", Value::from(vm))]).await;
+        eprintln!("this controller, pod_capacity {K}, vm_capacity {vm}:");
+        sides.push(burst(&mock.handle).await);
+        controller.stop(&[]).await;
+    }
+    let (with_vm, pod_only) = (&sides[0], &sides[1]);
+    table.ratio(
+        &format!(
+            "{N} jobs queued at once, pod_capacity {K} with vm_capacity 1 (the default): makespan"
+        ),
+        (with_vm.makespan.as_secs_f64(), secs(with_vm.makespan)),
+        (
+            pod_only.makespan.as_secs_f64(),
+            format!("{} with vm_capacity 0", secs(pod_only.makespan)),
+        ),
+        "≈ 1×",
+    );
+    table.row(
+        "  largest gap between successive pickups in that burst",
+        secs(with_vm.largest_gap()),
+        format!("{} with vm_capacity 0", secs(pod_only.largest_gap())),
+        "–".into(),
+        "no fixed wait",
+    );
 }
 
 // === plain runners ===
@@ -462,7 +528,7 @@ fn breakdown(log: &str, tasks: &[i64]) -> Breakdown {
                 span("admitted", "executor_created", true),
             ),
             (
-                "executor start: process, SVID fetch, proxy, facade probe, runner start, Declare",
+                "executor start: process, SVID fetch, proxy, runner start, Declare",
                 span("executor_created", "declared", true),
             ),
             (

@@ -32,6 +32,9 @@ async fn main() {
     if wanted("chain") {
         chain::run(&mut table).await;
     }
+    if wanted("burst") {
+        chain::run_burst(&mut table).await;
+    }
     if wanted("handoff") {
         handoff::run(&mut table).await;
     }

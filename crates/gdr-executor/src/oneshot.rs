@@ -395,16 +395,10 @@ async fn run_executor(
     };
     cleanup.runner_file = Some(work_dir.join(RUNNER_FILE));
     write_runner_file(&work_dir, &config, &proxy_url)?;
-    // The SVID is here: the daemon starts while the facade is probed.
-    let (facade, dockerd) = tokio::join!(
-        wait_for_facade(&proxy_url, config.ready_timeout),
-        start_dockerd(config.docker.as_ref()),
-    );
-    let dockerd = dockerd?;
-    if let Err(e) = facade {
-        stop_dockerd(dockerd).await;
-        return Err(e);
-    }
+    // No probe of the facade first: the runner's first call proves the channel (the relay
+    // holds it through a facade outage), and a facade that never answers ends the run at
+    // the ready timeout below.
+    let dockerd = start_dockerd(config.docker.as_ref()).await?;
 
     // A cancelled step's process outlives the shell the runner kills; adopted, it stays
     // where the cancel grace finds it.
@@ -416,16 +410,22 @@ async fn run_executor(
         .and_then(Dockerd::pid)
         .into_iter()
         .collect();
-    let ran = run_runner(
-        &config,
-        &work_dir,
-        &proxy_url,
-        dockerd.as_ref().map(Dockerd::docker_host).as_deref(),
-        &keep,
-        &relay,
-        &mut signals,
-    )
-    .await;
+    let docker_host = dockerd.as_ref().map(Dockerd::docker_host);
+    let ran = tokio::select! {
+        ran = run_runner(
+            &config,
+            &work_dir,
+            &proxy_url,
+            docker_host.as_deref(),
+            &keep,
+            &relay,
+            &mut signals,
+        ) => ran,
+        // Dropping the runner's future kills the runner (`kill_on_drop`).
+        () = unanswered(&relay, config.ready_timeout) => {
+            Err(RunError::FacadeUnreachable(config.facade_url.clone()))
+        }
+    };
     // The job's daemon ends with its runner, however the runner ended (a forwarded signal
     // included), while the reports may still be on their way.
     let stopping = stop_dockerd(dockerd);
@@ -677,57 +677,10 @@ async fn wait_forwarding_signals(
     }
 }
 
-/// How long one facade probe may take.
-const PROBE_TIMEOUT: Duration = Duration::from_secs(4);
-
-/// Waits until a request through the proxy gets any answer from the facade (the
-/// runner exits at once if its first Declare fails).
-async fn wait_for_facade(proxy_url: &str, timeout: Duration) -> Result<(), RunError> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    let url = format!("{proxy_url}/api/actions/ping.v1.PingService/Ping");
-    loop {
-        if let Ok(stream) =
-            tokio::net::TcpStream::connect(proxy_url.trim_start_matches("http://")).await
-            && probe(stream, &url).await
-        {
-            return Ok(());
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return Err(RunError::FacadeUnreachable(proxy_url.to_string()));
-        }
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-}
-
-/// One HTTP/1.1 request on `stream`; true when the facade (not the proxy) answered,
-/// i.e. any status below 502.
-async fn probe(stream: tokio::net::TcpStream, url: &str) -> bool {
-    let Ok((mut sender, conn)) = hyper::client::conn::http1::handshake::<
-        _,
-        http_body_util::Empty<bytes::Bytes>,
-    >(hyper_util::rt::TokioIo::new(stream))
-    .await
-    else {
-        return false;
-    };
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let Ok(request) = http::Request::post(url)
-        .header(http::header::HOST, "localhost")
-        // Bounds how long the proxy waits for an unreachable facade on our behalf.
-        .header("connect-timeout-ms", PROBE_TIMEOUT.as_millis().to_string())
-        .body(http_body_util::Empty::new())
-    else {
-        return false;
-    };
-    match tokio::time::timeout(
-        PROBE_TIMEOUT + Duration::from_secs(1),
-        sender.send_request(request),
-    )
-    .await
-    {
-        Ok(Ok(response)) => response.status().as_u16() < 502,
-        _ => false,
+/// Resolves only when the facade has answered no request within `bound` of now (the
+/// executor's start): the facade is unreachable, or not the one the executor trusts.
+async fn unanswered(relay: &Relay, bound: Duration) {
+    if relay.facade().answered_within(bound).await {
+        std::future::pending::<()>().await;
     }
 }

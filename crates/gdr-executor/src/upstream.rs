@@ -173,6 +173,10 @@ impl Exchange {
 pub(crate) struct Facade {
     client: FacadeClient,
     upstream: Upstream,
+    /// Whether the facade has answered any request yet: the runner's first call proves
+    /// the channel (mTLS, the facade's identity, the route), so no probe of its own is
+    /// sent before the runner starts.
+    answered: std::sync::Arc<tokio::sync::watch::Sender<bool>>,
 }
 
 impl Facade {
@@ -203,7 +207,19 @@ impl Facade {
             .http2_initial_stream_window_size(H2_STREAM_WINDOW)
             .http2_initial_connection_window_size(H2_CONNECTION_WINDOW)
             .build(connector);
-        Ok(Facade { client, upstream })
+        Ok(Facade {
+            client,
+            upstream,
+            answered: std::sync::Arc::new(tokio::sync::watch::Sender::new(false)),
+        })
+    }
+
+    /// Whether the facade answers a request within `bound` (or has answered one before).
+    pub(crate) async fn answered_within(&self, bound: Duration) -> bool {
+        let mut answered = self.answered.subscribe();
+        tokio::time::timeout(bound, answered.wait_for(|a| *a))
+            .await
+            .is_ok_and(|seen| seen.is_ok())
     }
 
     /// The facade's host and port, for messages.
@@ -230,13 +246,16 @@ impl Facade {
         &self,
         req: Request<ClientBody>,
     ) -> Result<Response<Incoming>, Failure> {
-        self.client.request(req).await.map_err(|e| {
+        let response = self.client.request(req).await.map_err(|e| {
             if e.is_connect() {
                 Failure::Unreachable(e)
             } else {
                 Failure::Lost(Box::new(e))
             }
-        })
+        })?;
+        self.answered
+            .send_if_modified(|a| !std::mem::replace(a, true));
+        Ok(response)
     }
 
     /// One buffered call: the whole request body, the whole answer (both bounded).

@@ -832,6 +832,7 @@ fn spawn_scheduler(
         })
         .collect();
     poller_settings.shutdown_publish_timeout = SHUTDOWN_PUBLISH_TIMEOUT;
+    poller_settings.idle_interval = w.settings.fetch_interval;
     let mut scheduler = Scheduler::new(
         w.gitea.clone(),
         w.queue.producer.clone(),

@@ -1,7 +1,12 @@
 //! Idle parking of the pollers: while Gitea has nothing for us, one poller keeps polling
 //! and the others wait without calling Gitea, so the idle load on Gitea is one FetchTask
-//! per idle interval whatever the capacity. A task wakes every parked poller at once, so
-//! a burst is fetched by all of them.
+//! per idle interval whatever the capacity. A wake ends every wait at once, the idle
+//! poller's pause included: a task (more may be waiting, so a burst is fetched by all
+//! pollers) and labels declared anew (a backend whose backlog drained is offered its jobs
+//! again; without the wake its free slots would wait out the idle interval).
+//!
+//! A poller takes its [`Waker`] before it calls FetchTask, so a wake while the request is
+//! in flight (sent with the old labels or version) ends the park that follows.
 //!
 //! The count of active (unparked) pollers never drops below one: a poller parks only
 //! while another one stays active, and the last active poller is the idle poller. The
@@ -10,6 +15,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::sync::watch;
+use tokio::time::Instant;
 
 use crate::shutdown::Shutdown;
 
@@ -22,23 +28,24 @@ pub(crate) struct IdleControl {
     wake: watch::Sender<u64>,
 }
 
-/// The place of a parked poller: it sees every wake from the moment it was taken.
+/// A poller's view of the wakes: it sees every wake from the moment it was taken.
 #[derive(Debug)]
 pub(crate) struct Waker(watch::Receiver<u64>);
 
-/// What [`IdleControl::park`] did.
+/// What [`IdleControl::park`] or [`IdleControl::pause`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Parked {
-    /// This poller is the last active one: it keeps polling at the idle pace.
+    /// This poller is the last active one: it keeps polling at the idle pace (after a
+    /// pause: the pause ran out).
     IdlePoller,
-    /// It parked and was woken: a task arrived, fetch now.
+    /// A wake came (or had come since the waker was taken): fetch now.
     Woken,
-    /// It parked and shutdown was requested meanwhile.
+    /// Shutdown was requested meanwhile.
     Stopped,
 }
 
 impl IdleControl {
-    /// One active poller; every other one starts with [`IdleControl::parked`].
+    /// One active poller; every other one starts parked, with a [`IdleControl::waker`].
     pub(crate) fn new() -> Self {
         IdleControl {
             active: AtomicUsize::new(1),
@@ -46,9 +53,9 @@ impl IdleControl {
         }
     }
 
-    /// A place for a poller that starts parked (it does not count as active). Taken before
-    /// the pollers run, so no wake is missed.
-    pub(crate) fn parked(&self) -> Waker {
+    /// A view of the wakes from now on. Taken before the pollers run for those that start
+    /// parked (they do not count as active), and by each poller before its FetchTask.
+    pub(crate) fn waker(&self) -> Waker {
         let mut rx = self.wake.subscribe();
         rx.mark_unchanged();
         Waker(rx)
@@ -61,10 +68,9 @@ impl IdleControl {
     }
 
     /// Parks the caller unless it is the last active poller; a parked caller returns once
-    /// [`IdleControl::wake_all`] (or the shutdown) ends the wait.
-    pub(crate) async fn park(&self, shutdown: &Shutdown) -> Parked {
-        // Subscribed before leaving the active set, so a wake between the two counts.
-        let waker = self.parked();
+    /// a wake seen by `waker` (or the shutdown) ends the wait, at once if one came after
+    /// the waker was taken.
+    pub(crate) async fn park(&self, waker: &mut Waker, shutdown: &Shutdown) -> Parked {
         let left = self
             .active
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -78,7 +84,7 @@ impl IdleControl {
     }
 
     /// Waits parked until the next wake (or the shutdown), then counts as active again.
-    pub(crate) async fn wait(&self, mut waker: Waker, shutdown: &Shutdown) -> Parked {
+    pub(crate) async fn wait(&self, waker: &mut Waker, shutdown: &Shutdown) -> Parked {
         let outcome = tokio::select! {
             _ = waker.0.changed() => Parked::Woken,
             _ = shutdown.wait() => Parked::Stopped,
@@ -87,7 +93,23 @@ impl IdleControl {
         outcome
     }
 
-    /// A task arrived: every parked poller fetches again.
+    /// The idle poller's pause until `until`: a wake seen by `waker` ends it early
+    /// ([`Parked::Woken`]); [`Parked::IdlePoller`] once it ran out.
+    pub(crate) async fn pause(
+        &self,
+        waker: &mut Waker,
+        until: Instant,
+        shutdown: &Shutdown,
+    ) -> Parked {
+        tokio::select! {
+            _ = waker.0.changed() => Parked::Woken,
+            _ = shutdown.wait() => Parked::Stopped,
+            () = tokio::time::sleep_until(until) => Parked::IdlePoller,
+        }
+    }
+
+    /// A task arrived, or Gitea has new labels: every parked poller fetches again, and the
+    /// idle poller ends its pause.
     pub(crate) fn wake_all(&self) {
         self.wake.send_modify(|v| *v = v.wrapping_add(1));
     }
@@ -110,12 +132,15 @@ mod tests {
         let (_trigger, shutdown) = shutdown_channel();
         let parked: Vec<_> = (0..2)
             .map(|_| {
-                let waker = control.parked();
+                let mut waker = control.waker();
                 let (control, shutdown) = (control.clone(), shutdown.clone());
-                tokio::spawn(async move { control.wait(waker, &shutdown).await })
+                tokio::spawn(async move { control.wait(&mut waker, &shutdown).await })
             })
             .collect();
-        assert_eq!(control.park(&shutdown).await, Parked::IdlePoller);
+        assert_eq!(
+            control.park(&mut control.waker(), &shutdown).await,
+            Parked::IdlePoller
+        );
         tokio::time::sleep(Duration::from_secs(60)).await;
         assert_eq!(control.active(), 1, "the idle poller never parks");
         assert!(parked.iter().all(|p| !p.is_finished()));
@@ -128,7 +153,7 @@ mod tests {
         let again: Vec<_> = (0..3)
             .map(|_| {
                 let (control, shutdown) = (control.clone(), shutdown.clone());
-                tokio::spawn(async move { control.park(&shutdown).await })
+                tokio::spawn(async move { control.park(&mut control.waker(), &shutdown).await })
             })
             .collect();
         tokio::time::sleep(Duration::from_secs(60)).await;
@@ -137,15 +162,55 @@ mod tests {
         control.wake_all();
     }
 
+    /// Issue 39: a wake (labels declared anew once a full backlog drained) ends the idle
+    /// poller's pause at once instead of at the end of its interval, and a wake that came
+    /// while a poller's FetchTask was in flight ends the park that follows it.
+    #[tokio::test(start_paused = true)]
+    async fn a_wake_ends_the_idle_pause_and_one_during_the_fetch_is_not_missed() {
+        let control = Arc::new(IdleControl::new());
+        let (_trigger, shutdown) = shutdown_channel();
+        let hour = Duration::from_secs(3600);
+        let mut waker = control.waker();
+        let idle = tokio::spawn({
+            let (control, shutdown) = (control.clone(), shutdown.clone());
+            async move {
+                let until = Instant::now() + hour;
+                control.pause(&mut waker, until, &shutdown).await
+            }
+        });
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert!(!idle.is_finished(), "the pause ended without a wake");
+        control.wake_all();
+        assert_eq!(idle.await.unwrap(), Parked::Woken);
+
+        // A second active poller, so that the one below may park.
+        let mut second = control.waker();
+        let woken = tokio::spawn({
+            let (control, shutdown) = (control.clone(), shutdown.clone());
+            async move { control.wait(&mut second, &shutdown).await }
+        });
+        control.wake_all();
+        assert_eq!(woken.await.unwrap(), Parked::Woken);
+        assert_eq!(control.active(), 2);
+        let mut before_fetch = control.waker();
+        control.wake_all();
+        let parked = tokio::time::timeout(hour, control.park(&mut before_fetch, &shutdown)).await;
+        assert_eq!(
+            parked,
+            Ok(Parked::Woken),
+            "a wake during the fetch was missed"
+        );
+    }
+
     /// A parked poller ends its wait at shutdown.
     #[tokio::test(start_paused = true)]
     async fn a_shutdown_ends_the_wait_of_a_parked_poller() {
         let control = Arc::new(IdleControl::new());
         let (trigger, shutdown) = shutdown_channel();
-        let waker = control.parked();
+        let mut waker = control.waker();
         let parked = tokio::spawn({
             let (control, shutdown) = (control.clone(), shutdown.clone());
-            async move { control.wait(waker, &shutdown).await }
+            async move { control.wait(&mut waker, &shutdown).await }
         });
         tokio::time::sleep(Duration::from_secs(60)).await;
         trigger.trigger();

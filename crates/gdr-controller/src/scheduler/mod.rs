@@ -6,7 +6,9 @@
 //!   (`MAX_CONCURRENT_TASK_PICKS`), so more concurrent pollers only cost.
 //! - While Gitea has nothing, one idle poller calls FetchTask once per idle interval
 //!   (counted start to start) and the others park; the first task wakes them all, so a
-//!   burst is fetched by every poller. A FetchTask Gitea holds open (long polling) that
+//!   burst is fetched by every poller. Labels declared anew wake them too (the idle
+//!   poller's pause included): a backend whose full backlog drained is offered its jobs
+//!   again, and its free slots must not wait out the idle interval. A FetchTask Gitea holds open (long polling) that
 //!   runs into the client deadline is an empty answer, not an error: no backoff.
 //! - A poller holding a task publishes that assignment until JetStream acknowledges
 //!   it and fetches nothing else meanwhile (invariant 2); the message ID is the
@@ -311,7 +313,7 @@ impl Scheduler {
         let mut pollers = JoinSet::new();
         // One poller starts active; the others start parked and join on the first task.
         for index in 0..shared.settings.pollers {
-            let parked = (index > 0).then(|| shared.idle.parked());
+            let parked = (index > 0).then(|| shared.idle.waker());
             pollers.spawn(poll(shared.clone(), index, parked, shutdown.clone()));
         }
         let mut report = Report::default();
@@ -474,6 +476,9 @@ async fn keep_declared(shared: Arc<Shared>, stop: Shutdown) {
                         "labels declared for the backends whose backlog has room"
                     );
                     shared.gate.declared(open);
+                    // The pollers parked by empty answers under the old labels (a backend
+                    // whose backlog was full) fetch now, not after the idle interval.
+                    shared.idle.wake_all();
                     continue;
                 }
                 Err(e) => {
@@ -504,9 +509,9 @@ async fn poll(
 ) -> Report {
     let mut report = Report::default();
     let mut errors = 0u32;
-    if let Some(waker) = parked {
+    if let Some(mut waker) = parked {
         SchedulerStats::inc(&shared.stats.pollers_parked);
-        let woken = shared.idle.wait(waker, &shutdown).await;
+        let woken = shared.idle.wait(&mut waker, &shutdown).await;
         SchedulerStats::dec(&shared.stats.pollers_parked);
         if woken == Parked::Stopped {
             return report;
@@ -517,6 +522,8 @@ async fn poll(
         let Some(slot) = shared.gate.admit(&shutdown, waiting).await else {
             break;
         };
+        // Before the version is read: a reset or new labels from here on wake this poller.
+        let mut waker = shared.idle.waker();
         let sent = shared.version.current();
         let started = Instant::now();
         SchedulerStats::inc(&shared.stats.fetch_calls);
@@ -563,23 +570,25 @@ async fn poll(
             }
         };
         SchedulerStats::inc(&shared.stats.pollers_parked);
-        let parked = shared.idle.park(&shutdown).await;
+        let parked = shared.idle.park(&mut waker, &shutdown).await;
         SchedulerStats::dec(&shared.stats.pollers_parked);
-        match parked {
-            Parked::Woken => {}
-            Parked::Stopped => break,
-            Parked::IdlePoller => {
-                let until = match pause {
-                    Pause::Idle => started + shared.settings.idle_interval,
-                    Pause::Error(delay) => Instant::now() + delay,
-                };
-                if !shutdown
-                    .sleep(until.saturating_duration_since(Instant::now()))
-                    .await
-                {
-                    break;
+        let resumed = match (parked, pause) {
+            (Parked::IdlePoller, Pause::Idle) => {
+                let until = started + shared.settings.idle_interval;
+                shared.idle.pause(&mut waker, until, &shutdown).await
+            }
+            // A failing Gitea is backed off whatever happens meanwhile.
+            (Parked::IdlePoller, Pause::Error(delay)) => {
+                if shutdown.sleep(delay).await {
+                    Parked::IdlePoller
+                } else {
+                    Parked::Stopped
                 }
             }
+            (other, _) => other,
+        };
+        if resumed == Parked::Stopped {
+            break;
         }
     }
     report

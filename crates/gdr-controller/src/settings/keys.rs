@@ -224,9 +224,13 @@ keys! {
     /// Most concurrent FetchTask pollers (at least 1); there are as many as the enabled
     /// capacity up to this bound. Gitea serialises task picks per instance
     /// (`MAX_CONCURRENT_TASK_PICKS`, default 16), so more only cost. While Gitea has
-    /// nothing, one poller calls FetchTask every 2s and the others wait, whatever the
-    /// bound.
+    /// nothing, one poller calls FetchTask every `fetch_interval` and the others wait,
+    /// whatever the bound.
     fetch_pollers_max: u32 = 8;
+    /// While Gitea has no job for this controller, one FetchTask per this interval, as the
+    /// official runner's `fetch_interval` (at least 100ms). Only the idle pace: a job
+    /// arriving, a freed slot or a drained backlog makes the pollers fetch at once.
+    fetch_interval: Secs = Secs::from_secs(2);
     /// Listen address of the RunnerService facade (SPIFFE mTLS).
     runner_facade_listen: Option<String> = None,
         shown "127.0.0.1:8443 without nats_url (single host), else 0.0.0.0:8443";

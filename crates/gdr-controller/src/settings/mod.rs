@@ -41,6 +41,9 @@ pub use values::{Component, Components};
 /// The official runner's `report_close_timeout`: an executor that holds reports for less
 /// adds nothing to what the runner does itself.
 const MIN_REPORT_OUTAGE_TOLERANCE: Duration = Duration::from_secs(10);
+/// The idle poller's shortest pace: below it an idle controller would load Gitea like a
+/// busy loop.
+const MIN_FETCH_INTERVAL: Duration = Duration::from_millis(100);
 
 /// Largest capacity of one backend: more executors than this on one controller is a typo,
 /// not a deployment (and the pollers, backlog and consumer settings derive from it).
@@ -349,6 +352,8 @@ pub struct SchedulerSettings {
     pub backlog_limit: Option<u64>,
     /// Most concurrent FetchTask pollers.
     pub fetch_pollers_max: usize,
+    /// The idle poller's pace while Gitea has nothing.
+    pub fetch_interval: Duration,
     /// The facade.
     pub facade: FacadeSettings,
 }
@@ -682,6 +687,7 @@ impl TryFrom<Raw> for Settings {
             heartbeat_interval,
             backlog_limit,
             fetch_pollers_max,
+            fetch_interval,
             runner_facade_listen,
             runner_facade_url,
             runner_facade_spiffe_id,
@@ -1050,6 +1056,9 @@ impl TryFrom<Raw> for Settings {
         if fetch_pollers_max == 0 {
             check.problem("fetch_pollers_max", "must be at least 1");
         }
+        if fetch_interval.0 < MIN_FETCH_INTERVAL {
+            check.problem("fetch_interval", "must be at least 100ms");
+        }
         let listen_default = |port: u16| {
             if single_host {
                 format!("127.0.0.1:{port}")
@@ -1117,6 +1126,7 @@ impl TryFrom<Raw> for Settings {
                     heartbeat_interval: heartbeat_interval.0,
                     backlog_limit: backlog_limit.map(u64::from),
                     fetch_pollers_max: usize::try_from(fetch_pollers_max).unwrap_or(usize::MAX),
+                    fetch_interval: fetch_interval.0,
                     facade: FacadeSettings {
                         listen: facade_listen,
                         url,

@@ -399,6 +399,21 @@ fn fetch_pollers_max_defaults_to_eight_and_must_be_at_least_one() {
     assert!(e.contains("fetch_pollers_max"), "{e}");
 }
 
+/// `fetch_interval` defaults to the official runner's 2s, takes any duration from 100ms
+/// and refuses a shorter one (an idle busy loop against Gitea), naming the key.
+#[test]
+fn fetch_interval_defaults_to_two_seconds_and_must_be_at_least_100ms() {
+    let s = settings(&[]).unwrap();
+    assert_eq!(s.scheduler.unwrap().fetch_interval, Duration::from_secs(2));
+    let s = settings(&["fetch_interval=1h"]).unwrap();
+    assert_eq!(
+        s.scheduler.unwrap().fetch_interval,
+        Duration::from_secs(3600)
+    );
+    let e = settings(&["fetch_interval=10ms"]).unwrap_err().to_string();
+    assert!(e.contains("fetch_interval"), "{e}");
+}
+
 #[test]
 fn register_settings_need_only_gitea_and_declare_the_enabled_labels() {
     let s = RegisterSettings::load(
