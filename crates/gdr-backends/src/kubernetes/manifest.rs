@@ -277,10 +277,13 @@ fn dockerd_container(
     }
 }
 
-/// The executor Pod of `spec`, named after its assignment.
-pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProfile>) -> Pod {
-    let mut labels = spec.metadata.labels.clone();
-    labels.extend(app_labels(COMPONENT_EXECUTOR));
+/// The Pod's volumes and the executor container's mounts: the SPIFFE volume, Docker's
+/// storage (the sidecar's in a privileged Pod, which the executor reaches through the
+/// socket's volume instead), the profile's allow-listed volumes.
+fn volumes_and_mounts(
+    s: &KubernetesSettings,
+    profile: Option<&PodProfile>,
+) -> (Vec<Volume>, Vec<VolumeMount>) {
     let mut volumes = vec![
         workload_api_volume(&s.workload_api_volume),
         Volume {
@@ -332,6 +335,14 @@ pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProf
             });
         }
     }
+    (volumes, mounts)
+}
+
+/// The executor Pod of `spec`, named after its assignment.
+pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProfile>) -> Pod {
+    let mut labels = spec.metadata.labels.clone();
+    labels.extend(app_labels(COMPONENT_EXECUTOR));
+    let (volumes, mounts) = volumes_and_mounts(s, profile);
     let image = profile
         .and_then(|p| p.image.clone())
         .unwrap_or_else(|| s.image.clone());
