@@ -22,7 +22,11 @@
 # CI_DOCKERD, waits until it answers (CI_DOCKER_READY_TIMEOUT), then runs the rest of
 # itself, the runner and the job as CI_RUNNER_UID (the runner user, 2000) with the docker
 # group, and stops the daemon after the job. CI_RUNNER_START_DOCKER=false switches the
-# daemon off. The runner reads its configuration from CI_RUNNER_CONFIG (`--config`).
+# daemon off. In a privileged Pod the daemon and its preparation are the Pod's dockerd
+# sidecar's (the same image with CI_EXECUTOR_DOCKERD_ONLY=true) and the executor only
+# waits for it (CI_DOCKER_EXTERNAL=true), keeping its container's cgroup for SPIRE's k8s
+# attestor (docs/pod-backend.md). The runner reads its configuration from
+# CI_RUNNER_CONFIG (`--config`).
 {
   lib,
   pkgs,

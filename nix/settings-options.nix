@@ -304,17 +304,17 @@ in
   pod_executor_uid = mkOption {
     type = types.nullOr (types.ints.unsigned);
     default = null;
-    description = "UID and GID the job runs as, never 0. With `pod_privileged` the executor starts as root, prepares the job's Docker daemon and runs itself, the runner and the job as this UID (with the image's `docker` group); otherwise the container runs as it. Default: `2000`.";
+    description = "UID and GID the job runs as, never 0. With `pod_privileged` the executor starts as root and runs itself, the runner and the job as this UID (with the image's `docker` group); otherwise the container runs as it. Default: `2000`.";
   };
   pod_privileged = mkOption {
     type = types.nullOr (types.bool);
     default = null;
-    description = "Run the executor container privileged and start it as root, which the job's Docker daemon needs (started by default). `false`: the container runs as `pod_executor_uid`, non-root, no privilege escalation, all capabilities dropped, the runtime's default seccomp profile, and jobs have no Docker daemon. Default: `true`.";
+    description = "Give each executor Pod a privileged `dockerd` sidecar container running the job's Docker daemon on a socket shared with the executor's container, which starts as root (not privileged) to run the job as `pod_executor_uid`. `false`: one container, run as `pod_executor_uid`, non-root, no privilege escalation, all capabilities dropped, the runtime's default seccomp profile, and jobs have no Docker daemon. Default: `true`.";
   };
   pod_docker_storage_limit = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "Size limit of the `emptyDir` mounted at `/var/lib/docker` in executor Pods. Default: `20Gi`.";
+    description = "Size limit of the `emptyDir` mounted at `/var/lib/docker` in executor Pods (the `dockerd` sidecar's, with `pod_privileged`). Default: `20Gi`.";
   };
   pod_active_deadline = mkOption {
     type = types.nullOr (types.either types.str types.ints.unsigned);

@@ -123,6 +123,12 @@ async fn listen(
 fn executor() -> ExitCode {
     use gdr_executor::jobenv::{self, Start};
     let get = |name: &str| std::env::var(name).ok();
+    // The Pod's `dockerd` container runs this program too, with no assignment.
+    match jobenv::daemon_mode(jobenv::running_as_root(), get) {
+        Ok(Some(daemon)) => return dockerd_container(daemon),
+        Ok(None) => {}
+        Err(e) => return cli::fail(e),
+    }
     // The executor a root executor started takes the runner's identity first, while the
     // process has one thread.
     if let Err(e) = jobenv::take_identity(get) {
@@ -161,6 +167,26 @@ fn executor() -> ExitCode {
     };
     match status {
         // The runner's own exit status; it does not reflect the job result.
+        Ok(status) => ExitCode::from(u8::try_from(status.code().unwrap_or(1)).unwrap_or(1)),
+        Err(e) => cli::fail(e),
+    }
+}
+
+/// A privileged Pod's `dockerd` sidecar (`CI_EXECUTOR_DOCKERD_ONLY`).
+fn dockerd_container(config: gdr_executor::jobenv::DaemonConfig) -> ExitCode {
+    use gdr_executor::jobenv;
+    let tokio = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => return cli::fail(e),
+    };
+    let ran = tokio.block_on(async {
+        let mut signals = forwarded_signals();
+        jobenv::run_daemon(config, &jobenv::Paths::system(), &mut signals).await
+    });
+    match ran {
         Ok(status) => ExitCode::from(u8::try_from(status.code().unwrap_or(1)).unwrap_or(1)),
         Err(e) => cli::fail(e),
     }

@@ -227,9 +227,35 @@ async fn the_pod_carries_the_contract_metadata_and_spec_and_its_capability_only_
         (Some("executor"), Some(IMAGE))
     );
     assert_eq!(c["args"], json!(["executor"]));
-    assert_eq!(c["securityContext"]["privileged"], true);
-    // A privileged Pod's executor starts as root and runs the job as pod_executor_uid.
+    // A privileged Pod's executor starts as root and runs the job as pod_executor_uid;
+    // the privileged part, the job's Docker daemon, is its `dockerd` sidecar's (issue 37
+    // item 3), so the executor keeps only what dropping to that user needs.
+    assert_eq!(c["securityContext"]["privileged"], false);
     assert_eq!(c["securityContext"]["runAsUser"], 0);
+    assert_eq!(
+        c["securityContext"]["capabilities"],
+        json!({ "drop": ["ALL"], "add": ["SETUID", "SETGID", "KILL"] })
+    );
+    let sidecar = &s["initContainers"][0];
+    assert_eq!(sidecar["name"], "dockerd");
+    assert_eq!(sidecar["image"], IMAGE);
+    assert_eq!(sidecar["restartPolicy"], "Always", "a native sidecar");
+    assert_eq!(sidecar["securityContext"]["privileged"], true);
+    assert!(
+        !sidecar.to_string().contains("CI_RUNNER_CAPABILITY"),
+        "the daemon's container gets no capability"
+    );
+    let socket_dir = |c: &Value| {
+        c["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["name"] == "docker-socket" && m["mountPath"] == "/run/docker-socket")
+    };
+    assert!(
+        socket_dir(c) && socket_dir(sidecar),
+        "both mount the socket's volume"
+    );
     let env: BTreeMap<String, Value> = c["env"]
         .as_array()
         .unwrap()
@@ -237,6 +263,11 @@ async fn the_pod_carries_the_contract_metadata_and_spec_and_its_capability_only_
         .map(|e| (e["name"].as_str().unwrap().to_owned(), e.clone()))
         .collect();
     assert_eq!(env["CI_RUNNER_UID"]["value"], "2000");
+    assert_eq!(env["CI_DOCKER_EXTERNAL"]["value"], "true");
+    assert_eq!(
+        env["CI_DOCKER_SOCKET"]["value"],
+        "/run/docker-socket/docker.sock"
+    );
     assert_eq!(
         env["SPIFFE_ENDPOINT_SOCKET"]["value"],
         "unix:///run/spire/agent-sockets/spire-agent.sock"
@@ -253,7 +284,10 @@ async fn the_pod_carries_the_contract_metadata_and_spec_and_its_capability_only_
             .iter()
             .any(|m| m["mountPath"] == "/run/spire/agent-sockets" && m["readOnly"] == true)
     );
-    assert!(mounts.iter().any(|m| m["mountPath"] == "/var/lib/docker"));
+    assert!(
+        !mounts.iter().any(|m| m["mountPath"] == "/var/lib/docker"),
+        "Docker's storage is the sidecar's"
+    );
     let volumes = s["volumes"].as_array().unwrap();
     assert!(
         volumes

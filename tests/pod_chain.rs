@@ -26,6 +26,7 @@ use gdr_testkit::fake_spire::FakeSpireAgent;
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;
 use gdr_testkit::spiffe::{FakeWorkloadApi, RunningWorkloadApi, TestCa};
+use gdr_testkit::standin_dockerd::{Readiness, StandinDockerd, recording_runner, runner_start};
 use k8s_openapi::api::core::v1::Pod;
 use kube::Api;
 use kube::api::DeleteParams;
@@ -34,6 +35,7 @@ use kube::api::DeleteParams;
 const WAIT: Duration = Duration::from_secs(90);
 const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
 const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
+const DOCKERD: &str = env!("CARGO_BIN_EXE_dockerd-standin");
 const TRUST_DOMAIN: &str = "example.org";
 const NS: &str = "ci";
 const CLUSTER: &str = "test-cluster";
@@ -49,6 +51,8 @@ struct Chain {
     fake: RunningFakeKube,
     _kubelet: FakeKubelet,
     fixture: ControllerFixture,
+    /// The stand-in dockerd every privileged Pod's `dockerd` sidecar runs.
+    dockerd: StandinDockerd,
     facade: std::net::TcpListener,
     health: std::net::TcpListener,
     kubeconfig: PathBuf,
@@ -62,12 +66,28 @@ impl Chain {
     /// Everything but the controller; `configure` adds keys to the controller's
     /// configuration (profiles, deadlines).
     async fn new(configure: impl FnOnce(ControllerFixture) -> ControllerFixture) -> Self {
+        Self::with_runner(None, configure).await
+    }
+
+    /// [`Chain::new`] whose Pods run `runner` (default: the stand-in runner).
+    async fn with_runner(
+        runner: Option<PathBuf>,
+        configure: impl FnOnce(ControllerFixture) -> ControllerFixture,
+    ) -> Self {
         let nats = NatsServer::start().await.expect("nats");
         let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
         let fake = fake_kube::start().await.expect("fake API server");
         // The shipped RBAC, the controller's Role applied in the executor namespace too.
         fake.handle.enforce_shipped_rbac(&[("gitea-actions", NS)]);
         let dir = tempfile::Builder::new().prefix("pc").tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("d")).unwrap();
+        let dockerd = StandinDockerd::install(
+            &dir.path().join("d"),
+            DOCKERD.as_ref(),
+            Readiness::After(Duration::from_millis(300)),
+        )
+        .unwrap();
+        let runner = runner.unwrap_or_else(|| PathBuf::from(STANDIN));
         let ca = TestCa::new(TRUST_DOMAIN).unwrap();
         let node_labels = BTreeMap::from([
             ("kubernetes.io/hostname".to_owned(), NODE.to_owned()),
@@ -121,7 +141,11 @@ impl Chain {
             .set("spire_class", CLASS)
             .set(
                 "pod_executor_env",
-                Value::Inline(format!("{{ GITEA_RUNNER_BINARY = {STANDIN:?} }}")),
+                Value::Inline(format!(
+                    "{{ GITEA_RUNNER_BINARY = {:?}, CI_DOCKERD = {:?} }}",
+                    runner.display().to_string(),
+                    dockerd.program().display().to_string()
+                )),
             )
             .set(
                 "pod_profiles",
@@ -141,6 +165,7 @@ impl Chain {
             fake,
             _kubelet: kubelet,
             fixture,
+            dockerd,
             facade,
             health,
             kubeconfig,
@@ -549,5 +574,62 @@ async fn a_job_whose_identity_is_never_bound_is_failed_with_the_executors_error(
     );
     assert_eq!(c.runs_of(job), 0);
     c.nothing_left().await;
+    let _ = controller.start_kill();
+}
+
+/// DESIGN invariant 16 and issue 37 item 3: a privileged Pod's job gets its Docker daemon
+/// from the Pod's `dockerd` sidecar: the executor container is not privileged and starts
+/// no daemon, the runner starts once the sidecar's daemon answers on the shared socket,
+/// with `DOCKER_HOST` pointing at it, and the sidecar ends with the Pod.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_privileged_pods_job_runs_with_the_docker_daemon_of_its_dockerd_sidecar() {
+    let records = tempfile::Builder::new().prefix("pr").tempdir().unwrap();
+    let runner = recording_runner(records.path(), STANDIN.as_ref()).unwrap();
+    let c = Chain::with_runner(Some(runner), |f| f).await;
+    let mut controller = c.controller(None);
+    let job = c.queue("docker", "[self-hosted, pod]", "standin:hang");
+    c.running(job).await;
+    let pod = c.pod(job).expect("the job's Pod");
+    let executor = &pod["spec"]["containers"][0];
+    assert_eq!(
+        executor["securityContext"]["privileged"], false,
+        "{executor}"
+    );
+    let sidecar = &pod["spec"]["initContainers"][0];
+    assert_eq!(
+        (sidecar["name"].as_str(), sidecar["restartPolicy"].as_str()),
+        (Some("dockerd"), Some("Always")),
+        "{sidecar}"
+    );
+    assert_eq!(sidecar["securityContext"]["privileged"], true);
+    let start = eventually(WAIT, "the runner started", || async {
+        runner_start(records.path())
+    })
+    .await;
+    let socket = start
+        .docker_host
+        .strip_prefix("unix://")
+        .expect("DOCKER_HOST is a Unix socket")
+        .to_owned();
+    assert!(
+        socket.ends_with("/volumes/docker-socket/docker.sock"),
+        "the shared socket volume: {socket}"
+    );
+    assert!(
+        start.socket_existed,
+        "the daemon listened before the runner started"
+    );
+    assert_eq!(
+        c.dockerd.args(),
+        Some(vec!["--host".to_owned(), start.docker_host.clone()]),
+        "the sidecar's daemon serves the executor's socket"
+    );
+    c.mock.handle.cancel_job(job).unwrap();
+    c.status(job, Status::Cancelled).await;
+    c.nothing_left().await;
+    gdr_testkit::until(WAIT, "the sidecar's daemon is gone", || async {
+        !c.dockerd.running()
+    })
+    .await;
     let _ = controller.start_kill();
 }

@@ -1042,12 +1042,21 @@ async fn a_pod_job_runs_through_the_real_api_server_on_the_node_stand_in_and_suc
 
     const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
     const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
+    const DOCKERD: &str = env!("CARGO_BIN_EXE_dockerd-standin");
     const CHAIN_WAIT: Duration = Duration::from_secs(90);
     let kube = cluster().await;
     let admin = kube.admin().await;
     let nats = NatsServer::start().await.unwrap();
     let mock = MockGitea::start(MockConfig::default()).await.unwrap();
     let dir = tempfile::Builder::new().prefix("rk").tempdir().unwrap();
+    // The privileged Pod's `dockerd` sidecar runs the stand-in daemon.
+    std::fs::create_dir(dir.path().join("d")).unwrap();
+    let dockerd = gdr_testkit::standin_dockerd::StandinDockerd::install(
+        &dir.path().join("d"),
+        DOCKERD.as_ref(),
+        gdr_testkit::standin_dockerd::Readiness::After(Duration::from_millis(100)),
+    )
+    .unwrap();
     let ca = TestCa::new("example.org").unwrap();
     let node_labels = BTreeMap::from([("kubernetes.io/hostname".to_owned(), "node-a".to_owned())]);
     let node_uid = FakeKubelet::register_node(admin.clone(), "node-a", &node_labels)
@@ -1094,7 +1103,10 @@ async fn a_pod_job_runs_through_the_real_api_server_on_the_node_stand_in_and_suc
         .set("spire_class", "spire-mgmt")
         .set(
             "pod_executor_env",
-            Value::Inline(format!("{{ GITEA_RUNNER_BINARY = {STANDIN:?} }}")),
+            Value::Inline(format!(
+                "{{ GITEA_RUNNER_BINARY = {STANDIN:?}, CI_DOCKERD = {:?} }}",
+                dockerd.program().display().to_string()
+            )),
         );
     let kubeconfig = fixture.file(
         "kubeconfig",

@@ -23,6 +23,11 @@ pub const DOCKERD: &str = "CI_DOCKERD";
 pub const DOCKER_SOCKET: &str = "CI_DOCKER_SOCKET";
 /// `CI_DOCKER_READY_TIMEOUT`: seconds to wait for the daemon (default 60).
 pub const DOCKER_READY_TIMEOUT: &str = "CI_DOCKER_READY_TIMEOUT";
+/// `CI_DOCKER_EXTERNAL`: `true` when the daemon on `CI_DOCKER_SOCKET` is another
+/// container's (the Pod's `dockerd` sidecar): the executor waits for it to answer and
+/// neither starts, prepares nor stops a daemon, so its processes keep their container's
+/// cgroup (issue 37 item 3: SPIRE's `k8s` attestor reads the container ID from it).
+pub const DOCKER_EXTERNAL: &str = "CI_DOCKER_EXTERNAL";
 
 /// dockerd's own shutdown stops containers with a 10 s grace; a little more than that.
 const STOP_GRACE: Duration = Duration::from_secs(15);
@@ -37,6 +42,8 @@ pub struct DockerSettings {
     pub socket: PathBuf,
     /// How long it may take to answer.
     pub ready_timeout: Duration,
+    /// The daemon is another container's (`CI_DOCKER_EXTERNAL`): wait for it only.
+    pub external: bool,
 }
 
 /// Why the daemon could not be started.
@@ -84,6 +91,17 @@ pub enum DockerError {
         /// The deadline.
         timeout: Duration,
     },
+    /// The Pod's daemon (`CI_DOCKER_EXTERNAL`) did not answer in time.
+    #[error(
+        "the Docker daemon of the Pod's dockerd container ({DOCKER_EXTERNAL}) did not answer \
+         on {socket} within {timeout:?} ({DOCKER_READY_TIMEOUT})"
+    )]
+    ExternalNotReady {
+        /// Its socket.
+        socket: PathBuf,
+        /// The deadline.
+        timeout: Duration,
+    },
     /// Waiting for the daemon failed.
     #[error("waiting for the Docker daemon: {0}")]
     Wait(#[source] std::io::Error),
@@ -119,7 +137,15 @@ impl DockerSettings {
                 problem: format!("{v:?} is not a number of seconds"),
             })?),
         };
+        let external = match non_empty(DOCKER_EXTERNAL) {
+            None => false,
+            Some(v) => parse_bool(v.trim()).ok_or_else(|| DockerError::Env {
+                name: DOCKER_EXTERNAL,
+                problem: format!("{v:?} is neither true nor false"),
+            })?,
+        };
         Ok(Some(DockerSettings {
+            external,
             program: non_empty(DOCKERD).map_or_else(|| PathBuf::from("dockerd"), PathBuf::from),
             socket: non_empty(DOCKER_SOCKET)
                 .map_or_else(|| PathBuf::from("/var/run/docker.sock"), PathBuf::from),
@@ -136,17 +162,22 @@ fn parse_bool(v: &str) -> Option<bool> {
     }
 }
 
-/// A running daemon; killed (SIGKILL) if dropped without [`Dockerd::stop`].
+/// A running daemon; killed (SIGKILL) if dropped without [`Dockerd::stop`]. An external
+/// one (`CI_DOCKER_EXTERNAL`) has no child here: it is its container's, which ends it.
 #[derive(Debug)]
 pub struct Dockerd {
-    child: tokio::process::Child,
+    child: Option<tokio::process::Child>,
     socket: PathBuf,
 }
 
 impl Dockerd {
     /// Starts the daemon and waits until it answers `/_ping`, for at most
-    /// `settings.ready_timeout`; a daemon that did not answer by then is stopped.
+    /// `settings.ready_timeout`; a daemon that did not answer by then is stopped. An
+    /// external daemon is only waited for.
     pub async fn start(settings: &DockerSettings) -> Result<Self, DockerError> {
+        if settings.external {
+            return Self::wait_external(settings).await;
+        }
         let mut child = tokio::process::Command::new(&settings.program)
             .arg("--host")
             .arg(format!("unix://{}", settings.socket.display()))
@@ -173,14 +204,14 @@ impl Dockerd {
             if answered {
                 tracing::info!(socket = %settings.socket.display(), "the Docker daemon answers");
                 return Ok(Dockerd {
-                    child,
+                    child: Some(child),
                     socket: settings.socket.clone(),
                 });
             }
             if tokio::time::Instant::now() >= deadline {
                 // It may have started containerd already: an orderly stop, not a SIGKILL.
                 Dockerd {
-                    child,
+                    child: Some(child),
                     socket: settings.socket.clone(),
                 }
                 .stop()
@@ -195,9 +226,34 @@ impl Dockerd {
         }
     }
 
-    /// `DOCKER_HOST` for the job.
+    /// Waits until the external daemon answers, for at most `settings.ready_timeout`.
+    async fn wait_external(settings: &DockerSettings) -> Result<Self, DockerError> {
+        let deadline = tokio::time::Instant::now() + settings.ready_timeout;
+        loop {
+            let answered = tokio::time::timeout_at(deadline, pings(&settings.socket))
+                .await
+                .unwrap_or(false);
+            if answered {
+                tracing::info!(socket = %settings.socket.display(), "the Pod's Docker daemon answers");
+                return Ok(Dockerd {
+                    child: None,
+                    socket: settings.socket.clone(),
+                });
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(DockerError::ExternalNotReady {
+                    socket: settings.socket.clone(),
+                    timeout: settings.ready_timeout,
+                });
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
+    /// The daemon's pid, when this process started it.
     pub fn pid(&self) -> Option<rustix::process::Pid> {
         self.child
+            .as_ref()?
             .id()
             .and_then(|p| i32::try_from(p).ok())
             .and_then(rustix::process::Pid::from_raw)
@@ -208,23 +264,34 @@ impl Dockerd {
         format!("unix://{}", self.socket.display())
     }
 
-    /// Stops the daemon: SIGTERM (it stops its containers), SIGKILL after a grace.
-    pub async fn stop(mut self) {
-        if let Some(pid) = self
-            .child
+    /// Waits until the daemon this process started exits (never, for an external one).
+    pub async fn exited(&mut self) -> Result<ExitStatus, DockerError> {
+        match self.child.as_mut() {
+            Some(child) => child.wait().await.map_err(DockerError::Wait),
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Stops the daemon: SIGTERM (it stops its containers), SIGKILL after a grace. An
+    /// external daemon is left to its container.
+    pub async fn stop(self) {
+        let Some(mut child) = self.child else {
+            return;
+        };
+        if let Some(pid) = child
             .id()
             .and_then(|p| i32::try_from(p).ok())
             .and_then(Pid::from_raw)
         {
             let _ = rustix::process::kill_process(pid, Signal::TERM);
         }
-        match tokio::time::timeout(STOP_GRACE, self.child.wait()).await {
+        match tokio::time::timeout(STOP_GRACE, child.wait()).await {
             Ok(_) => {
                 tracing::info!(socket = %self.socket.display(), "the Docker daemon stopped");
             }
             Err(_) => {
                 tracing::warn!(socket = %self.socket.display(), "the Docker daemon ignored SIGTERM; killing it");
-                let _ = self.child.kill().await;
+                let _ = child.kill().await;
             }
         }
     }
@@ -294,8 +361,29 @@ mod tests {
             program: PathBuf::from("/nonexistent/dockerd"),
             socket: PathBuf::from("/nonexistent.sock"),
             ready_timeout: Duration::from_secs(1),
+            external: false,
         };
         let e = Dockerd::start(&settings).await.unwrap_err();
         assert!(e.to_string().contains("/nonexistent/dockerd"), "{e}");
+    }
+
+    /// DESIGN invariant 16: an external daemon (the Pod's `dockerd` container) is waited
+    /// for, never started: a socket nobody answers on fails within the timeout, naming
+    /// the variable, however absent the program is.
+    #[tokio::test]
+    async fn an_external_daemon_is_only_waited_for_and_its_silence_is_named() {
+        let s = settings(&[(START_DOCKER, "true"), (DOCKER_EXTERNAL, "true")])
+            .unwrap()
+            .unwrap();
+        assert!(s.external);
+        let settings = DockerSettings {
+            program: PathBuf::from("/nonexistent/dockerd"),
+            socket: PathBuf::from("/nonexistent.sock"),
+            ready_timeout: Duration::from_millis(300),
+            external: true,
+        };
+        let e = Dockerd::start(&settings).await.unwrap_err();
+        assert!(matches!(e, DockerError::ExternalNotReady { .. }), "{e}");
+        assert!(e.to_string().contains("CI_DOCKER_EXTERNAL"), "{e}");
     }
 }

@@ -22,6 +22,13 @@
 //! `unix:uid:<runner uid>`, so the executor and the job's own `spire-agent api fetch jwt`
 //! get the job's identity, and root does not.
 //!
+//! In a privileged Pod the daemon is the `dockerd` sidecar's (issue 37 item 3): that
+//! container runs this program with `CI_EXECUTOR_DOCKERD_ONLY` ([`run_daemon`]: the
+//! storage and cgroup steps, then dockerd), and the executor's container gets
+//! `CI_DOCKER_EXTERNAL`, so step 1 leaves Docker alone and step 2 only waits for the
+//! daemon: the executor and the job stay in their container's cgroup, whose path is
+//! what SPIRE's `k8s` attestor reads their container's ID from.
+//!
 //! Nothing here runs outside a Pod or VM: only the image sets `CI_EXECUTOR_SANDBOXED`
 //! (no backend does; the process backend removes it), and an executor that is not root
 //! runs as it was started.
@@ -53,6 +60,10 @@ pub const RUN_AS: &str = "CI_EXECUTOR_RUN_AS";
 /// Where jobs reach the SPIRE agent (the Go image's path, used by existing workflows as
 /// `spire-agent api fetch jwt -socketPath /run/spire/agent-sockets/spire-agent.sock`).
 pub const AGENT_SOCKET: &str = "/run/spire/agent-sockets/spire-agent.sock";
+/// `CI_EXECUTOR_DOCKERD_ONLY`: `true` in a privileged Pod's `dockerd` sidecar: the
+/// program runs the job's Docker daemon only (no job, no identity): as root in the image
+/// it prepares Docker's storage and cgroups first, then runs dockerd until SIGTERM.
+pub const DOCKERD_ONLY: &str = "CI_EXECUTOR_DOCKERD_ONLY";
 /// The group whose gid the job gets as a supplementary group (dockerd gives it its socket).
 pub const DOCKER_GROUP: &str = "docker";
 
@@ -213,6 +224,93 @@ pub enum Start {
     Root(RootConfig),
     /// Run as started.
     AsIs,
+}
+
+/// The `dockerd` sidecar's configuration (`CI_EXECUTOR_DOCKERD_ONLY`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DaemonConfig {
+    /// The daemon (never an external one: this is the one the others wait for).
+    pub docker: DockerSettings,
+    /// `CI_DOCKER_STORAGE_SIZE` when this process prepares storage and cgroups (root in
+    /// the executor image); `None` runs dockerd as it is (the test kit's stand-in).
+    pub prepare: Option<u64>,
+}
+
+fn flag(get: &impl Fn(&str) -> Option<String>, name: &'static str) -> Result<bool, JobEnvError> {
+    match get(name).as_deref().map(str::trim) {
+        None | Some("") => Ok(false),
+        Some(v) => match v.to_ascii_lowercase().as_str() {
+            "true" | "1" | "yes" => Ok(true),
+            "false" | "0" | "no" => Ok(false),
+            _ => Err(JobEnvError::Env {
+                name,
+                problem: format!("{v:?} is neither true nor false"),
+            }),
+        },
+    }
+}
+
+/// `Some` in the Pod's `dockerd` sidecar (`CI_EXECUTOR_DOCKERD_ONLY`), read before
+/// anything of the executor's: that container has no assignment.
+pub fn daemon_mode(
+    euid_is_root: bool,
+    get: impl Fn(&str) -> Option<String>,
+) -> Result<Option<DaemonConfig>, JobEnvError> {
+    if !flag(&get, DOCKERD_ONLY)? {
+        return Ok(None);
+    }
+    let mut docker = DockerSettings::from_env_or(&get, true)?.ok_or(JobEnvError::Env {
+        name: DOCKERD_ONLY,
+        problem: "the daemon's container cannot run without its daemon \
+                  (CI_RUNNER_START_DOCKER=false)"
+            .into(),
+    })?;
+    docker.external = false;
+    let prepare = if euid_is_root && flag(&get, SANDBOXED)? {
+        Some(
+            match get(DOCKER_STORAGE_SIZE).filter(|v| !v.trim().is_empty()) {
+                None => DEFAULT_STORAGE_SIZE,
+                Some(text) => parse_size(&text).ok_or_else(|| JobEnvError::Env {
+                    name: DOCKER_STORAGE_SIZE,
+                    problem: format!("{text:?} is not a size such as 20G"),
+                })?,
+            },
+        )
+    } else {
+        None
+    };
+    Ok(Some(DaemonConfig { docker, prepare }))
+}
+
+/// The `dockerd` sidecar: prepares (as root in the image), runs dockerd until SIGTERM or
+/// SIGINT, then stops it. Moving this container's processes into a child cgroup is
+/// harmless: it needs no SVID.
+pub async fn run_daemon(
+    config: DaemonConfig,
+    paths: &Paths,
+    signals: &mut tokio::sync::mpsc::Receiver<Forward>,
+) -> Result<ExitStatus, JobEnvError> {
+    if let Some(storage_size) = config.prepare {
+        let root = RootConfig {
+            uid: 0,
+            gid: 0,
+            docker: Some(config.docker.clone()),
+            storage_size,
+            agent_endpoint: None,
+        };
+        let facts = gather(&root, paths)?;
+        for step in plan(&root, &facts, paths) {
+            tracing::info!(?step, "preparing the Docker daemon's container");
+            apply(&step)?;
+        }
+    }
+    let mut dockerd = Dockerd::start(&config.docker).await?;
+    tokio::select! {
+        status = dockerd.exited() => return Ok(status?),
+        _ = signals.recv() => {}
+    }
+    dockerd.stop().await;
+    Ok(std::os::unix::process::ExitStatusExt::from_raw(0))
 }
 
 /// Whether the process's effective uid is 0.
@@ -393,7 +491,9 @@ pub fn holds_overlay(fs_type: i64) -> bool {
 /// What the root executor does, in order, for `config` on a system with `facts`.
 pub fn plan(config: &RootConfig, facts: &Facts, paths: &Paths) -> Vec<Step> {
     let mut steps = Vec::new();
-    if config.docker.is_some() {
+    // An external daemon (the Pod's `dockerd` container) prepared its own storage and
+    // cgroups; moving this container's processes would hide its ID from SPIRE.
+    if config.docker.as_ref().is_some_and(|d| !d.external) {
         if facts.docker_data_fs.is_some_and(|fs| !holds_overlay(fs)) {
             if !facts.loop_control {
                 steps.push(Step::MakeNode {
@@ -459,7 +559,7 @@ fn words(text: &str) -> Vec<String> {
 /// Reads the [`Facts`] at `paths` (creating the Docker data root, whose file system is
 /// what counts).
 pub fn gather(config: &RootConfig, paths: &Paths) -> Result<Facts, JobEnvError> {
-    let docker_data_fs = if config.docker.is_some() {
+    let docker_data_fs = if config.docker.as_ref().is_some_and(|d| !d.external) {
         std::fs::create_dir_all(&paths.docker_data).map_err(step_error(format!(
             "creating {}",
             paths.docker_data.display()
@@ -775,6 +875,7 @@ mod tests {
             program: "dockerd".into(),
             socket: "/var/run/docker.sock".into(),
             ready_timeout: Duration::from_secs(60),
+            external: false,
         })
     }
 
@@ -959,13 +1060,14 @@ mod tests {
         (!id.is_empty()).then_some(id)
     }
 
-    /// Issue 37 item 3 (open): the executor and the job's processes must stay in a cgroup
-    /// whose path SPIRE's `k8s` workload attestor reads as their container's ID, or they
-    /// get no SVID on a real node. Today the root executor moves them into
-    /// `<container>.scope/init`, which it reads as `init`: this fails until dockerd moves
-    /// to a sidecar container (or the layout changes otherwise).
+    /// DESIGN invariant 16, issue 37 item 3: the executor and the job's processes stay in
+    /// a cgroup whose path SPIRE's `k8s` workload attestor reads as their container's ID,
+    /// or they get no SVID on a real node. A privileged Pod's executor uses the Pod's
+    /// `dockerd` container (`CI_DOCKER_EXTERNAL`, as the Pod backend sets it), so even on
+    /// a cgroup root that does not delegate and has members it moves no process into a
+    /// child cgroup (such as `<container>.scope/init`, which the attestor reads as
+    /// `init`).
     #[test]
-    #[ignore = "issue 37 item 3: the cgroup v2 nesting hides the container ID from SPIRE"]
     fn the_executors_cgroup_still_names_its_container_for_spires_k8s_attestor() {
         const CONTAINER: &str = "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod2c48913c_b29f_11e7_9350_020968147796.slice/cri-containerd-b2a102854b4969b2ce98dc329c86b4fb2b06e4ad2cc8da9d8a7578c9cd2004a2.scope";
         const ID: &str = "b2a102854b4969b2ce98dc329c86b4fb2b06e4ad2cc8da9d8a7578c9cd2004a2";
@@ -974,25 +1076,76 @@ mod tests {
             Some(ID),
             "the format as read"
         );
+        assert_eq!(
+            attested_container_id(&format!("{CONTAINER}/init")),
+            Some("init")
+        );
+        let pod_env = [
+            (SANDBOXED, "true"),
+            (RUNNER_UID, "2000"),
+            ("CI_RUNNER_START_DOCKER", "true"),
+            ("CI_DOCKER_EXTERNAL", "true"),
+            ("CI_DOCKER_SOCKET", "/run/docker-socket/docker.sock"),
+        ];
+        let Start::Root(config) = start_mode(true, env(&pod_env)).unwrap() else {
+            panic!("the Pod's executor starts as root")
+        };
         let facts = Facts {
+            docker_data_fs: Some(VIRTIOFS),
+            loop_control: false,
+            loop_nodes: vec![],
             cgroup: Some(CgroupRoot {
                 controllers: words("cpuset cpu io memory pids"),
                 subtree_control: words("cpu"),
                 has_processes: true,
             }),
-            ..pod_facts()
+            agent_socket_present: true,
         };
-        let executor = plan(&config(), &facts, &Paths::system())
-            .into_iter()
+        let steps = plan(&config, &facts, &Paths::system());
+        let executor = steps
+            .iter()
             .find_map(|step| match step {
                 Step::MoveProcesses { root, child } => child
-                    .strip_prefix(&root)
+                    .strip_prefix(root)
                     .ok()
                     .map(|rest| format!("{CONTAINER}/{}", rest.display())),
                 _ => None,
             })
             .unwrap_or_else(|| CONTAINER.to_owned());
         assert_eq!(attested_container_id(&executor), Some(ID), "{executor}");
+        // Nothing of the daemon's is the executor's to prepare: it is the other container's.
+        assert_eq!(steps, vec![], "{steps:?}");
+    }
+
+    /// DESIGN invariant 16: the Pod's `dockerd` container runs the daemon itself (never
+    /// waits for an external one) and prepares storage and cgroups only as root in the
+    /// executor image; anything else is no daemon container.
+    #[test]
+    fn the_dockerd_container_runs_its_own_daemon_and_prepares_only_as_root_in_the_image() {
+        let vars = [
+            (DOCKERD_ONLY, "true"),
+            (SANDBOXED, "true"),
+            ("CI_DOCKER_EXTERNAL", "true"),
+            ("CI_DOCKER_SOCKET", "/run/docker-socket/docker.sock"),
+        ];
+        let daemon = daemon_mode(true, env(&vars)).unwrap().unwrap();
+        assert!(!daemon.docker.external);
+        assert_eq!(
+            daemon.docker.socket,
+            PathBuf::from("/run/docker-socket/docker.sock")
+        );
+        assert_eq!(daemon.prepare, Some(DEFAULT_STORAGE_SIZE));
+        let stand_in = daemon_mode(false, env(&vars)).unwrap().unwrap();
+        assert_eq!(stand_in.prepare, None, "not root: runs dockerd as it is");
+        assert_eq!(
+            daemon_mode(true, env(&[(SANDBOXED, "true")])).unwrap(),
+            None
+        );
+        let e = daemon_mode(true, env(&[(DOCKERD_ONLY, "perhaps")])).unwrap_err();
+        assert!(
+            e.to_string().starts_with("CI_EXECUTOR_DOCKERD_ONLY:"),
+            "{e}"
+        );
     }
 
     /// DESIGN invariant 16: without Docker nothing of Docker's is prepared.

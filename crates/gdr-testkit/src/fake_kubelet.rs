@@ -18,6 +18,11 @@
 //!   mapped to the fake SPIRE agent's directory for that Pod. A process
 //!   cannot see the mount paths, so every mount path appearing in an env value or argument
 //!   is rewritten to its directory (the fake's one visible deviation).
+//! - **Sidecars**: init containers with `restartPolicy: Always` (native sidecars, such as
+//!   the executor Pod's `dockerd`) start before the first container, with their own
+//!   environment and mounts, and are killed once it has ended (a real kubelet sends them
+//!   SIGTERM then); the Pod's phase is the first container's. Other init containers are
+//!   not run.
 //! - **Lifecycle**: `Pending` → `Running` → `Succeeded`/`Failed` with the container's exit
 //!   code (`Completed`/`Error`) and, with `terminationMessagePolicy: FallbackToLogsOnError`,
 //!   the tail of its log as the termination message; a deleted Pod's process group is killed;
@@ -32,7 +37,7 @@ use std::time::Duration;
 
 use base64::Engine;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Pod, Secret, Volume};
+use k8s_openapi::api::core::v1::{Container, Node, Pod, Secret, Volume};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
@@ -95,6 +100,8 @@ pub struct KubeletConfig {
 #[derive(Default)]
 struct PodState {
     pid: Option<u32>,
+    /// The process groups of its sidecar containers.
+    sidecars: Vec<u32>,
     /// The reason to report when the process ends (`OOMKilled`, `Evicted`), when not its own.
     end: Option<(&'static str, String)>,
 }
@@ -125,9 +132,7 @@ impl Drop for FakeKubelet {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         for state in running.values() {
-            if let Some(pid) = state.pid {
-                kill_group(pid);
-            }
+            state.kill_all();
         }
     }
 }
@@ -141,6 +146,25 @@ pub(crate) fn kill_group(pid: u32) {
     {
         let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
     }
+}
+
+impl PodState {
+    /// Kills the Pod's first container and its sidecars.
+    fn kill_all(&self) {
+        for pid in self.pid.iter().chain(&self.sidecars) {
+            kill_group(*pid);
+        }
+    }
+}
+
+/// The init containers that run beside the first container (`restartPolicy: Always`).
+fn sidecars(pod: &Pod) -> Vec<Container> {
+    pod.spec
+        .iter()
+        .flat_map(|s| s.init_containers.iter().flatten())
+        .filter(|c| c.restart_policy.as_deref() == Some("Always"))
+        .cloned()
+        .collect()
 }
 
 /// Why a container cannot start yet.
@@ -244,9 +268,7 @@ impl FakeKubelet {
             .unwrap_or_else(|p| p.into_inner());
         if let Some(state) = running.get_mut(uid) {
             state.end = Some((reason, message));
-            if let Some(pid) = state.pid {
-                kill_group(pid);
-            }
+            state.kill_all();
         }
     }
 
@@ -287,23 +309,23 @@ async fn run(shared: Arc<Shared>) {
         let pods: Vec<Arc<Pod>> = reader.state();
         let live: Vec<String> = pods.iter().filter_map(|p| p.uid()).collect();
         // Pods deleted from the API: stop their processes.
-        let gone: Vec<(String, Option<u32>)> = shared
+        let gone: Vec<String> = shared
             .running
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .filter(|(uid, _)| !live.contains(uid))
-            .map(|(uid, s)| (uid.clone(), s.pid))
+            .keys()
+            .filter(|uid| !live.contains(uid))
+            .cloned()
             .collect();
-        for (uid, pid) in gone {
-            if let Some(pid) = pid {
-                kill_group(pid);
-            }
-            shared
+        for uid in gone {
+            let state = shared
                 .running
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(&uid);
+            if let Some(state) = state {
+                state.kill_all();
+            }
             if let Some(spire) = &shared.config.spire {
                 spire.forget(&uid);
             }
@@ -342,14 +364,13 @@ impl Shared {
     /// SIGTERM and, after the grace period, SIGKILL) and the Pod is removed from the API with
     /// no grace left, as the kubelet does once they have stopped.
     async fn terminate(&self, pod: &Pod, uid: &str) -> Result<(), kube::Error> {
-        let pid = self
+        if let Some(state) = self
             .running
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(uid)
-            .and_then(|s| s.pid);
-        if let Some(pid) = pid {
-            kill_group(pid);
+        {
+            state.kill_all();
         }
         let api: Api<Pod> =
             Api::namespaced(self.secrets.clone(), &pod.namespace().unwrap_or_default());
@@ -426,10 +447,58 @@ impl Shared {
             };
             return self.status(pod, status).await;
         };
-        match self.prepare(pod, &uid).await {
-            Ok((env, mounts)) => self.launch(pod, &uid, &image, &program, env, &mounts).await,
-            Err(Waiting(reason, message)) => self.status(pod, waiting(reason, message)).await,
+        let mut started = Vec::new();
+        let prepared = async {
+            let main = self.prepare(pod, &uid, container).await?;
+            for sidecar in sidecars(pod) {
+                let image = sidecar.image.clone().unwrap_or_default();
+                let program = self.config.images.get(&image).cloned().ok_or_else(|| {
+                    Waiting(
+                        "ErrImagePull",
+                        format!("failed to pull and unpack image \"{image}\": not found"),
+                    )
+                })?;
+                let (env, mounts) = self.prepare(pod, &uid, &sidecar).await?;
+                started.push(self.start_sidecar(&uid, &sidecar, &program, env, &mounts)?);
+            }
+            Ok(main)
+        };
+        match prepared.await {
+            Ok((env, mounts)) => {
+                let program = Program {
+                    image: &image,
+                    path: &program,
+                    sidecars: started,
+                };
+                self.launch(pod, &uid, program, env, &mounts).await
+            }
+            Err(Waiting(reason, message)) => {
+                for pid in started {
+                    kill_group(pid);
+                }
+                self.status(pod, waiting(reason, message)).await
+            }
         }
+    }
+
+    /// Starts a sidecar container's process (logging to `<name>.log`); its process group.
+    fn start_sidecar(
+        &self,
+        uid: &str,
+        container: &Container,
+        program: &Path,
+        env: Vec<(String, String)>,
+        mounts: &[(String, PathBuf)],
+    ) -> Result<u32, Waiting> {
+        let pod_dir = self.config.root.join(&uid[..uid.len().min(8)]);
+        let log_path = pod_dir.join(format!("{}.log", container.name));
+        let mut command = container_command(container, program, env, mounts, &pod_dir, &log_path);
+        let child = command
+            .spawn()
+            .map_err(|e| Waiting("StartError", format!("{}: {e}", container.name)))?;
+        child
+            .id()
+            .ok_or_else(|| Waiting("StartError", format!("{}: exited at once", container.name)))
     }
 
     async fn schedule(&self, pod: &Pod) -> Result<(), kube::Error> {
@@ -514,10 +583,10 @@ impl Shared {
         &self,
         pod: &Pod,
         uid: &str,
+        container: &Container,
     ) -> Result<(Vec<(String, String)>, Vec<(String, PathBuf)>), Waiting> {
         let ns = pod.namespace().unwrap_or_default();
         let spec = pod.spec.clone().unwrap_or_default();
-        let container = spec.containers.first().cloned().unwrap_or_default();
         let pod_dir = self.config.root.join(&uid[..uid.len().min(8)]);
         let io = |e: std::io::Error| Waiting("CreateContainerError", e.to_string());
         std::fs::create_dir_all(pod_dir.join("work")).map_err(io)?;
@@ -615,8 +684,7 @@ impl Shared {
         self: &Arc<Self>,
         pod: &Pod,
         uid: &str,
-        image: &str,
-        program: &Path,
+        program: Program<'_>,
         env: Vec<(String, String)>,
         mounts: &[(String, PathBuf)],
     ) -> Result<(), kube::Error> {
@@ -625,46 +693,20 @@ impl Shared {
             .as_ref()
             .and_then(|s| s.containers.first().cloned())
             .unwrap_or_default();
+        let image = program.image;
+        let sidecars = program.sidecars;
         let pod_dir = self.config.root.join(&uid[..uid.len().min(8)]);
-        let mut args: Vec<String> = container
-            .command
-            .clone()
-            .unwrap_or_default()
-            .into_iter()
-            .skip(1)
-            .collect();
-        args.extend(container.args.clone().unwrap_or_default());
-        let args: Vec<String> = args.iter().map(|a| rewrite(a, mounts)).collect();
         let log_path = pod_dir.join("container.log");
         let fallback_to_logs =
             container.termination_message_policy.as_deref() == Some("FallbackToLogsOnError");
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path);
-        let mut command = tokio::process::Command::new(program);
-        command
-            .args(&args)
-            .env_clear()
-            .current_dir(pod_dir.join("work"))
-            .stdin(Stdio::null())
-            .process_group(0)
-            .kill_on_drop(false);
-        if let Ok(log) = log {
-            if let Ok(copy) = log.try_clone() {
-                command.stdout(Stdio::from(copy));
-            }
-            command.stderr(Stdio::from(log));
-        }
-        for name in ["PATH", "HOME", "TMPDIR"] {
-            if let Some(v) = std::env::var_os(name) {
-                command.env(name, v);
-            }
-        }
-        command.envs(env);
+        let mut command =
+            container_command(&container, program.path, env, mounts, &pod_dir, &log_path);
         let mut child = match command.spawn() {
             Ok(c) => c,
             Err(e) => {
+                for pid in sidecars {
+                    kill_group(pid);
+                }
                 let status = json!({ "phase": "Failed", "containerStatuses": container_status(image, json!({ "terminated": { "exitCode": 128, "reason": "StartError", "message": e.to_string() } })) });
                 return self.status(pod, status).await;
             }
@@ -673,7 +715,14 @@ impl Shared {
         self.running
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(uid.to_owned(), PodState { pid, end: None });
+            .insert(
+                uid.to_owned(),
+                PodState {
+                    pid,
+                    sidecars,
+                    end: None,
+                },
+            );
         let now = now_rfc3339();
         self.status(pod, json!({
             "phase": "Running",
@@ -698,6 +747,10 @@ impl Shared {
                 let mut running = shared.running.lock().unwrap_or_else(|p| p.into_inner());
                 match running.get_mut(&uid) {
                     Some(state) => {
+                        // The first container ended: its sidecars are stopped.
+                        for pid in std::mem::take(&mut state.sidecars) {
+                            kill_group(pid);
+                        }
                         state.pid = None;
                         state.end.take()
                     }
@@ -733,6 +786,60 @@ impl Shared {
         });
         Ok(())
     }
+}
+
+/// The first container's program and image, and its sidecars' process groups.
+struct Program<'a> {
+    image: &'a str,
+    path: &'a Path,
+    sidecars: Vec<u32>,
+}
+
+/// The process of `container`: `program` (its image's entrypoint) with the arguments
+/// after `command[0]` and `args`, mount paths rewritten, in its own process group, its
+/// output appended to `log_path`.
+fn container_command(
+    container: &Container,
+    program: &Path,
+    env: Vec<(String, String)>,
+    mounts: &[(String, PathBuf)],
+    pod_dir: &Path,
+    log_path: &Path,
+) -> tokio::process::Command {
+    let mut args: Vec<String> = container
+        .command
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .skip(1)
+        .collect();
+    args.extend(container.args.clone().unwrap_or_default());
+    let args: Vec<String> = args.iter().map(|a| rewrite(a, mounts)).collect();
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_path);
+    let mut command = tokio::process::Command::new(program);
+    command
+        .args(&args)
+        .env_clear()
+        .current_dir(pod_dir.join("work"))
+        .stdin(Stdio::null())
+        .process_group(0)
+        .kill_on_drop(false);
+    if let Ok(log) = log {
+        if let Ok(copy) = log.try_clone() {
+            command.stdout(Stdio::from(copy));
+        }
+        command.stderr(Stdio::from(log));
+    }
+    for name in ["PATH", "HOME", "TMPDIR"] {
+        if let Some(v) = std::env::var_os(name) {
+            command.env(name, v);
+        }
+    }
+    command.envs(env);
+    command
 }
 
 /// The termination message `FallbackToLogsOnError` gives a container that failed without

@@ -34,6 +34,23 @@ pub const SPIFFE_VOLUME: &str = "spiffe-workload-api";
 /// Volume backing `/var/lib/docker`.
 pub const DOCKER_VOLUME: &str = "docker-storage";
 const DOCKER_PATH: &str = "/var/lib/docker";
+/// The sidecar running a privileged Pod's Docker daemon (issue 37 item 3): dockerd and
+/// the cgroup nesting it needs live in a container of their own, so the executor and the
+/// job keep their container's cgroup, the path SPIRE's `k8s` attestor reads the
+/// container ID from.
+pub const DOCKERD_CONTAINER: &str = "dockerd";
+/// Volume shared by the two containers, holding the daemon's socket (not dockerd's
+/// `/run/docker` exec root, which holds containerd's socket too).
+pub const DOCKER_SOCKET_VOLUME: &str = "docker-socket";
+const DOCKER_SOCKET_DIR: &str = "/run/docker-socket";
+/// The daemon's socket in both containers.
+pub const DOCKER_SOCKET: &str = "/run/docker-socket/docker.sock";
+/// The executor's variables naming the daemon (`gdr_executor::docker`).
+const START_DOCKER_ENV: &str = "CI_RUNNER_START_DOCKER";
+const DOCKER_SOCKET_ENV: &str = "CI_DOCKER_SOCKET";
+const DOCKER_EXTERNAL_ENV: &str = "CI_DOCKER_EXTERNAL";
+/// Makes the executor program the daemon's container (`gdr_executor::jobenv`).
+const DOCKERD_ONLY_ENV: &str = "CI_EXECUTOR_DOCKERD_ONLY";
 /// How long the executor waits for its SVID and the facade, in seconds.
 const READY_TIMEOUT_ENV: &str = "CI_EXECUTOR_READY_TIMEOUT";
 
@@ -84,16 +101,37 @@ fn resources(defaults: &Resources, profile: Option<&PodProfile>) -> Option<Resou
 /// `CI_RUNNER_UID`: the uid a root executor runs the job as.
 const RUNNER_UID_ENV: &str = "CI_RUNNER_UID";
 
+/// The `dockerd` sidecar's: privileged, as root, as `docker:dind` runs.
+fn dockerd_security_context() -> SecurityContext {
+    SecurityContext {
+        privileged: Some(true),
+        run_as_user: Some(0),
+        run_as_group: Some(0),
+        ..SecurityContext::default()
+    }
+}
+
 fn security_context(s: &KubernetesSettings) -> SecurityContext {
     let uid = Some(s.executor_uid);
     if s.privileged {
-        // The executor starts as root to prepare Docker's storage and cgroups and start
-        // dockerd, then runs itself, the runner and the job as `executor_uid`
-        // (`CI_RUNNER_UID`, see `environment`).
+        // The daemon is the `dockerd` sidecar's: the executor is no longer privileged. It
+        // still starts as root, to link the agent's socket where jobs expect it and to run
+        // itself, the runner and the job as `executor_uid` (`CI_RUNNER_UID`) with the
+        // `docker` group, which needs SETUID and SETGID, and KILL to pass SIGTERM on to
+        // that user's process; nothing else.
         SecurityContext {
-            privileged: Some(true),
+            privileged: Some(false),
+            allow_privilege_escalation: Some(false),
             run_as_user: Some(0),
             run_as_group: Some(0),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".into()]),
+                add: Some(vec!["SETUID".into(), "SETGID".into(), "KILL".into()]),
+            }),
+            seccomp_profile: Some(SeccompProfile {
+                type_: "RuntimeDefault".into(),
+                ..SeccompProfile::default()
+            }),
             ..SecurityContext::default()
         }
     } else {
@@ -126,6 +164,10 @@ fn environment(s: &KubernetesSettings, spec: &ExecutorSpec) -> Vec<EnvVar> {
     plain.insert(env::SPIFFE_ENDPOINT_SOCKET.to_owned(), s.endpoint_socket());
     if s.privileged {
         plain.insert(RUNNER_UID_ENV.to_owned(), s.executor_uid.to_string());
+        // The daemon is the sidecar's: wait for it, start and prepare nothing.
+        plain.insert(START_DOCKER_ENV.to_owned(), "true".into());
+        plain.insert(DOCKER_EXTERNAL_ENV.to_owned(), "true".into());
+        plain.insert(DOCKER_SOCKET_ENV.to_owned(), DOCKER_SOCKET.into());
     }
     plain.insert(
         READY_TIMEOUT_ENV.to_owned(),
@@ -185,10 +227,63 @@ fn workload_api_volume(source: &WorkloadApiVolume) -> Volume {
     }
 }
 
-/// The executor Pod of `spec`, named after its assignment.
-pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProfile>) -> Pod {
-    let mut labels = spec.metadata.labels.clone();
-    labels.extend(app_labels(COMPONENT_EXECUTOR));
+/// The `dockerd` sidecar of a privileged Pod: the executor image's program in its daemon
+/// role (it nests the cgroups and puts the storage on a loop device where needed, as
+/// `docker:dind`'s entrypoint does, then runs dockerd on the shared socket). A native
+/// sidecar (an init container that restarts always) starts before the executor and is
+/// stopped after it, so the Pod still ends with the executor's exit status.
+fn dockerd_container(
+    s: &KubernetesSettings,
+    image: &str,
+    resources: Option<ResourceRequirements>,
+) -> Container {
+    let mut env: BTreeMap<String, String> = s.extra_env.clone();
+    env.insert(DOCKERD_ONLY_ENV.to_owned(), "true".into());
+    env.insert(START_DOCKER_ENV.to_owned(), "true".into());
+    env.insert(DOCKER_SOCKET_ENV.to_owned(), DOCKER_SOCKET.into());
+    env.remove(env::CAPABILITY);
+    Container {
+        name: DOCKERD_CONTAINER.into(),
+        image: Some(image.to_owned()),
+        args: Some(s.executor_args.clone()),
+        env: Some(
+            env.into_iter()
+                .map(|(name, value)| EnvVar {
+                    name,
+                    value: Some(value),
+                    ..EnvVar::default()
+                })
+                .collect(),
+        ),
+        volume_mounts: Some(vec![
+            VolumeMount {
+                name: DOCKER_VOLUME.into(),
+                mount_path: DOCKER_PATH.into(),
+                ..VolumeMount::default()
+            },
+            VolumeMount {
+                name: DOCKER_SOCKET_VOLUME.into(),
+                mount_path: DOCKER_SOCKET_DIR.into(),
+                ..VolumeMount::default()
+            },
+        ]),
+        // The job's containers run under the daemon, so its container gets what bounded
+        // them when they ran in the executor's.
+        resources,
+        restart_policy: Some("Always".into()),
+        security_context: Some(dockerd_security_context()),
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
+        ..Container::default()
+    }
+}
+
+/// The Pod's volumes and the executor container's mounts: the SPIFFE volume, Docker's
+/// storage (the sidecar's in a privileged Pod, which the executor reaches through the
+/// socket's volume instead), the profile's allow-listed volumes.
+fn volumes_and_mounts(
+    s: &KubernetesSettings,
+    profile: Option<&PodProfile>,
+) -> (Vec<Volume>, Vec<VolumeMount>) {
     let mut volumes = vec![
         workload_api_volume(&s.workload_api_volume),
         Volume {
@@ -200,19 +295,31 @@ pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProf
             ..Volume::default()
         },
     ];
-    let mut mounts = vec![
-        VolumeMount {
-            name: SPIFFE_VOLUME.into(),
-            mount_path: s.agent_socket_dir.clone(),
-            read_only: Some(true),
+    let mut mounts = vec![VolumeMount {
+        name: SPIFFE_VOLUME.into(),
+        mount_path: s.agent_socket_dir.clone(),
+        read_only: Some(true),
+        ..VolumeMount::default()
+    }];
+    if s.privileged {
+        volumes.push(Volume {
+            name: DOCKER_SOCKET_VOLUME.into(),
+            empty_dir: Some(EmptyDirVolumeSource::default()),
+            ..Volume::default()
+        });
+        mounts.push(VolumeMount {
+            name: DOCKER_SOCKET_VOLUME.into(),
+            mount_path: DOCKER_SOCKET_DIR.into(),
             ..VolumeMount::default()
-        },
-        VolumeMount {
+        });
+    } else {
+        // Unchanged for an unprivileged Pod, whose executor starts no daemon.
+        mounts.push(VolumeMount {
             name: DOCKER_VOLUME.into(),
             mount_path: DOCKER_PATH.into(),
             ..VolumeMount::default()
-        },
-    ];
+        });
+    }
     for v in profile.map(|p| p.volumes.as_slice()).unwrap_or_default() {
         // `validate` checked every profile volume is allow-listed.
         if let Some(allowed) = s.volume_allow_list.get(&v.name) {
@@ -228,9 +335,21 @@ pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProf
             });
         }
     }
+    (volumes, mounts)
+}
+
+/// The executor Pod of `spec`, named after its assignment.
+pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProfile>) -> Pod {
+    let mut labels = spec.metadata.labels.clone();
+    labels.extend(app_labels(COMPONENT_EXECUTOR));
+    let (volumes, mounts) = volumes_and_mounts(s, profile);
     let image = profile
         .and_then(|p| p.image.clone())
         .unwrap_or_else(|| s.image.clone());
+    let resources = resources(&s.default_resources, profile);
+    let init_containers = s
+        .privileged
+        .then(|| vec![dockerd_container(s, &image, resources.clone())]);
     Pod {
         metadata: ObjectMeta {
             name: Some(spec.assignment.id().as_str().to_owned()),
@@ -263,7 +382,7 @@ pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProf
                 args: Some(s.executor_args.clone()),
                 env: Some(environment(s, spec)),
                 volume_mounts: Some(mounts),
-                resources: resources(&s.default_resources, profile),
+                resources,
                 security_context: Some(security_context(s)),
                 // The executor writes no termination message file; its last error line
                 // on stderr becomes the container's termination message, which is the
@@ -272,6 +391,7 @@ pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProf
                 termination_message_policy: Some("FallbackToLogsOnError".into()),
                 ..Container::default()
             }],
+            init_containers,
             volumes: Some(volumes),
             ..PodSpec::default()
         }),

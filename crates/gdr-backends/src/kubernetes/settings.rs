@@ -27,8 +27,9 @@ pub struct KubernetesSettings {
     /// executor starts as root and runs itself, the runner and the job as this uid
     /// (`CI_RUNNER_UID`); an unprivileged Pod's container runs as it from the start.
     pub executor_uid: i64,
-    /// Run the container privileged and start the executor as root, which the job's
-    /// Docker daemon needs (`pod_privileged`, default true). When false the container runs
+    /// Run the job's Docker daemon in a privileged `dockerd` sidecar and start the
+    /// executor's container (not privileged) as root (`pod_privileged`, default true).
+    /// When false the one container runs
     /// as `executor_uid` with no privilege escalation, all capabilities dropped and the
     /// runtime's default seccomp profile, and the job has no Docker daemon.
     pub privileged: bool,

@@ -316,15 +316,17 @@ keys! {
     /// Service account of executor Pods.
     pod_service_account: String = "gitea-task-executor".into();
     /// UID and GID the job runs as, never 0. With `pod_privileged` the executor starts as
-    /// root, prepares the job's Docker daemon and runs itself, the runner and the job as
-    /// this UID (with the image's `docker` group); otherwise the container runs as it.
+    /// root and runs itself, the runner and the job as this UID (with the image's `docker`
+    /// group); otherwise the container runs as it.
     pod_executor_uid: u32 = 2000;
-    /// Run the executor container privileged and start it as root, which the job's Docker
-    /// daemon needs (started by default). `false`: the container runs as
-    /// `pod_executor_uid`, non-root, no privilege escalation, all capabilities dropped,
-    /// the runtime's default seccomp profile, and jobs have no Docker daemon.
+    /// Give each executor Pod a privileged `dockerd` sidecar container running the job's
+    /// Docker daemon on a socket shared with the executor's container, which starts as
+    /// root (not privileged) to run the job as `pod_executor_uid`. `false`: one container,
+    /// run as `pod_executor_uid`, non-root, no privilege escalation, all capabilities
+    /// dropped, the runtime's default seccomp profile, and jobs have no Docker daemon.
     pod_privileged: bool = true;
-    /// Size limit of the `emptyDir` mounted at `/var/lib/docker` in executor Pods.
+    /// Size limit of the `emptyDir` mounted at `/var/lib/docker` in executor Pods (the
+    /// `dockerd` sidecar's, with `pod_privileged`).
     pod_docker_storage_limit: String = "20Gi".into();
     /// `activeDeadlineSeconds` of executor Pods: Kubernetes ends a Pod this long after it
     /// started (just past Gitea's 3 h limit for a task by default).
