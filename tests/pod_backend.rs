@@ -491,7 +491,11 @@ async fn facade(c: &Cluster) -> Facade {
 async fn an_executor_reaches_the_facade_with_the_jobs_identity_only_once_its_entry_is_bound() {
     let c = cluster().await;
     let f = facade(&c).await;
-    let b = backend(&c.fake, settings());
+    // Unprivileged: no Docker daemon sidecar (this cluster has no dockerd for it), so the
+    // runner starts, and its first call to the facade shows the identity it presents.
+    let mut s = settings();
+    s.privileged = false;
+    let b = backend(&c.fake, s);
     let spec = spec(21, "[self-hosted, pod]", &f.url);
     let record = b.create(&spec).await.unwrap();
     let uid = pod_uid(&record);

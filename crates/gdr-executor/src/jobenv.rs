@@ -1137,6 +1137,10 @@ mod tests {
         assert_eq!(daemon.prepare, Some(DEFAULT_STORAGE_SIZE));
         let stand_in = daemon_mode(false, env(&vars)).unwrap().unwrap();
         assert_eq!(stand_in.prepare, None, "not root: runs dockerd as it is");
+        // Root outside the executor image (a test run as root, whose fake kubelet runs
+        // the sidecar on the host): the host's cgroups and devices are never touched.
+        let host = daemon_mode(true, env(&vars[..1])).unwrap().unwrap();
+        assert_eq!(host.prepare, None, "root without CI_EXECUTOR_SANDBOXED");
         assert_eq!(
             daemon_mode(true, env(&[(SANDBOXED, "true")])).unwrap(),
             None
