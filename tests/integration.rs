@@ -52,6 +52,7 @@ mod real_gitea;
 mod real_kube;
 #[cfg(feature = "testkit")]
 mod real_spire;
+mod real_spire_cm;
 #[cfg(feature = "testkit")]
 mod relay;
 mod sandbox_identity;

@@ -46,7 +46,7 @@ const LEASE: &str = "gitea-dynamic-runner";
 const IMAGE: &str = "registry.example/gitea-dynamic-runner@sha256:0000000000000000000000000000000000000000000000000000000000000000";
 
 /// The control plane with the shipped RBAC and the vendored CRDs installed.
-async fn cluster() -> RealKube {
+pub(crate) async fn cluster() -> RealKube {
     let kube = RealKube::start(&Peers::from_env()).await;
     kube.install_shipped_rbac().await;
     kube.install_crds().await;
@@ -58,14 +58,14 @@ async fn cluster() -> RealKube {
     kube
 }
 
-fn entry_resource() -> ApiResource {
+pub(crate) fn entry_resource() -> ApiResource {
     ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk("spire.spiffe.io", "v1alpha1", "ClusterStaticEntry"),
         "clusterstaticentries",
     )
 }
 
-fn backend(client: Client) -> KubernetesBackend {
+pub(crate) fn backend(client: Client) -> KubernetesBackend {
     let mut settings = KubernetesSettings::new(
         IMAGE,
         backend_contract::trust_domain(),
@@ -78,7 +78,7 @@ fn backend(client: Client) -> KubernetesBackend {
 
 /// A Node, and the executor Pod `name` bound to it as a scheduler binds it (the `binding`
 /// subresource), both as the admin: the cluster's components, not the controller, do this.
-async fn schedule(kube: &RealKube, name: &str) {
+pub(crate) async fn schedule(kube: &RealKube, name: &str) {
     let admin = kube.admin().await;
     let nodes: Api<Node> = Api::all(admin.clone());
     let node = Node {
@@ -923,15 +923,12 @@ async fn the_real_control_plane_is_the_pinned_version() {
     }
 }
 
-/// DESIGN invariant 13 (a sandbox's Pod gets the job's SPIFFE ID, bound to that Pod), for
-/// `sandbox-identity` against the real API server as its own ServiceAccount under its
-/// shipped RBAC: a runner BatchSandbox (accepted by the vendored CRD's schema) allocated a
-/// Pod, and the reconciler creates the Pod's ClusterStaticEntry, repairs it when changed
-/// and deletes it when the Pod is released; its watches run against the real server.
-#[tokio::test(flavor = "multi_thread")]
-async fn sandbox_identity_binds_a_sandbox_pod_through_the_real_api_server_under_its_shipped_rbac() {
-    const SANDBOX_NS: &str = "opensandbox";
-    let kube = cluster().await;
+/// The namespace of the OpenSandbox pool's Pods in the sandbox-identity tests.
+pub(crate) const SANDBOX_NS: &str = "opensandbox";
+
+/// A VM sandbox `sb-a` of the pool, allocated the Pod `ci-vm-1` as the pool controller
+/// allocates one (its `alloc-status`), asking for `spiffe_id`; returns the Pod.
+pub(crate) async fn allocated_sandbox(kube: &RealKube, spiffe_id: &str) -> Pod {
     let admin = kube.admin().await;
     let pods: Api<Pod> = Api::namespaced(admin.clone(), SANDBOX_NS);
     let pod: Pod = serde_json::from_value(json!({
@@ -942,13 +939,13 @@ async fn sandbox_identity_binds_a_sandbox_pod_through_the_real_api_server_under_
     .unwrap();
     let pod = pods.create(&PostParams::default(), &pod).await.unwrap();
     let sandboxes: Api<DynamicObject> =
-        Api::namespaced_with(admin.clone(), SANDBOX_NS, &batchsandbox_resource());
+        Api::namespaced_with(admin, SANDBOX_NS, &batchsandbox_resource());
     let mut sandbox = DynamicObject::new("sb-a", &batchsandbox_resource()).data(json!({
         "spec": {
             "replicas": 1,
             "poolRef": "ci-vm",
             "taskTemplate": {"spec": {"process": {"command": ["/bin/sh"], "env": [
-                {"name": "CI_SPIFFE_ID", "value": "spiffe://example.org/ci/octo-org/hello-world/build"}
+                {"name": "CI_SPIFFE_ID", "value": spiffe_id}
             ]}}},
         }
     }));
@@ -964,7 +961,14 @@ async fn sandbox_identity_binds_a_sandbox_pod_through_the_real_api_server_under_
         .create(&PostParams::default(), &sandbox)
         .await
         .unwrap();
+    pod
+}
 
+/// `sandbox-identity`'s reconciler as its ServiceAccount, with its default settings; stopped
+/// through the sender.
+pub(crate) async fn run_sandbox_identity(
+    kube: &RealKube,
+) -> (tokio::sync::watch::Sender<bool>, JoinHandle<()>) {
     let identity = kube.client_as(&ServiceAccount::sandbox_identity()).await;
     let reconciler = Arc::new(Reconciler::new(
         identity,
@@ -972,7 +976,22 @@ async fn sandbox_identity_binds_a_sandbox_pod_through_the_real_api_server_under_
         Metrics::default(),
     ));
     let (stop, stopped) = tokio::sync::watch::channel(false);
-    let run = tokio::spawn(reconciler.run(stopped));
+    (stop, tokio::spawn(reconciler.run(stopped)))
+}
+
+/// DESIGN invariant 13 (a sandbox's Pod gets the job's SPIFFE ID, bound to that Pod), for
+/// `sandbox-identity` against the real API server as its own ServiceAccount under its
+/// shipped RBAC: a runner BatchSandbox (accepted by the vendored CRD's schema) allocated a
+/// Pod, and the reconciler creates the Pod's ClusterStaticEntry, repairs it when changed
+/// and deletes it when the Pod is released; its watches run against the real server.
+#[tokio::test(flavor = "multi_thread")]
+async fn sandbox_identity_binds_a_sandbox_pod_through_the_real_api_server_under_its_shipped_rbac() {
+    let kube = cluster().await;
+    let admin = kube.admin().await;
+    let pod = allocated_sandbox(&kube, "spiffe://example.org/ci/octo-org/hello-world/build").await;
+    let sandboxes: Api<DynamicObject> =
+        Api::namespaced_with(admin.clone(), SANDBOX_NS, &batchsandbox_resource());
+    let (stop, run) = run_sandbox_identity(&kube).await;
     let entries: Api<DynamicObject> = Api::all_with(admin.clone(), &sandbox_entry_resource());
     let entry = eventually(WAIT, "the sandbox's Pod has its entry", || async {
         entries.list(&Default::default()).await.unwrap().items.pop()

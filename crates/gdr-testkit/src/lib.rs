@@ -17,6 +17,8 @@
 //!   (`tests/kube-peers`), as envtest runs them, with a client per ServiceAccount.
 //! - [`real_spire`]: the real SPIRE server and agent built from their Go module
 //!   (`tests/spire-peers`), join-token node attestation, `unix` workload attestation.
+//! - [`spire_controller_manager`]: the real spire-controller-manager built from its Go
+//!   module (`tests/spire-cm-peers`), turning ClusterStaticEntry objects into SPIRE entries.
 //! - [`opensandbox`]: the real OpenSandbox server on an in-memory cluster.
 //! - [`vm_host`]: runs the sandboxes of an OpenSandbox pool as local processes (the VMs),
 //!   each with the identity `sandbox-identity` would grant it.
@@ -53,6 +55,7 @@ pub mod real_kube;
 pub mod real_spire;
 pub mod service;
 pub mod spiffe;
+pub mod spire_controller_manager;
 pub mod standin_dockerd;
 pub mod standin_runner;
 pub mod tasks;

@@ -48,7 +48,7 @@ pub enum SpireError {
     Unhealthy(&'static str),
 }
 
-fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SpireError {
+pub(crate) fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> SpireError {
     let what = what.into();
     move |source| SpireError::Io { what, source }
 }
@@ -82,6 +82,47 @@ impl SpirePrograms {
             server: var("SPIRE_SERVER_BIN"),
             agent: var("SPIRE_AGENT_BIN"),
         }
+    }
+}
+
+/// A registration entry as the SPIRE server holds it.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Entry {
+    /// Its SPIFFE ID.
+    pub spiffe_id: String,
+    /// The SPIFFE ID of the agent (or node alias) it is issued under.
+    pub parent_id: String,
+    /// Its selectors as `type:value`, sorted.
+    pub selectors: Vec<String>,
+}
+
+impl Entry {
+    /// An entry of the server API's JSON (IDs as trust domain and path).
+    fn from_json(entry: &serde_json::Value) -> Option<Entry> {
+        let id = |v: &serde_json::Value| {
+            Some(format!(
+                "spiffe://{}{}",
+                v["trust_domain"].as_str()?,
+                v["path"].as_str()?
+            ))
+        };
+        let mut selectors: Vec<String> = entry["selectors"]
+            .as_array()?
+            .iter()
+            .map(|s| {
+                format!(
+                    "{}:{}",
+                    s["type"].as_str().unwrap_or(""),
+                    s["value"].as_str().unwrap_or("")
+                )
+            })
+            .collect();
+        selectors.sort();
+        Some(Entry {
+            spiffe_id: id(&entry["spiffe_id"])?,
+            parent_id: id(&entry["parent_id"])?,
+            selectors,
+        })
     }
 }
 
@@ -201,7 +242,7 @@ impl RealSpire {
     /// the fixture's node). The agent learns of it at its next sync (every few seconds).
     pub async fn register_uid(&self, spiffe_id: &str, uid: u32) -> Result<(), SpireError> {
         let selector = format!("unix:uid:{uid}");
-        let socket = self.dir.path().join("server/api.sock");
+        let socket = self.server_socket();
         run(
             &self.programs.server,
             &[
@@ -244,6 +285,39 @@ impl RealSpire {
             command: format!("spire-agent api fetch x509 as uid {uid}"),
             output: format!("{spiffe_id} was not issued within {START:?}"),
         })
+    }
+
+    /// The server's API socket (the `spire-server` CLI's and spire-controller-manager's).
+    pub fn server_socket(&self) -> PathBuf {
+        self.dir.path().join("server/api.sock")
+    }
+
+    /// The server's registration entries (`spire-server entry show -output json`).
+    pub async fn entries(&self) -> Result<Vec<Entry>, SpireError> {
+        let socket = self.server_socket();
+        let command = "spire-server entry show -output json";
+        let out = run(
+            &self.programs.server,
+            &[
+                "entry",
+                "show",
+                "-socketPath",
+                path(&socket),
+                "-output",
+                "json",
+            ],
+        )
+        .await?;
+        let bad = |what: &str| SpireError::Command {
+            command: command.into(),
+            output: format!("{what} in: {out}"),
+        };
+        let doc: serde_json::Value = serde_json::from_str(&out).map_err(|_| bad("no JSON"))?;
+        let entries = doc["entries"].as_array().cloned().unwrap_or_default();
+        entries
+            .iter()
+            .map(|e| Entry::from_json(e).ok_or_else(|| bad("an entry without IDs")))
+            .collect()
     }
 
     /// The server's and the agent's logs, for a failing test's message.
