@@ -230,3 +230,34 @@ async fn the_real_spire_controller_manager_turns_sandbox_identitys_entry_into_ex
     stop.send_replace(true);
     run.await.unwrap();
 }
+
+/// No DESIGN invariant (documentation, issue 40): the version README.md and docs/testing.md
+/// name is the one `tests/spire-cm-peers/go.mod` pins and `build.sh` reports.
+#[test]
+fn the_docs_name_the_pinned_spire_controller_manager() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let go_mod = std::fs::read_to_string(format!("{root}/tests/spire-cm-peers/go.mod")).unwrap();
+    let pinned = go_mod
+        .lines()
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("github.com/spiffe/spire-controller-manager v")
+        })
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("go.mod pins spire-controller-manager");
+    if let Ok(built) = std::env::var("SPIRE_CM_VERSION") {
+        assert_eq!(built, pinned, "SPIRE_CM_VERSION is not go.mod's version");
+    }
+    let readme = std::fs::read_to_string(format!("{root}/README.md")).unwrap();
+    assert!(
+        readme.contains(&format!("spire-controller-manager {pinned}")),
+        "README.md does not name spire-controller-manager {pinned}"
+    );
+    let testing = std::fs::read_to_string(format!("{root}/docs/testing.md")).unwrap();
+    assert!(
+        testing.contains(&format!(
+            "`github.com/spiffe/spire-controller-manager` v{pinned}"
+        )),
+        "docs/testing.md does not name v{pinned}"
+    );
+}
