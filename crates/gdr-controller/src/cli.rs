@@ -213,7 +213,7 @@ pub struct MetricsArgs {
 
 /// `metrics`: prints the metrics reference, generated from the registry itself.
 pub fn metrics(args: &MetricsArgs) -> ExitCode {
-    print!("{}", crate::metrics::reference(args.format));
+    print!("{}", crate::runtime::metrics::reference(args.format));
     ExitCode::SUCCESS
 }
 

@@ -70,8 +70,14 @@ pub struct Health {
 impl Health {
     /// Fresh metrics, not ready, no status source yet.
     pub fn new() -> Self {
+        Self::with_metrics(Metrics::new())
+    }
+
+    /// Serving `metrics` (the wiring's registry, with every component's metrics in it),
+    /// not ready, no status source yet.
+    pub fn with_metrics(metrics: Metrics) -> Self {
         Health {
-            metrics: Arc::new(Metrics::new()),
+            metrics: Arc::new(metrics),
             readiness: Arc::new(Readiness::default()),
             status: Arc::new(StatusSlot::default()),
         }

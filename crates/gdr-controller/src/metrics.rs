@@ -68,13 +68,6 @@ pub struct PhaseLabels {
     pub phase: String,
 }
 
-/// Label: kind of a Gitea error.
-#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ErrorKindLabel {
-    /// See `gitea::ErrorKind`.
-    pub kind: String,
-}
-
 /// Label: one of the controller's NATS connections.
 #[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ConnectionLabel {
@@ -157,10 +150,6 @@ const START_LATENCY_BUCKETS: [f64; 12] = [
 const RUN_TIME_BUCKETS: [f64; 13] = [
     1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0, 10800.0,
 ];
-/// The fetch→stored window is normally a few milliseconds.
-const HANDOFF_BUCKETS: [f64; 13] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-];
 
 fn queue_wait_histogram() -> Histogram {
     Histogram::new(QUEUE_WAIT_BUCKETS)
@@ -193,16 +182,30 @@ pub struct MetricDoc {
     pub help: String,
 }
 
-/// Registers metrics and documents each one as it goes.
-struct Builder {
-    registry: Registry,
-    docs: Vec<MetricDoc>,
+/// What a component registers its metrics through: a registry (a sub-registry of the
+/// controller's, under a prefix of its own where it has one) that documents each metric as
+/// it goes, so the reference is generated from the registration itself.
+pub struct Registrar<'a> {
+    registry: &'a mut Registry,
+    docs: &'a mut Vec<MetricDoc>,
+    /// The full prefix of the names registered here (`PREFIX`, then the sub-registries').
+    prefix: String,
 }
 
-impl Builder {
-    fn add<M: Metric + Clone>(&mut self, name: &str, help: &str, metric: &M) -> &mut MetricDoc {
+impl Registrar<'_> {
+    /// A registrar for the metrics named `<prefix>_…` here (a component's own namespace).
+    pub fn sub(&mut self, prefix: &str) -> Registrar<'_> {
+        Registrar {
+            registry: self.registry.sub_registry_with_prefix(prefix),
+            docs: &mut *self.docs,
+            prefix: format!("{}_{prefix}", self.prefix),
+        }
+    }
+
+    /// Registers `metric` (a clone shares its value) and documents it.
+    pub fn add<M: Metric + Clone>(&mut self, name: &str, help: &str, metric: &M) -> &mut MetricDoc {
         self.registry.register(name, help, metric.clone());
-        let full = format!("{PREFIX}_{name}");
+        let full = format!("{}_{name}", self.prefix);
         let (kind, samples) = match metric.metric_type() {
             MetricType::Counter => ("counter", vec![format!("{full}_total")]),
             MetricType::Histogram => (
@@ -229,7 +232,7 @@ impl Builder {
     }
 
     /// Registers a labelled family; its label names come from the label type itself.
-    fn family<L, M, C>(
+    pub fn family<L, M, C>(
         &mut self,
         name: &str,
         help: &str,
@@ -255,7 +258,8 @@ impl Builder {
 }
 
 impl MetricDoc {
-    fn values(&mut self, label: &str, values: &[&str]) -> &mut Self {
+    /// Documents the fixed set of values `label` takes.
+    pub fn values(&mut self, label: &str, values: &[&str]) -> &mut Self {
         self.label_values.push((
             label.to_owned(),
             values.iter().map(|v| (*v).to_owned()).collect(),
@@ -263,7 +267,8 @@ impl MetricDoc {
         self
     }
 
-    fn buckets(&mut self, bounds: &[f64]) -> &mut Self {
+    /// Documents a histogram's bucket bounds.
+    pub fn buckets(&mut self, bounds: &[f64]) -> &mut Self {
         self.buckets = bounds.to_vec();
         self
     }
@@ -305,26 +310,14 @@ where
 pub struct Metrics {
     registry: Registry,
     docs: Vec<MetricDoc>,
-    /// Tasks returned by FetchTask.
-    pub tasks_fetched: Counter,
-    /// Publish attempts that had to be retried.
-    pub publish_retries: Counter,
     /// Worker deliveries by outcome.
     pub assignments: Family<OutcomeLabels, Counter>,
     /// Admission slots in use.
     pub pool_in_use: Family<BackendLabel, Gauge>,
     /// Admission slots in total.
     pub pool_capacity: Family<BackendLabel, Gauge>,
-    /// Heartbeats sent for queued tasks.
-    pub heartbeats: Counter,
-    /// Failed Gitea calls by kind.
-    pub gitea_errors: Family<ErrorKindLabel, Counter>,
     /// 1 while this replica leads.
     pub leader: Gauge,
-    /// Longest fetch→stored window seen (µs): a kill inside it loses the task.
-    pub handoff_window_max_micros: Gauge,
-    /// The fetch→stored window of every stored task, in seconds.
-    pub handoff_window: Histogram,
     /// Lifecycle steps that failed (listing, reporting, marking, deleting) by backend.
     pub lifecycle_errors: Family<BackendLabel, Counter>,
     /// Claimed executors failed because their runner fell silent, by backend.
@@ -339,10 +332,6 @@ pub struct Metrics {
     pub jobs_completed: Family<ResultLabels, Counter>,
     /// Jobs the controller failed in Gitea, by backend and reason.
     pub jobs_failed: Family<ReasonLabels, Counter>,
-    /// Tasks that could not become assignments and were failed in Gitea.
-    pub invalid_tasks: Counter,
-    /// Tasks fetched but not stored before a shutdown bound ran out.
-    pub tasks_lost: Counter,
     /// Executors by backend and phase, as the last lifecycle pass listed them.
     pub executors: Family<PhaseLabels, Gauge>,
     /// Assignments in JetStream not yet claimed by their runner, by backend.
@@ -351,25 +340,6 @@ pub struct Metrics {
     pub nats_connected: Family<ConnectionLabel, Gauge>,
     /// Assignments held because they are sealed with a task key this controller lacks.
     pub held_assignments: Family<BackendLabel, Gauge>,
-    /// Facade connections open now.
-    pub facade_connections: Gauge,
-    /// Facade connections closed early, by why: `limit` (refused at a connection limit),
-    /// `evicted` (in their handshake, to make room), `handshake` (failed or timed out),
-    /// `identity_limit` (a SPIFFE ID at its limit), `idle`.
-    pub facade_connections_closed: Family<CloseReasonLabel, Counter>,
-    /// Failed `accept` calls of the facade (e.g. no file descriptors).
-    pub facade_accept_errors: Counter,
-}
-
-/// Why the facade closed a connection early: the values of [`CloseReasonLabel`].
-pub const FACADE_CLOSE_REASONS: [&str; 5] =
-    ["limit", "evicted", "handshake", "identity_limit", "idle"];
-
-/// Label: why the facade closed a connection early.
-#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CloseReasonLabel {
-    /// The reason.
-    pub reason: String,
 }
 
 impl Default for Metrics {
@@ -379,67 +349,18 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// A registry with every metric registered under the [`PREFIX`].
-    // TODO(issue 36 step 2): split; each component registers its own metrics.
+    /// A registry under the [`PREFIX`] with the jobs', pools' and connections' metrics;
+    /// the scheduler and the facade register theirs through [`Metrics::registrar`].
+    // TODO(issue 36 step 2): the workers' and the lifecycle's metrics move to their modules.
     #[allow(clippy::too_many_lines)]
     pub fn new() -> Self {
-        let mut b = Builder {
-            registry: Registry::with_prefix(PREFIX),
-            docs: Vec::new(),
+        let mut registry = Registry::with_prefix(PREFIX);
+        let mut docs = Vec::new();
+        let mut b = Registrar {
+            registry: &mut registry,
+            docs: &mut docs,
+            prefix: PREFIX.to_owned(),
         };
-        let tasks_fetched = Counter::default();
-        b.add(
-            "tasks_fetched",
-            "Tasks handed out by Gitea's FetchTask",
-            &tasks_fetched,
-        );
-        let publish_retries = Counter::default();
-        b.add(
-            "publish_retries",
-            "Assignment publishes retried until JetStream accepted",
-            &publish_retries,
-        );
-        let tasks_lost = Counter::default();
-        b.add(
-            "tasks_lost",
-            "Tasks fetched from Gitea but not stored in JetStream before a shutdown's publish bound ran out (they stay Running in Gitea until its zombie timeout)",
-            &tasks_lost,
-        );
-        let invalid_tasks = Counter::default();
-        b.add(
-            "invalid_tasks",
-            "Tasks that could not become assignments (bad runs-on, job key, repository or ref) and were failed in Gitea",
-            &invalid_tasks,
-        );
-        let handoff_window = Histogram::new(HANDOFF_BUCKETS);
-        b.add(
-            "handoff_window_seconds",
-            "Time between a FetchTask answer and JetStream storing its assignment, in seconds (a controller killed inside it loses the task)",
-            &handoff_window,
-        )
-        .buckets(&HANDOFF_BUCKETS);
-        let handoff_window_max_micros = Gauge::default();
-        b.add(
-            "handoff_window_max_micros",
-            "Longest time between a FetchTask answer and JetStream storing its assignment, in microseconds",
-            &handoff_window_max_micros,
-        );
-        let heartbeats = Counter::default();
-        b.add(
-            "heartbeats",
-            "UpdateTask heartbeats sent for queued tasks",
-            &heartbeats,
-        );
-        let gitea_errors = Family::<ErrorKindLabel, Counter>::default();
-        b.family(
-            "gitea_errors",
-            "Failed FetchTask calls by kind of error",
-            &gitea_errors,
-        )
-        .values(
-            "kind",
-            &crate::vocabulary::ERROR_KINDS.map(crate::gitea::ErrorKind::as_str),
-        );
         let queue_depth = Family::<BackendLabel, Gauge>::default();
         b.family(
             "queue_depth",
@@ -544,43 +465,13 @@ impl Metrics {
             "Assignments set aside because they are sealed with a task key this controller lacks, by backend",
             &held_assignments,
         );
-        let facade_connections = Gauge::default();
-        b.add(
-            "facade_connections",
-            "Connections the facade holds open",
-            &facade_connections,
-        );
-        let facade_connections_closed = Family::<CloseReasonLabel, Counter>::default();
-        b.family(
-            "facade_connections_closed",
-            "Facade connections refused or closed early, by reason (limit, evicted, handshake, identity_limit, idle)",
-            &facade_connections_closed,
-        )
-        .values("reason", &FACADE_CLOSE_REASONS);
-        for reason in FACADE_CLOSE_REASONS {
-            facade_connections_closed.get_or_create_owned(&CloseReasonLabel {
-                reason: reason.into(),
-            });
-        }
-        let facade_accept_errors = Counter::default();
-        b.add(
-            "facade_accept_errors",
-            "Failed accept calls of the facade (for example, no file descriptors left)",
-            &facade_accept_errors,
-        );
         Metrics {
-            registry: b.registry,
-            docs: b.docs,
-            tasks_fetched,
-            publish_retries,
+            registry,
+            docs,
             assignments,
             pool_in_use,
             pool_capacity,
-            heartbeats,
-            gitea_errors,
             leader,
-            handoff_window_max_micros,
-            handoff_window,
             lifecycle_errors,
             idle_executors_failed,
             queue_wait,
@@ -588,15 +479,10 @@ impl Metrics {
             run_time,
             jobs_completed,
             jobs_failed,
-            invalid_tasks,
-            tasks_lost,
             executors,
             queue_depth,
             nats_connected,
             held_assignments,
-            facade_connections,
-            facade_connections_closed,
-            facade_accept_errors,
         }
     }
 
@@ -650,6 +536,15 @@ impl Metrics {
             .inc();
     }
 
+    /// Where a component registers its own metrics (before the registry is shared).
+    pub fn registrar(&mut self) -> Registrar<'_> {
+        Registrar {
+            registry: &mut self.registry,
+            docs: &mut self.docs,
+            prefix: PREFIX.to_owned(),
+        }
+    }
+
     /// What [`Metrics::encode`] exports, documented.
     pub fn docs(&self) -> &[MetricDoc] {
         &self.docs
@@ -695,9 +590,9 @@ pub enum ReferenceFormat {
     Json,
 }
 
-/// The reference of every metric, generated from the registry [`Metrics::new`] builds.
-pub fn reference(format: ReferenceFormat) -> String {
-    let metrics = Metrics::new();
+/// The reference of every metric `metrics` holds (the wiring's complete registry,
+/// `runtime::metrics`), generated from its registration.
+pub fn reference(metrics: &Metrics, format: ReferenceFormat) -> String {
     let docs = metrics.docs();
     match format {
         ReferenceFormat::Json => {
@@ -770,112 +665,4 @@ fn markdown(docs: &[MetricDoc]) -> String {
         let _ = writeln!(out, "| {samples} | {} | {labels} | {meaning} |", d.kind);
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn metrics_render_with_their_names_and_labels() {
-        let m = Metrics::new();
-        m.tasks_fetched.inc();
-        m.assignments
-            .get_or_create(&OutcomeLabels {
-                backend: "pod".into(),
-                outcome: "claimed".into(),
-            })
-            .inc();
-        m.pool_capacity
-            .get_or_create(&BackendLabel {
-                backend: "vm".into(),
-            })
-            .set(1);
-        let text = m.encode();
-        assert!(
-            text.contains("gitea_dynamic_runner_tasks_fetched_total 1"),
-            "{text}"
-        );
-        assert!(
-            text.contains(
-                "gitea_dynamic_runner_assignments_total{backend=\"pod\",outcome=\"claimed\"} 1"
-            ),
-            "{text}"
-        );
-        assert!(
-            text.contains("gitea_dynamic_runner_pool_capacity{backend=\"vm\"} 1"),
-            "{text}"
-        );
-        assert!(text.ends_with("# EOF\n"));
-    }
-
-    /// DESIGN invariant 24: the reference documents exactly what `/metrics` exports, with
-    /// the label names the encoder writes.
-    #[test]
-    fn every_documented_sample_and_label_is_what_the_registry_encodes() {
-        let m = Metrics::new();
-        m.init_backend(gdr_core::backend::Backend::Pod);
-        m.gitea_errors
-            .get_or_create_owned(&ErrorKindLabel::default());
-        m.assignments.get_or_create_owned(&OutcomeLabels::default());
-        m.nats_connected
-            .get_or_create_owned(&ConnectionLabel::default());
-        let text = m.encode();
-        let documented: std::collections::BTreeSet<&str> = m
-            .docs()
-            .iter()
-            .flat_map(|d| d.samples.iter().map(String::as_str))
-            .collect();
-        for d in m.docs() {
-            for sample in &d.samples {
-                let line = text
-                    .lines()
-                    .find(|l| {
-                        l.starts_with(&format!("{sample}{{"))
-                            || l.starts_with(&format!("{sample} "))
-                    })
-                    .unwrap_or_else(|| panic!("{sample} is documented but not exported:\n{text}"));
-                for label in &d.labels {
-                    assert!(
-                        line.contains(&format!("{label}=\"")),
-                        "{sample} lacks its documented label {label}: {line}"
-                    );
-                }
-            }
-        }
-        for d in m.docs().iter().filter(|d| d.kind == "histogram") {
-            let bucket = format!("{}_bucket{{", d.name);
-            let encoded: Vec<f64> = text
-                .lines()
-                .filter(|l| l.starts_with(&bucket))
-                .filter_map(|l| l.split("le=\"").nth(1)?.split('"').next()?.parse().ok())
-                .filter(|b: &f64| b.is_finite())
-                .collect();
-            assert_eq!(encoded, d.buckets, "{} buckets", d.name);
-        }
-        for line in text.lines().filter(|l| !l.starts_with('#')) {
-            let name = line.split(['{', ' ']).next().unwrap_or_default();
-            assert!(
-                documented.contains(name),
-                "{name} is exported but not documented"
-            );
-        }
-    }
-
-    #[test]
-    fn the_markdown_reference_lists_histograms_with_their_buckets_and_label_values() {
-        let md = reference(ReferenceFormat::Markdown);
-        assert!(
-            md.contains("`gitea_dynamic_runner_start_latency_seconds_bucket`"),
-            "{md}"
-        );
-        assert!(md.contains("buckets (s): 0.25, 0.5, 1,"), "{md}");
-        assert!(md.contains("`runner_silent`"), "{md}");
-        let json: serde_json::Value =
-            serde_json::from_str(&reference(ReferenceFormat::Json)).expect("json");
-        assert!(
-            json.as_array()
-                .is_some_and(|a| a.len() == Metrics::new().docs().len())
-        );
-    }
 }

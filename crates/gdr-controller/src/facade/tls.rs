@@ -51,12 +51,17 @@ use gdr_core::capability::CapabilityKey;
 use gdr_identity::tls::{PeerSpiffeId, peer_spiffe_id};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto::Builder;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
 use crate::gitea::{TOKEN_HEADER, UUID_HEADER};
+use crate::metrics::Registrar;
 use crate::settings::FacadeLimits;
 use crate::shutdown::Shutdown;
 
@@ -92,28 +97,123 @@ pub struct Binder {
 #[derive(Debug, Clone, Copy)]
 pub struct Refused;
 
-/// Counters of the facade's connection handling (exported as metrics).
-#[derive(Debug, Default)]
+/// Why the facade closed a connection early: the values of [`CloseReasonLabel`].
+pub const FACADE_CLOSE_REASONS: [&str; 5] = [
+    CloseReason::Limit.as_str(),
+    CloseReason::Evicted.as_str(),
+    CloseReason::Handshake.as_str(),
+    CloseReason::IdentityLimit.as_str(),
+    CloseReason::Idle.as_str(),
+];
+
+/// Why the facade closed a connection early.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CloseReason {
+    /// A new connection refused at once because a connection limit was reached.
+    Limit,
+    /// A connection still in its TLS handshake closed to make room for a new one.
+    Evicted,
+    /// A handshake failed or timed out.
+    Handshake,
+    /// Closed after the handshake: its SPIFFE ID holds its share of connections not bound
+    /// to an assignment, and its first request did not bind it.
+    IdentityLimit,
+    /// Closed for idleness (or for not sending a request in time).
+    Idle,
+}
+
+impl CloseReason {
+    /// The label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            CloseReason::Limit => "limit",
+            CloseReason::Evicted => "evicted",
+            CloseReason::Handshake => "handshake",
+            CloseReason::IdentityLimit => "identity_limit",
+            CloseReason::Idle => "idle",
+        }
+    }
+
+    fn label(self) -> CloseReasonLabel {
+        CloseReasonLabel {
+            reason: self.as_str().into(),
+        }
+    }
+}
+
+/// Label: why the facade closed a connection early.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CloseReasonLabel {
+    /// The reason.
+    pub reason: String,
+}
+
+/// Counters of the facade's connection handling; the exported ones are the Prometheus
+/// metrics the facade registers ([`FacadeStats::register`]).
+#[derive(Debug)]
 pub struct FacadeStats {
     /// Connections open now.
-    pub open: AtomicUsize,
+    pub open: Gauge,
     /// Connections accepted.
     pub accepted: AtomicU64,
-    /// New connections closed at once because a connection limit was reached.
-    pub refused: AtomicU64,
-    /// Connections still in their TLS handshake closed to make room for a new one.
-    pub evicted: AtomicU64,
-    /// Handshakes that failed or timed out.
-    pub handshake_failures: AtomicU64,
-    /// Connections closed after the handshake because their SPIFFE ID holds its share of
-    /// connections not bound to an assignment, and their first request did not bind them.
-    pub identity_refused: AtomicU64,
     /// Requests refused because their assignment holds its connection limit.
     pub assignment_refused: AtomicU64,
-    /// Connections closed for idleness (or for not sending a request in time).
-    pub idle_closed: AtomicU64,
     /// Failed `accept` calls.
-    pub accept_errors: AtomicU64,
+    pub accept_errors: Counter,
+    /// Connections closed early, by reason.
+    closed: Family<CloseReasonLabel, Counter>,
+}
+
+impl Default for FacadeStats {
+    fn default() -> Self {
+        let closed = Family::<CloseReasonLabel, Counter>::default();
+        // Every reason exists from the start, at zero, for alerts and `increase()`.
+        for reason in FACADE_CLOSE_REASONS {
+            closed.get_or_create_owned(&CloseReasonLabel {
+                reason: reason.into(),
+            });
+        }
+        FacadeStats {
+            open: Gauge::default(),
+            accepted: AtomicU64::default(),
+            assignment_refused: AtomicU64::default(),
+            accept_errors: Counter::default(),
+            closed,
+        }
+    }
+}
+
+impl FacadeStats {
+    /// Registers the facade's metrics (`facade_…`; the same values these counters hold).
+    pub fn register(&self, r: &mut Registrar<'_>) {
+        let mut r = r.sub("facade");
+        r.add(
+            "connections",
+            "Connections the facade holds open",
+            &self.open,
+        );
+        r.family(
+            "connections_closed",
+            "Facade connections refused or closed early, by reason (limit, evicted, handshake, identity_limit, idle)",
+            &self.closed,
+        )
+        .values("reason", &FACADE_CLOSE_REASONS);
+        r.add(
+            "accept_errors",
+            "Failed accept calls of the facade (for example, no file descriptors left)",
+            &self.accept_errors,
+        );
+    }
+
+    /// Counts a connection closed early.
+    pub fn close(&self, reason: CloseReason) {
+        self.closed.get_or_create(&reason.label()).inc();
+    }
+
+    /// Connections closed early for `reason`.
+    pub fn closed(&self, reason: CloseReason) -> u64 {
+        self.closed.get_or_create(&reason.label()).get()
+    }
 }
 
 fn inc(counter: &AtomicU64) {
@@ -271,7 +371,7 @@ struct Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         if self.tracker.lock().remove(self.id).is_some() {
-            self.tracker.stats.open.fetch_sub(1, Ordering::Relaxed);
+            self.tracker.stats.open.dec();
         }
     }
 }
@@ -315,7 +415,7 @@ impl Tracker {
         *s.per_peer.entry(peer).or_default() += 1;
         drop(s);
         self.evicted(evicted);
-        self.stats.open.fetch_add(1, Ordering::Relaxed);
+        self.stats.open.inc();
         Ok(Slot {
             tracker: self.clone(),
             id,
@@ -327,8 +427,8 @@ impl Tracker {
         for entry in entries {
             // `notify_one` stores a permit: an eviction before the task waits still counts.
             entry.evict.notify_one();
-            inc(&self.stats.evicted);
-            self.stats.open.fetch_sub(1, Ordering::Relaxed);
+            self.stats.close(CloseReason::Evicted);
+            self.stats.open.dec();
         }
     }
 
@@ -540,7 +640,7 @@ pub(crate) async fn serve_with(
                 conn
             }
             Err(e) => {
-                inc(&stats.accept_errors);
+                stats.accept_errors.inc();
                 let failure = classify(&e);
                 if failure == AcceptFailure::Fatal {
                     tracing::error!(error = %e, "the facade cannot accept connections any more");
@@ -564,7 +664,7 @@ pub(crate) async fn serve_with(
         let slot = match tracker.admit(remote.ip()) {
             Ok(slot) => slot,
             Err(why) => {
-                inc(&stats.refused);
+                stats.close(CloseReason::Limit);
                 drop(stream);
                 if let Some(count) = refusals.note() {
                     let limit = match why {
@@ -682,12 +782,12 @@ async fn connection(
     let tls = match handshake {
         Ok(Ok(tls)) => tls,
         Ok(Err(e)) => {
-            inc(&stats.handshake_failures);
+            stats.close(CloseReason::Handshake);
             tracing::debug!(peer = %remote, error = %e, "facade TLS handshake failed");
             return;
         }
         Err(_) => {
-            inc(&stats.handshake_failures);
+            stats.close(CloseReason::Handshake);
             tracing::debug!(peer = %remote, timeout = ?limits.tls_handshake_timeout, "facade TLS handshake timed out");
             return;
         }
@@ -698,7 +798,7 @@ async fn connection(
         .map(|chain| PeerCerts(chain.iter().map(|c| c.clone().into_owned()).collect()));
     let identity: Option<String> = certs.as_ref().and_then(|c| peer_spiffe_id(&c.0[..]));
     let Some(identity) = identity else {
-        inc(&stats.handshake_failures);
+        stats.close(CloseReason::Handshake);
         tracing::debug!(peer = %remote, "facade peer without a SPIFFE ID closed");
         return;
     };
@@ -775,7 +875,7 @@ async fn connection(
             // Evicted while on probation, or closed by its first request.
             _ = conn_state.slot.evict.notified() => return,
             _ = conn_state.close.notified() => {
-                inc(&stats.identity_refused);
+                stats.close(CloseReason::IdentityLimit);
                 tracing::debug!(peer = %remote, %identity, "facade connection closed: this SPIFFE ID holds its share of connections not bound to an assignment, and the first request did not bind this one");
                 return;
             }
@@ -811,7 +911,7 @@ async fn connection(
                     limits.idle_timeout
                 };
                 if activity.idle_for().is_some_and(|idle| idle >= bound) {
-                    inc(&stats.idle_closed);
+                    stats.close(CloseReason::Idle);
                     tracing::debug!(peer = %remote, %identity, "closing an idle facade connection");
                     conn.as_mut().graceful_shutdown();
                     closing = Some(Instant::now() + CLOSE_GRACE);

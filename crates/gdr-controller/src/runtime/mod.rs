@@ -10,6 +10,7 @@
 mod backends;
 mod embedded_nats;
 pub mod first_start;
+pub mod metrics;
 mod nats;
 pub mod sandbox_identity;
 
@@ -204,7 +205,10 @@ async fn run_controller(
         private_dir(&state_dir).map_err(|e| step("state_dir")(e.into()))?;
     }
 
-    let health_state = Health::new();
+    // The components that register their own metrics exist before the registry is shared.
+    let stats = Arc::new(SchedulerStats::new());
+    let facade_stats = Arc::new(FacadeStats::default());
+    let health_state = Health::with_metrics(metrics::registry(&stats, &facade_stats));
     let metrics = health_state.metrics.clone();
     let readiness = health_state.readiness.clone();
     let (stop_health, health_shutdown) = shutdown_channel();
@@ -277,8 +281,6 @@ async fn run_controller(
     ));
     let (stop_work, work_shutdown) = shutdown_channel();
     let mut tasks: JoinSet<(&'static str, Result<(), Source>)> = JoinSet::new();
-    let stats = Arc::new(SchedulerStats::new());
-    stats.observe_handoff_into(metrics.handoff_window.clone());
     let facade_settings = scheduler.as_ref().map(|s| s.facade.clone());
     // Single host without runner_facade_url: executors on this host dial the listener.
     let facade_url = match facade_settings.as_ref().map(|f| f.url.clone()) {
@@ -291,7 +293,6 @@ async fn run_controller(
                 .map_err(setup("reading the facade listener's address"))?
         ),
     };
-    let facade_stats = Arc::new(FacadeStats::default());
     // Workers poke it when an assignment leaves the stream, so the backlog gate lets the
     // next fetch through at once.
     let backlog_changed = Arc::new(tokio::sync::Notify::new());
@@ -407,10 +408,8 @@ async fn run_controller(
         )
         .await?;
     }
-    tasks.spawn(export_metrics(
+    tasks.spawn(sample_gauges(
         metrics.clone(),
-        stats.clone(),
-        facade_stats.clone(),
         dispatch.clone(),
         capacities.clone(),
         depth.clone(),
@@ -1098,43 +1097,16 @@ fn count_outcomes(
     tx
 }
 
-/// The JetStream consumers' depth for the status and the metrics; `None` (reported as
-/// unknown) if the stream cannot be opened now.
-/// Copies the scheduler's counters, the pools and the queue depths into Prometheus every
-/// second.
-async fn export_metrics(
+/// Samples the observed state the gauges show (the pools' slots and the queue depths)
+/// every second; counters are updated where their events happen.
+async fn sample_gauges(
     metrics: Arc<Metrics>,
-    stats: Arc<SchedulerStats>,
-    facade: Arc<FacadeStats>,
     dispatch: Arc<Dispatch>,
     capacities: BTreeMap<Backend, usize>,
     depth: Option<Arc<dyn QueueDepth>>,
     stop: Shutdown,
 ) -> (&'static str, Result<(), Source>) {
-    use std::sync::atomic::Ordering::Relaxed;
-    let counters = [
-        (&stats.tasks_fetched, &metrics.tasks_fetched),
-        (&stats.publish_retries, &metrics.publish_retries),
-        (&stats.heartbeats_sent, &metrics.heartbeats),
-        (&stats.tasks_lost, &metrics.tasks_lost),
-        (&stats.invalid_tasks_failed, &metrics.invalid_tasks),
-    ];
     loop {
-        for (source, counter) in counters {
-            counter.inc_by(source.load(Relaxed).saturating_sub(counter.get()));
-        }
-        metrics
-            .handoff_window_max_micros
-            .set(i64::try_from(stats.handoff_window_micros_max.load(Relaxed)).unwrap_or(i64::MAX));
-        for kind in crate::scheduler::ERROR_KINDS {
-            let counter = metrics
-                .gitea_errors
-                .get_or_create(&crate::metrics::ErrorKindLabel {
-                    kind: kind.as_str().into(),
-                });
-            let total = stats.fetch_errors(kind);
-            counter.inc_by(total.saturating_sub(counter.get()));
-        }
         for backend in capacities.keys() {
             let (in_use, capacity) = dispatch.pool_usage(*backend);
             let label = BackendLabel {
@@ -1160,37 +1132,9 @@ async fn export_metrics(
                 }
             }
         }
-        export_facade(&metrics, &facade);
         if !stop.sleep(METRICS_INTERVAL).await {
             return ("metrics", Ok(()));
         }
-    }
-}
-
-/// Copies the facade's connection counters into Prometheus.
-fn export_facade(metrics: &Metrics, facade: &FacadeStats) {
-    use std::sync::atomic::Ordering::Relaxed;
-    metrics
-        .facade_connections
-        .set(i64::try_from(facade.open.load(Relaxed)).unwrap_or(i64::MAX));
-    let accept_errors = facade.accept_errors.load(Relaxed);
-    metrics
-        .facade_accept_errors
-        .inc_by(accept_errors.saturating_sub(metrics.facade_accept_errors.get()));
-    for (reason, counter) in [
-        ("limit", &facade.refused),
-        ("evicted", &facade.evicted),
-        ("handshake", &facade.handshake_failures),
-        ("identity_limit", &facade.identity_refused),
-        ("idle", &facade.idle_closed),
-    ] {
-        let family =
-            metrics
-                .facade_connections_closed
-                .get_or_create(&crate::metrics::CloseReasonLabel {
-                    reason: reason.into(),
-                });
-        family.inc_by(counter.load(Relaxed).saturating_sub(family.get()));
     }
 }
 

@@ -426,7 +426,7 @@ impl Heartbeater {
         match self.gitea.update_task(request).await {
             Ok(answer) => {
                 round.sent += 1;
-                SchedulerStats::inc(&self.stats.heartbeats_sent);
+                self.stats.heartbeats_sent.inc();
                 let result = answer
                     .state
                     .as_option()

@@ -536,7 +536,7 @@ async fn poll(
                     shared.version.task_received();
                     // More may be waiting: every poller fetches until Gitea runs dry.
                     shared.idle.wake_all();
-                    SchedulerStats::inc(&shared.stats.tasks_fetched);
+                    shared.stats.tasks_fetched.inc();
                     report.tasks_fetched += 1;
                     crate::failpoint::hit(crate::failpoint::points::AFTER_FETCH);
                     hand_off(&shared, task, slot, &shutdown, &mut report).await;
@@ -620,7 +620,7 @@ async fn hand_off(
         Err(e) => {
             shared.gate.release(slot);
             fail_invalid_task(shared, task_id, &e.to_string()).await;
-            SchedulerStats::inc(&shared.stats.invalid_tasks_failed);
+            shared.stats.invalid_tasks_failed.inc();
             report.invalid_tasks_failed += 1;
             return;
         }
@@ -640,7 +640,7 @@ async fn hand_off(
                 &format!("the assignment cannot be encoded: {e}"),
             )
             .await;
-            SchedulerStats::inc(&shared.stats.invalid_tasks_failed);
+            shared.stats.invalid_tasks_failed.inc();
             report.invalid_tasks_failed += 1;
             return;
         }
@@ -686,13 +686,13 @@ async fn hand_off(
             shared.fetched.forget(task_id);
             shared.gate.release(slot);
             fail_invalid_task(shared, task_id, &e.to_string()).await;
-            SchedulerStats::inc(&shared.stats.invalid_tasks_failed);
+            shared.stats.invalid_tasks_failed.inc();
             report.invalid_tasks_failed += 1;
         }
         Err(Unstored::Lost) => {
             shared.fetched.forget(task_id);
             shared.gate.release(slot);
-            SchedulerStats::inc(&shared.stats.tasks_lost);
+            shared.stats.tasks_lost.inc();
             report.lost_task_ids.push(task_id);
             tracing::error!(
                 task_id,
@@ -781,7 +781,7 @@ async fn publish_until_stored(
             Some(Err(e)) => e.to_string(),
             None => "publish timed out at shutdown".to_string(),
         };
-        SchedulerStats::inc(&shared.stats.publish_retries);
+        shared.stats.publish_retries.inc();
         tracing::warn!(
             task_id,
             assignment_id = id,

@@ -1,11 +1,32 @@
-//! Plain counters of the scheduler (Prometheus wiring reads them later).
+//! The scheduler's counters: the ones it exports are Prometheus metrics it registers
+//! itself ([`SchedulerStats::register`]) and updates where the event happens; the others
+//! are plain counters for the status page, the tests and the benchmarks.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+
 use crate::gitea::ErrorKind;
+use crate::metrics::Registrar;
+
+/// Label: kind of a Gitea error.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorKindLabel {
+    /// See `gitea::ErrorKind`.
+    pub kind: String,
+}
+
+/// The fetch→stored window is normally a few milliseconds.
+const HANDOFF_BUCKETS: [f64; 13] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
 
 /// Counters shared by the pollers and the heartbeater.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct SchedulerStats {
     /// FetchTask calls sent.
     pub fetch_calls: AtomicU64,
@@ -17,40 +38,65 @@ pub struct SchedulerStats {
     /// Pollers currently waiting for the backlog to drop below its limit (a gauge).
     pub pollers_waiting_for_backlog: AtomicU64,
     /// FetchTask answers that carried a task.
-    pub tasks_fetched: AtomicU64,
+    pub tasks_fetched: Counter,
     /// Assignments JetStream acknowledged (duplicates included).
     pub tasks_published: AtomicU64,
     /// Longest fetch→stored window seen, in microseconds (the loss window of invariant 4).
-    pub handoff_window_micros_max: AtomicU64,
+    pub handoff_window_micros_max: Gauge,
     /// Sum of fetch→stored windows, in microseconds (divide by `tasks_published`).
     pub handoff_window_micros_total: AtomicU64,
     /// Publish attempts that failed and were retried (or given up).
-    pub publish_retries: AtomicU64,
+    pub publish_retries: Counter,
     /// Publishes JetStream answered as duplicates (stored before).
     pub publish_duplicates: AtomicU64,
     /// Fetched tasks whose publish was given up at shutdown (the loss window).
-    pub tasks_lost: AtomicU64,
+    pub tasks_lost: Counter,
     /// Tasks that could not become assignments and were failed in Gitea.
-    pub invalid_tasks_failed: AtomicU64,
+    pub invalid_tasks_failed: Counter,
     /// Heartbeats Gitea accepted for queued assignments.
-    pub heartbeats_sent: AtomicU64,
+    pub heartbeats_sent: Counter,
     /// Heartbeats that failed.
     pub heartbeat_errors: AtomicU64,
     /// Queued assignments whose task Gitea reported as ended (e.g. cancelled).
     pub queued_tasks_ended: AtomicU64,
-    fetch_errors: [AtomicU64; ERROR_KINDS.len()],
-    /// Where each fetch→stored window is observed, once the metrics are wired.
-    handoff_histogram: std::sync::OnceLock<prometheus_client::metrics::histogram::Histogram>,
+    /// Failed FetchTask calls by kind.
+    fetch_errors: Family<ErrorKindLabel, Counter>,
+    /// Every fetch→stored window, in seconds.
+    handoff_histogram: Histogram,
 }
 
-fn kind_index(kind: ErrorKind) -> usize {
-    match kind {
-        ErrorKind::Unauthenticated => 0,
-        ErrorKind::NotFound => 1,
-        ErrorKind::Invalid => 2,
-        ErrorKind::Unavailable => 3,
-        ErrorKind::Other => 4,
-        ErrorKind::TooLarge => 5,
+impl Default for SchedulerStats {
+    fn default() -> Self {
+        let fetch_errors = Family::<ErrorKindLabel, Counter>::default();
+        // Every kind exists from the start, at zero, for dashboards and `increase()`.
+        for kind in ERROR_KINDS {
+            fetch_errors.get_or_create_owned(&kind_label(kind));
+        }
+        SchedulerStats {
+            fetch_calls: AtomicU64::default(),
+            fetch_held: AtomicU64::default(),
+            pollers_parked: AtomicU64::default(),
+            pollers_waiting_for_backlog: AtomicU64::default(),
+            tasks_fetched: Counter::default(),
+            tasks_published: AtomicU64::default(),
+            handoff_window_micros_max: Gauge::default(),
+            handoff_window_micros_total: AtomicU64::default(),
+            publish_retries: Counter::default(),
+            publish_duplicates: AtomicU64::default(),
+            tasks_lost: Counter::default(),
+            invalid_tasks_failed: Counter::default(),
+            heartbeats_sent: Counter::default(),
+            heartbeat_errors: AtomicU64::default(),
+            queued_tasks_ended: AtomicU64::default(),
+            fetch_errors,
+            handoff_histogram: Histogram::new(HANDOFF_BUCKETS),
+        }
+    }
+}
+
+fn kind_label(kind: ErrorKind) -> ErrorKindLabel {
+    ErrorKindLabel {
+        kind: kind.as_str().into(),
     }
 }
 
@@ -62,34 +108,71 @@ impl SchedulerStats {
         Self::default()
     }
 
-    /// Observes every later fetch→stored window into `histogram` (set once).
-    pub fn observe_handoff_into(
-        &self,
-        histogram: prometheus_client::metrics::histogram::Histogram,
-    ) {
-        let _ = self.handoff_histogram.set(histogram);
+    /// Registers the scheduler's metrics (the same values these counters hold).
+    pub fn register(&self, r: &mut Registrar<'_>) {
+        r.add(
+            "tasks_fetched",
+            "Tasks handed out by Gitea's FetchTask",
+            &self.tasks_fetched,
+        );
+        r.add(
+            "publish_retries",
+            "Assignment publishes retried until JetStream accepted",
+            &self.publish_retries,
+        );
+        r.add(
+            "tasks_lost",
+            "Tasks fetched from Gitea but not stored in JetStream before a shutdown's publish bound ran out (they stay Running in Gitea until its zombie timeout)",
+            &self.tasks_lost,
+        );
+        r.add(
+            "invalid_tasks",
+            "Tasks that could not become assignments (bad runs-on, job key, repository or ref) and were failed in Gitea",
+            &self.invalid_tasks_failed,
+        );
+        r.add(
+            "handoff_window_seconds",
+            "Time between a FetchTask answer and JetStream storing its assignment, in seconds (a controller killed inside it loses the task)",
+            &self.handoff_histogram,
+        )
+        .buckets(&HANDOFF_BUCKETS);
+        r.add(
+            "handoff_window_max_micros",
+            "Longest time between a FetchTask answer and JetStream storing its assignment, in microseconds",
+            &self.handoff_window_micros_max,
+        );
+        r.add(
+            "heartbeats",
+            "UpdateTask heartbeats sent for queued tasks",
+            &self.heartbeats_sent,
+        );
+        r.family(
+            "gitea_errors",
+            "Failed FetchTask calls by kind of error",
+            &self.fetch_errors,
+        )
+        .values("kind", &ERROR_KINDS.map(ErrorKind::as_str));
     }
 
     /// Records one fetch→stored window.
     pub fn handoff(&self, window: std::time::Duration) {
         let micros = u64::try_from(window.as_micros()).unwrap_or(u64::MAX);
         self.handoff_window_micros_max
-            .fetch_max(micros, Ordering::Relaxed);
+            .inner()
+            .fetch_max(i64::try_from(micros).unwrap_or(i64::MAX), Ordering::Relaxed);
         self.handoff_window_micros_total
             .fetch_add(micros, Ordering::Relaxed);
-        if let Some(h) = self.handoff_histogram.get() {
-            h.observe(window.as_secs_f64());
-        }
+        self.handoff_histogram.observe(window.as_secs_f64());
     }
 
     /// Counts a failed FetchTask.
     pub fn fetch_error(&self, kind: ErrorKind) {
-        self.fetch_errors[kind_index(kind)].fetch_add(1, Ordering::Relaxed);
+        self.fetch_errors.get_or_create(&kind_label(kind)).inc();
     }
 
     /// Failed FetchTask calls of one kind.
     pub fn fetch_errors(&self, kind: ErrorKind) -> u64 {
-        self.fetch_errors[kind_index(kind)].load(Ordering::Relaxed)
+        self.fetch_errors.get_or_create(&kind_label(kind)).get()
     }
 
     /// Failed FetchTask calls of any kind.

@@ -47,7 +47,7 @@ fn at_the_limit_the_oldest_handshake_makes_room_and_established_connections_stay
     let fourth = t
         .admit(B)
         .expect("room made by evicting the oldest handshake");
-    assert_eq!(t.stats.evicted.load(Ordering::Relaxed), 1);
+    assert_eq!(t.stats.closed(CloseReason::Evicted), 1);
     assert_eq!(
         t.established(&first, "spiffe://example.org/ci/o/r/other"),
         None,
@@ -59,7 +59,7 @@ fn at_the_limit_the_oldest_handshake_makes_room_and_established_connections_stay
         HELD
     );
     assert_eq!(t.admit(A).err(), Some(Refusal::Total));
-    assert_eq!(t.stats.open.load(Ordering::Relaxed), 3);
+    assert_eq!(t.stats.open.get(), 3);
     drop(second);
     assert!(
         t.admit(A).is_ok(),
@@ -67,7 +67,7 @@ fn at_the_limit_the_oldest_handshake_makes_room_and_established_connections_stay
     );
     drop(first);
     assert_eq!(
-        t.stats.open.load(Ordering::Relaxed),
+        t.stats.open.get(),
         2,
         "dropping an evicted slot counts nothing twice"
     );
@@ -325,7 +325,7 @@ fn accept_errors_back_off_and_are_logged_once_per_interval_with_a_count() {
         (50..=80).contains(&calls),
         "accept called {calls} times in a minute of EMFILE"
     );
-    assert_eq!(stats.accept_errors.load(Ordering::Relaxed), calls);
+    assert_eq!(stats.accept_errors.get(), calls);
     let log = capture.text();
     let lines = log
         .lines()
