@@ -83,7 +83,7 @@ pub(super) struct Env {
     pub(super) dispatch: Arc<Dispatch>,
     facade_api: RunningWorkloadApi,
     pub(super) facade_addr: std::net::SocketAddr,
-    metrics: Arc<gdr_controller::metrics::Metrics>,
+    metrics: Arc<gdr_controller::job_metrics::JobMetrics>,
     stop: ShutdownTrigger,
 }
 
@@ -157,7 +157,7 @@ impl Env {
                 GiteaClient::new(client, Some(&Credentials::new("ctl", "token"))).expect("client")
             }
         };
-        let metrics = Arc::new(gdr_controller::metrics::Metrics::new());
+        let metrics = Arc::new(gdr_controller::job_metrics::JobMetrics::default());
         let facade = Arc::new(
             Facade::new(
                 dispatch.clone(),
@@ -367,7 +367,7 @@ impl Env {
     fn completed(&self, result: &str) -> u64 {
         self.metrics
             .jobs_completed
-            .get_or_create(&gdr_controller::metrics::ResultLabels {
+            .get_or_create(&gdr_controller::job_metrics::ResultLabels {
                 backend: "pod".into(),
                 result: result.into(),
             })

@@ -160,7 +160,7 @@ impl HeldAssignments {
         consumer: PullConsumer,
         interval: Duration,
         shutdown: Shutdown,
-        metrics: Option<Arc<crate::metrics::Metrics>>,
+        metrics: Option<Arc<crate::job_metrics::JobMetrics>>,
     ) {
         loop {
             match self.round(&consumer, interval).await {

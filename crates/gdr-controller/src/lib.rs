@@ -23,6 +23,7 @@ pub mod failpoint;
 pub mod gitea;
 pub mod health;
 pub mod held;
+pub mod job_metrics;
 pub mod kube_client;
 pub mod lease;
 pub mod lifecycle;

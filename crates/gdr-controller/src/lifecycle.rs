@@ -36,7 +36,7 @@ use tokio::time::Instant;
 use crate::backoff::Backoff;
 use crate::dispatch::Dispatch;
 use crate::gitea::{GiteaClient, Reported};
-use crate::metrics::FailureReason;
+use crate::job_metrics::FailureReason;
 pub use crate::ports::QueuedAssignments;
 use crate::shutdown::Shutdown;
 use crate::status::Observations;
@@ -111,7 +111,7 @@ pub struct Lifecycle {
     backend: Arc<dyn ExecutorBackend>,
     gitea: GiteaClient,
     idle_timeout: Duration,
-    metrics: Option<Arc<crate::metrics::Metrics>>,
+    metrics: Option<Arc<crate::job_metrics::JobMetrics>>,
     observations: Option<Arc<Observations>>,
     wake: Wake,
     housekeeping: Option<Arc<dyn Housekeeping>>,
@@ -201,7 +201,7 @@ impl Lifecycle {
 
     /// Counts errors and idle failures into `metrics`.
     #[must_use]
-    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+    pub fn with_metrics(mut self, metrics: Arc<crate::job_metrics::JobMetrics>) -> Self {
         self.metrics = Some(metrics);
         self
     }
@@ -413,7 +413,7 @@ impl Lifecycle {
     fn count(
         &self,
         family: impl Fn(
-            &crate::metrics::Metrics,
+            &crate::job_metrics::JobMetrics,
         ) -> &prometheus_client::metrics::family::Family<
             crate::metrics::BackendLabel,
             prometheus_client::metrics::counter::Counter,

@@ -45,7 +45,8 @@ use gdr_core::metadata::MetadataCodec;
 use crate::backoff::Backoff;
 use crate::dispatch::{ClaimState, Dispatch, Waited};
 use crate::gitea::{GiteaClient, Reported};
-use crate::metrics::{BackendLabel, FailureReason, Metrics};
+use crate::job_metrics::{FailureReason, JobMetrics};
+use crate::metrics::BackendLabel;
 use crate::shutdown::Shutdown;
 use crate::wake::Wake;
 
@@ -132,7 +133,7 @@ pub struct Worker {
     keyring: Option<TaskKeyring>,
     settings: WorkerSettings,
     outcomes: Option<tokio::sync::mpsc::UnboundedSender<(String, Outcome)>>,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Option<Arc<JobMetrics>>,
     /// Assignments a delivery is being handled for right now.
     in_flight: Mutex<HashSet<AssignmentId>>,
     /// `Retry-After` hints of full backends, per assignment, for the NAK that follows.
@@ -247,7 +248,7 @@ impl Worker {
 
     /// Observes queue wait, start latency and the jobs it fails into `metrics`.
     #[must_use]
-    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+    pub fn with_metrics(mut self, metrics: Arc<JobMetrics>) -> Self {
         self.metrics = Some(metrics);
         self
     }
@@ -913,7 +914,7 @@ impl Worker {
     fn observe(
         &self,
         family: impl Fn(
-            &Metrics,
+            &JobMetrics,
         ) -> &prometheus_client::metrics::family::Family<
             BackendLabel,
             prometheus_client::metrics::histogram::Histogram,

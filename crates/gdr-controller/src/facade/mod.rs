@@ -48,7 +48,7 @@ pub struct Facade {
     server_capabilities: std::sync::RwLock<Option<String>>,
     /// Label of each backend as declared to the runner.
     labels: BackendLabels,
-    metrics: Option<Arc<crate::metrics::Metrics>>,
+    metrics: Option<Arc<crate::job_metrics::JobMetrics>>,
     /// Pass-through requests without runner credentials, logged once per interval.
     uncredentialed: std::sync::Mutex<tls::Throttle>,
 }
@@ -74,7 +74,7 @@ impl Facade {
 
     /// Observes run times and the results runners report into `metrics`.
     #[must_use]
-    pub fn with_metrics(mut self, metrics: Arc<crate::metrics::Metrics>) -> Self {
+    pub fn with_metrics(mut self, metrics: Arc<crate::job_metrics::JobMetrics>) -> Self {
         self.metrics = Some(metrics);
         self
     }
@@ -586,7 +586,8 @@ impl RunnerService for Facade {
                 ConnectError::unavailable("persisting the terminal state failed; retry")
             })?;
             let label = |r: buffa::EnumValue<TaskResult>| {
-                r.as_known().map_or("unknown", crate::metrics::result_label)
+                r.as_known()
+                    .map_or("unknown", crate::job_metrics::result_label)
             };
             let reported = label(result);
             // Gitea keeps the first result of a task (a cancel, an earlier report): what it
@@ -599,7 +600,7 @@ impl RunnerService for Facade {
                 if let Some(m) = &self.metrics {
                     let backend = auth.backend.as_str().to_owned();
                     m.jobs_completed
-                        .get_or_create(&crate::metrics::ResultLabels {
+                        .get_or_create(&crate::job_metrics::ResultLabels {
                             backend: backend.clone(),
                             result: kept.to_owned(),
                         })

@@ -1,37 +1,46 @@
-//! The controller's one metrics registry, composed: the shared metrics of
-//! [`crate::metrics::Metrics`], and the ones each component registers itself (the
-//! scheduler's, the facade's). The reference (`gitea-dynamic-runner metrics`,
-//! docs/metrics.md) is generated from this same composition.
+//! The controller's one metrics registry, composed: the pools', the queue's, the lease's
+//! and the NATS connections' metrics of [`crate::metrics::Metrics`], and the ones each
+//! component registers itself (the scheduler's, the facade's, the jobs'). The reference
+//! (`gitea-dynamic-runner metrics`, docs/metrics.md) is generated from this same
+//! composition.
 
 use crate::facade::tls::FacadeStats;
+use crate::job_metrics::JobMetrics;
 use crate::metrics::{Metrics, ReferenceFormat};
 use crate::scheduler::SchedulerStats;
 
-/// The registry `/metrics` serves, with the metrics of `scheduler` and `facade` in it.
-pub fn registry(scheduler: &SchedulerStats, facade: &FacadeStats) -> Metrics {
+/// The registry `/metrics` serves, with the metrics of the components in it.
+pub fn registry(scheduler: &SchedulerStats, facade: &FacadeStats, jobs: &JobMetrics) -> Metrics {
     let mut metrics = Metrics::new();
+    jobs.register(&mut metrics.registrar());
     scheduler.register(&mut metrics.registrar());
     facade.register(&mut metrics.registrar());
     metrics
 }
 
+/// A registry with fresh components, as the reference and the tests read it.
+fn fresh() -> (Metrics, SchedulerStats, JobMetrics) {
+    let (stats, jobs) = (SchedulerStats::new(), JobMetrics::default());
+    let metrics = registry(&stats, &FacadeStats::default(), &jobs);
+    (metrics, stats, jobs)
+}
+
 /// The reference of every metric the controller exports.
 pub fn reference(format: ReferenceFormat) -> String {
-    let metrics = registry(&SchedulerStats::new(), &FacadeStats::default());
-    crate::metrics::reference(&metrics, format)
+    crate::metrics::reference(&fresh().0, format)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::{BackendLabel, ConnectionLabel, OutcomeLabels};
+    use crate::job_metrics::OutcomeLabels;
+    use crate::metrics::{BackendLabel, ConnectionLabel};
 
     #[test]
     fn metrics_render_with_their_names_and_labels() {
-        let stats = SchedulerStats::new();
-        let m = registry(&stats, &FacadeStats::default());
+        let (m, stats, jobs) = fresh();
         stats.tasks_fetched.inc();
-        m.assignments
+        jobs.assignments
             .get_or_create(&OutcomeLabels {
                 backend: "pod".into(),
                 outcome: "claimed".into(),
@@ -64,9 +73,11 @@ mod tests {
     /// the label names the encoder writes.
     #[test]
     fn every_documented_sample_and_label_is_what_the_registry_encodes() {
-        let m = registry(&SchedulerStats::new(), &FacadeStats::default());
+        let (m, _, jobs) = fresh();
         m.init_backend(gdr_core::backend::Backend::Pod);
-        m.assignments.get_or_create_owned(&OutcomeLabels::default());
+        jobs.init_backend(gdr_core::backend::Backend::Pod);
+        jobs.assignments
+            .get_or_create_owned(&OutcomeLabels::default());
         m.nats_connected
             .get_or_create_owned(&ConnectionLabel::default());
         let text = m.encode();
@@ -122,11 +133,9 @@ mod tests {
         assert!(md.contains("`runner_silent`"), "{md}");
         let json: serde_json::Value =
             serde_json::from_str(&reference(ReferenceFormat::Json)).expect("json");
-        assert!(json.as_array().is_some_and(|a| {
-            a.len()
-                == registry(&SchedulerStats::new(), &FacadeStats::default())
-                    .docs()
-                    .len()
-        }));
+        assert!(
+            json.as_array()
+                .is_some_and(|a| { a.len() == fresh().0.docs().len() })
+        );
     }
 }

@@ -38,9 +38,10 @@ use crate::facade::tls::FacadeStats;
 use crate::gitea::{ClientOptions, Credentials, GiteaClient};
 use crate::health::Health;
 use crate::held::HeldAssignments;
+use crate::job_metrics::{JobMetrics, OutcomeLabels};
 use crate::lease::{LeaderElector, Leadership, LeaseSettings};
 use crate::lifecycle::Lifecycle;
-use crate::metrics::{BackendLabel, Metrics, OutcomeLabels};
+use crate::metrics::{BackendLabel, Metrics};
 use crate::queue::{self, FinishedAssignments};
 use crate::scheduler::{Heartbeater, Scheduler, SchedulerStats};
 use crate::settings::{
@@ -73,7 +74,7 @@ const ERROR_DELAY: Duration = Duration::from_secs(15);
 const LOCAL_SVID_TTL: Duration = Duration::from_secs(3600);
 /// How long the process backend waits after SIGTERM before SIGKILL when deleting.
 const PROCESS_STOP_GRACE: Duration = Duration::from_secs(10);
-/// How often pool and scheduler counters are copied into the metrics.
+/// How often the pools' and the queues' gauges are sampled.
 const METRICS_INTERVAL: Duration = Duration::from_secs(1);
 /// How often held assignments (sealed with an unknown task key) are looked at.
 const HELD_INTERVAL: Duration = Duration::from_secs(30);
@@ -208,7 +209,8 @@ async fn run_controller(
     // The components that register their own metrics exist before the registry is shared.
     let stats = Arc::new(SchedulerStats::new());
     let facade_stats = Arc::new(FacadeStats::default());
-    let health_state = Health::with_metrics(metrics::registry(&stats, &facade_stats));
+    let jobs = Arc::new(JobMetrics::default());
+    let health_state = Health::with_metrics(metrics::registry(&stats, &facade_stats, &jobs));
     let metrics = health_state.metrics.clone();
     let readiness = health_state.readiness.clone();
     let (stop_health, health_shutdown) = shutdown_channel();
@@ -264,8 +266,9 @@ async fn run_controller(
         backends.iter().map(|(b, c)| (b.backend(), *c)).collect();
     for backend in capacities.keys() {
         metrics.init_backend(*backend);
+        jobs.init_backend(*backend);
     }
-    let observations = Arc::new(Observations::new(Some(metrics.clone())));
+    let observations = Arc::new(Observations::new(Some(jobs.clone())));
     let finished = queue.finished(&nats).await?;
     let dispatch =
         Arc::new(Dispatch::new(backends, capability_key).with_finished(finished.clone()));
@@ -305,7 +308,7 @@ async fn run_controller(
                 None,
                 policy.labels.clone(),
             )
-            .with_metrics(metrics.clone()),
+            .with_metrics(jobs.clone()),
         );
         spawn_scheduler(
             &mut tasks,
@@ -366,7 +369,7 @@ async fn run_controller(
         keyring: keyring.as_ref(),
         facade: facade_settings.as_ref(),
         facade_url: &facade_url,
-        metrics: &metrics,
+        metrics: &jobs,
         observations: &observations,
         backlog_changed: &backlog_changed,
         vm_terminal_grace,
@@ -402,7 +405,7 @@ async fn run_controller(
                 envelope_id_key: &envelope_id_key,
                 gitea: &gitea_client,
                 dispatch: &dispatch,
-                metrics: &metrics,
+                metrics: &jobs,
             },
             work_shutdown.clone(),
         )
@@ -890,7 +893,7 @@ struct BackendWiring<'a> {
     keyring: Option<&'a TaskKeyring>,
     facade: Option<&'a FacadeSettings>,
     facade_url: &'a str,
-    metrics: &'a Arc<Metrics>,
+    metrics: &'a Arc<JobMetrics>,
     observations: &'a Arc<Observations>,
     backlog_changed: &'a Arc<tokio::sync::Notify>,
     vm_terminal_grace: Option<Duration>,
@@ -1037,7 +1040,7 @@ struct HeldWiring<'a> {
     envelope_id_key: &'a EnvelopeIdKey,
     gitea: &'a GiteaClient,
     dispatch: &'a Arc<Dispatch>,
-    metrics: &'a Arc<Metrics>,
+    metrics: &'a Arc<JobMetrics>,
 }
 
 /// The reconciler of assignments sealed with a task key this controller lacks.
@@ -1077,7 +1080,7 @@ async fn spawn_held(
 }
 
 fn count_outcomes(
-    metrics: &Arc<Metrics>,
+    metrics: &Arc<JobMetrics>,
     backend: Backend,
 ) -> tokio::sync::mpsc::UnboundedSender<(String, crate::worker::Outcome)> {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();

@@ -24,7 +24,7 @@ use gdr_core::executor::{ExecutorRecord, Phase as ExecutorPhase};
 use serde::{Deserialize, Serialize};
 
 use crate::dispatch::Dispatch;
-use crate::metrics::{Metrics, PhaseLabels};
+use crate::job_metrics::{JobMetrics, PhaseLabels};
 pub use crate::ports::QueueDepth;
 
 /// How long `/status` waits for JetStream before it reports the queue as unknown.
@@ -138,12 +138,12 @@ struct Snapshot {
 /// The latest backend listing of each backend, as the lifecycle reconciler saw it.
 pub struct Observations {
     snapshots: Mutex<BTreeMap<Backend, Snapshot>>,
-    metrics: Option<Arc<Metrics>>,
+    metrics: Option<Arc<JobMetrics>>,
 }
 
 impl Observations {
     /// Empty; with `metrics`, each listing also sets the `executors` gauges.
-    pub fn new(metrics: Option<Arc<Metrics>>) -> Self {
+    pub fn new(metrics: Option<Arc<JobMetrics>>) -> Self {
         Observations {
             snapshots: Mutex::new(BTreeMap::new()),
             metrics,

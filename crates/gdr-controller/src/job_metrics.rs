@@ -1,0 +1,285 @@
+//! The metrics of a job's way through the workers, the lifecycle reconciler, the facade
+//! and the held store (deliveries, waits, latencies, results, failures, executors by
+//! phase), in one place because each of them counts some of the same job's steps. They
+//! register through the [`Registrar`] the wiring hands out, like every component's.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+
+use crate::metrics::{BackendLabel, Registrar};
+
+/// Labels: backend and outcome.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    /// `pod` or `vm`.
+    pub backend: String,
+    /// What happened to the delivery (see `worker::Outcome`).
+    pub outcome: String,
+}
+
+/// Labels: backend and the result the job's runner reported.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `pod` or `vm`.
+    pub backend: String,
+    /// `success`, `failure`, `cancelled` or `skipped`.
+    pub result: String,
+}
+
+/// Labels: backend and why the controller failed a job.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    /// `pod` or `vm`.
+    pub backend: String,
+    /// A [`FailureReason`].
+    pub reason: String,
+}
+
+/// Labels: backend and the phase of an executor.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    /// `pod` or `vm`.
+    pub backend: String,
+    /// A [`crate::status::Phase`].
+    pub phase: String,
+}
+
+/// Why the controller itself failed a job in Gitea (the runner never reported a result).
+/// Low-cardinality label values; the log line of each failure carries the full reason.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureReason {
+    /// The backend refused to create the job's environment for good.
+    BackendRefused,
+    /// The job's workload identity cannot be bound.
+    IdentityRefused,
+    /// The executor did not start the job within `executor_start_deadline`.
+    StartDeadline,
+    /// The executor ended before its runner fetched the task.
+    EndedBeforeClaim,
+    /// The executor disappeared before its runner fetched the task.
+    Disappeared,
+    /// The executor ended after the claim without its runner reporting a result.
+    EndedWithoutResult,
+    /// The runner stopped reporting for `executor_idle_timeout` while its environment stayed up.
+    RunnerSilent,
+}
+
+impl FailureReason {
+    /// Every reason, in the order the reference lists them.
+    pub const ALL: [FailureReason; 7] = [
+        FailureReason::BackendRefused,
+        FailureReason::IdentityRefused,
+        FailureReason::StartDeadline,
+        FailureReason::EndedBeforeClaim,
+        FailureReason::Disappeared,
+        FailureReason::EndedWithoutResult,
+        FailureReason::RunnerSilent,
+    ];
+
+    /// The label value.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::BackendRefused => "backend_refused",
+            FailureReason::IdentityRefused => "identity_refused",
+            FailureReason::StartDeadline => "start_deadline",
+            FailureReason::EndedBeforeClaim => "ended_before_claim",
+            FailureReason::Disappeared => "disappeared",
+            FailureReason::EndedWithoutResult => "ended_without_result",
+            FailureReason::RunnerSilent => "runner_silent",
+        }
+    }
+}
+
+/// The results a runner reports, as label values.
+pub const RESULTS: [&str; 4] = ["success", "failure", "cancelled", "skipped"];
+
+/// The label value of a runner's terminal result.
+pub fn result_label(result: gdr_proto::runner::v1::TaskResult) -> &'static str {
+    use gdr_proto::runner::v1::TaskResult;
+    match result {
+        TaskResult::RESULT_SUCCESS => "success",
+        TaskResult::RESULT_FAILURE => "failure",
+        TaskResult::RESULT_CANCELLED => "cancelled",
+        TaskResult::RESULT_SKIPPED => "skipped",
+        TaskResult::RESULT_UNSPECIFIED => "unspecified",
+    }
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Queue wait: a job waits for a free slot or a backend that has room (seconds … an hour).
+const QUEUE_WAIT_BUCKETS: [f64; 14] = [
+    0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0,
+];
+/// Start latency: a process starts in a second, a Pod pulls an image, a VM boots.
+const START_LATENCY_BUCKETS: [f64; 12] = [
+    0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
+/// Run time: up to Gitea's endless-task timeout of 3 h.
+const RUN_TIME_BUCKETS: [f64; 13] = [
+    1.0, 5.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0, 10800.0,
+];
+
+fn queue_wait_histogram() -> Histogram {
+    Histogram::new(QUEUE_WAIT_BUCKETS)
+}
+
+fn start_latency_histogram() -> Histogram {
+    Histogram::new(START_LATENCY_BUCKETS)
+}
+
+fn run_time_histogram() -> Histogram {
+    Histogram::new(RUN_TIME_BUCKETS)
+}
+
+/// The metrics of jobs, shared by the components that see a job's steps.
+pub struct JobMetrics {
+    /// Worker deliveries by outcome.
+    pub assignments: Family<OutcomeLabels, Counter>,
+    /// Executors by backend and phase, as the last lifecycle pass listed them.
+    pub executors: Family<PhaseLabels, Gauge>,
+    /// Fetched → admitted, by backend.
+    pub queue_wait: HistogramFamily<BackendLabel>,
+    /// Admitted (executor created) → claimed by its runner, by backend.
+    pub start_latency: HistogramFamily<BackendLabel>,
+    /// Claimed → terminal result accepted by Gitea, by backend.
+    pub run_time: HistogramFamily<BackendLabel>,
+    /// Terminal results the runners reported, by backend and result.
+    pub jobs_completed: Family<ResultLabels, Counter>,
+    /// Jobs the controller failed in Gitea, by backend and reason.
+    pub jobs_failed: Family<ReasonLabels, Counter>,
+    /// Lifecycle steps that failed (listing, reporting, marking, deleting) by backend.
+    pub lifecycle_errors: Family<BackendLabel, Counter>,
+    /// Claimed executors failed because their runner fell silent, by backend.
+    pub idle_executors_failed: Family<BackendLabel, Counter>,
+    /// Assignments held because they are sealed with a task key this controller lacks.
+    pub held_assignments: Family<BackendLabel, Gauge>,
+}
+
+impl Default for JobMetrics {
+    fn default() -> Self {
+        JobMetrics {
+            assignments: Family::default(),
+            executors: Family::default(),
+            queue_wait: Family::new_with_constructor(queue_wait_histogram),
+            start_latency: Family::new_with_constructor(start_latency_histogram),
+            run_time: Family::new_with_constructor(run_time_histogram),
+            jobs_completed: Family::default(),
+            jobs_failed: Family::default(),
+            lifecycle_errors: Family::default(),
+            idle_executors_failed: Family::default(),
+            held_assignments: Family::default(),
+        }
+    }
+}
+
+impl JobMetrics {
+    /// Registers them (the same values these families hold).
+    pub fn register(&self, r: &mut Registrar<'_>) {
+        r.family(
+            "assignments",
+            "Worker deliveries by backend and outcome",
+            &self.assignments,
+        )
+        .values(
+            "outcome",
+            &crate::vocabulary::Outcome::ALL.map(|o| o.as_str()),
+        );
+        r.family(
+            "executors",
+            "Executors by backend and phase, as the last lifecycle pass listed them",
+            &self.executors,
+        )
+        .values("phase", &crate::vocabulary::Phase::ALL.map(|p| p.as_str()));
+        r.family(
+            "queue_wait_seconds",
+            "Time from the task's arrival in JetStream to its admission into the backend's pool, in seconds",
+            &self.queue_wait,
+        )
+        .buckets(&QUEUE_WAIT_BUCKETS);
+        r.family(
+            "start_latency_seconds",
+            "Time from the executor's creation to its runner claiming the task, in seconds",
+            &self.start_latency,
+        )
+        .buckets(&START_LATENCY_BUCKETS);
+        r.family(
+            "run_time_seconds",
+            "Time from the claim to Gitea accepting the runner's result, in seconds",
+            &self.run_time,
+        )
+        .buckets(&RUN_TIME_BUCKETS);
+        r.family(
+            "jobs_completed",
+            "Jobs that ended with a result their runner reported, once per job, by backend and the result Gitea kept (a cancel in Gitea outlasts a runner's success)",
+            &self.jobs_completed,
+        )
+        .values("result", &RESULTS);
+        r.family(
+            "jobs_failed",
+            "Jobs the controller failed in Gitea because their runner could not report a result, by backend and reason",
+            &self.jobs_failed,
+        )
+        .values("reason", &FailureReason::ALL.map(FailureReason::as_str));
+        r.family(
+            "lifecycle_errors",
+            "Lifecycle reconciler steps that failed and will be retried, by backend",
+            &self.lifecycle_errors,
+        );
+        r.family(
+            "idle_executors_failed",
+            "Claimed executors failed in Gitea because their runner stopped reporting, by backend",
+            &self.idle_executors_failed,
+        );
+        r.family(
+            "held_assignments",
+            "Assignments set aside because they are sealed with a task key this controller lacks, by backend",
+            &self.held_assignments,
+        );
+    }
+
+    /// Creates every per-backend series of `backend` at zero, so dashboards and alerts see
+    /// them (and `increase()` works) before the first event.
+    pub fn init_backend(&self, backend: gdr_core::backend::Backend) {
+        let label = BackendLabel::of(backend);
+        let name = label.backend.clone();
+        for family in [&self.lifecycle_errors, &self.idle_executors_failed] {
+            family.get_or_create_owned(&label);
+        }
+        self.held_assignments.get_or_create_owned(&label);
+        for family in [&self.queue_wait, &self.start_latency, &self.run_time] {
+            family.get_or_create_owned(&label);
+        }
+        for result in RESULTS {
+            self.jobs_completed.get_or_create_owned(&ResultLabels {
+                backend: name.clone(),
+                result: result.into(),
+            });
+        }
+        for reason in FailureReason::ALL {
+            self.jobs_failed.get_or_create_owned(&ReasonLabels {
+                backend: name.clone(),
+                reason: reason.as_str().into(),
+            });
+        }
+        for phase in crate::vocabulary::Phase::ALL {
+            self.executors.get_or_create_owned(&PhaseLabels {
+                backend: name.clone(),
+                phase: phase.as_str().into(),
+            });
+        }
+    }
+
+    /// Counts a job the controller failed in Gitea.
+    pub fn job_failed(&self, backend: gdr_core::backend::Backend, reason: FailureReason) {
+        self.jobs_failed
+            .get_or_create(&ReasonLabels {
+                backend: backend.as_str().into(),
+                reason: reason.as_str().into(),
+            })
+            .inc();
+    }
+}
