@@ -143,8 +143,9 @@ pub fn run(settings: Settings, listeners: Listeners, shutdown: Shutdown) -> Prog
     Box::pin(run_controller(settings, listeners, shutdown))
 }
 
-// TODO(issue 36 step 4): split; NATS, backends and the per-backend loops move out.
-#[allow(clippy::too_many_lines)]
+/// The wiring: reads the credentials, serves health, connects NATS, campaigns, and once
+/// leading adopts the backends and starts the scheduler, the facade and the workers; stops
+/// them in order (invariant 4).
 async fn run_controller(
     settings: Settings,
     listeners: Listeners,
@@ -177,31 +178,15 @@ async fn run_controller(
         .await
         .map_err(setup("registering the runner"))?;
     let (gitea_client, extra_ca) = gitea_client(&gitea, secrets)?;
-    let capability_key = capability_key(&capability_key_file, secrets)?;
-    // Authenticates the assignment IDs of envelopes where the task key is missing (21).
-    let envelope_id_key = capability_key.envelope_id_key();
-    let keyring = keyring(
+    let writes_envelopes = scheduler.is_some();
+    let (capability_key, envelope_id_key, keyring) = keys(
+        &capability_key_file,
         task_keys,
         &state_dir,
-        single_host,
-        scheduler.is_some(),
+        (single_host, writes_envelopes),
         secrets,
     )?;
-    if keyring.is_some() && nats.security.accept_plaintext_envelopes {
-        tracing::warn!(
-            "accept_plaintext_envelopes = true: plaintext (v1) assignments are trusted although a task key is configured; anyone able to publish to the queue can start a job with any repository's identity. Turn it off once the queue the Go version wrote is drained"
-        );
-    }
-    if policy.scheme == gdr_core::identity::IdentityScheme::Job {
-        tracing::warn!(
-            "spiffe_id_scheme = \"job\": job SPIFFE IDs do not name the ref, so a pull request's or any branch's job can have the identity of any job key of its repository. Switch to \"ref\" once the queue, executors and SPIRE entries of the Go version are gone"
-        );
-    }
-    if nats.security.accept_undated_envelopes {
-        tracing::warn!(
-            "accept_undated_envelopes = true: sealed assignments without a fetch time (written by an older release) are run although their age cannot be checked, so a copy can be replayed once its finished record expired. Turn it off once the queue the older release wrote is drained"
-        );
-    }
+    warn_about_compatibility(&nats, &policy, keyring.is_some());
     if uses_state_dir(&nats, &identity, pod.as_ref(), vm.as_ref()) {
         private_dir(&state_dir).map_err(|e| step("state_dir")(e.into()))?;
     }
@@ -211,153 +196,50 @@ async fn run_controller(
     let facade_stats = Arc::new(FacadeStats::default());
     let jobs = Arc::new(JobMetrics::default());
     let health_state = Health::with_metrics(metrics::registry(&stats, &facade_stats, &jobs));
-    let metrics = health_state.metrics.clone();
-    let readiness = health_state.readiness.clone();
+    let (metrics, readiness) = (health_state.metrics.clone(), health_state.readiness.clone());
     let (stop_health, health_shutdown) = shutdown_channel();
     let health = tokio::spawn(crate::health::serve(
         listeners.health,
         health_state.clone(),
         health_shutdown.clone(),
     ));
-
     let queue = Queue::connect(&nats, &state_dir, secrets).await?;
-    tokio::spawn(watch_nats(
-        metrics.clone(),
-        vec![
-            ("producer", queue.producer.client()),
-            ("worker", queue.worker.client()),
-        ],
-        health_shutdown,
-    ));
+    tokio::spawn(watch_nats(metrics.clone(), &queue, health_shutdown));
     let (mut leadership, elector) = campaign(leader, &stop_health).await?;
-    tokio::select! {
-        _ = shutdown.wait() => {
-            stop_health.trigger();
-            let _ = health.await;
-            return Ok(());
-        }
-        acquired = leadership.acquired() => {
-            if !acquired {
-                stop_health.trigger();
-                return Err(RuntimeError::LostLeadership);
-            }
-        }
+    if !lead(&mut leadership, &shutdown, &stop_health).await? {
+        let _ = health.await;
+        return Ok(());
     }
-    tracing::info!("leading: starting every component");
     metrics.leader.set(1);
 
     // Backend state (executors, identities) is touched only by the leader: a standby must
     // not re-serve or re-adopt what the leader owns.
     let local = local_identity(&identity, &state_dir, &policy)?;
     let vm_terminal_grace = vm.as_ref().and_then(terminal_grace);
-    let (backends, mut extras) = backends(
-        pod,
-        vm,
-        &Wiring {
-            state_dir: &state_dir,
-            policy: &policy,
-            codec: &codec,
-            local: local.as_ref(),
-            secrets,
-        },
-    )
-    .await?;
-    let capacities: BTreeMap<Backend, usize> =
-        backends.iter().map(|(b, c)| (b.backend(), *c)).collect();
+    let wiring = Wiring {
+        state_dir: &state_dir,
+        policy: &policy,
+        codec: &codec,
+        local: local.as_ref(),
+        secrets,
+    };
+    let finished = queue.finished(&nats).await?;
+    let (dispatch, capacities, extras) = adopt(pod, vm, &wiring, capability_key, &finished).await?;
     for backend in capacities.keys() {
         metrics.init_backend(*backend);
         jobs.init_backend(*backend);
     }
-    let observations = Arc::new(Observations::new(Some(jobs.clone())));
-    let finished = queue.finished(&nats).await?;
-    let dispatch =
-        Arc::new(Dispatch::new(backends, capability_key).with_finished(finished.clone()));
-    restore(&dispatch, &capacities).await?;
 
     // Components. Stopping the scheduler first lets an in-flight fetch publish (4).
-    let (stop_scheduler, scheduler_shutdown) = shutdown_channel();
-    // Invariant 18: a deposed leader fetches nothing more, even while it still starts.
-    tokio::spawn(stop_fetching_on_loss(
-        leadership.clone(),
-        stop_scheduler.clone(),
-        scheduler_shutdown.clone(),
-    ));
+    let (stop_scheduler, scheduler_shutdown) = scheduler_stop(&leadership);
     let (stop_work, work_shutdown) = shutdown_channel();
     let mut tasks: JoinSet<(&'static str, Result<(), Source>)> = JoinSet::new();
     let facade_settings = scheduler.as_ref().map(|s| s.facade.clone());
-    // Single host without runner_facade_url: executors on this host dial the listener.
-    let facade_url = match facade_settings.as_ref().map(|f| f.url.clone()) {
-        Some(Some(url)) => url,
-        _ => format!(
-            "https://{}",
-            listeners
-                .facade
-                .local_addr()
-                .map_err(setup("reading the facade listener's address"))?
-        ),
-    };
+    let facade_url = facade_url(facade_settings.as_ref(), &listeners.facade)?;
     // Workers poke it when an assignment leaves the stream, so the backlog gate lets the
     // next fetch through at once.
     let backlog_changed = Arc::new(tokio::sync::Notify::new());
-    if let Some(scheduler) = scheduler {
-        still_leading(&leadership)?;
-        let facade = Arc::new(
-            Facade::new(
-                dispatch.clone(),
-                gitea_client.clone(),
-                None,
-                policy.labels.clone(),
-            )
-            .with_metrics(jobs.clone()),
-        );
-        spawn_scheduler(
-            &mut tasks,
-            SchedulerWiring {
-                settings: &scheduler,
-                labels,
-                capabilities: runner.capabilities.clone(),
-                pollers: pollers(&capacities, scheduler.fetch_pollers_max),
-                capacities: &capacities,
-                backlog_changed: &backlog_changed,
-                gitea: &gitea_client,
-                queue: &queue,
-                policy: &policy,
-                keyring: keyring.as_ref(),
-                envelope_id_key: &envelope_id_key,
-                finished: &finished,
-                held_timeout: nats.security.held_timeout,
-                stats: &stats,
-                facade: &facade,
-            },
-            &scheduler_shutdown,
-        );
-        let endpoint = facade_endpoint(
-            &identity,
-            local.as_ref(),
-            &state_dir,
-            &scheduler.facade.spiffe_id,
-        )
-        .await?;
-        // Its SVID may be long in coming: a loss meanwhile ends the start (18).
-        while_leading(
-            &leadership,
-            spawn_facade(
-                &mut tasks,
-                facade,
-                listeners.facade,
-                FacadeWiring {
-                    endpoint: &endpoint,
-                    trust_domain: policy.trust_domain.as_str(),
-                    gitea_url: gitea.url.as_str(),
-                    extra_ca: extra_ca.as_deref(),
-                    limits: facade_limits(scheduler.facade.limits, &open_files),
-                    stats: facade_stats.clone(),
-                },
-                work_shutdown.clone(),
-            ),
-        )
-        .await?;
-    }
+    let observations = Arc::new(Observations::new(Some(jobs.clone())));
     let backend_wiring = BackendWiring {
         dispatch: &dispatch,
         gitea: &gitea_client,
@@ -376,48 +258,40 @@ async fn run_controller(
         leadership: &leadership,
         envelope_id_key: &envelope_id_key,
     };
-    for (backend, capacity) in &capacities {
-        let Some(adapter) = dispatch.backend(*backend) else {
-            continue;
-        };
-        let extras = extras.remove(backend).unwrap_or_default();
+    if let Some(scheduler) = scheduler {
         still_leading(&leadership)?;
-        spawn_backend(
+        spawn_front(
             &mut tasks,
-            &backend_wiring,
-            (*backend, *capacity),
-            adapter,
-            extras,
-            &work_shutdown,
-        )
-        .await?;
-    }
-    let depth = queue_depth(&queue).await;
-    if !capacities.is_empty() {
-        still_leading(&leadership)?;
-        spawn_held(
-            &mut tasks,
-            HeldWiring {
-                queue: &queue,
-                nats: &nats,
-                policy: &policy,
-                keyring: keyring.as_ref(),
-                envelope_id_key: &envelope_id_key,
-                gitea: &gitea_client,
-                dispatch: &dispatch,
-                metrics: &jobs,
+            &scheduler,
+            FrontWiring {
+                shared: &backend_wiring,
+                labels,
+                capabilities: runner.capabilities.clone(),
+                capacities: &capacities,
+                gitea_url: gitea.url.as_str(),
+                extra_ca: extra_ca.as_deref(),
+                finished: &finished,
+                stats: &stats,
+                facade_stats: &facade_stats,
+                identity: &identity,
+                local: local.as_ref(),
+                state_dir: &state_dir,
+                open_files: &open_files,
             },
-            work_shutdown.clone(),
+            listeners.facade,
+            (&scheduler_shutdown, &work_shutdown),
         )
         .await?;
     }
-    tasks.spawn(sample_gauges(
-        metrics.clone(),
-        dispatch.clone(),
-        capacities.clone(),
-        depth.clone(),
-        work_shutdown.clone(),
-    ));
+    let depth = spawn_workers(
+        &mut tasks,
+        &backend_wiring,
+        &capacities,
+        extras,
+        &metrics,
+        &work_shutdown,
+    )
+    .await?;
     health_state.status.set(Arc::new(Observed::new(
         dispatch.clone(),
         observations,
@@ -429,7 +303,83 @@ async fn run_controller(
         tracing::info!("single-host mode: embedded NATS, local executors");
     }
 
-    let outcome = tokio::select! {
+    let outcome = run_until_stopped(&mut tasks, &shutdown, &mut leadership).await;
+    readiness.set(false);
+    metrics.leader.set(0);
+    health_state.status.clear();
+    wind_down(tasks, [stop_scheduler, stop_work, stop_health], elector).await;
+    let _ = health.await;
+    drop(queue);
+    outcome
+}
+
+/// Invariant 4: stops fetching first (an in-flight fetch still publishes, bounded by the
+/// scheduler's shutdown publish timeout), then the other components, then the health
+/// listener, and gives the lease back.
+async fn wind_down(
+    mut tasks: JoinSet<(&'static str, Result<(), Source>)>,
+    [scheduler, work, health]: [ShutdownTrigger; 3],
+    elector: Option<ElectorTask>,
+) {
+    scheduler.trigger();
+    work.trigger();
+    let drain = async { while tasks.join_next().await.is_some() {} };
+    if tokio::time::timeout(DRAIN_TIMEOUT, drain).await.is_err() {
+        tracing::warn!(timeout = ?DRAIN_TIMEOUT, "components did not stop in time");
+    }
+    health.trigger();
+    if let Some(e) = elector {
+        let _ = tokio::time::timeout(RELEASE_TIMEOUT, e).await;
+    }
+}
+
+/// Waits until this replica leads (`true`) or `shutdown` comes first (`false`); stops the
+/// health listener unless it leads.
+async fn lead(
+    leadership: &mut Leadership,
+    shutdown: &Shutdown,
+    stop_health: &ShutdownTrigger,
+) -> Result<bool, RuntimeError> {
+    tokio::select! {
+        _ = shutdown.wait() => {
+            stop_health.trigger();
+            Ok(false)
+        }
+        acquired = leadership.acquired() => {
+            if !acquired {
+                stop_health.trigger();
+                return Err(RuntimeError::LostLeadership);
+            }
+            tracing::info!("leading: starting every component");
+            Ok(true)
+        }
+    }
+}
+
+/// Where executors reach the facade: `runner_facade_url`, or, on a single host without
+/// it, the facade listener itself.
+fn facade_url(
+    facade: Option<&FacadeSettings>,
+    listener: &tokio::net::TcpListener,
+) -> Result<String, RuntimeError> {
+    match facade.and_then(|f| f.url.clone()) {
+        Some(url) => Ok(url),
+        None => Ok(format!(
+            "https://{}",
+            listener
+                .local_addr()
+                .map_err(setup("reading the facade listener's address"))?
+        )),
+    }
+}
+
+/// Runs until `shutdown`, a lost lease or a component's end, whichever comes first.
+async fn run_until_stopped(
+    tasks: &mut JoinSet<(&'static str, Result<(), Source>)>,
+    shutdown: &Shutdown,
+    leadership: &mut Leadership,
+) -> Result<(), RuntimeError> {
+    tokio::select! {
         // A lost lease stops the scheduler at once (`stop_fetching_on_loss`): its end is
         // the loss, not a component failing.
         biased;
@@ -440,25 +390,66 @@ async fn run_controller(
             Ok((component, Ok(()))) => RuntimeError::Component(component),
             Err(e) => RuntimeError::ComponentFailed { component: "task", source: e.into() },
         }),
-    };
-    // Invariant 4: stop fetching first; an in-flight fetch still publishes (bounded by the
-    // scheduler's shutdown publish timeout); then stop the rest.
-    readiness.set(false);
-    metrics.leader.set(0);
-    health_state.status.clear();
-    stop_scheduler.trigger();
-    stop_work.trigger();
-    let drain = async { while tasks.join_next().await.is_some() {} };
-    if tokio::time::timeout(DRAIN_TIMEOUT, drain).await.is_err() {
-        tracing::warn!(timeout = ?DRAIN_TIMEOUT, "components did not stop in time");
     }
-    stop_health.trigger();
-    if let Some(e) = elector {
-        let _ = tokio::time::timeout(RELEASE_TIMEOUT, e).await;
+}
+
+/// The backends this leader drives, in a dispatch restored from what they hold (their
+/// executors and the assignments those carry); their capacities and extra loops.
+async fn adopt(
+    pod: Option<BackendSettings<PodBackend>>,
+    vm: Option<BackendSettings<VmBackend>>,
+    wiring: &Wiring<'_>,
+    capability_key: CapabilityKey,
+    finished: &FinishedAssignments,
+) -> Result<
+    (
+        Arc<Dispatch>,
+        BTreeMap<Backend, usize>,
+        BTreeMap<Backend, Extras>,
+    ),
+    RuntimeError,
+> {
+    let (backends, extras) = backends(pod, vm, wiring).await?;
+    let capacities: BTreeMap<Backend, usize> =
+        backends.iter().map(|(b, c)| (b.backend(), *c)).collect();
+    let dispatch =
+        Arc::new(Dispatch::new(backends, capability_key).with_finished(finished.clone()));
+    restore(&dispatch, &capacities).await?;
+    Ok((dispatch, capacities, extras))
+}
+
+/// The capability key, the key authenticating envelope IDs where the task key is missing
+/// (21), derived from it, and the task keyring (`None`: plaintext envelopes).
+fn keys(
+    capability_key_file: &KeyFile,
+    task_keys: Option<TaskKeyFiles>,
+    state_dir: &Path,
+    (single_host, writes_envelopes): (bool, bool),
+    secrets: SecretPermissions,
+) -> Result<(CapabilityKey, EnvelopeIdKey, Option<TaskKeyring>), RuntimeError> {
+    let capability = capability_key(capability_key_file, secrets)?;
+    let envelope_id = capability.envelope_id_key();
+    let ring = keyring(task_keys, state_dir, single_host, writes_envelopes, secrets)?;
+    Ok((capability, envelope_id, ring))
+}
+
+/// The compatibility settings that weaken a guarantee, each named in a warning at start.
+fn warn_about_compatibility(nats: &NatsSettings, policy: &DerivationPolicy, keyed: bool) {
+    if keyed && nats.security.accept_plaintext_envelopes {
+        tracing::warn!(
+            "accept_plaintext_envelopes = true: plaintext (v1) assignments are trusted although a task key is configured; anyone able to publish to the queue can start a job with any repository's identity. Turn it off once the queue the Go version wrote is drained"
+        );
     }
-    let _ = health.await;
-    drop(queue);
-    outcome
+    if policy.scheme == gdr_core::identity::IdentityScheme::Job {
+        tracing::warn!(
+            "spiffe_id_scheme = \"job\": job SPIFFE IDs do not name the ref, so a pull request's or any branch's job can have the identity of any job key of its repository. Switch to \"ref\" once the queue, executors and SPIRE entries of the Go version are gone"
+        );
+    }
+    if nats.security.accept_undated_envelopes {
+        tracing::warn!(
+            "accept_undated_envelopes = true: sealed assignments without a fetch time (written by an older release) are run although their age cannot be checked, so a copy can be replayed once its finished record expired. Turn it off once the queue the older release wrote is drained"
+        );
+    }
 }
 
 // === credentials ===
@@ -679,6 +670,18 @@ fn default_identity(host: Option<String>) -> Option<String> {
 /// Stops the scheduler (no new FetchTask, no heartbeat) the moment leadership is lost,
 /// wherever the rest of the controller is, even still starting; ends once the scheduler is
 /// stopped anyway.
+/// The scheduler's own shutdown, triggered at once when the lease is lost (invariant 18:
+/// a deposed leader fetches nothing more, even while it still starts).
+fn scheduler_stop(leadership: &Leadership) -> (ShutdownTrigger, Shutdown) {
+    let (stop, shutdown) = shutdown_channel();
+    tokio::spawn(stop_fetching_on_loss(
+        leadership.clone(),
+        stop.clone(),
+        shutdown.clone(),
+    ));
+    (stop, shutdown)
+}
+
 async fn stop_fetching_on_loss(
     mut leadership: Leadership,
     stop: ShutdownTrigger,
@@ -795,6 +798,86 @@ async fn facade_endpoint(
 
 // === components ===
 
+/// What the scheduler and the facade are built from, besides their settings.
+struct FrontWiring<'a> {
+    /// What the workers are built from too (Gitea, the queue, the policy, the keys, the
+    /// dispatch, the job metrics, the backlog's signal, the leadership).
+    shared: &'a BackendWiring<'a>,
+    labels: Vec<String>,
+    capabilities: Vec<String>,
+    capacities: &'a BTreeMap<Backend, usize>,
+    gitea_url: &'a str,
+    extra_ca: Option<&'a [u8]>,
+    finished: &'a FinishedAssignments,
+    stats: &'a Arc<SchedulerStats>,
+    facade_stats: &'a Arc<FacadeStats>,
+    identity: &'a IdentitySource,
+    local: Option<&'a Arc<LocalIdentity>>,
+    state_dir: &'a Path,
+    open_files: &'a crate::limits::OpenFiles,
+}
+
+/// Starts the scheduler (pollers, heartbeater) and the facade on `listener`, once the
+/// facade has its SVID; the scheduler stops on the first shutdown, the facade on the
+/// second.
+async fn spawn_front(
+    tasks: &mut JoinSet<(&'static str, Result<(), Source>)>,
+    scheduler: &settings::SchedulerSettings,
+    w: FrontWiring<'_>,
+    listener: tokio::net::TcpListener,
+    (scheduler_shutdown, work_shutdown): (&Shutdown, &Shutdown),
+) -> Result<(), RuntimeError> {
+    let shared = w.shared;
+    let facade = Arc::new(
+        Facade::new(
+            shared.dispatch.clone(),
+            shared.gitea.clone(),
+            None,
+            shared.policy.labels.clone(),
+        )
+        .with_metrics(shared.metrics.clone()),
+    );
+    let wiring = SchedulerWiring {
+        settings: scheduler,
+        labels: w.labels,
+        capabilities: w.capabilities,
+        pollers: pollers(w.capacities, scheduler.fetch_pollers_max),
+        capacities: w.capacities,
+        backlog_changed: shared.backlog_changed,
+        gitea: shared.gitea,
+        queue: shared.queue,
+        policy: shared.policy,
+        keyring: shared.keyring,
+        envelope_id_key: shared.envelope_id_key,
+        finished: w.finished,
+        held_timeout: shared.nats.security.held_timeout,
+        stats: w.stats,
+        facade: &facade,
+    };
+    spawn_scheduler(tasks, wiring, scheduler_shutdown);
+    let endpoint = facade_endpoint(
+        w.identity,
+        w.local,
+        w.state_dir,
+        &scheduler.facade.spiffe_id,
+    )
+    .await?;
+    let wiring = FacadeWiring {
+        endpoint: &endpoint,
+        trust_domain: shared.policy.trust_domain.as_str(),
+        gitea_url: w.gitea_url,
+        extra_ca: w.extra_ca,
+        limits: facade_limits(scheduler.facade.limits, w.open_files),
+        stats: w.facade_stats.clone(),
+    };
+    // Its SVID may be long in coming: a loss meanwhile ends the start (18).
+    while_leading(
+        shared.leadership,
+        spawn_facade(tasks, facade, listener, wiring, work_shutdown.clone()),
+    )
+    .await
+}
+
 struct SchedulerWiring<'a> {
     settings: &'a settings::SchedulerSettings,
     labels: Vec<String>,
@@ -899,6 +982,50 @@ struct BackendWiring<'a> {
     vm_terminal_grace: Option<Duration>,
     leadership: &'a Leadership,
     envelope_id_key: &'a EnvelopeIdKey,
+}
+
+/// Starts every backend's worker and lifecycle reconciler, the held assignments'
+/// reconciler, and the sampler of the pools' and queues' gauges; returns where the queue
+/// depths are read (`None` while the stream cannot be opened).
+async fn spawn_workers(
+    tasks: &mut JoinSet<(&'static str, Result<(), Source>)>,
+    w: &BackendWiring<'_>,
+    capacities: &BTreeMap<Backend, usize>,
+    mut extras: BTreeMap<Backend, Extras>,
+    metrics: &Arc<Metrics>,
+    shutdown: &Shutdown,
+) -> Result<Option<Arc<dyn QueueDepth>>, RuntimeError> {
+    for (backend, capacity) in capacities {
+        let Some(adapter) = w.dispatch.backend(*backend) else {
+            continue;
+        };
+        let extras = extras.remove(backend).unwrap_or_default();
+        still_leading(w.leadership)?;
+        spawn_backend(tasks, w, (*backend, *capacity), adapter, extras, shutdown).await?;
+    }
+    let depth = queue_depth(w.queue).await;
+    if !capacities.is_empty() {
+        still_leading(w.leadership)?;
+        let held = HeldWiring {
+            queue: w.queue,
+            nats: w.nats,
+            policy: w.policy,
+            keyring: w.keyring,
+            envelope_id_key: w.envelope_id_key,
+            gitea: w.gitea,
+            dispatch: w.dispatch,
+            metrics: w.metrics,
+        };
+        spawn_held(tasks, held, shutdown.clone()).await?;
+    }
+    tasks.spawn(sample_gauges(
+        metrics.clone(),
+        w.dispatch.clone(),
+        capacities.clone(),
+        depth.clone(),
+        shutdown.clone(),
+    ));
+    Ok(depth)
 }
 
 /// Starts one backend's worker (its JetStream consumer) and lifecycle reconciler.

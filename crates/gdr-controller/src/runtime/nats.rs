@@ -229,9 +229,22 @@ pub(super) async fn queue_depth(queue: &Queue) -> Option<Arc<dyn QueueDepth>> {
         }
     }
 }
+
 /// Keeps `nats_connected` in step with each connection's state, for the whole process
 /// (a standby's connections matter too).
-pub(super) async fn watch_nats(
+pub(super) fn watch_nats(
+    metrics: Arc<Metrics>,
+    queue: &Queue,
+    stop: Shutdown,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
+    let connections = vec![
+        ("producer", queue.producer.client()),
+        ("worker", queue.worker.client()),
+    ];
+    watch_connections(metrics, connections, stop)
+}
+
+async fn watch_connections(
     metrics: Arc<Metrics>,
     connections: Vec<(&'static str, async_nats::Client)>,
     stop: Shutdown,
