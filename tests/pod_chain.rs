@@ -488,9 +488,10 @@ async fn an_unknown_profile_label_or_two_profiles_fail_the_job_with_a_log_row_na
     let _ = second.start_kill();
 }
 
-/// DESIGN invariant 12: a Pod deleted by someone else mid-job is failed in Gitea at once
-/// (the Pod watch wakes the lifecycle reconciler), not after an idle timeout, and its
-/// identity entry goes with it.
+/// DESIGN invariant 12: a Pod deleted by someone else mid-job, at once (`--force`: no
+/// grace, so the executor gets no SIGTERM to have its runner report a cancellation), is
+/// failed in Gitea at once (the Pod watch wakes the lifecycle reconciler), not after an
+/// idle timeout, and its identity entry goes with it.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pod_deleted_mid_job_fails_the_job_and_leaves_nothing() {
     let c = Chain::new(|f| f).await;
@@ -498,7 +499,11 @@ async fn a_pod_deleted_mid_job_fails_the_job_and_leaves_nothing() {
     let job = c.queue("victim", "[self-hosted, pod]", "standin:hang");
     let task = c.running(job).await;
     let pods: Api<Pod> = Api::namespaced(c.fake.client().unwrap(), NS);
-    pods.delete(&format!("gitea-task-{task}"), &DeleteParams::default())
+    let force = DeleteParams {
+        grace_period_seconds: Some(0),
+        ..DeleteParams::default()
+    };
+    pods.delete(&format!("gitea-task-{task}"), &force)
         .await
         .unwrap();
     c.status(job, Status::Failure).await;
@@ -508,6 +513,33 @@ async fn a_pod_deleted_mid_job_fails_the_job_and_leaves_nothing() {
             .any(|r| r.contains("is gone from the pod backend (deleted by someone else")),
         "{rows:?}\ncontroller log:\n{}",
         c.fixture.log()
+    );
+    c.nothing_left().await;
+    let _ = controller.start_kill();
+}
+
+/// DESIGN invariants 12 and 16: a Pod deleted by someone else mid-job with its grace
+/// period, as `kubectl delete` does: the node's kubelet sends the executor SIGTERM, which
+/// passes it to its runner, which cancels the job and reports it; the job ends cancelled
+/// in Gitea at once (not at the grace period's end), and nothing is left. (The Pod is
+/// gone before the lifecycle deletes the executor, so its identity entry, which selects a
+/// Pod UID no workload has any more, goes at the next sweep of gone executors' objects,
+/// about 30 s later.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_deleted_gracefully_mid_job_has_its_runner_report_the_cancellation() {
+    let c = Chain::new(|f| f).await;
+    let mut controller = c.controller(None);
+    let job = c.queue("victim", "[self-hosted, pod]", "standin:hang");
+    let task = c.running(job).await;
+    let pods: Api<Pod> = Api::namespaced(c.fake.client().unwrap(), NS);
+    pods.delete(&format!("gitea-task-{task}"), &DeleteParams::default())
+        .await
+        .unwrap();
+    c.status(job, Status::Cancelled).await;
+    let rows = c.log_rows(job);
+    assert!(
+        rows.iter().any(|r| r.contains("received SIGTERM")),
+        "{rows:?}"
     );
     c.nothing_left().await;
     let _ = controller.start_kill();

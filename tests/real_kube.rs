@@ -1290,3 +1290,143 @@ async fn the_fake_selects_by_label_and_field_as_the_real_server_does() {
         differences.join("\n")
     );
 }
+
+/// Issue 38 item 3 (DESIGN invariant 16: an executor's Pod ends as a kubelet ends it): the
+/// node stand-in terminates a deleted Pod as a kubelet does, against the real API server.
+/// A container that handles SIGTERM gets it and ends by itself; one that only notes it
+/// gets SIGKILL once the Pod's grace period (2 s here) has passed, and a Pod with a
+/// finalizer stays, marked for deletion, until the finalizer is removed.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_node_stand_in_honours_a_deleted_pods_grace_period_and_its_finalizers() {
+    use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
+    use std::os::unix::fs::PermissionsExt;
+
+    let kube = cluster().await;
+    let admin = kube.admin().await;
+    let dir = tempfile::Builder::new().prefix("g").tempdir().unwrap();
+    // Notes each SIGTERM in the file it is given; ends on it only if told to.
+    let program = dir.path().join("container.sh");
+    std::fs::write(
+        &program,
+        "#!/bin/sh\nmarker=\"$1\"\nif [ \"$2\" = polite ]; then trap 'echo term >> \"$marker\"; exit 0' TERM\nelse trap 'echo term >> \"$marker\"' TERM; fi\necho started > \"$marker.started\"\nwhile :; do sleep 0.1; done\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&program, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let node_labels = BTreeMap::from([("kubernetes.io/hostname".to_owned(), "node-g".to_owned())]);
+    FakeKubelet::register_node(admin.clone(), "node-g", &node_labels)
+        .await
+        .unwrap();
+    let kubelet = FakeKubelet::start(
+        admin.clone(),
+        KubeletConfig {
+            node_name: "node-g".into(),
+            node_labels,
+            images: BTreeMap::from([("sh".to_owned(), program)]),
+            root: dir.path().join("p"),
+            spire: None,
+        },
+    )
+    .await
+    .unwrap();
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let start = |name: &str, how: &str, extra: serde_json::Value| {
+        let marker = dir.path().join(name);
+        let mut pod = json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name},
+            "spec": {
+                "terminationGracePeriodSeconds": 2,
+                "containers": [{"name": "executor", "image": "sh", "command": ["sh"], "args": [marker.to_str().unwrap(), how]}],
+            },
+        });
+        json_patch_merge(&mut pod, extra);
+        (serde_json::from_value::<Pod>(pod).unwrap(), marker)
+    };
+    let running = |marker: std::path::PathBuf| async move {
+        eventually(WAIT, "the container runs", || {
+            let started = marker.with_extension("started");
+            async move { started.exists().then_some(()) }
+        })
+        .await;
+    };
+
+    // Handles SIGTERM: it gets one and ends by itself; the Pod is then removed.
+    let (pod, polite) = start("polite", "polite", json!({}));
+    pods.create(&PostParams::default(), &pod).await.unwrap();
+    running(polite.clone()).await;
+    pods.delete("polite", &Default::default()).await.unwrap();
+    eventually(WAIT, "the terminated Pod is removed", || async {
+        pods.get_opt("polite")
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    assert_eq!(std::fs::read_to_string(&polite).unwrap(), "term\n");
+
+    // Ignores SIGTERM and holds a finalizer: killed after the grace period, kept until the
+    // finalizer goes.
+    let (pod, stubborn) = start(
+        "stubborn",
+        "stubborn",
+        json!({"metadata": {"finalizers": ["gdr.test/hold"]}}),
+    );
+    let uid = pods
+        .create(&PostParams::default(), &pod)
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
+    running(stubborn.clone()).await;
+    pods.delete("stubborn", &Default::default()).await.unwrap();
+    eventually(WAIT, "SIGTERM reaches the container", || async {
+        std::fs::read_to_string(&stubborn).ok().map(drop)
+    })
+    .await;
+    assert!(
+        kubelet.pid(&uid).is_some(),
+        "a container that ignores SIGTERM runs on until its grace period ends"
+    );
+    eventually(WAIT, "SIGKILL after the grace period", || async {
+        kubelet.pid(&uid).is_none().then_some(())
+    })
+    .await;
+    let held = pods.get("stubborn").await.unwrap();
+    assert!(
+        held.metadata.deletion_timestamp.is_some(),
+        "the finalizer keeps the deleted Pod"
+    );
+    pods.patch(
+        "stubborn",
+        &PatchParams::default(),
+        &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+    )
+    .await
+    .unwrap();
+    eventually(
+        WAIT,
+        "the Pod goes once its finalizer is removed",
+        || async {
+            pods.get_opt("stubborn")
+                .await
+                .unwrap()
+                .is_none()
+                .then_some(())
+        },
+    )
+    .await;
+}
+
+/// `extra`'s keys merged into `value` (objects recursively), as a JSON merge patch does.
+fn json_patch_merge(value: &mut serde_json::Value, extra: serde_json::Value) {
+    match (value, extra) {
+        (serde_json::Value::Object(into), serde_json::Value::Object(from)) => {
+            for (k, v) in from {
+                json_patch_merge(into.entry(k).or_insert(serde_json::Value::Null), v);
+            }
+        }
+        (slot, v) => *slot = v,
+    }
+}

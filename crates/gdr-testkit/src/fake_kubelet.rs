@@ -25,9 +25,14 @@
 //!   not run.
 //! - **Lifecycle**: `Pending` → `Running` → `Succeeded`/`Failed` with the container's exit
 //!   code (`Completed`/`Error`) and, with `terminationMessagePolicy: FallbackToLogsOnError`,
-//!   the tail of its log as the termination message; a deleted Pod's process group is killed;
-//!   [`FakeKubelet::oom_kill`] and [`FakeKubelet::evict`] end a Pod as the kernel or the
-//!   eviction manager would; [`FakeKubelet::lose_node`] leaves its Pods `Unknown`.
+//!   the tail of its log as the termination message; [`FakeKubelet::oom_kill`] and
+//!   [`FakeKubelet::evict`] end a Pod as the kernel or the eviction manager would;
+//!   [`FakeKubelet::lose_node`] leaves its Pods `Unknown`.
+//! - **Termination**: a deleted Pod's first container gets SIGTERM (its main process, as a
+//!   container runtime signals PID 1), its sidecars once it has ended, and whatever still
+//!   runs gets SIGKILL when the Pod's `deletionGracePeriodSeconds` have passed; then the
+//!   Pod is deleted with no grace left, so the API server removes it (or keeps it, marked
+//!   for deletion, while it has finalizers).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -112,6 +117,8 @@ struct Shared {
     secrets: kube::Client,
     /// Pod UID → what runs for it.
     running: Mutex<BTreeMap<String, PodState>>,
+    /// Pods whose termination (signals, then the final delete) is under way.
+    terminating: Mutex<std::collections::BTreeSet<String>>,
     unschedulable: Mutex<bool>,
     node_lost: Mutex<bool>,
 }
@@ -139,13 +146,40 @@ impl Drop for FakeKubelet {
 
 /// SIGKILLs the process group `pid` leads (a Pod's or VM's whole process tree).
 pub(crate) fn kill_group(pid: u32) {
-    if let Some(pid) = i32::try_from(pid)
+    signal_group(pid, rustix::process::Signal::KILL);
+}
+
+fn group_pid(pid: u32) -> Option<rustix::process::Pid> {
+    i32::try_from(pid)
         .ok()
         .filter(|p| *p > 1)
         .and_then(rustix::process::Pid::from_raw)
-    {
-        let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
+}
+
+/// Sends `signal` to the process group `pid` leads.
+fn signal_group(pid: u32, signal: rustix::process::Signal) {
+    if let Some(pid) = group_pid(pid) {
+        let _ = rustix::process::kill_process_group(pid, signal);
     }
+}
+
+/// SIGTERM to the process `pid` alone.
+fn terminate_process(pid: u32) {
+    if let Some(pid) = group_pid(pid) {
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+    }
+}
+
+/// Whether the process `pid` still runs: a zombie has ended (a sidecar's handle was let
+/// go, so nothing here reaps it at once).
+fn process_alive(pid: u32) -> bool {
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+    // The state follows the parenthesised command name, which may itself hold spaces.
+    let state = state
+        .as_deref()
+        .and_then(|s| s.rsplit_once(')'))
+        .and_then(|(_, rest)| rest.split_whitespace().next());
+    matches!(state, Some(s) if s != "Z" && s != "X")
 }
 
 impl PodState {
@@ -210,6 +244,7 @@ impl FakeKubelet {
             secrets: client,
             config,
             running: Mutex::new(BTreeMap::new()),
+            terminating: Mutex::default(),
             unschedulable: Mutex::new(false),
             node_lost: Mutex::new(false),
         });
@@ -360,18 +395,78 @@ impl Shared {
         .map(|_| ())
     }
 
-    /// A Pod of this node being deleted: its containers are killed (the real kubelet sends
-    /// SIGTERM and, after the grace period, SIGKILL) and the Pod is removed from the API with
-    /// no grace left, as the kubelet does once they have stopped.
-    async fn terminate(&self, pod: &Pod, uid: &str) -> Result<(), kube::Error> {
-        if let Some(state) = self
-            .running
+    /// A Pod of this node being deleted, as the kubelet terminates one: its first container
+    /// gets SIGTERM, and SIGKILL if it still runs when the Pod's deletion grace period
+    /// (`deletionGracePeriodSeconds`) ends; its sidecars get SIGTERM once it has ended,
+    /// SIGKILL at the same deadline; then the Pod is deleted with no grace left (the API
+    /// server keeps it while it has finalizers). Off the watch loop, once per Pod; a failed
+    /// delete is tried again at the next sync.
+    fn terminate(self: &Arc<Self>, pod: &Pod, uid: &str) {
+        let first = self
+            .terminating
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .get(uid)
-        {
-            state.kill_all();
+            .insert(uid.to_owned());
+        if !first {
+            return;
         }
+        let grace = pod
+            .metadata
+            .deletion_grace_period_seconds
+            .and_then(|s| u64::try_from(s).ok())
+            .map_or(Duration::ZERO, Duration::from_secs);
+        let (shared, pod, uid) = (Arc::clone(self), pod.clone(), uid.to_owned());
+        tokio::spawn(async move {
+            shared.stop_containers(&uid, grace).await;
+            if let Err(e) = shared.remove(&pod, &uid).await {
+                tracing::debug!(pod = %pod.name_any(), error = %e, "fake kubelet could not delete a terminated Pod; retrying");
+            }
+            shared
+                .terminating
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&uid);
+        });
+    }
+
+    /// SIGTERM to the first container's main process (a container runtime signals its
+    /// PID 1 only), then to the sidecars' once it has ended; SIGKILL to whatever of their
+    /// process groups still runs after `grace`.
+    async fn stop_containers(&self, uid: &str, grace: Duration) {
+        let deadline = tokio::time::Instant::now() + grace;
+        let state = |f: &dyn Fn(&PodState) -> Vec<u32>| {
+            self.running
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(uid)
+                .map(f)
+                .unwrap_or_default()
+        };
+        let first = state(&|s| s.pid.into_iter().collect());
+        let sidecars = state(&|s| s.sidecars.clone());
+        for pid in &first {
+            terminate_process(*pid);
+        }
+        // The wait task clears `pid` when the first container exits.
+        let ended = || state(&|s| s.pid.into_iter().collect()).is_empty();
+        while !ended() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for pid in &sidecars {
+            terminate_process(*pid);
+        }
+        let alive = |pid: &u32| process_alive(*pid);
+        while sidecars.iter().any(alive) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        for pid in first.iter().chain(&sidecars) {
+            kill_group(*pid);
+        }
+    }
+
+    /// Deletes the terminated Pod with no grace left (only this Pod: the UID is a
+    /// precondition).
+    async fn remove(&self, pod: &Pod, uid: &str) -> Result<(), kube::Error> {
         let api: Api<Pod> =
             Api::namespaced(self.secrets.clone(), &pod.namespace().unwrap_or_default());
         let dp = DeleteParams {
@@ -392,11 +487,10 @@ impl Shared {
     async fn sync(self: &Arc<Self>, pod: &Pod) -> Result<(), kube::Error> {
         let Some(uid) = pod.uid() else { return Ok(()) };
         if pod.metadata.deletion_timestamp.is_some() {
-            return if self.ours(pod) {
-                self.terminate(pod, &uid).await
-            } else {
-                Ok(())
-            };
+            if self.ours(pod) {
+                self.terminate(pod, &uid);
+            }
+            return Ok(());
         }
         let phase = pod
             .status
