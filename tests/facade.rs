@@ -323,8 +323,11 @@ impl Env {
         uuid: &str,
         token: &str,
     ) -> RunnerServiceClient<HttpClient> {
-        let source = tls::x509_source(&workload.endpoint()).await.expect("svid");
-        let config = tls::executor_client_config(&source, FACADE_ID).expect("client tls");
+        let source = gdr_identity::svid_stream::svid_stream(&workload.endpoint(), WAIT)
+            .await
+            .expect("svid");
+        let config = gdr_identity::svid_stream::executor_client_config(&source, FACADE_ID)
+            .expect("client tls");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -487,6 +490,34 @@ async fn a_job_runs_through_executor_facade_and_mock_gitea_with_its_logs_and_res
         "the slot is released at the terminal update"
     );
     assert_eq!(env.dispatch.claim_state(a.id()), Some(ClaimState::Terminal));
+}
+
+/// Issue 39 item 2 (DESIGN invariant 16, rotation without a new connection): an executor
+/// opens exactly one `FetchX509SVID` stream for a whole job: its first message is the SVID,
+/// and rotations come on the same stream, not on a second one opened after the first fetch.
+/// A rotation during the job shows the stream is still the one that carries them.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_executor_opens_exactly_one_workload_api_stream_through_a_whole_job() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let executor = tokio::spawn(run(env.executor_config(&a, &workload), no_signals()));
+    gdr_testkit::until(WAIT, "the executor to fetch its SVID", || async {
+        workload.fetch_count() > 0
+    })
+    .await;
+    workload.rotate().expect("rotate");
+    let status = executor
+        .await
+        .expect("executor task")
+        .expect("executor runs");
+    assert!(status.success(), "the runner exits 0");
+    env.job_status(&a, Status::Success).await;
+    assert_eq!(
+        workload.fetch_count(),
+        1,
+        "X.509-SVID streams the executor opened"
+    );
 }
 
 /// Issue 39 item 2: no probe of the facade precedes the runner. The runner starts while
