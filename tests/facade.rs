@@ -520,6 +520,58 @@ async fn an_executor_opens_exactly_one_workload_api_stream_through_a_whole_job()
     );
 }
 
+/// The executor's own binary, which `cargo build --workspace` (the test command) puts next to
+/// the controller's, where the process backend looks for it.
+fn executor_binary() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_BIN_EXE_gitea-dynamic-runner"))
+        .with_file_name(gdr_executor::cli::BINARY)
+}
+
+/// Issue 39 item 2: the executor's own binary (`gitea-dynamic-executor`, no controller code)
+/// runs a job as the controller binary's `executor` subcommand does, from the same
+/// environment and the same argument, with one Workload API stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_executors_own_binary_runs_a_job_from_the_same_environment_as_the_executor_subcommand()
+{
+    let bin = executor_binary();
+    assert!(
+        bin.is_file(),
+        "{} is built by the test command (cargo nextest run --workspace)",
+        bin.display()
+    );
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let mut command = tokio::process::Command::new(&bin);
+    command
+        .arg("executor")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .kill_on_drop(true);
+    for name in [
+        "CI_ASSIGNMENT_ID",
+        "CI_RUNNER_CAPABILITY",
+        "CI_RUNNER_BACKEND",
+        "CI_RUNNER_FACADE_URL",
+        "CI_RUNNER_FACADE_SPIFFE_ID",
+        "SPIFFE_ENDPOINT_SOCKET",
+        "GITEA_RUNNER_BINARY",
+        "CI_EXECUTOR_READY_TIMEOUT",
+    ] {
+        if let Some(value) = env.executor_variable(&a, &workload, name) {
+            command.env(name, value);
+        }
+    }
+    let output = tokio::time::timeout(WAIT, command.output())
+        .await
+        .expect("the executor ends")
+        .expect("the executor runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{}\n{stderr}", output.status);
+    env.job_status(&a, Status::Success).await;
+    assert_eq!(workload.fetch_count(), 1, "{stderr}");
+}
+
 /// Issue 39 item 2: no probe of the facade precedes the runner. The runner starts while
 /// the facade does not answer yet (a door in front of it holds every connection
 /// unanswered); its first call, held by the relay, proves the channel once the door
@@ -2354,7 +2406,9 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
         eprintln!("SKIPPED: needs root (a mount namespace and a change of uid)");
         return;
     }
-    const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
+    // The executor image's entrypoint: the executor's own binary, which starts itself again
+    // as uid 2000 with the argument `executor`.
+    let bin = executor_binary();
     let env = Env::new().await;
     let a = env
         .assignment("standin:fetch-jwt ci-smoke socket=/run/spire/agent-sockets/spire-agent.sock")
@@ -2393,7 +2447,7 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
              mount -t tmpfs gdr-cgroup /sys/fs/cgroup; mount --bind \"$GROUP_FILE\" /etc/group; \
              exec \"$@\"",
         )
-        .args(["sh", BIN, "executor"])
+        .args(["sh".as_ref(), bin.as_os_str(), "executor".as_ref()])
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("GROUP_FILE", &group)
