@@ -2,7 +2,9 @@
 # script that streams the image tarball (`./result | docker load`).
 #
 # It matches the Go version's container/runner.Dockerfile:
-# - our binary as the entrypoint, `executor` as the command;
+# - the executor's own binary (`gitea-dynamic-executor`: no controller code, so each job's
+#   start loads a fraction of the controller's bytes) as the entrypoint, `executor` as the
+#   command (it accepts it, as the controller binary's `executor` alias does);
 # - the official, unmodified runner (nixpkgs' gitea-actions-runner), found by the executor
 #   through GITEA_RUNNER_BINARY;
 # - the userspace host-mode jobs and JavaScript actions expect: Node.js, git, bash, coreutils
@@ -137,7 +139,7 @@ pkgs.dockerTools.streamLayeredImage {
     # the job runs as CI_RUNNER_UID. A Pod with pod_privileged = false runs the container
     # as pod_executor_uid instead (no Docker), which a runAsNonRoot cluster accepts.
     User = "0:0";
-    Entrypoint = [ (lib.getExe package) ];
+    Entrypoint = [ "${package}/bin/gitea-dynamic-executor" ];
     Cmd = [ "executor" ];
     WorkingDir = "/home/runner";
     Volumes."/data" = { };

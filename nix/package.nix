@@ -66,8 +66,10 @@ let
     // {
       inherit cargoArtifacts;
       # The product build: default features only, so no test peer (gdr-testkit) and no
-      # fail point is compiled in.
-      cargoExtraArgs = "--locked";
+      # fail point is compiled in. Two binaries: the controller's and the executor's own
+      # (`gitea-dynamic-executor`, crate gdr-executor: no controller code; the executor
+      # image's entrypoint, and the process backend's default next to the controller's).
+      cargoExtraArgs = "--locked --package gitea-dynamic-runner --package gdr-executor";
       # Tests run once, in the nextest check, with the test features.
       doCheck = false;
       meta = {

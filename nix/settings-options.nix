@@ -224,7 +224,7 @@ in
   executor_program = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "Program the process backend starts (with argument `executor`). Default: `this binary`.";
+    description = "Program the process backend starts (with argument `executor`). Unset: the executor's own binary `gitea-dynamic-executor` when it sits next to this binary, else this binary (its `executor` subcommand). Default: `gitea-dynamic-executor next to this binary, else this binary`.";
   };
   runner_binary = mkOption {
     type = types.nullOr (types.str);

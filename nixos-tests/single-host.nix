@@ -141,7 +141,8 @@ in
 
   testScript = gitea.testHelpers + ''
     STATE = "${hostStateDir}"
-    EXECUTOR = "pgrep -f 'bin/gitea-dynamic-runner executor'"
+    # The executor's own binary, next to the controller's in the package (issue 39).
+    EXECUTOR = "pgrep -f 'bin/gitea-dynamic-executor executor'"
 
     start_all()
     machine.wait_for_unit("nats.service")

@@ -7,7 +7,6 @@ use std::process::ExitCode;
 use gdr_controller::cli::{self, Cli, Command, ConfigArgs, ControllerArgs};
 use gdr_controller::runtime::{self, Listeners};
 use gdr_controller::shutdown::{Shutdown, shutdown_channel};
-use gdr_executor::oneshot::{self, ExecutorConfig, Forward};
 
 fn main() -> ExitCode {
     let cli = Cli::parse_args();
@@ -24,7 +23,9 @@ fn main() -> ExitCode {
         Command::Status(args) => cli::status(&args),
         Command::Metrics(args) => cli::metrics(&args),
         Command::Controller(args) => controller(&args),
-        Command::Executor => executor(),
+        // The alias of the `gitea-dynamic-executor` binary, for deployments and tests that
+        // still start `gitea-dynamic-runner executor`.
+        Command::Executor => gdr_executor::cli::run(),
         Command::ExecBoundToParent(args) => cli::exec_bound_to_parent(args),
         Command::SandboxIdentity(args) => sandbox_identity(&args),
     }
@@ -118,99 +119,6 @@ async fn listen(
             key.to_ascii_uppercase()
         )
     })
-}
-
-fn executor() -> ExitCode {
-    use gdr_executor::jobenv::{self, Start};
-    let get = |name: &str| std::env::var(name).ok();
-    // The Pod's `dockerd` container runs this program too, with no assignment.
-    match jobenv::daemon_mode(jobenv::running_as_root(), get) {
-        Ok(Some(daemon)) => return dockerd_container(daemon),
-        Ok(None) => {}
-        Err(e) => return cli::fail(e),
-    }
-    // The executor a root executor started takes the runner's identity first, while the
-    // process has one thread.
-    if let Err(e) = jobenv::take_identity(get) {
-        return cli::fail(e);
-    }
-    let config = match ExecutorConfig::from_env(get) {
-        Ok(c) => c,
-        Err(e) => return cli::fail(e),
-    };
-    let start = match jobenv::start_mode(jobenv::running_as_root(), get) {
-        Ok(s) => s,
-        Err(e) => return cli::fail(e),
-    };
-    // One thread: the executor is a proxy next to one runner, and a single-threaded
-    // runtime keeps its memory small (no per-thread allocator arenas).
-    let tokio = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => return cli::fail(e),
-    };
-    let status = match start {
-        Start::Root(root) => {
-            let program = match std::env::current_exe() {
-                Ok(p) => p,
-                Err(e) => return cli::fail(e),
-            };
-            tokio
-                .block_on(async { jobenv::run_as_root(root, &program, forwarded_signals()).await })
-                .map_err(|e| e.to_string())
-        }
-        Start::AsIs => tokio
-            .block_on(async { oneshot::run(config, forwarded_signals()).await })
-            .map_err(|e| e.to_string()),
-    };
-    match status {
-        // The runner's own exit status; it does not reflect the job result.
-        Ok(status) => ExitCode::from(u8::try_from(status.code().unwrap_or(1)).unwrap_or(1)),
-        Err(e) => cli::fail(e),
-    }
-}
-
-/// A privileged Pod's `dockerd` sidecar (`CI_EXECUTOR_DOCKERD_ONLY`).
-fn dockerd_container(config: gdr_executor::jobenv::DaemonConfig) -> ExitCode {
-    use gdr_executor::jobenv;
-    let tokio = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(r) => r,
-        Err(e) => return cli::fail(e),
-    };
-    let ran = tokio.block_on(async {
-        let mut signals = forwarded_signals();
-        jobenv::run_daemon(config, &jobenv::Paths::system(), &mut signals).await
-    });
-    match ran {
-        Ok(status) => ExitCode::from(u8::try_from(status.code().unwrap_or(1)).unwrap_or(1)),
-        Err(e) => cli::fail(e),
-    }
-}
-
-/// SIGTERM and SIGINT, for the executor to pass on to its runner.
-fn forwarded_signals() -> tokio::sync::mpsc::Receiver<Forward> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (tx, rx) = tokio::sync::mpsc::channel(4);
-    for (kind, forward) in [
-        (SignalKind::terminate(), Forward::Terminate),
-        (SignalKind::interrupt(), Forward::Interrupt),
-    ] {
-        let tx = tx.clone();
-        match signal(kind) {
-            Ok(mut stream) => {
-                tokio::spawn(async move {
-                    while stream.recv().await.is_some() && tx.send(forward).await.is_ok() {}
-                });
-            }
-            Err(e) => eprintln!("cannot watch {forward:?}: {e}"),
-        }
-    }
-    rx
 }
 
 /// Triggers on SIGTERM or SIGINT: the controller then stops fetching and drains.

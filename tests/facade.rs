@@ -323,8 +323,11 @@ impl Env {
         uuid: &str,
         token: &str,
     ) -> RunnerServiceClient<HttpClient> {
-        let source = tls::x509_source(&workload.endpoint()).await.expect("svid");
-        let config = tls::executor_client_config(&source, FACADE_ID).expect("client tls");
+        let source = gdr_identity::svid_stream::svid_stream(&workload.endpoint(), WAIT)
+            .await
+            .expect("svid");
+        let config = gdr_identity::svid_stream::executor_client_config(&source, FACADE_ID)
+            .expect("client tls");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -487,6 +490,86 @@ async fn a_job_runs_through_executor_facade_and_mock_gitea_with_its_logs_and_res
         "the slot is released at the terminal update"
     );
     assert_eq!(env.dispatch.claim_state(a.id()), Some(ClaimState::Terminal));
+}
+
+/// Issue 39 item 2 (DESIGN invariant 16, rotation without a new connection): an executor
+/// opens exactly one `FetchX509SVID` stream for a whole job: its first message is the SVID,
+/// and rotations come on the same stream, not on a second one opened after the first fetch.
+/// A rotation during the job shows the stream is still the one that carries them.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_executor_opens_exactly_one_workload_api_stream_through_a_whole_job() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let executor = tokio::spawn(run(env.executor_config(&a, &workload), no_signals()));
+    gdr_testkit::until(WAIT, "the executor to fetch its SVID", || async {
+        workload.fetch_count() > 0
+    })
+    .await;
+    workload.rotate().expect("rotate");
+    let status = executor
+        .await
+        .expect("executor task")
+        .expect("executor runs");
+    assert!(status.success(), "the runner exits 0");
+    env.job_status(&a, Status::Success).await;
+    assert_eq!(
+        workload.fetch_count(),
+        1,
+        "X.509-SVID streams the executor opened"
+    );
+}
+
+/// The executor's own binary, which `cargo build --workspace` (the test command) puts next to
+/// the controller's, where the process backend looks for it.
+fn executor_binary() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_BIN_EXE_gitea-dynamic-runner"))
+        .with_file_name(gdr_executor::cli::BINARY)
+}
+
+/// Issue 39 item 2: the executor's own binary (`gitea-dynamic-executor`, no controller code)
+/// runs a job as the controller binary's `executor` subcommand does, from the same
+/// environment and the same argument, with one Workload API stream.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_executors_own_binary_runs_a_job_from_the_same_environment_as_the_executor_subcommand()
+{
+    let bin = executor_binary();
+    assert!(
+        bin.is_file(),
+        "{} is built by the test command (cargo nextest run --workspace)",
+        bin.display()
+    );
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let mut command = tokio::process::Command::new(&bin);
+    command
+        .arg("executor")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .kill_on_drop(true);
+    for name in [
+        "CI_ASSIGNMENT_ID",
+        "CI_RUNNER_CAPABILITY",
+        "CI_RUNNER_BACKEND",
+        "CI_RUNNER_FACADE_URL",
+        "CI_RUNNER_FACADE_SPIFFE_ID",
+        "SPIFFE_ENDPOINT_SOCKET",
+        "GITEA_RUNNER_BINARY",
+        "CI_EXECUTOR_READY_TIMEOUT",
+    ] {
+        if let Some(value) = env.executor_variable(&a, &workload, name) {
+            command.env(name, value);
+        }
+    }
+    let output = tokio::time::timeout(WAIT, command.output())
+        .await
+        .expect("the executor ends")
+        .expect("the executor runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{}\n{stderr}", output.status);
+    env.job_status(&a, Status::Success).await;
+    assert_eq!(workload.fetch_count(), 1, "{stderr}");
 }
 
 /// Issue 39 item 2: no probe of the facade precedes the runner. The runner starts while
@@ -2323,7 +2406,9 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
         eprintln!("SKIPPED: needs root (a mount namespace and a change of uid)");
         return;
     }
-    const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
+    // The executor image's entrypoint: the executor's own binary, which starts itself again
+    // as uid 2000 with the argument `executor`.
+    let bin = executor_binary();
     let env = Env::new().await;
     let a = env
         .assignment("standin:fetch-jwt ci-smoke socket=/run/spire/agent-sockets/spire-agent.sock")
@@ -2362,7 +2447,7 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
              mount -t tmpfs gdr-cgroup /sys/fs/cgroup; mount --bind \"$GROUP_FILE\" /etc/group; \
              exec \"$@\"",
         )
-        .args(["sh", BIN, "executor"])
+        .args(["sh".as_ref(), bin.as_os_str(), "executor".as_ref()])
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("GROUP_FILE", &group)

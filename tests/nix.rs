@@ -298,6 +298,31 @@ fn the_executor_image_carries_the_spire_agent_cli_and_starts_the_executor_as_roo
     }
     assert!(has("User = \"0:0\";"), "the executor starts as root");
     assert!(has("\"CI_EXECUTOR_SANDBOXED=true\""));
+    // Issue 39 item 2: the entrypoint is the executor's own binary, which the package
+    // builds, under the name the process backend looks for next to the controller's.
+    let executor = gdr_executor::cli::BINARY;
+    assert_eq!(executor, gdr_controller::runtime::EXECUTOR_BINARY);
+    assert!(
+        has(&format!(
+            "Entrypoint = [ \"${{package}}/bin/{executor}\" ];"
+        )),
+        "the image's entrypoint is {executor}"
+    );
+    assert!(
+        has("Cmd = [ \"executor\" ];"),
+        "the argument both binaries accept"
+    );
+    let manifest = read("crates/gdr-executor/Cargo.toml");
+    assert!(
+        manifest.contains(&format!("[[bin]]\nname = \"{executor}\"")),
+        "crates/gdr-executor builds {executor}"
+    );
+    assert!(
+        read("nix/package.nix").contains(
+            "cargoExtraArgs = \"--locked --package gitea-dynamic-runner --package gdr-executor\";"
+        ),
+        "the package builds both binaries"
+    );
     assert!(has("\"CI_RUNNER_UID=${toString uid}\"") && has("uid = 2000;"));
     assert!(
         has("docker:x:${toString dockerGid}:runner"),

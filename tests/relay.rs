@@ -102,8 +102,11 @@ impl Runner {
         timeout: Option<Duration>,
     ) -> Self {
         let workload = env.workload(assignment.identity().spiffe_id()).await;
-        let source = tls::x509_source(&workload.endpoint()).await.expect("svid");
-        let tls_config = tls::executor_client_config(&source, FACADE_ID).expect("client tls");
+        let svids = gdr_identity::svid_stream::svid_stream(&workload.endpoint(), WAIT)
+            .await
+            .expect("svid");
+        let tls_config = gdr_identity::svid_stream::executor_client_config(&svids, FACADE_ID)
+            .expect("client tls");
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let local = listener.local_addr().expect("addr");
         let relay = Relay::new(
@@ -124,7 +127,7 @@ impl Runner {
             gdr_executor::proxy::RunnerCredentials::new(assignment.id().as_str(), &capability)
                 .expect("credentials");
         tokio::spawn(async move {
-            let _source = source;
+            let _svids = svids;
             gdr_executor::proxy::serve_loopback_proxy(
                 listener,
                 serving,

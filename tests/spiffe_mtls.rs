@@ -20,9 +20,8 @@ use bytes::Bytes;
 use gdr_controller::facade::tls::serve_tls;
 use gdr_executor::proxy::{RunnerCredentials, serve_loopback_proxy};
 use gdr_executor::relay::Relay;
-use gdr_identity::tls::{
-    PeerSpiffeId, executor_client_config, facade_server_config, x509_source_with_timeout,
-};
+use gdr_identity::svid_stream::{SvidStream, executor_client_config, svid_stream};
+use gdr_identity::tls::{PeerSpiffeId, facade_server_config, x509_source_with_timeout};
 use gdr_proto::runner::v1 as pb;
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::spiffe::{
@@ -55,7 +54,7 @@ struct Pki {
     facade_api: RunningWorkloadApi,
     executor_api: RunningWorkloadApi,
     facade: Arc<X509Source>,
-    executor: Arc<X509Source>,
+    executor: SvidStream,
 }
 
 async fn pki() -> Pki {
@@ -70,9 +69,7 @@ async fn pki() -> Pki {
     let facade = x509_source_with_timeout(&facade_api.endpoint(), WAIT)
         .await
         .unwrap();
-    let executor = x509_source_with_timeout(&executor_api.endpoint(), WAIT)
-        .await
-        .unwrap();
+    let executor = svid_stream(&executor_api.endpoint(), WAIT).await.unwrap();
     Pki {
         _dir: dir,
         facade_api,

@@ -21,7 +21,8 @@ use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
 use gdr_executor::proxy::{RunnerCredentials, serve_loopback_proxy};
 use gdr_executor::relay::Relay;
-use gdr_identity::tls::{executor_client_config, facade_server_config, x509_source};
+use gdr_identity::svid_stream::{executor_client_config, svid_stream};
+use gdr_identity::tls::{facade_server_config, x509_source};
 use gdr_proto::runner::v1 as pb;
 use gdr_testkit::memory_backend::MemoryBackend;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea};
@@ -125,7 +126,9 @@ pub async fn run(table: &mut Table) {
         .await
         .expect("executor identity");
     let facade_source = x509_source(&facade_api.endpoint()).await.expect("svid");
-    let executor_source = x509_source(&executor_api.endpoint()).await.expect("svid");
+    let executor_source = svid_stream(&executor_api.endpoint(), Duration::from_secs(30))
+        .await
+        .expect("svid");
 
     // The facade with the assignment offered, as the worker leaves it.
     let backend = Arc::new(MemoryBackend::new(Backend::Pod));

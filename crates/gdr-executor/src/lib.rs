@@ -1,6 +1,8 @@
 //! The executor: what runs next to the unmodified official runner inside each disposable
 //! environment (Pod, VM or local process directory). It holds no controller credential.
 //!
+//! - [`cli`]: the command line of `gitea-dynamic-executor`, the executor's own binary (it
+//!   links no controller code), and of the controller binary's `executor` alias.
 //! - [`oneshot`]: reads the `CI_*` environment, writes a one-shot `.runner`, waits for the
 //!   facade and runs the runner once (`daemon --once`).
 //! - [`jobenv`]: started as root in its Pod or VM, the executor prepares the job's
@@ -12,6 +14,7 @@
 //!   while the facade is unreachable, reports held and answered as Gitea would until the
 //!   facade has them ([`outbox`]).
 
+pub mod cli;
 mod descendants;
 pub mod docker;
 mod forward;

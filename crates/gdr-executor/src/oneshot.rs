@@ -120,7 +120,7 @@ pub enum RunError {
     },
     /// SPIFFE setup failed.
     #[error(transparent)]
-    Spiffe(#[from] gdr_identity::tls::SpiffeError),
+    Spiffe(#[from] gdr_identity::svid_stream::SvidStreamError),
     /// The loopback proxy could not start.
     #[error(transparent)]
     Proxy(#[from] crate::proxy::ProxyError),
@@ -345,11 +345,12 @@ async fn run_executor(
         config.runner_config = Some(check_runner_config(path)?);
     }
     check_runner_binary(&config.runner_binary)?;
-    let source =
-        gdr_identity::tls::x509_source_with_timeout(&config.workload_api, config.ready_timeout)
-            .await?;
-    let client_config = Arc::new(gdr_identity::tls::executor_client_config(
-        &source,
+    // One Workload API stream for the executor's life: its first message is the SVID,
+    // later ones its rotations (issue 39: no second stream in every executor's start).
+    let svids =
+        gdr_identity::svid_stream::svid_stream(&config.workload_api, config.ready_timeout).await?;
+    let client_config = Arc::new(gdr_identity::svid_stream::executor_client_config(
+        &svids,
         &config.facade_spiffe_id,
     )?);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

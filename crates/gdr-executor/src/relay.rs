@@ -109,7 +109,7 @@ pub struct Relay {
 
 impl Relay {
     /// A relay for the runner of `assignment_id` to the facade at `facade_url` with
-    /// `client_config` (from [`gdr_identity::tls::executor_client_config`]; it must not
+    /// `client_config` (from [`gdr_identity::svid_stream::executor_client_config`]; it must not
     /// preset ALPN), holding reports for at most `tolerance` of facade outage. Starts the
     /// delivery task.
     pub fn new(

@@ -1,11 +1,12 @@
 //! Adapter: SPIFFE X.509-SVIDs (from the Workload API) turned into rustls configurations,
 //! and an mTLS HTTP server that tells handlers who the peer is.
 //!
-//! Both configurations come from `spiffe-rustls`, which watches the [`X509Source`] and
+//! The facade's configuration comes from `spiffe-rustls`, which watches the [`X509Source`] and
 //! swaps the certificate, key and trust bundle on every rotation, so a configuration
 //! built once keeps serving with the current SVID for the life of the process. TLS
 //! session resumption is off there by design: a resumed session would skip the peer
-//! check and could outlive a short-lived SVID.
+//! check and could outlive a short-lived SVID. The executor's client configuration is
+//! in [`crate::svid_stream`] (one Workload API stream instead of `X509Source`'s two).
 //!
 //! Crypto provider: `spiffe-rustls` is compiled with `aws-lc-rs` only and installs it as
 //! the process default when none is set; nothing here pulls in `ring`.
@@ -14,7 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rustls::pki_types::CertificateDer;
-use spiffe::{SpiffeId, TrustDomain, X509Source};
+use spiffe::{TrustDomain, X509Source};
 use spiffe_rustls::{TrustDomainPolicy, authorizer};
 
 /// How long [`x509_source`] waits for the first SVID before giving up.
@@ -107,33 +108,6 @@ pub fn facade_server_config(
         .build()
         .map_err(|source| SpiffeError::Config {
             side: "facade server",
-            source,
-        })
-}
-
-/// The executor's client configuration: only a server presenting exactly
-/// `facade_spiffe_id` is accepted. ALPN is left empty on purpose: the HTTP connector
-/// (hyper-rustls) sets it to what it can speak and refuses a preset list.
-pub fn executor_client_config(
-    source: &X509Source,
-    facade_spiffe_id: &str,
-) -> Result<rustls::ClientConfig, SpiffeError> {
-    let id = SpiffeId::new(facade_spiffe_id).map_err(|e| SpiffeError::Invalid {
-        what: "facade SPIFFE ID",
-        value: facade_spiffe_id.to_string(),
-        reason: e.to_string(),
-    })?;
-    let td = id.trust_domain().clone();
-    let authorize = authorizer::exact([id]).map_err(|source| SpiffeError::Config {
-        side: "executor client",
-        source,
-    })?;
-    spiffe_rustls::mtls_client(source.clone())
-        .authorize(authorize)
-        .trust_domain_policy(TrustDomainPolicy::LocalOnly(td))
-        .build()
-        .map_err(|source| SpiffeError::Config {
-            side: "executor client",
             source,
         })
 }

@@ -20,6 +20,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use backends::EXECUTOR_BINARY;
 pub use embedded_nats::{EmbeddedNats, EmbeddedNatsError, Launch, exec_bound_to_parent};
 use gdr_core::assignment::{DerivationPolicy, TaskKey, TaskKeyring};
 use gdr_core::backend::Backend;

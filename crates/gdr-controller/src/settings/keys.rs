@@ -264,8 +264,10 @@ keys! {
     /// Serve SPIFFE identities from a CA under `state_dir` instead of SPIRE (required by the
     /// process backend).
     local_identity: Option<bool> = None, shown "true without nats_url, else false";
-    /// Program the process backend starts (with argument `executor`).
-    executor_program: Option<PathBuf> = None, shown "this binary";
+    /// Program the process backend starts (with argument `executor`). Unset: the executor's
+    /// own binary `gitea-dynamic-executor` when it sits next to this binary, else this
+    /// binary (its `executor` subcommand).
+    executor_program: Option<PathBuf> = None, shown "gitea-dynamic-executor next to this binary, else this binary";
     /// The official runner binary executors run as `daemon --once`. Unset: `gitea-runner`,
     /// else `act_runner`, found on `PATH` when the controller starts (a process backend
     /// without either fails to start, saying what to install).

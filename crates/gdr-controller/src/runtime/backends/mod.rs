@@ -114,7 +114,9 @@ fn process_backend(
     })?;
     let program = match &process.program {
         Some(p) => p.clone(),
-        None => std::env::current_exe().map_err(setup("locating this binary for executors"))?,
+        None => default_executor_program(
+            &std::env::current_exe().map_err(setup("locating this binary for executors"))?,
+        ),
     };
     let state_root = wiring.state_dir.join(backend.as_str());
     private_dir(&state_root).map_err(|e| step("building the process backend")(e.into()))?;
@@ -142,6 +144,22 @@ fn process_backend(
         },
     };
     ProcessBackend::new(settings, identity).map_err(setup("building the process backend"))
+}
+
+/// The executor's own binary (crate `gdr-executor`), installed next to the controller's.
+pub const EXECUTOR_BINARY: &str = "gitea-dynamic-executor";
+
+/// The program of process executors when `executor_program` is unset: the executor's own
+/// binary when it sits next to `controller` (it links no controller code, so each job's
+/// start loads a fraction of the bytes: issue 39), else `controller` itself, whose
+/// `executor` subcommand is the same program. Both take the argument `executor`.
+pub(crate) fn default_executor_program(controller: &Path) -> std::path::PathBuf {
+    let sibling = controller.with_file_name(EXECUTOR_BINARY);
+    if sibling.is_file() {
+        sibling
+    } else {
+        controller.to_path_buf()
+    }
 }
 
 /// How long a terminal VM may keep running: only OpenSandbox cannot see its executor exit.
@@ -220,4 +238,23 @@ pub(super) async fn restore(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 39 item 2: with `executor_program` unset, the process backend starts the
+    /// executor's own binary when it sits next to the controller's, else the controller's
+    /// binary (its `executor` alias), so an installation without it keeps working.
+    #[test]
+    fn the_default_executor_program_is_the_sibling_executor_binary_if_present_else_this_binary() {
+        let dir = tempfile::tempdir().expect("dir");
+        let controller = dir.path().join("gitea-dynamic-runner");
+        std::fs::write(&controller, b"").expect("controller");
+        assert_eq!(default_executor_program(&controller), controller);
+        let executor = dir.path().join(EXECUTOR_BINARY);
+        std::fs::write(&executor, b"").expect("executor");
+        assert_eq!(default_executor_program(&controller), executor);
+    }
 }
