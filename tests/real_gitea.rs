@@ -531,3 +531,172 @@ fn the_real_peers_are_the_pinned_versions() {
         }
     }
 }
+
+/// Issue 38 item 4 (DESIGN invariants 11, 13 and 16): the Pod chain with none of the peers
+/// that decide the outcome imitated: a job from the real Gitea, its executor Pod created
+/// through the real kube-apiserver under the shipped RBAC (the controller started with
+/// the one command and a kubeconfig of its ServiceAccount), run on the node stand-in, its
+/// SVID from the fake SPIRE agent once the identity entry is bound, and the real runner in
+/// it. The job succeeds with its step's output in Gitea's log, and no Pod, Secret or entry
+/// is left. (The node is still the test kit's: no container runtime, and the SPIRE agent
+/// is the fake one.)
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pod_job_from_the_real_gitea_runs_the_real_runner_in_a_pod_of_the_real_api_server() {
+    use std::collections::BTreeMap;
+    use std::sync::Arc;
+
+    use gdr_testkit::controller::FACADE_SPIFFE_ID;
+    use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
+    use gdr_testkit::fake_spire::FakeSpireAgent;
+    use gdr_testkit::real_kube::ServiceAccount;
+    use gdr_testkit::spiffe::{FakeWorkloadApi, TestCa};
+    use k8s_openapi::api::core::v1::{Pod, Secret};
+    use kube::Api;
+    use kube::api::DynamicObject;
+
+    use crate::real_kube::{IMAGE, NS, cluster, entry_resource};
+
+    let kube = cluster().await;
+    let admin = kube.admin().await;
+    let host = Host::new(GiteaOptions::default()).await;
+    let nats = NatsServer::start().await.unwrap();
+    let node = host.shared("node");
+    let ca = TestCa::new("example.org").unwrap();
+    let node_labels = BTreeMap::from([("kubernetes.io/hostname".to_owned(), "node-a".to_owned())]);
+    let node_uid = FakeKubelet::register_node(admin.clone(), "node-a", &node_labels)
+        .await
+        .unwrap();
+    let spire = Arc::new(FakeSpireAgent::start(
+        admin.clone(),
+        ca.clone(),
+        &format!("spiffe://example.org/spire/agent/k8s_psat/test-cluster/{node_uid}"),
+        "spire-mgmt",
+        &node.join("s"),
+    ));
+    let kubelet_root = node.join("p");
+    let _kubelet = FakeKubelet::start(
+        admin.clone(),
+        KubeletConfig {
+            node_name: "node-a".into(),
+            node_labels,
+            images: BTreeMap::from([(IMAGE.to_owned(), PathBuf::from(BIN))]),
+            root: kubelet_root.clone(),
+            spire: Some(spire),
+        },
+    )
+    .await
+    .unwrap();
+    let controller_identity = FakeWorkloadApi::start(&node, ca, FACADE_SPIFFE_ID)
+        .await
+        .unwrap();
+    let kubeconfig = node.join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        kube.kubeconfig_as(NS, &ServiceAccount::controller()).await,
+    )
+    .unwrap();
+    host.repo_with(
+        "podchain",
+        &[(
+            "ci.yaml",
+            &one_job(
+                "[self-hosted, pod]",
+                "      - run: echo \"from a pod of the real API server, $((6 * 7))\"\n",
+            ),
+        )],
+    )
+    .await;
+
+    let runner = Peers::from_env().runner.display().to_string();
+    let executor_env = format!("{{ GITEA_RUNNER_BINARY = {runner:?} }}");
+    let (nats_url, endpoint) = (nats.url(), controller_identity.endpoint());
+    let kubeconfig = kubeconfig.display().to_string();
+    // With an external NATS (a cluster's deployment) these have no single-host defaults:
+    // the registration writes the runner's credentials where they are named.
+    let secrets = host.shared("secrets");
+    let key = secrets.join("capability");
+    std::fs::write(&key, gdr_testkit::controller::CAPABILITY_KEY).unwrap();
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let (uuid, token, key) = (
+        secrets.join("uuid").display().to_string(),
+        secrets.join("token").display().to_string(),
+        key.display().to_string(),
+    );
+    let facade_url = format!("https://{}", host.facade.local_addr().unwrap());
+    let mut controller = host.start(&[
+        ("GITEA_RUNNER_UUID_FILE", uuid.as_str()),
+        ("GITEA_RUNNER_TOKEN_FILE", token.as_str()),
+        ("RUNNER_FACADE_CAPABILITY_KEY_FILE", key.as_str()),
+        ("RUNNER_FACADE_URL", facade_url.as_str()),
+        ("NATS_URL", nats_url.as_str()),
+        ("COMPONENTS", "scheduler,pod-worker"),
+        ("VM_CAPACITY", "0"),
+        ("POD_BACKEND", "kubernetes"),
+        ("POD_NAMESPACE", NS),
+        ("POD_EXECUTOR_IMAGE", IMAGE),
+        // One container: the node stand-in has no Docker daemon for a sidecar.
+        ("POD_PRIVILEGED", "false"),
+        ("POD_EXECUTOR_ENV", executor_env.as_str()),
+        ("SPIRE_CLUSTER", "test-cluster"),
+        ("SPIRE_CLASS", "spire-mgmt"),
+        ("LOCAL_IDENTITY", "false"),
+        ("TRUST_DOMAIN", "example.org"),
+        ("RUNNER_FACADE_SPIFFE_ID", FACADE_SPIFFE_ID),
+        ("SPIFFE_ENDPOINT_SOCKET", endpoint.as_str()),
+        ("KUBECONFIG", kubeconfig.as_str()),
+    ]);
+    let pod_logs = || {
+        let mut out = String::new();
+        for entry in walk(&kubelet_root) {
+            if entry.extension().is_some_and(|e| e == "log") {
+                let text = std::fs::read_to_string(&entry).unwrap_or_default();
+                out.push_str(&format!("== {}\n{}\n", entry.display(), tail(&text, 40)));
+            }
+        }
+        out
+    };
+    let jobs = host
+        .gitea
+        .completed_jobs("podchain", 1, WAIT, || {
+            format!("{}\npod logs:\n{}", host.logs(), pod_logs())
+        })
+        .await;
+    assert_eq!(
+        jobs[0].conclusion,
+        "success",
+        "{jobs:#?}\n{}\npod logs:\n{}",
+        host.logs(),
+        pod_logs()
+    );
+    let log = host.log_of("podchain", &jobs[0]).await;
+    assert!(
+        log.contains("from a pod of the real API server, 42"),
+        "the step's output is not in Gitea's log:\n{log}"
+    );
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
+    let entries: Api<DynamicObject> = Api::all_with(admin.clone(), &entry_resource());
+    let (pods, secrets, entries) = (&pods, &secrets, &entries);
+    gdr_testkit::eventually(WAIT, "no Pod, Secret or entry left", || async move {
+        let left = pods.list(&Default::default()).await.unwrap().items.len()
+            + secrets.list(&Default::default()).await.unwrap().items.len()
+            + entries.list(&Default::default()).await.unwrap().items.len();
+        (left == 0).then_some(())
+    })
+    .await;
+    stop(&mut controller).await;
+}
+
+/// Every file under `dir`, recursively.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}

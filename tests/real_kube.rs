@@ -41,9 +41,9 @@ use tokio::task::JoinHandle;
 const WAIT: Duration = Duration::from_secs(30);
 /// The namespace of the shipped base: the controller's account, its Role and Lease, and
 /// the executor Pods.
-const NS: &str = "gitea-actions";
+pub(crate) const NS: &str = "gitea-actions";
 const LEASE: &str = "gitea-dynamic-runner";
-const IMAGE: &str = "registry.example/gitea-dynamic-runner@sha256:0000000000000000000000000000000000000000000000000000000000000000";
+pub(crate) const IMAGE: &str = "registry.example/gitea-dynamic-runner@sha256:0000000000000000000000000000000000000000000000000000000000000000";
 
 /// The control plane with the shipped RBAC and the vendored CRDs installed.
 pub(crate) async fn cluster() -> RealKube {
