@@ -290,6 +290,29 @@ impl Env {
         .expect("executor config")
     }
 
+    /// Gives an executor process `command` the variables its backend would set for
+    /// `assignment` (its runner binary aside).
+    fn pass_executor_variables(
+        &self,
+        command: &mut tokio::process::Command,
+        assignment: &Assignment,
+        workload: &RunningWorkloadApi,
+    ) {
+        for name in [
+            "CI_ASSIGNMENT_ID",
+            "CI_RUNNER_CAPABILITY",
+            "CI_RUNNER_BACKEND",
+            "CI_RUNNER_FACADE_URL",
+            "CI_RUNNER_FACADE_SPIFFE_ID",
+            "SPIFFE_ENDPOINT_SOCKET",
+            "CI_EXECUTOR_READY_TIMEOUT",
+        ] {
+            if let Some(value) = self.executor_variable(assignment, workload, name) {
+                command.env(name, value);
+            }
+        }
+    }
+
     fn executor_variable(
         &self,
         assignment: &Assignment,
@@ -548,19 +571,9 @@ async fn the_executors_own_binary_runs_a_job_from_the_same_environment_as_the_ex
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .kill_on_drop(true);
-    for name in [
-        "CI_ASSIGNMENT_ID",
-        "CI_RUNNER_CAPABILITY",
-        "CI_RUNNER_BACKEND",
-        "CI_RUNNER_FACADE_URL",
-        "CI_RUNNER_FACADE_SPIFFE_ID",
-        "SPIFFE_ENDPOINT_SOCKET",
-        "GITEA_RUNNER_BINARY",
-        "CI_EXECUTOR_READY_TIMEOUT",
-    ] {
-        if let Some(value) = env.executor_variable(&a, &workload, name) {
-            command.env(name, value);
-        }
+    env.pass_executor_variables(&mut command, &a, &workload);
+    if let Some(runner) = env.executor_variable(&a, &workload, "GITEA_RUNNER_BINARY") {
+        command.env("GITEA_RUNNER_BINARY", runner);
     }
     let output = tokio::time::timeout(WAIT, command.output())
         .await
@@ -2461,19 +2474,7 @@ async fn an_executor_started_as_root_runs_the_job_as_uid_2000_with_the_docker_gr
         .current_dir(shared.path())
         .kill_on_drop(true)
         .stderr(std::process::Stdio::piped());
-    for name in [
-        "CI_ASSIGNMENT_ID",
-        "CI_RUNNER_CAPABILITY",
-        "CI_RUNNER_BACKEND",
-        "CI_RUNNER_FACADE_URL",
-        "CI_RUNNER_FACADE_SPIFFE_ID",
-        "SPIFFE_ENDPOINT_SOCKET",
-        "CI_EXECUTOR_READY_TIMEOUT",
-    ] {
-        if let Some(value) = env.executor_variable(&a, &workload, name) {
-            command.env(name, value);
-        }
-    }
+    env.pass_executor_variables(&mut command, &a, &workload);
     let output = tokio::time::timeout(WAIT, command.output())
         .await
         .expect("the executor ends")
@@ -2552,19 +2553,7 @@ async fn a_runner_the_jobs_uid_cannot_execute_fails_the_executor_at_once_naming_
         .current_dir(shared.path())
         .kill_on_drop(true)
         .stderr(std::process::Stdio::piped());
-    for name in [
-        "CI_ASSIGNMENT_ID",
-        "CI_RUNNER_CAPABILITY",
-        "CI_RUNNER_BACKEND",
-        "CI_RUNNER_FACADE_URL",
-        "CI_RUNNER_FACADE_SPIFFE_ID",
-        "SPIFFE_ENDPOINT_SOCKET",
-        "CI_EXECUTOR_READY_TIMEOUT",
-    ] {
-        if let Some(value) = env.executor_variable(&a, &workload, name) {
-            command.env(name, value);
-        }
-    }
+    env.pass_executor_variables(&mut command, &a, &workload);
     let started = std::time::Instant::now();
     let output = tokio::time::timeout(WAIT, command.output())
         .await

@@ -542,19 +542,14 @@ fn the_real_peers_are_the_pinned_versions() {
 /// is the fake one.)
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pod_job_from_the_real_gitea_runs_the_real_runner_in_a_pod_of_the_real_api_server() {
-    use std::collections::BTreeMap;
-    use std::sync::Arc;
-
     use gdr_testkit::controller::FACADE_SPIFFE_ID;
-    use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
-    use gdr_testkit::fake_spire::FakeSpireAgent;
     use gdr_testkit::real_kube::ServiceAccount;
     use gdr_testkit::spiffe::{FakeWorkloadApi, TestCa};
     use k8s_openapi::api::core::v1::{Pod, Secret};
     use kube::Api;
     use kube::api::DynamicObject;
 
-    use crate::real_kube::{IMAGE, NS, cluster, entry_resource};
+    use crate::real_kube::{IMAGE, NS, cluster, entry_resource, node_a};
 
     let kube = cluster().await;
     let admin = kube.admin().await;
@@ -562,30 +557,8 @@ async fn a_pod_job_from_the_real_gitea_runs_the_real_runner_in_a_pod_of_the_real
     let nats = NatsServer::start().await.unwrap();
     let node = host.shared("node");
     let ca = TestCa::new("example.org").unwrap();
-    let node_labels = BTreeMap::from([("kubernetes.io/hostname".to_owned(), "node-a".to_owned())]);
-    let node_uid = FakeKubelet::register_node(admin.clone(), "node-a", &node_labels)
-        .await
-        .unwrap();
-    let spire = Arc::new(FakeSpireAgent::start(
-        admin.clone(),
-        ca.clone(),
-        &format!("spiffe://example.org/spire/agent/k8s_psat/test-cluster/{node_uid}"),
-        "spire-mgmt",
-        &node.join("s"),
-    ));
+    let _kubelet = node_a(&kube, &ca, &node).await;
     let kubelet_root = node.join("p");
-    let _kubelet = FakeKubelet::start(
-        admin.clone(),
-        KubeletConfig {
-            node_name: "node-a".into(),
-            node_labels,
-            images: BTreeMap::from([(IMAGE.to_owned(), PathBuf::from(BIN))]),
-            root: kubelet_root.clone(),
-            spire: Some(spire),
-        },
-    )
-    .await
-    .unwrap();
     let controller_identity = FakeWorkloadApi::start(&node, ca, FACADE_SPIFFE_ID)
         .await
         .unwrap();

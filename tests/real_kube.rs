@@ -1041,6 +1041,44 @@ async fn sandbox_identity_binds_a_sandbox_pod_through_the_real_api_server_under_
     run.await.unwrap();
 }
 
+/// The Node `node-a` of the real API server with its node stand-in and the fake SPIRE agent
+/// (class `spire-mgmt`, cluster `test-cluster`, SVIDs of `ca`), running `IMAGE` as this
+/// repository's binary; both keep their files under `dir` (`p/`, `s/`).
+pub(crate) async fn node_a(
+    kube: &RealKube,
+    ca: &gdr_testkit::spiffe::TestCa,
+    dir: &std::path::Path,
+) -> gdr_testkit::fake_kubelet::FakeKubelet {
+    use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
+    use gdr_testkit::fake_spire::FakeSpireAgent;
+
+    let admin = kube.admin().await;
+    let node_labels = BTreeMap::from([("kubernetes.io/hostname".to_owned(), "node-a".to_owned())]);
+    let node_uid = FakeKubelet::register_node(admin.clone(), "node-a", &node_labels)
+        .await
+        .unwrap();
+    let spire = Arc::new(FakeSpireAgent::start(
+        admin.clone(),
+        ca.clone(),
+        &format!("spiffe://example.org/spire/agent/k8s_psat/test-cluster/{node_uid}"),
+        "spire-mgmt",
+        &dir.join("s"),
+    ));
+    let bin = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gitea-dynamic-runner"));
+    FakeKubelet::start(
+        admin,
+        KubeletConfig {
+            node_name: "node-a".into(),
+            node_labels,
+            images: BTreeMap::from([(IMAGE.to_owned(), bin)]),
+            root: dir.join("p"),
+            spire: Some(spire),
+        },
+    )
+    .await
+    .unwrap()
+}
+
 /// DESIGN invariants 11, 16 (Pods are created directly; the executor runs the runner), the
 /// chain against the real API server: mock Gitea → the controller process (the Pod backend,
 /// as the controller's ServiceAccount, found through a kubeconfig) → kube-apiserver → the
@@ -1053,8 +1091,6 @@ async fn sandbox_identity_binds_a_sandbox_pod_through_the_real_api_server_under_
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pod_job_runs_through_the_real_api_server_on_the_node_stand_in_and_succeeds() {
     use gdr_testkit::controller::{ControllerFixture, FACADE_SPIFFE_ID, Value, listener};
-    use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
-    use gdr_testkit::fake_spire::FakeSpireAgent;
     use gdr_testkit::mock_gitea::{MockConfig, MockGitea, Status};
     use gdr_testkit::nats_server::NatsServer;
     use gdr_testkit::spiffe::{FakeWorkloadApi, TestCa};
@@ -1077,29 +1113,7 @@ async fn a_pod_job_runs_through_the_real_api_server_on_the_node_stand_in_and_suc
     )
     .unwrap();
     let ca = TestCa::new("example.org").unwrap();
-    let node_labels = BTreeMap::from([("kubernetes.io/hostname".to_owned(), "node-a".to_owned())]);
-    let node_uid = FakeKubelet::register_node(admin.clone(), "node-a", &node_labels)
-        .await
-        .unwrap();
-    let spire = Arc::new(FakeSpireAgent::start(
-        admin.clone(),
-        ca.clone(),
-        &format!("spiffe://example.org/spire/agent/k8s_psat/test-cluster/{node_uid}"),
-        "spire-mgmt",
-        &dir.path().join("s"),
-    ));
-    let _kubelet = FakeKubelet::start(
-        admin.clone(),
-        KubeletConfig {
-            node_name: "node-a".into(),
-            node_labels,
-            images: BTreeMap::from([(IMAGE.to_owned(), std::path::PathBuf::from(BIN))]),
-            root: dir.path().join("p"),
-            spire: Some(spire.clone()),
-        },
-    )
-    .await
-    .unwrap();
+    let _kubelet = node_a(&kube, &ca, dir.path()).await;
     let controller_identity = FakeWorkloadApi::start(dir.path(), ca, FACADE_SPIFFE_ID)
         .await
         .unwrap();

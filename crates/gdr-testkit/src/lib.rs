@@ -63,3 +63,18 @@ pub mod vm_host;
 mod wait;
 
 pub use wait::{eventually, until, until_sync};
+
+/// The path a real peer's build script exported in `name` (`.ci/run` exports them all); a
+/// test without it fails saying `why` and how to build it with `script` (it never passes
+/// without its peer).
+pub fn peer_path(name: &str, why: &str, script: &str) -> std::path::PathBuf {
+    let value = std::env::var_os(name).unwrap_or_else(|| {
+        panic!(
+            "{name} is not set: {why}; run `eval \"$(bash {script} | sed 's/^/export /')\"` \
+             (`.ci/run` does)"
+        )
+    });
+    let path = std::path::PathBuf::from(value);
+    assert!(path.exists(), "{name}={} does not exist", path.display());
+    path
+}

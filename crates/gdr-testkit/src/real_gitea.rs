@@ -36,17 +36,12 @@ impl Peers {
     /// The peers named by `GITEA_BIN`, `GITEA_RUNNER_BIN` and `GITEA_STATIC_ROOT`; a test
     /// without them fails saying how to build them (it never passes without its peer).
     pub fn from_env() -> Peers {
-        let var = |name: &str| -> PathBuf {
-            let value = std::env::var_os(name).unwrap_or_else(|| {
-                panic!(
-                    "{name} is not set: the real-Gitea tests need the peers built from their Go \
-                     module; run `eval \"$(bash tests/peers/build.sh | sed 's/^/export /')\"` \
-                     (`.ci/run` does)"
-                )
-            });
-            let path = PathBuf::from(value);
-            assert!(path.exists(), "{name}={} does not exist", path.display());
-            path
+        let var = |name: &str| {
+            crate::peer_path(
+                name,
+                "the real-Gitea tests need the peers built from their Go module",
+                "tests/peers/build.sh",
+            )
         };
         Peers {
             gitea: var("GITEA_BIN"),

@@ -55,17 +55,12 @@ impl Peers {
     /// saying how to build them (it never passes without its peer), as the real-Gitea
     /// tests do.
     pub fn from_env() -> Peers {
-        let var = |name: &str| -> PathBuf {
-            let value = std::env::var_os(name).unwrap_or_else(|| {
-                panic!(
-                    "{name} is not set: the real-Kubernetes tests need kube-apiserver and etcd \
-                     built from their Go module; run `eval \"$(bash tests/kube-peers/build.sh \
-                     | sed 's/^/export /')\"` (`.ci/run` does)"
-                )
-            });
-            let path = PathBuf::from(value);
-            assert!(path.exists(), "{name}={} does not exist", path.display());
-            path
+        let var = |name: &str| {
+            crate::peer_path(
+                name,
+                "the real-Kubernetes tests need kube-apiserver and etcd built from their Go module",
+                "tests/kube-peers/build.sh",
+            )
         };
         Peers {
             apiserver: var("KUBE_APISERVER_BIN"),

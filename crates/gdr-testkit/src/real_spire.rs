@@ -66,17 +66,12 @@ impl SpirePrograms {
     /// The programs named by `SPIRE_SERVER_BIN` and `SPIRE_AGENT_BIN`; a test without them
     /// fails saying how to build them (it never passes without its peer).
     pub fn from_env() -> SpirePrograms {
-        let var = |name: &str| -> PathBuf {
-            let value = std::env::var_os(name).unwrap_or_else(|| {
-                panic!(
-                    "{name} is not set: the real-SPIRE tests need SPIRE built from its Go module; \
-                     run `eval \"$(bash tests/spire-peers/build.sh | sed 's/^/export /')\"` \
-                     (`.ci/run` does)"
-                )
-            });
-            let path = PathBuf::from(value);
-            assert!(path.exists(), "{name}={} does not exist", path.display());
-            path
+        let var = |name: &str| {
+            crate::peer_path(
+                name,
+                "the real-SPIRE tests need SPIRE built from its Go module",
+                "tests/spire-peers/build.sh",
+            )
         };
         SpirePrograms {
             server: var("SPIRE_SERVER_BIN"),

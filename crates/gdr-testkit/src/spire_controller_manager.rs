@@ -29,17 +29,12 @@ impl ControllerManagerProgram {
     /// The program named by `SPIRE_CM_BIN` and its CRDs by `SPIRE_CM_CRDS`; a test without
     /// them fails saying how to build them (it never passes without its peer).
     pub fn from_env() -> ControllerManagerProgram {
-        let var = |name: &str| -> PathBuf {
-            let value = std::env::var_os(name).unwrap_or_else(|| {
-                panic!(
-                    "{name} is not set: this test needs spire-controller-manager built from its Go \
-                     module; run `eval \"$(bash tests/spire-cm-peers/build.sh | sed 's/^/export /')\"` \
-                     (`.ci/run` does)"
-                )
-            });
-            let path = PathBuf::from(value);
-            assert!(path.exists(), "{name}={} does not exist", path.display());
-            path
+        let var = |name: &str| {
+            crate::peer_path(
+                name,
+                "this test needs spire-controller-manager built from its Go module",
+                "tests/spire-cm-peers/build.sh",
+            )
         };
         ControllerManagerProgram {
             program: var("SPIRE_CM_BIN"),
