@@ -543,6 +543,56 @@ async fn an_executor_opens_exactly_one_workload_api_stream_through_a_whole_job()
     );
 }
 
+/// DESIGN invariant 16 (an executor's Pod ends as a kubelet ends it): a SIGTERM that comes
+/// while the executor still waits for its SVID (its identity entry not bound yet: the
+/// Workload API accepts and says nothing) stops it at once, naming why, instead of leaving
+/// it to the SIGKILL at the end of its Pod's grace period. Its ready timeout is far away.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_sigterm_while_the_executor_waits_for_its_svid_stops_it_at_once() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("silent.sock");
+    let silent = tokio::net::UnixListener::bind(&socket).unwrap();
+    let (accepted_tx, mut accepted) = tokio::sync::mpsc::channel(1);
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = silent.accept().await {
+            held.push(stream);
+            let _ = accepted_tx.try_send(());
+        }
+    });
+    let config = env.executor_config_with(
+        &a,
+        &workload,
+        &[
+            (
+                "SPIFFE_ENDPOINT_SOCKET",
+                format!("unix://{}", socket.display()),
+            ),
+            ("CI_EXECUTOR_READY_TIMEOUT", "600".to_owned()),
+        ],
+    );
+    let (signal, signals) = tokio::sync::mpsc::channel(1);
+    let executor = tokio::spawn(run(config, signals));
+    tokio::time::timeout(WAIT, accepted.recv())
+        .await
+        .expect("the executor asks the Workload API for its SVID");
+    signal.send(Forward::Terminate).await.unwrap();
+    let ended = tokio::time::timeout(WAIT, executor)
+        .await
+        .expect("the executor stops on SIGTERM, not at its ready timeout")
+        .expect("executor task");
+    let error = ended.expect_err("no runner ran");
+    assert!(
+        error
+            .to_string()
+            .contains("stopped by Terminate before the runner started"),
+        "{error}"
+    );
+}
+
 /// The executor's own binary, which `cargo build --workspace` (the test command) puts next to
 /// the controller's, where the process backend looks for it.
 fn executor_binary() -> std::path::PathBuf {

@@ -159,6 +159,10 @@ pub enum RunError {
     /// The facade never answered.
     #[error("the facade at {0} did not answer in time")]
     FacadeUnreachable(String),
+    /// A SIGTERM or SIGINT came while the executor still waited for its SVID or its Docker
+    /// daemon: there was no runner yet to pass it to, nor anything to report.
+    #[error("stopped by {0:?} before the runner started")]
+    Stopped(Forward),
     /// The facade stayed unreachable longer than the tolerance after the runner reported.
     #[error(
         "gave up delivering the runner's reports after the facade was unreachable for {waited:?} \
@@ -347,8 +351,11 @@ async fn run_executor(
     check_runner_binary(&config.runner_binary)?;
     // One Workload API stream for the executor's life: its first message is the SVID,
     // later ones its rotations (issue 39: no second stream in every executor's start).
-    let svids =
-        gdr_identity::svid_stream::svid_stream(&config.workload_api, config.ready_timeout).await?;
+    let svids = until_signalled(
+        &mut signals,
+        gdr_identity::svid_stream::svid_stream(&config.workload_api, config.ready_timeout),
+    )
+    .await??;
     let client_config = Arc::new(gdr_identity::svid_stream::executor_client_config(
         &svids,
         &config.facade_spiffe_id,
@@ -399,7 +406,7 @@ async fn run_executor(
     // No probe of the facade first: the runner's first call proves the channel (the relay
     // holds it through a facade outage), and a facade that never answers ends the run at
     // the ready timeout below.
-    let dockerd = start_dockerd(config.docker.as_ref()).await?;
+    let dockerd = until_signalled(&mut signals, start_dockerd(config.docker.as_ref())).await??;
 
     // A cancelled step's process outlives the shell the runner kills; adopted, it stays
     // where the cancel grace finds it.
@@ -520,6 +527,21 @@ fn check_runner_config(path: &Path) -> Result<PathBuf, RunError> {
     }
     std::fs::File::open(path).map_err(error)?;
     std::path::absolute(path).map_err(error)
+}
+
+/// `step`, unless a SIGTERM or SIGINT comes first. Before the runner runs there is nothing
+/// to pass the signal on to, so the executor stops: a Pod deleted while its executor waits
+/// for its SVID (an entry never bound) or its Docker daemon goes at once, not when its
+/// grace period ends in a SIGKILL.
+async fn until_signalled<T>(
+    signals: &mut tokio::sync::mpsc::Receiver<Forward>,
+    step: impl std::future::Future<Output = T>,
+) -> Result<T, RunError> {
+    tokio::select! {
+        biased;
+        Some(forward) = signals.recv() => Err(RunError::Stopped(forward)),
+        value = step => Ok(value),
+    }
 }
 
 async fn start_dockerd(settings: Option<&DockerSettings>) -> Result<Option<Dockerd>, RunError> {
