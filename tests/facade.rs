@@ -842,7 +842,12 @@ async fn each_wrong_credential_is_refused_with_its_own_code() {
         "the runner must stop polling"
     );
 
+    // A refused request closes its connection (invariant 21): each refusal below is asked
+    // on a connection of its own, as the runner's next call after one would be.
     // A log update naming another task.
+    let c = env
+        .runner_client(&workload_a, a.id().as_str(), &cap_a)
+        .await;
     let e = c
         .update_log(UpdateLogRequest {
             task_id: b.id().task_id(),
@@ -867,6 +872,9 @@ async fn each_wrong_credential_is_refused_with_its_own_code() {
     );
 
     // Register is never available through the facade.
+    let c = env
+        .runner_client(&workload_a, a.id().as_str(), &cap_a)
+        .await;
     let e = c
         .register(RegisterRequest::default())
         .await
