@@ -460,6 +460,47 @@ async fn a_claimed_executor_gone_from_the_backend_is_failed_in_gitea_and_its_slo
     );
 }
 
+/// DESIGN invariant 12: an executor that disappears after Gitea accepted its runner's result
+/// (a Pod deleted with its grace period: the runner reported the cancellation first) has
+/// what it left removed at the next pass, not at the backend's next sweep, and its
+/// assignment is forgotten: a later pass does nothing more.
+#[tokio::test]
+async fn an_executor_gone_after_its_result_has_its_leftovers_removed_at_the_next_pass() {
+    let s = setup().await;
+    let a = running_executor(&s, true).await;
+    s.dispatch.restore(&s.backend.records());
+    let auth = s
+        .dispatch
+        .authorize(
+            a.id().as_str(),
+            s.dispatch.capability_key().issue(a.id()).expose(),
+            a.identity().spiffe_id(),
+        )
+        .expect("authorized");
+    s.dispatch.finish(&auth).await.expect("finished");
+    s.backend.vanish(a.id());
+    let lifecycle = Lifecycle::new(s.dispatch.clone(), s.backend.clone(), s.gitea.clone(), IDLE);
+    let before = s.backend.delete_calls();
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass {
+            deleted: 1,
+            ..Pass::default()
+        }
+    );
+    assert_eq!(
+        s.backend.delete_calls() - before,
+        1,
+        "its leftovers are deleted"
+    );
+    assert_eq!(
+        lifecycle.reconcile_once().await.expect("pass"),
+        Pass::default(),
+        "forgotten"
+    );
+    assert_eq!(s.backend.delete_calls() - before, 1);
+}
+
 /// A backend's change signal (the Pod watch) runs a pass at once: an executor that ended
 /// is reported without waiting for the timer.
 #[tokio::test]

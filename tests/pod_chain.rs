@@ -521,10 +521,9 @@ async fn a_pod_deleted_mid_job_fails_the_job_and_leaves_nothing() {
 /// DESIGN invariants 12 and 16: a Pod deleted by someone else mid-job with its grace
 /// period, as `kubectl delete` does: the node's kubelet sends the executor SIGTERM, which
 /// passes it to its runner, which cancels the job and reports it; the job ends cancelled
-/// in Gitea at once (not at the grace period's end), and nothing is left. (The Pod is
-/// gone before the lifecycle deletes the executor, so its identity entry, which selects a
-/// Pod UID no workload has any more, goes at the next sweep of gone executors' objects,
-/// about 30 s later.)
+/// in Gitea at once (not at the grace period's end), and nothing is left: the Pod is gone
+/// before the lifecycle deletes the executor, and its identity entry goes at the next
+/// lifecycle pass, not at the backend's sweep 30 s later.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pod_deleted_gracefully_mid_job_has_its_runner_report_the_cancellation() {
     let c = Chain::new(|f| f).await;

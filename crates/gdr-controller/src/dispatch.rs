@@ -768,6 +768,16 @@ impl Dispatch {
             .collect()
     }
 
+    /// The assignments of `backend` whose result Gitea accepted and whose executor the
+    /// lifecycle has not deleted yet.
+    pub fn terminal(&self, backend: Backend) -> Vec<AssignmentId> {
+        lock(&self.entries)
+            .iter()
+            .filter(|(_, e)| e.backend == backend && *e.state.borrow() == ClaimState::Terminal)
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
     /// The facade heard from `id`'s runner just now.
     pub fn heard_from(&self, id: &AssignmentId) {
         lock(&self.heard).insert(id.clone(), Instant::now());

@@ -252,7 +252,47 @@ impl Lifecycle {
                 tracing::warn!(backend = %self.backend.backend(), assignment_id = %id, error = %e, "lifecycle step failed; retrying next pass");
             }
         }
+        for id in self.dispatch.terminal(self.backend.backend()) {
+            if listed.contains(&id) {
+                continue;
+            }
+            if let Err(e) = self.clean_gone_terminal(&id, &mut pass).await {
+                pass.errors += 1;
+                self.count(|m| &m.lifecycle_errors);
+                tracing::warn!(backend = %self.backend.backend(), assignment_id = %id, error = %e, "lifecycle step failed; retrying next pass");
+            }
+        }
         Ok(pass)
+    }
+
+    /// A terminal assignment missing from the list: its executor went after Gitea accepted
+    /// its result (a Pod deleted with its grace period, whose runner reported the
+    /// cancellation first). Once the backend confirms it is gone, what it left (its
+    /// identity entry) is removed now rather than at the next sweep, and it is forgotten.
+    async fn clean_gone_terminal(
+        &self,
+        id: &AssignmentId,
+        pass: &mut Pass,
+    ) -> Result<(), StepError> {
+        if self
+            .backend
+            .find(id)
+            .await
+            .map_err(StepError::Backend)?
+            .is_some()
+        {
+            return Ok(());
+        }
+        self.dispatch
+            .record_finished(id)
+            .await
+            .map_err(StepError::Record)?;
+        self.backend.delete(id).await.map_err(StepError::Backend)?;
+        lock(&self.terminal_since).remove(id);
+        self.dispatch.forget(self.backend.backend(), id);
+        tracing::info!(backend = %self.backend.backend(), assignment_id = %id, event = "cleaned", "executor gone after its result; what it left is removed");
+        pass.deleted += 1;
+        Ok(())
     }
 
     /// Fails the unclaimed executors past their start deadline whose assignment is no

@@ -66,6 +66,7 @@ struct State {
     create_calls: usize,
     /// Calls of `find`.
     find_calls: usize,
+    delete_calls: usize,
     /// Assignments whose `delete` fails.
     failing_deletes: std::collections::BTreeSet<AssignmentId>,
     /// Assignments whose `mark_terminal` fails.
@@ -244,6 +245,11 @@ impl MemoryBackend {
         self.state().find_calls
     }
 
+    /// `delete` calls so far, of executors there or not.
+    pub fn delete_calls(&self) -> usize {
+        self.state().delete_calls
+    }
+
     /// Executors deleted so far.
     pub fn deleted(&self) -> usize {
         self.state().deleted
@@ -391,6 +397,7 @@ impl ExecutorBackend for MemoryBackend {
     async fn delete(&self, id: &AssignmentId) -> Result<(), ExecutorError> {
         self.check()?;
         let mut state = self.state();
+        state.delete_calls += 1;
         if state.failing_deletes.contains(id) {
             return Err(ExecutorError::unavailable(Injected(format!(
                 "injected: deleting {id} fails"
