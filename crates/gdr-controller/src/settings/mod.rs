@@ -1735,21 +1735,33 @@ pub fn check(sources: &Sources) -> Result<Checked, SettingsError> {
         );
     }
     if sources.environment {
-        for plain in [
-            "GITEA_RUNNER_TOKEN",
-            "NATS_PRODUCER_PASSWORD",
-            "NATS_WORKER_PASSWORD",
-            "OPENSANDBOX_API_KEY",
-            "RUNNER_FACADE_CAPABILITY_KEY",
-        ] {
-            if std::env::var_os(plain).is_some() {
+        for (plain, file) in plain_secret_variables() {
+            if std::env::var_os(&plain).is_some() {
                 problems.push(format!(
-                    "{plain} is set but ignored: secrets are read only from files ({plain}_FILE)"
+                    "{plain} is set but ignored: secrets are read only from files ({file})"
                 ));
             }
         }
     }
     Ok(Checked { rendered, problems })
+}
+
+/// The environment variables an operator might set to give a secret as a plain value,
+/// each with the variable of the file that holds it instead: derived from the key table's
+/// secret marks, so a new secret key is warned about without a second list to keep.
+/// `X_FILE` → `X`; `X_KEY_FILES` → `X_KEYS`.
+fn plain_secret_variables() -> Vec<(String, String)> {
+    KEYS.iter()
+        .filter(|k| k.secret)
+        .filter_map(|k| {
+            let file = k.env();
+            let plain = match file.strip_suffix("_FILES") {
+                Some(stem) => format!("{stem}S"),
+                None => file.strip_suffix("_FILE")?.to_owned(),
+            };
+            Some((plain, file))
+        })
+        .collect()
 }
 
 /// Whether the scheduler would write plaintext v1 envelopes: it runs, NATS is external

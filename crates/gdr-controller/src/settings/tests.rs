@@ -550,6 +550,29 @@ fn check_lists_unreadable_secret_files_with_their_key() {
     );
 }
 
+/// Issue 36 step 3: `check-config` warns about a plain secret variable for every key the
+/// key table marks secret, not for a hand-kept subset, and names that key's file variable.
+#[test]
+fn every_secret_key_has_its_plain_variable_warned_about() {
+    let warned = plain_secret_variables();
+    let secret: Vec<&Key> = KEYS.iter().filter(|k| k.secret).collect();
+    assert_eq!(secret.len(), 10, "the secret keys changed: {secret:?}");
+    for key in secret {
+        assert!(
+            warned.iter().any(|(_, file)| *file == key.env()),
+            "{} is marked secret but its plain variable is not warned about: {warned:?}",
+            key.name
+        );
+    }
+    assert!(
+        warned.contains(&(
+            "GITEA_RUNNER_TOKEN".to_owned(),
+            "GITEA_RUNNER_TOKEN_FILE".to_owned()
+        )),
+        "{warned:?}"
+    );
+}
+
 /// DESIGN invariant 19: the executor's outage tolerance reaches the executors, defaults to
 /// 30 minutes and is never below the official runner's own 10 s retry.
 #[test]
