@@ -889,12 +889,12 @@ impl TryFrom<Raw> for Settings {
         };
         let security = queue_security(
             &mut check,
-            QueueSecurityKeys {
+            QueueSecurity {
                 accept_plaintext_envelopes,
                 accept_undated_envelopes,
-                gitea_endless_task_timeout: gitea_endless_task_timeout.0,
-                nats_finished_bucket,
-                held_assignment_timeout: held_assignment_timeout.0,
+                task_lifetime: gitea_endless_task_timeout.0,
+                finished_bucket: nats_finished_bucket,
+                held_timeout: held_assignment_timeout.0,
             },
         );
         let nats = NatsSettings {
@@ -1069,11 +1069,11 @@ impl TryFrom<Raw> for Settings {
         let facade_listen = runner_facade_listen.unwrap_or_else(|| listen_default(8443));
         let facade_limits = facade_limits(
             &mut check,
-            FacadeLimitKeys {
-                max_connections: runner_facade_max_connections,
-                max_connections_per_peer: runner_facade_max_connections_per_peer,
-                max_connections_per_identity: runner_facade_max_connections_per_identity,
-                max_connections_per_assignment: runner_facade_max_connections_per_assignment,
+            FacadeLimits {
+                max_connections: count(runner_facade_max_connections),
+                max_connections_per_peer: count(runner_facade_max_connections_per_peer),
+                max_connections_per_identity: count(runner_facade_max_connections_per_identity),
+                max_connections_per_assignment: count(runner_facade_max_connections_per_assignment),
                 tls_handshake_timeout: runner_facade_tls_handshake_timeout.0,
                 header_read_timeout: runner_facade_header_read_timeout.0,
                 idle_timeout: runner_facade_idle_timeout.0,
@@ -1206,89 +1206,77 @@ impl TryFrom<Raw> for Settings {
 
 // === Facade limits and queue security (docs/security.md) ===
 
-/// The facade limit keys, for [`facade_limits`].
-struct FacadeLimitKeys {
-    max_connections: u32,
-    max_connections_per_peer: u32,
-    max_connections_per_identity: u32,
-    max_connections_per_assignment: u32,
-    tls_handshake_timeout: Duration,
-    header_read_timeout: Duration,
-    idle_timeout: Duration,
-    h2_ping_interval: Duration,
-    h2_ping_timeout: Duration,
-}
-
 impl Default for FacadeLimits {
-    /// The limits the keys default to.
+    /// The limits the keys default to (for tests that run a facade without settings).
     fn default() -> Self {
         let raw = Raw::default();
-        facade_limits(
-            &mut Check::default(),
-            FacadeLimitKeys {
-                max_connections: raw.runner_facade_max_connections,
-                max_connections_per_peer: raw.runner_facade_max_connections_per_peer,
-                max_connections_per_identity: raw.runner_facade_max_connections_per_identity,
-                max_connections_per_assignment: raw.runner_facade_max_connections_per_assignment,
-                tls_handshake_timeout: raw.runner_facade_tls_handshake_timeout.0,
-                header_read_timeout: raw.runner_facade_header_read_timeout.0,
-                idle_timeout: raw.runner_facade_idle_timeout.0,
-                h2_ping_interval: raw.runner_facade_h2_ping_interval.0,
-                h2_ping_timeout: raw.runner_facade_h2_ping_timeout.0,
-            },
-        )
+        FacadeLimits {
+            max_connections: count(raw.runner_facade_max_connections),
+            max_connections_per_peer: count(raw.runner_facade_max_connections_per_peer),
+            max_connections_per_identity: count(raw.runner_facade_max_connections_per_identity),
+            max_connections_per_assignment: count(raw.runner_facade_max_connections_per_assignment),
+            tls_handshake_timeout: raw.runner_facade_tls_handshake_timeout.0,
+            header_read_timeout: raw.runner_facade_header_read_timeout.0,
+            idle_timeout: raw.runner_facade_idle_timeout.0,
+            h2_ping_interval: raw.runner_facade_h2_ping_interval.0,
+            h2_ping_timeout: raw.runner_facade_h2_ping_timeout.0,
+        }
     }
 }
 
-fn facade_limits(check: &mut Check, keys: FacadeLimitKeys) -> FacadeLimits {
-    let count = |check: &mut Check, key: &'static str, n: u32| {
+/// A count key as the `usize` its component counts with (saturating: a bound beyond the
+/// address space is no bound).
+fn count(n: u32) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+/// The facade's limits, checked: every count at least 1, every timeout at its least.
+fn facade_limits(check: &mut Check, limits: FacadeLimits) -> FacadeLimits {
+    for (key, n) in [
+        ("runner_facade_max_connections", limits.max_connections),
+        (
+            "runner_facade_max_connections_per_peer",
+            limits.max_connections_per_peer,
+        ),
+        (
+            "runner_facade_max_connections_per_identity",
+            limits.max_connections_per_identity,
+        ),
+        (
+            "runner_facade_max_connections_per_assignment",
+            limits.max_connections_per_assignment,
+        ),
+    ] {
         if n == 0 {
             check.problem(key, "must be at least 1");
         }
-        usize::try_from(n).unwrap_or(usize::MAX)
-    };
-    let max_connections = count(check, "runner_facade_max_connections", keys.max_connections);
-    let per_peer = count(
-        check,
-        "runner_facade_max_connections_per_peer",
-        keys.max_connections_per_peer,
-    );
-    let per_identity = count(
-        check,
-        "runner_facade_max_connections_per_identity",
-        keys.max_connections_per_identity,
-    );
-    let per_assignment = count(
-        check,
-        "runner_facade_max_connections_per_assignment",
-        keys.max_connections_per_assignment,
-    );
+    }
     for (key, value, least) in [
         (
             "runner_facade_tls_handshake_timeout",
-            keys.tls_handshake_timeout,
+            limits.tls_handshake_timeout,
             Duration::from_secs(1),
         ),
         (
             "runner_facade_header_read_timeout",
-            keys.header_read_timeout,
+            limits.header_read_timeout,
             Duration::from_secs(1),
         ),
         // The official runner reports every 5s; an idle bound below that would close
         // connections it is about to use.
         (
             "runner_facade_idle_timeout",
-            keys.idle_timeout,
+            limits.idle_timeout,
             Duration::from_secs(10),
         ),
         (
             "runner_facade_h2_ping_interval",
-            keys.h2_ping_interval,
+            limits.h2_ping_interval,
             Duration::from_secs(1),
         ),
         (
             "runner_facade_h2_ping_timeout",
-            keys.h2_ping_timeout,
+            limits.h2_ping_timeout,
             Duration::from_secs(1),
         ),
     ] {
@@ -1302,39 +1290,21 @@ fn facade_limits(check: &mut Check, keys: FacadeLimitKeys) -> FacadeLimits {
             );
         }
     }
-    FacadeLimits {
-        max_connections,
-        max_connections_per_peer: per_peer,
-        max_connections_per_identity: per_identity,
-        max_connections_per_assignment: per_assignment,
-        tls_handshake_timeout: keys.tls_handshake_timeout,
-        header_read_timeout: keys.header_read_timeout,
-        idle_timeout: keys.idle_timeout,
-        h2_ping_interval: keys.h2_ping_interval,
-        h2_ping_timeout: keys.h2_ping_timeout,
-    }
+    limits
 }
 
-/// The queue security keys, for [`queue_security`].
-struct QueueSecurityKeys {
-    accept_plaintext_envelopes: bool,
-    accept_undated_envelopes: bool,
-    gitea_endless_task_timeout: Duration,
-    nats_finished_bucket: String,
-    held_assignment_timeout: Duration,
-}
-
-fn queue_security(check: &mut Check, keys: QueueSecurityKeys) -> QueueSecurity {
-    if keys.gitea_endless_task_timeout < Duration::from_secs(60) {
+/// The queue's trust rules, checked: lifetimes of at least a minute, a usable bucket name.
+fn queue_security(check: &mut Check, security: QueueSecurity) -> QueueSecurity {
+    if security.task_lifetime < Duration::from_secs(60) {
         check.problem(
             "gitea_endless_task_timeout",
             "must be at least 1m (Gitea's default ENDLESS_TASK_TIMEOUT is 3h)",
         );
     }
-    if keys.held_assignment_timeout < Duration::from_secs(60) {
+    if security.held_timeout < Duration::from_secs(60) {
         check.problem("held_assignment_timeout", "must be at least 1m");
     }
-    let bucket = &keys.nats_finished_bucket;
+    let bucket = &security.finished_bucket;
     if bucket.is_empty()
         || !bucket
             .bytes()
@@ -1345,13 +1315,7 @@ fn queue_security(check: &mut Check, keys: QueueSecurityKeys) -> QueueSecurity {
             format!("{bucket:?} must be a key-value bucket name: letters, digits, '_' and '-'"),
         );
     }
-    QueueSecurity {
-        accept_plaintext_envelopes: keys.accept_plaintext_envelopes,
-        accept_undated_envelopes: keys.accept_undated_envelopes,
-        task_lifetime: keys.gitea_endless_task_timeout,
-        finished_bucket: keys.nats_finished_bucket,
-        held_timeout: keys.held_assignment_timeout,
-    }
+    security
 }
 
 /// The VM backend's keys, for [`opensandbox_settings`].
