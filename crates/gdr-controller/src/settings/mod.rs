@@ -437,29 +437,19 @@ pub struct ProcessSettings {
     pub log_retention_count: u32,
 }
 
-/// The OpenSandbox VM backend.
+/// The OpenSandbox VM backend: the backend's own settings, and what the controller itself
+/// does with the section's other keys (it reads the API key file once at start, adds the
+/// CA bundle to the shared TLS configuration, and its lifecycle reconciler waits the
+/// terminal grace).
 #[derive(Debug, Clone)]
 pub struct OpenSandboxSettings {
-    /// Lifecycle API base URL, version included (`opensandbox_api`).
-    pub api: url::Url,
+    /// The backend's settings (`opensandbox_api`, `opensandbox_pool`, the timeouts,
+    /// `vm_entrypoint`, `vm_executor_env`, `vm_timeout_seconds`, `vm_renew_before`).
+    pub backend: gdr_backends::opensandbox::OpenSandboxSettings,
     /// API key file (`opensandbox_api_key_file`).
     pub api_key_file: PathBuf,
     /// Extra CAs for an https API (`opensandbox_ca_file`).
     pub ca_file: Option<PathBuf>,
-    /// Pool of VM executors (`opensandbox_pool`).
-    pub pool: String,
-    /// Timeout of every call but create (`opensandbox_request_timeout`).
-    pub request_timeout: Duration,
-    /// Timeout of a (blocking) create (`opensandbox_create_timeout`).
-    pub create_timeout: Duration,
-    /// Command of the sandbox (`vm_entrypoint`).
-    pub entrypoint: Vec<String>,
-    /// Extra executor environment (`vm_executor_env`).
-    pub executor_env: BTreeMap<String, String>,
-    /// Sandbox lifetime (`vm_timeout_seconds`).
-    pub timeout: Duration,
-    /// Renew an expiry closer than this (`vm_renew_before`).
-    pub renew_before: Duration,
     /// Delete a terminal sandbox this long after its marker was seen (`vm_terminal_grace`).
     pub terminal_grace: Duration,
 }
@@ -985,6 +975,8 @@ impl TryFrom<Raw> for Settings {
             "process" => Some(VmBackend::Process(process)),
             "opensandbox" if vm_on => opensandbox_settings(
                 &mut check,
+                trust_domain.as_ref(),
+                codec.as_ref(),
                 OpenSandboxKeys {
                     api: opensandbox_api,
                     api_key_file: opensandbox_api_key_file,
@@ -1333,7 +1325,14 @@ struct OpenSandboxKeys {
     terminal_grace: Duration,
 }
 
-fn opensandbox_settings(check: &mut Check, keys: OpenSandboxKeys) -> Option<OpenSandboxSettings> {
+/// The VM backend's settings, or `None` with every problem recorded (`trust_domain` and
+/// `codec` are `None` when their own keys are broken, already reported).
+fn opensandbox_settings(
+    check: &mut Check,
+    trust_domain: Option<&TrustDomain>,
+    codec: Option<&MetadataCodec>,
+    keys: OpenSandboxKeys,
+) -> Option<OpenSandboxSettings> {
     const WHY: &str = "with the opensandbox vm backend";
     let OpenSandboxKeys {
         api,
@@ -1410,17 +1409,25 @@ fn opensandbox_settings(check: &mut Check, keys: OpenSandboxKeys) -> Option<Open
             "must be above 0 and below vm_timeout_seconds (a renewal extends the expiry by vm_timeout_seconds)",
         );
     }
-    Some(OpenSandboxSettings {
-        api: api?,
-        api_key_file: api_key_file?,
-        ca_file,
-        pool,
+    let api = gdr_backends::opensandbox::ClientSettings {
+        base_url: api?,
         request_timeout,
         create_timeout,
-        entrypoint,
-        executor_env: env,
-        timeout,
-        renew_before,
+    };
+    let mut backend = gdr_backends::opensandbox::OpenSandboxSettings::new(
+        api,
+        pool,
+        codec?.clone(),
+        trust_domain?.clone(),
+    );
+    backend.entrypoint = entrypoint;
+    backend.extra_env = env;
+    backend.timeout = timeout;
+    backend.renew_before = renew_before;
+    Some(OpenSandboxSettings {
+        backend,
+        api_key_file: api_key_file?,
+        ca_file,
         terminal_grace,
     })
 }

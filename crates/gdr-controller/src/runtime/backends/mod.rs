@@ -10,7 +10,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gdr_backends::opensandbox::{ApiKey, ClientSettings, OpenSandboxBackend};
+use gdr_backends::opensandbox::{ApiKey, OpenSandboxBackend};
 use gdr_backends::process::{LogRetention, ProcessBackend, ProcessBackendSettings};
 use gdr_core::assignment::DerivationPolicy;
 use gdr_core::backend::Backend;
@@ -177,16 +177,9 @@ fn opensandbox_backend(
     wiring: &Wiring<'_>,
 ) -> Result<OpenSandboxBackend, RuntimeError> {
     let OpenSandboxSettings {
-        api,
+        backend,
         api_key_file,
         ca_file,
-        pool,
-        request_timeout,
-        create_timeout,
-        entrypoint,
-        executor_env,
-        timeout,
-        renew_before,
         // Read by the lifecycle reconciler ([`terminal_grace`]).
         terminal_grace: _,
     } = settings;
@@ -204,22 +197,9 @@ fn opensandbox_backend(
     let tls = crate::client_tls::client_config(
         "opensandbox_ca_file",
         extra_ca.as_deref(),
-        api.scheme() == "https",
+        backend.api.base_url.scheme() == "https",
     )
     .map_err(setup("building the OpenSandbox TLS configuration"))?;
-    let mut client = ClientSettings::new(api);
-    client.request_timeout = request_timeout;
-    client.create_timeout = create_timeout;
-    let mut backend = gdr_backends::opensandbox::OpenSandboxSettings::new(
-        client,
-        pool,
-        wiring.codec.clone(),
-        wiring.policy.trust_domain.clone(),
-    );
-    backend.entrypoint = entrypoint;
-    backend.extra_env = executor_env;
-    backend.timeout = timeout;
-    backend.renew_before = renew_before;
     OpenSandboxBackend::connect(backend, &key, tls).map_err(setup("building the vm backend"))
 }
 
