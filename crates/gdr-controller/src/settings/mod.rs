@@ -423,7 +423,10 @@ pub enum VmBackend {
     OpenSandbox(Box<OpenSandboxSettings>),
 }
 
-/// The process backend.
+/// The process backend's keys. Not the backend's `ProcessBackendSettings`: the program
+/// and the runner binary are resolved when the controller starts (next to this binary, on
+/// `PATH`), and the state root, identity and codec come from the wiring; what the backend
+/// takes as it is (the log retention) is its own type.
 #[derive(Debug, Clone)]
 pub struct ProcessSettings {
     /// The executor program (`None`: this binary).
@@ -431,10 +434,9 @@ pub struct ProcessSettings {
     /// The official runner the executor runs (`None`: `gitea-runner` or `act_runner`
     /// found on `PATH` at start).
     pub runner_binary: Option<PathBuf>,
-    /// How long an ended executor's log is kept (zero: not at all).
-    pub log_retention: Duration,
-    /// How many ended executors' logs are kept at most.
-    pub log_retention_count: u32,
+    /// Which ended executors' logs are kept (`executor_log_retention`,
+    /// `executor_log_retention_count`), as the backend takes it.
+    pub log_retention: gdr_backends::process::LogRetention,
 }
 
 /// The OpenSandbox VM backend: the backend's own settings, and what the controller itself
@@ -918,8 +920,10 @@ impl TryFrom<Raw> for Settings {
         let process = ProcessSettings {
             program: executor_program,
             runner_binary,
-            log_retention: executor_log_retention.0,
-            log_retention_count: executor_log_retention_count,
+            log_retention: gdr_backends::process::LogRetention {
+                max_age: executor_log_retention.0,
+                max_count: count(executor_log_retention_count),
+            },
         };
         let default_kind = |single: &'static str, cluster: &'static str| {
             if single_host { single } else { cluster }

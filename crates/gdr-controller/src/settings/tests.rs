@@ -637,8 +637,8 @@ fn the_executor_log_retention_reaches_the_process_backend() {
     else {
         panic!("single host runs pod jobs as processes")
     };
-    assert_eq!(process.log_retention, Duration::from_secs(3600));
-    assert_eq!(process.log_retention_count, 3);
+    assert_eq!(process.log_retention.max_age, Duration::from_secs(3600));
+    assert_eq!(process.log_retention.max_count, 3);
 }
 
 /// The Pod section: every key reaches the backend's settings; tables come from TOML or the

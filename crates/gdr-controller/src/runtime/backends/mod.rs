@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gdr_backends::opensandbox::{ApiKey, OpenSandboxBackend};
-use gdr_backends::process::{LogRetention, ProcessBackend, ProcessBackendSettings};
+use gdr_backends::process::{ProcessBackend, ProcessBackendSettings};
 use gdr_core::assignment::DerivationPolicy;
 use gdr_core::backend::Backend;
 use gdr_core::executor::ExecutorBackend;
@@ -138,10 +138,7 @@ fn process_backend(
         codec: wiring.codec.clone(),
         trust_domain: wiring.policy.trust_domain.clone(),
         stop_grace: PROCESS_STOP_GRACE,
-        log_retention: LogRetention {
-            max_age: process.log_retention,
-            max_count: usize::try_from(process.log_retention_count).unwrap_or(usize::MAX),
-        },
+        log_retention: process.log_retention,
     };
     ProcessBackend::new(settings, identity).map_err(setup("building the process backend"))
 }
