@@ -802,44 +802,17 @@ impl TryFrom<Raw> for Settings {
         );
         let labels = check.ok("vm_runner_label", BackendLabels::new(vm_runner_label));
         let codec = check.ok("metadata_prefix", MetadataCodec::new(metadata_prefix));
-        let capability_key_file = match runner_facade_capability_key_file {
-            Some(file) => Some(KeyFile::Configured(file)),
-            None if single_host => Some(KeyFile::Generated(
-                state_dir.join(state_files::CAPABILITY_KEY),
-            )),
-            None => check.required(
-                "runner_facade_capability_key_file",
-                None,
-                "(key of assignment capabilities)",
-            ),
-        };
-        let previous = task_encryption_previous_key_files.paths();
-        let task_keys = match task_encryption_key_file {
-            Some(current) => Some(TaskKeyFiles { current, previous }),
-            None => {
-                if !previous.is_empty() {
-                    check.problem(
-                        "task_encryption_previous_key_files",
-                        "needs task_encryption_key_file (the key that seals new envelopes)",
-                    );
-                }
-                None
-            }
-        };
-        let identity = if local_identity {
-            IdentitySource::Local
-        } else {
-            match spiffe_endpoint_socket {
-                Some(endpoint) => IdentitySource::WorkloadApi(endpoint),
-                None => {
-                    check.problem(
-                        "spiffe_endpoint_socket",
-                        "is required without local_identity (the SPIRE agent's Workload API)",
-                    );
-                    IdentitySource::Local
-                }
-            }
-        };
+        let capability_key_file = capability_key_file(
+            &mut check,
+            runner_facade_capability_key_file,
+            single_host.then_some(state_dir.as_path()),
+        );
+        let task_keys = task_keys(
+            &mut check,
+            task_encryption_key_file,
+            task_encryption_previous_key_files.paths(),
+        );
+        let identity = identity_source(&mut check, local_identity, spiffe_endpoint_socket);
 
         // NATS.
         name_without_wildcards(&mut check, "nats_stream", &nats_stream);
@@ -1024,23 +997,7 @@ impl TryFrom<Raw> for Settings {
 
         // Components.
         let scheduler_on = components.contains(Component::Scheduler);
-        if components.0.is_empty() {
-            check.problem("components", "at least one component is required");
-        }
-        if (components.contains(Component::PodWorker) || components.contains(Component::VmWorker))
-            && !scheduler_on
-        {
-            check.problem(
-                "components",
-                "a worker needs the scheduler in the same process: executors reach the facade of the replica that holds their assignment",
-            );
-        }
-        if pod_capacity == 0 && vm_capacity == 0 {
-            check.problem(
-                "pod_capacity",
-                "pod_capacity and vm_capacity are both 0: nothing would ever run",
-            );
-        }
+        check_components(&mut check, &components, pod_capacity, vm_capacity);
 
         // Scheduler and facade.
         if heartbeat_interval.0 < Duration::from_secs(1) {
@@ -1145,23 +1102,14 @@ impl TryFrom<Raw> for Settings {
             },
         );
 
-        let executors = ExecutorTimings {
-            start_deadline: executor_start_deadline.0,
-            idle_timeout: executor_idle_timeout.0,
-            report_outage_tolerance: executor_report_outage_tolerance.0,
-        };
-        if executors.report_outage_tolerance < MIN_REPORT_OUTAGE_TOLERANCE {
-            check.problem(
-                "executor_report_outage_tolerance",
-                "must be at least 10s: the official runner itself retries its final report for 10s (report_close_timeout), so less would hold nothing it does not",
-            );
-        }
-        if executors.idle_timeout < Duration::from_secs(30) {
-            check.problem(
-                "executor_idle_timeout",
-                "must be at least 30s: the official runner reports every 5s, and a slow report must not fail a job",
-            );
-        }
+        let executors = executor_timings(
+            &mut check,
+            ExecutorTimings {
+                start_deadline: executor_start_deadline.0,
+                idle_timeout: executor_idle_timeout.0,
+                report_outage_tolerance: executor_report_outage_tolerance.0,
+            },
+        );
 
         let policy =
             trust_domain
@@ -1198,6 +1146,109 @@ impl TryFrom<Raw> for Settings {
             _ => Err(SettingsError::Invalid(check.problems)),
         }
     }
+}
+
+// === Sections of [`Settings::try_from`] ===
+
+/// `runner_facade_capability_key_file`; unset in single-host mode (`state_dir` given):
+/// generated under `state_dir`.
+fn capability_key_file(
+    check: &mut Check,
+    file: Option<PathBuf>,
+    state_dir: Option<&std::path::Path>,
+) -> Option<KeyFile> {
+    match (file, state_dir) {
+        (Some(file), _) => Some(KeyFile::Configured(file)),
+        (None, Some(dir)) => Some(KeyFile::Generated(dir.join(state_files::CAPABILITY_KEY))),
+        (None, None) => check.required(
+            "runner_facade_capability_key_file",
+            None,
+            "(key of assignment capabilities)",
+        ),
+    }
+}
+
+/// The task keys; previous keys without a current one are refused (nothing would seal).
+fn task_keys(
+    check: &mut Check,
+    current: Option<PathBuf>,
+    previous: Vec<PathBuf>,
+) -> Option<TaskKeyFiles> {
+    match current {
+        Some(current) => Some(TaskKeyFiles { current, previous }),
+        None => {
+            if !previous.is_empty() {
+                check.problem(
+                    "task_encryption_previous_key_files",
+                    "needs task_encryption_key_file (the key that seals new envelopes)",
+                );
+            }
+            None
+        }
+    }
+}
+
+/// Where SVIDs come from: the local CA, else the Workload API at `spiffe_endpoint_socket`.
+fn identity_source(
+    check: &mut Check,
+    local_identity: bool,
+    endpoint: Option<String>,
+) -> IdentitySource {
+    match (local_identity, endpoint) {
+        (true, _) => IdentitySource::Local,
+        (false, Some(endpoint)) => IdentitySource::WorkloadApi(endpoint),
+        (false, None) => {
+            check.problem(
+                "spiffe_endpoint_socket",
+                "is required without local_identity (the SPIRE agent's Workload API)",
+            );
+            // A placeholder: the problem makes the conversion fail.
+            IdentitySource::Local
+        }
+    }
+}
+
+/// Which components run together, and that something can run at all.
+fn check_components(
+    check: &mut Check,
+    components: &Components,
+    pod_capacity: u32,
+    vm_capacity: u32,
+) {
+    if components.0.is_empty() {
+        check.problem("components", "at least one component is required");
+    }
+    if (components.contains(Component::PodWorker) || components.contains(Component::VmWorker))
+        && !components.contains(Component::Scheduler)
+    {
+        check.problem(
+            "components",
+            "a worker needs the scheduler in the same process: executors reach the facade of the replica that holds their assignment",
+        );
+    }
+    if pod_capacity == 0 && vm_capacity == 0 {
+        check.problem(
+            "pod_capacity",
+            "pod_capacity and vm_capacity are both 0: nothing would ever run",
+        );
+    }
+}
+
+/// The executor deadlines, checked against what the official runner itself does.
+fn executor_timings(check: &mut Check, timings: ExecutorTimings) -> ExecutorTimings {
+    if timings.report_outage_tolerance < MIN_REPORT_OUTAGE_TOLERANCE {
+        check.problem(
+            "executor_report_outage_tolerance",
+            "must be at least 10s: the official runner itself retries its final report for 10s (report_close_timeout), so less would hold nothing it does not",
+        );
+    }
+    if timings.idle_timeout < Duration::from_secs(30) {
+        check.problem(
+            "executor_idle_timeout",
+            "must be at least 30s: the official runner reports every 5s, and a slow report must not fail a job",
+        );
+    }
+    timings
 }
 
 // === Facade limits and queue security (docs/security.md) ===
