@@ -298,7 +298,7 @@ fn the_base_configuration_is_a_complete_controller_configuration() {
                     .starts_with("/run/secrets/gitea-dynamic-runner")
             );
             assert!(
-                o.executor_env.contains_key("SPIFFE_ENDPOINT_SOCKET"),
+                o.backend.extra_env.contains_key("SPIFFE_ENDPOINT_SOCKET"),
                 "the executor in the VM is told where its SPIRE agent is"
             );
         }

@@ -7,6 +7,7 @@
 //! - [`kubernetes`] (feature `kubernetes`): one Kubernetes Pod per job, bound to its SPIFFE
 //!   identity through a SPIRE ClusterStaticEntry.
 
+pub mod defaults;
 #[cfg(feature = "opensandbox")]
 pub mod opensandbox;
 pub mod process;

@@ -66,17 +66,34 @@ pub struct Settings {
     pub resync: Duration,
 }
 
+/// The defaults of [`Settings`], declared once: [`Settings::new`] and the controller's key
+/// table (`opensandbox_namespace`, `spire_cluster_name`, …) both read them.
+pub mod defaults {
+    use std::time::Duration;
+
+    /// Namespace of the BatchSandboxes (`opensandbox_namespace`).
+    pub const NAMESPACE: &str = "opensandbox";
+    /// k8s_psat cluster name of the in-VM agents (`spire_cluster_name`).
+    pub const CLUSTER: &str = "sandbox-kata";
+    /// spire-controller-manager class of the entries (`spire_class_name`).
+    pub const CLASS_NAME: &str = "spire-mgmt-spire";
+    /// UID the runner runs as inside the VM (`runner_uid`).
+    pub const RUNNER_UID: u32 = 2000;
+    /// Least often a pass happens (`sandbox_identity_resync`).
+    pub const RESYNC: Duration = Duration::from_secs(30);
+}
+
 impl Settings {
     /// Settings with the defaults for `trust_domain`.
     pub fn new(trust_domain: TrustDomain) -> Self {
         Settings {
-            namespace: "opensandbox".into(),
+            namespace: defaults::NAMESPACE.into(),
             trust_domain,
-            cluster: "sandbox-kata".into(),
-            class_name: "spire-mgmt-spire".into(),
-            runner_uid: 2000,
+            cluster: defaults::CLUSTER.into(),
+            class_name: defaults::CLASS_NAME.into(),
+            runner_uid: defaults::RUNNER_UID,
             codec: MetadataCodec::default(),
-            resync: Duration::from_secs(30),
+            resync: defaults::RESYNC,
         }
     }
 }

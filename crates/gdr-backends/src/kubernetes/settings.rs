@@ -112,33 +112,37 @@ impl KubernetesSettings {
         spire_cluster: impl Into<String>,
         spire_class: impl Into<String>,
     ) -> Self {
+        use crate::defaults::kubernetes as default;
         KubernetesSettings {
-            namespace: "gitea-actions".into(),
-            service_account: "gitea-task-executor".into(),
+            namespace: default::NAMESPACE.into(),
+            service_account: default::SERVICE_ACCOUNT.into(),
             image: image.into(),
-            executor_args: vec!["executor".into()],
-            executor_uid: 2000,
-            privileged: true,
-            docker_storage_limit: "20Gi".into(),
-            active_deadline: Duration::from_secs(3 * 3600 + 600),
-            automount_service_account_token: false,
+            executor_args: default::EXECUTOR_ARGS
+                .iter()
+                .map(|a| (*a).to_owned())
+                .collect(),
+            executor_uid: i64::from(default::EXECUTOR_UID),
+            privileged: default::PRIVILEGED,
+            docker_storage_limit: default::DOCKER_STORAGE_LIMIT.into(),
+            active_deadline: default::ACTIVE_DEADLINE,
+            automount_service_account_token: default::AUTOMOUNT_SERVICE_ACCOUNT_TOKEN,
             trust_domain,
             spire_cluster: spire_cluster.into(),
             spire_class: spire_class.into(),
             spire_agent_id: None,
             workload_api_volume: WorkloadApiVolume::Csi {
-                driver: "csi.spiffe.io".into(),
+                driver: default::SPIFFE_CSI_DRIVER.into(),
             },
-            agent_socket_dir: "/run/spire/agent-sockets".into(),
-            agent_socket_name: "spire-agent.sock".into(),
+            agent_socket_dir: default::SPIFFE_SOCKET_DIR.into(),
+            agent_socket_name: default::SPIFFE_SOCKET_NAME.into(),
             extra_env: BTreeMap::new(),
             codec: MetadataCodec::default(),
             default_resources: Resources::default(),
             profiles: BTreeMap::new(),
             maxima: BTreeMap::new(),
             volume_allow_list: BTreeMap::new(),
-            orphan_secret_grace: Duration::from_secs(600),
-            identity_deadline: Duration::from_secs(120),
+            orphan_secret_grace: default::ORPHAN_SECRET_GRACE,
+            identity_deadline: default::IDENTITY_DEADLINE,
         }
     }
 

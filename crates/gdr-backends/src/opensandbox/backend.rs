@@ -89,16 +89,17 @@ impl OpenSandboxSettings {
         codec: MetadataCodec,
         trust_domain: TrustDomain,
     ) -> Self {
+        use crate::defaults::opensandbox as default;
         OpenSandboxSettings {
             api,
             pool: pool.into(),
-            entrypoint: vec![
-                "/usr/local/bin/gitea-dynamic-runner".into(),
-                "executor".into(),
-            ],
+            entrypoint: default::ENTRYPOINT
+                .iter()
+                .map(|a| (*a).to_owned())
+                .collect(),
             extra_env: BTreeMap::new(),
-            timeout: Duration::from_secs(4 * 3600),
-            renew_before: Duration::from_secs(600),
+            timeout: default::TIMEOUT,
+            renew_before: default::RENEW_BEFORE,
             page_size: MAX_PAGE_SIZE,
             codec,
             trust_domain,

@@ -85,8 +85,8 @@ impl ClientSettings {
     pub fn new(base_url: Url) -> Self {
         ClientSettings {
             base_url,
-            request_timeout: Duration::from_secs(30),
-            create_timeout: Duration::from_secs(90),
+            request_timeout: crate::defaults::opensandbox::REQUEST_TIMEOUT,
+            create_timeout: crate::defaults::opensandbox::CREATE_TIMEOUT,
         }
     }
 }

@@ -7,6 +7,9 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use gdr_backends::defaults::{kubernetes as pod_default, opensandbox as vm_default};
+use gdr_sandbox_identity::defaults as sandbox_identity_default;
+
 use super::values::{Components, List, Secs, Table};
 
 /// What kind of value a key takes, for the references (and the NixOS option types).
@@ -311,39 +314,39 @@ keys! {
     lease_duration: Secs = Secs::from_secs(15);
     // --- The Pod backend (`pod_backend = "kubernetes"`); see docs/pod-backend.md. ---
     /// Namespace of executor Pods and their capability Secrets.
-    pod_namespace: String = "gitea-actions".into();
+    pod_namespace: String = pod_default::NAMESPACE.into();
     /// Executor image (required for the kubernetes pod backend). Pin a digest
     /// (`image@sha256:…`): every job runs it; a mutable tag is accepted with a warning.
     pod_executor_image: Option<String> = None;
     /// Service account of executor Pods.
-    pod_service_account: String = "gitea-task-executor".into();
+    pod_service_account: String = pod_default::SERVICE_ACCOUNT.into();
     /// UID and GID the job runs as, never 0. With `pod_privileged` the executor starts as
     /// root and runs itself, the runner and the job as this UID (with the image's `docker`
     /// group); otherwise the container runs as it.
-    pod_executor_uid: u32 = 2000;
+    pod_executor_uid: u32 = pod_default::EXECUTOR_UID;
     /// Give each executor Pod a privileged `dockerd` sidecar container running the job's
     /// Docker daemon on a socket shared with the executor's container, which starts as
     /// root (not privileged) to run the job as `pod_executor_uid`. `false`: one container,
     /// run as `pod_executor_uid`, non-root, no privilege escalation, all capabilities
     /// dropped, the runtime's default seccomp profile, and jobs have no Docker daemon.
-    pod_privileged: bool = true;
+    pod_privileged: bool = pod_default::PRIVILEGED;
     /// Size limit of the `emptyDir` mounted at `/var/lib/docker` in executor Pods (the
     /// `dockerd` sidecar's, with `pod_privileged`).
-    pod_docker_storage_limit: String = "20Gi".into();
+    pod_docker_storage_limit: String = pod_default::DOCKER_STORAGE_LIMIT.into();
     /// `activeDeadlineSeconds` of executor Pods: Kubernetes ends a Pod this long after it
     /// started (just past Gitea's 3 h limit for a task by default).
-    pod_active_deadline: Secs = Secs::from_secs(3 * 3600 + 600);
+    pod_active_deadline: Secs = Secs(pod_default::ACTIVE_DEADLINE);
     /// Mount the service account token into executor Pods (jobs then hold a Kubernetes
     /// credential).
-    pod_automount_service_account_token: bool = false;
+    pod_automount_service_account_token: bool = pod_default::AUTOMOUNT_SERVICE_ACCOUNT_TOKEN;
     /// Arguments of the executor container (its image's entrypoint is the binary).
-    pod_executor_args: List = List::of(&["executor"]);
+    pod_executor_args: List = List::of(pod_default::EXECUTOR_ARGS);
     /// Extra environment of the executor container (e.g. `GITEA_RUNNER_BINARY`); the
     /// `CI_*` variables and `SPIFFE_ENDPOINT_SOCKET` are the controller's and cannot be
     /// overridden.
     pod_executor_env: Table = Table::default();
     /// CSI driver of the SPIFFE Workload API volume of executor Pods.
-    pod_spiffe_csi_driver: String = "csi.spiffe.io".into();
+    pod_spiffe_csi_driver: String = pod_default::SPIFFE_CSI_DRIVER.into();
     /// A node directory holding the SPIRE agent's Workload API socket, mounted read-only
     /// into executor Pods as a `hostPath` volume instead of the CSI volume of
     /// `pod_spiffe_csi_driver`: for clusters without the SPIFFE CSI driver. Each node's agent
@@ -351,9 +354,9 @@ keys! {
     /// (`privileged`, as `pod_privileged` needs anyway). Unset: the CSI volume.
     pod_spiffe_host_path: Option<PathBuf> = None;
     /// Where the Workload API volume is mounted in the executor container.
-    pod_spiffe_socket_dir: String = "/run/spire/agent-sockets".into();
+    pod_spiffe_socket_dir: String = pod_default::SPIFFE_SOCKET_DIR.into();
     /// The Workload API socket's file name in `pod_spiffe_socket_dir`.
-    pod_spiffe_socket_name: String = "spire-agent.sock".into();
+    pod_spiffe_socket_name: String = pod_default::SPIFFE_SOCKET_NAME.into();
     /// Requests and limits of executor Pods without a profile: `requests = { cpu = "1" }`,
     /// `limits = { memory = "4Gi" }` (quantities as Kubernetes writes them).
     pod_resources: Table = Table::default();
@@ -372,11 +375,11 @@ keys! {
     pod_volume_allow_list: Table = Table::default();
     /// A capability Secret with no Pod (a controller died between creating the two) is
     /// removed once it is this old.
-    pod_orphan_secret_grace: Secs = Secs::from_secs(600);
+    pod_orphan_secret_grace: Secs = Secs(pod_default::ORPHAN_SECRET_GRACE);
     /// How long an executor Pod waits for its SVID (its ClusterStaticEntry bound by SPIRE)
     /// and the facade before it gives up; the job is then failed with the executor's
     /// error as the reason.
-    pod_identity_bind_deadline: Secs = Secs::from_secs(120);
+    pod_identity_bind_deadline: Secs = Secs(pod_default::IDENTITY_DEADLINE);
     /// SPIRE k8s_psat cluster name of the Pod cluster (the `<cluster>` in agent IDs
     /// `spiffe://<trust_domain>/spire/agent/k8s_psat/<cluster>/<Node UID>`).
     spire_cluster: String = "homelab".into();
@@ -400,23 +403,23 @@ keys! {
     /// always trusted).
     opensandbox_ca_file: Option<PathBuf> = None;
     /// Timeout of each OpenSandbox call except create (get, list, patch, renew, delete).
-    opensandbox_request_timeout: Secs = Secs::from_secs(30);
+    opensandbox_request_timeout: Secs = Secs(vm_default::REQUEST_TIMEOUT);
     /// Timeout of a sandbox create, which blocks until the VM runs: keep it above the
     /// server's `sandbox_create_timeout_seconds` (60s by default) so the server's own
     /// answer arrives (504: it gave up and deleted the sandbox; 429: the pool is full).
-    opensandbox_create_timeout: Secs = Secs::from_secs(90);
+    opensandbox_create_timeout: Secs = Secs(vm_default::CREATE_TIMEOUT);
     /// Command a VM sandbox runs (a path inside the pool's image, then its arguments).
-    vm_entrypoint: List = List::of(&["/usr/local/bin/gitea-dynamic-runner", "executor"]);
+    vm_entrypoint: List = List::of(vm_default::ENTRYPOINT);
     /// Extra environment of VM executors as `NAME=value` items, e.g.
     /// `SPIFFE_ENDPOINT_SOCKET=unix:///run/spire/agent.sock` (the SPIRE agent in the VM)
     /// and `GITEA_RUNNER_BINARY=…`. The `CI_*` variables of the assignment cannot be set
     /// here. In the environment or `--set`, items are separated by commas.
     vm_executor_env: List = List::default();
     /// Lifetime of a VM sandbox in seconds (at least 60); renewed while its job runs.
-    vm_timeout_seconds: u64 = 14_400;
+    vm_timeout_seconds: u64 = vm_default::TIMEOUT.as_secs();
     /// Extend a running sandbox's expiry (by `vm_timeout_seconds`) once it is closer than
     /// this; below `vm_timeout_seconds`.
-    vm_renew_before: Secs = Secs::from_secs(600);
+    vm_renew_before: Secs = Secs(vm_default::RENEW_BEFORE);
     /// A VM sandbox whose job's result Gitea accepted is deleted this long after the
     /// controller saw its terminal marker: OpenSandbox keeps a sandbox `Running` after its
     /// executor exited, so the exit cannot be waited for. The runner has its answer before
@@ -427,19 +430,19 @@ keys! {
     /// SPIRE k8s_psat cluster name of the sandbox cluster: the in-VM agents' parent ID is
     /// `spiffe://<trust_domain>/spire/agent/k8s_psat/<cluster>/pod/<Pod UID>`
     /// (`sandbox-identity`).
-    spire_cluster_name: String = "sandbox-kata".into();
+    spire_cluster_name: String = sandbox_identity_default::CLUSTER.into();
     /// `className` of the ClusterStaticEntries `sandbox-identity` writes (must match the
     /// sandbox cluster's SPIRE controller manager, which ignores other classes).
-    spire_class_name: String = "spire-mgmt-spire".into();
+    spire_class_name: String = sandbox_identity_default::CLASS_NAME.into();
 
     // --- sandbox-identity ---
     /// Namespace of the OpenSandbox BatchSandboxes and their Pods (`sandbox-identity`).
-    opensandbox_namespace: String = "opensandbox".into();
+    opensandbox_namespace: String = sandbox_identity_default::NAMESPACE.into();
     /// UID the executor runs as inside the VM: the `unix:uid` selector of the entries
     /// `sandbox-identity` writes.
-    runner_uid: u32 = 2000;
+    runner_uid: u32 = sandbox_identity_default::RUNNER_UID;
     /// `sandbox-identity` reconciles at least this often, besides on every watch event.
-    sandbox_identity_resync: Secs = Secs::from_secs(30);
+    sandbox_identity_resync: Secs = Secs(sandbox_identity_default::RESYNC);
     /// Name of the Lease `sandbox-identity` replicas elect their leader with (in
     /// `lease_namespace`, with `leader_election`).
     sandbox_identity_lease_name: String = "gitea-dynamic-runner-sandbox-identity".into();

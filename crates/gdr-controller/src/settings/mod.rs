@@ -423,7 +423,10 @@ pub enum VmBackend {
     OpenSandbox(Box<OpenSandboxSettings>),
 }
 
-/// The process backend.
+/// The process backend's keys. Not the backend's `ProcessBackendSettings`: the program
+/// and the runner binary are resolved when the controller starts (next to this binary, on
+/// `PATH`), and the state root, identity and codec come from the wiring; what the backend
+/// takes as it is (the log retention) is its own type.
 #[derive(Debug, Clone)]
 pub struct ProcessSettings {
     /// The executor program (`None`: this binary).
@@ -431,35 +434,24 @@ pub struct ProcessSettings {
     /// The official runner the executor runs (`None`: `gitea-runner` or `act_runner`
     /// found on `PATH` at start).
     pub runner_binary: Option<PathBuf>,
-    /// How long an ended executor's log is kept (zero: not at all).
-    pub log_retention: Duration,
-    /// How many ended executors' logs are kept at most.
-    pub log_retention_count: u32,
+    /// Which ended executors' logs are kept (`executor_log_retention`,
+    /// `executor_log_retention_count`), as the backend takes it.
+    pub log_retention: gdr_backends::process::LogRetention,
 }
 
-/// The OpenSandbox VM backend.
+/// The OpenSandbox VM backend: the backend's own settings, and what the controller itself
+/// does with the section's other keys (it reads the API key file once at start, adds the
+/// CA bundle to the shared TLS configuration, and its lifecycle reconciler waits the
+/// terminal grace).
 #[derive(Debug, Clone)]
 pub struct OpenSandboxSettings {
-    /// Lifecycle API base URL, version included (`opensandbox_api`).
-    pub api: url::Url,
+    /// The backend's settings (`opensandbox_api`, `opensandbox_pool`, the timeouts,
+    /// `vm_entrypoint`, `vm_executor_env`, `vm_timeout_seconds`, `vm_renew_before`).
+    pub backend: gdr_backends::opensandbox::OpenSandboxSettings,
     /// API key file (`opensandbox_api_key_file`).
     pub api_key_file: PathBuf,
     /// Extra CAs for an https API (`opensandbox_ca_file`).
     pub ca_file: Option<PathBuf>,
-    /// Pool of VM executors (`opensandbox_pool`).
-    pub pool: String,
-    /// Timeout of every call but create (`opensandbox_request_timeout`).
-    pub request_timeout: Duration,
-    /// Timeout of a (blocking) create (`opensandbox_create_timeout`).
-    pub create_timeout: Duration,
-    /// Command of the sandbox (`vm_entrypoint`).
-    pub entrypoint: Vec<String>,
-    /// Extra executor environment (`vm_executor_env`).
-    pub executor_env: BTreeMap<String, String>,
-    /// Sandbox lifetime (`vm_timeout_seconds`).
-    pub timeout: Duration,
-    /// Renew an expiry closer than this (`vm_renew_before`).
-    pub renew_before: Duration,
     /// Delete a terminal sandbox this long after its marker was seen (`vm_terminal_grace`).
     pub terminal_grace: Duration,
 }
@@ -810,44 +802,17 @@ impl TryFrom<Raw> for Settings {
         );
         let labels = check.ok("vm_runner_label", BackendLabels::new(vm_runner_label));
         let codec = check.ok("metadata_prefix", MetadataCodec::new(metadata_prefix));
-        let capability_key_file = match runner_facade_capability_key_file {
-            Some(file) => Some(KeyFile::Configured(file)),
-            None if single_host => Some(KeyFile::Generated(
-                state_dir.join(state_files::CAPABILITY_KEY),
-            )),
-            None => check.required(
-                "runner_facade_capability_key_file",
-                None,
-                "(key of assignment capabilities)",
-            ),
-        };
-        let previous = task_encryption_previous_key_files.paths();
-        let task_keys = match task_encryption_key_file {
-            Some(current) => Some(TaskKeyFiles { current, previous }),
-            None => {
-                if !previous.is_empty() {
-                    check.problem(
-                        "task_encryption_previous_key_files",
-                        "needs task_encryption_key_file (the key that seals new envelopes)",
-                    );
-                }
-                None
-            }
-        };
-        let identity = if local_identity {
-            IdentitySource::Local
-        } else {
-            match spiffe_endpoint_socket {
-                Some(endpoint) => IdentitySource::WorkloadApi(endpoint),
-                None => {
-                    check.problem(
-                        "spiffe_endpoint_socket",
-                        "is required without local_identity (the SPIRE agent's Workload API)",
-                    );
-                    IdentitySource::Local
-                }
-            }
-        };
+        let capability_key_file = capability_key_file(
+            &mut check,
+            runner_facade_capability_key_file,
+            single_host.then_some(state_dir.as_path()),
+        );
+        let task_keys = task_keys(
+            &mut check,
+            task_encryption_key_file,
+            task_encryption_previous_key_files.paths(),
+        );
+        let identity = identity_source(&mut check, local_identity, spiffe_endpoint_socket);
 
         // NATS.
         name_without_wildcards(&mut check, "nats_stream", &nats_stream);
@@ -889,12 +854,12 @@ impl TryFrom<Raw> for Settings {
         };
         let security = queue_security(
             &mut check,
-            QueueSecurityKeys {
+            QueueSecurity {
                 accept_plaintext_envelopes,
                 accept_undated_envelopes,
-                gitea_endless_task_timeout: gitea_endless_task_timeout.0,
-                nats_finished_bucket,
-                held_assignment_timeout: held_assignment_timeout.0,
+                task_lifetime: gitea_endless_task_timeout.0,
+                finished_bucket: nats_finished_bucket,
+                held_timeout: held_assignment_timeout.0,
             },
         );
         let nats = NatsSettings {
@@ -928,8 +893,10 @@ impl TryFrom<Raw> for Settings {
         let process = ProcessSettings {
             program: executor_program,
             runner_binary,
-            log_retention: executor_log_retention.0,
-            log_retention_count: executor_log_retention_count,
+            log_retention: gdr_backends::process::LogRetention {
+                max_age: executor_log_retention.0,
+                max_count: count(executor_log_retention_count),
+            },
         };
         let default_kind = |single: &'static str, cluster: &'static str| {
             if single_host { single } else { cluster }
@@ -985,6 +952,8 @@ impl TryFrom<Raw> for Settings {
             "process" => Some(VmBackend::Process(process)),
             "opensandbox" if vm_on => opensandbox_settings(
                 &mut check,
+                trust_domain.as_ref(),
+                codec.as_ref(),
                 OpenSandboxKeys {
                     api: opensandbox_api,
                     api_key_file: opensandbox_api_key_file,
@@ -1028,23 +997,7 @@ impl TryFrom<Raw> for Settings {
 
         // Components.
         let scheduler_on = components.contains(Component::Scheduler);
-        if components.0.is_empty() {
-            check.problem("components", "at least one component is required");
-        }
-        if (components.contains(Component::PodWorker) || components.contains(Component::VmWorker))
-            && !scheduler_on
-        {
-            check.problem(
-                "components",
-                "a worker needs the scheduler in the same process: executors reach the facade of the replica that holds their assignment",
-            );
-        }
-        if pod_capacity == 0 && vm_capacity == 0 {
-            check.problem(
-                "pod_capacity",
-                "pod_capacity and vm_capacity are both 0: nothing would ever run",
-            );
-        }
+        check_components(&mut check, &components, pod_capacity, vm_capacity);
 
         // Scheduler and facade.
         if heartbeat_interval.0 < Duration::from_secs(1) {
@@ -1069,11 +1022,11 @@ impl TryFrom<Raw> for Settings {
         let facade_listen = runner_facade_listen.unwrap_or_else(|| listen_default(8443));
         let facade_limits = facade_limits(
             &mut check,
-            FacadeLimitKeys {
-                max_connections: runner_facade_max_connections,
-                max_connections_per_peer: runner_facade_max_connections_per_peer,
-                max_connections_per_identity: runner_facade_max_connections_per_identity,
-                max_connections_per_assignment: runner_facade_max_connections_per_assignment,
+            FacadeLimits {
+                max_connections: count(runner_facade_max_connections),
+                max_connections_per_peer: count(runner_facade_max_connections_per_peer),
+                max_connections_per_identity: count(runner_facade_max_connections_per_identity),
+                max_connections_per_assignment: count(runner_facade_max_connections_per_assignment),
                 tls_handshake_timeout: runner_facade_tls_handshake_timeout.0,
                 header_read_timeout: runner_facade_header_read_timeout.0,
                 idle_timeout: runner_facade_idle_timeout.0,
@@ -1149,23 +1102,14 @@ impl TryFrom<Raw> for Settings {
             },
         );
 
-        let executors = ExecutorTimings {
-            start_deadline: executor_start_deadline.0,
-            idle_timeout: executor_idle_timeout.0,
-            report_outage_tolerance: executor_report_outage_tolerance.0,
-        };
-        if executors.report_outage_tolerance < MIN_REPORT_OUTAGE_TOLERANCE {
-            check.problem(
-                "executor_report_outage_tolerance",
-                "must be at least 10s: the official runner itself retries its final report for 10s (report_close_timeout), so less would hold nothing it does not",
-            );
-        }
-        if executors.idle_timeout < Duration::from_secs(30) {
-            check.problem(
-                "executor_idle_timeout",
-                "must be at least 30s: the official runner reports every 5s, and a slow report must not fail a job",
-            );
-        }
+        let executors = executor_timings(
+            &mut check,
+            ExecutorTimings {
+                start_deadline: executor_start_deadline.0,
+                idle_timeout: executor_idle_timeout.0,
+                report_outage_tolerance: executor_report_outage_tolerance.0,
+            },
+        );
 
         let policy =
             trust_domain
@@ -1204,91 +1148,182 @@ impl TryFrom<Raw> for Settings {
     }
 }
 
-// === Facade limits and queue security (docs/security.md) ===
+// === Sections of [`Settings::try_from`] ===
 
-/// The facade limit keys, for [`facade_limits`].
-struct FacadeLimitKeys {
-    max_connections: u32,
-    max_connections_per_peer: u32,
-    max_connections_per_identity: u32,
-    max_connections_per_assignment: u32,
-    tls_handshake_timeout: Duration,
-    header_read_timeout: Duration,
-    idle_timeout: Duration,
-    h2_ping_interval: Duration,
-    h2_ping_timeout: Duration,
-}
-
-impl Default for FacadeLimits {
-    /// The limits the keys default to.
-    fn default() -> Self {
-        let raw = Raw::default();
-        facade_limits(
-            &mut Check::default(),
-            FacadeLimitKeys {
-                max_connections: raw.runner_facade_max_connections,
-                max_connections_per_peer: raw.runner_facade_max_connections_per_peer,
-                max_connections_per_identity: raw.runner_facade_max_connections_per_identity,
-                max_connections_per_assignment: raw.runner_facade_max_connections_per_assignment,
-                tls_handshake_timeout: raw.runner_facade_tls_handshake_timeout.0,
-                header_read_timeout: raw.runner_facade_header_read_timeout.0,
-                idle_timeout: raw.runner_facade_idle_timeout.0,
-                h2_ping_interval: raw.runner_facade_h2_ping_interval.0,
-                h2_ping_timeout: raw.runner_facade_h2_ping_timeout.0,
-            },
-        )
+/// `runner_facade_capability_key_file`; unset in single-host mode (`state_dir` given):
+/// generated under `state_dir`.
+fn capability_key_file(
+    check: &mut Check,
+    file: Option<PathBuf>,
+    state_dir: Option<&std::path::Path>,
+) -> Option<KeyFile> {
+    match (file, state_dir) {
+        (Some(file), _) => Some(KeyFile::Configured(file)),
+        (None, Some(dir)) => Some(KeyFile::Generated(dir.join(state_files::CAPABILITY_KEY))),
+        (None, None) => check.required(
+            "runner_facade_capability_key_file",
+            None,
+            "(key of assignment capabilities)",
+        ),
     }
 }
 
-fn facade_limits(check: &mut Check, keys: FacadeLimitKeys) -> FacadeLimits {
-    let count = |check: &mut Check, key: &'static str, n: u32| {
+/// The task keys; previous keys without a current one are refused (nothing would seal).
+fn task_keys(
+    check: &mut Check,
+    current: Option<PathBuf>,
+    previous: Vec<PathBuf>,
+) -> Option<TaskKeyFiles> {
+    match current {
+        Some(current) => Some(TaskKeyFiles { current, previous }),
+        None => {
+            if !previous.is_empty() {
+                check.problem(
+                    "task_encryption_previous_key_files",
+                    "needs task_encryption_key_file (the key that seals new envelopes)",
+                );
+            }
+            None
+        }
+    }
+}
+
+/// Where SVIDs come from: the local CA, else the Workload API at `spiffe_endpoint_socket`.
+fn identity_source(
+    check: &mut Check,
+    local_identity: bool,
+    endpoint: Option<String>,
+) -> IdentitySource {
+    match (local_identity, endpoint) {
+        (true, _) => IdentitySource::Local,
+        (false, Some(endpoint)) => IdentitySource::WorkloadApi(endpoint),
+        (false, None) => {
+            check.problem(
+                "spiffe_endpoint_socket",
+                "is required without local_identity (the SPIRE agent's Workload API)",
+            );
+            // A placeholder: the problem makes the conversion fail.
+            IdentitySource::Local
+        }
+    }
+}
+
+/// Which components run together, and that something can run at all.
+fn check_components(
+    check: &mut Check,
+    components: &Components,
+    pod_capacity: u32,
+    vm_capacity: u32,
+) {
+    if components.0.is_empty() {
+        check.problem("components", "at least one component is required");
+    }
+    if (components.contains(Component::PodWorker) || components.contains(Component::VmWorker))
+        && !components.contains(Component::Scheduler)
+    {
+        check.problem(
+            "components",
+            "a worker needs the scheduler in the same process: executors reach the facade of the replica that holds their assignment",
+        );
+    }
+    if pod_capacity == 0 && vm_capacity == 0 {
+        check.problem(
+            "pod_capacity",
+            "pod_capacity and vm_capacity are both 0: nothing would ever run",
+        );
+    }
+}
+
+/// The executor deadlines, checked against what the official runner itself does.
+fn executor_timings(check: &mut Check, timings: ExecutorTimings) -> ExecutorTimings {
+    if timings.report_outage_tolerance < MIN_REPORT_OUTAGE_TOLERANCE {
+        check.problem(
+            "executor_report_outage_tolerance",
+            "must be at least 10s: the official runner itself retries its final report for 10s (report_close_timeout), so less would hold nothing it does not",
+        );
+    }
+    if timings.idle_timeout < Duration::from_secs(30) {
+        check.problem(
+            "executor_idle_timeout",
+            "must be at least 30s: the official runner reports every 5s, and a slow report must not fail a job",
+        );
+    }
+    timings
+}
+
+// === Facade limits and queue security (docs/security.md) ===
+
+impl Default for FacadeLimits {
+    /// The limits the keys default to (for tests that run a facade without settings).
+    fn default() -> Self {
+        let raw = Raw::default();
+        FacadeLimits {
+            max_connections: count(raw.runner_facade_max_connections),
+            max_connections_per_peer: count(raw.runner_facade_max_connections_per_peer),
+            max_connections_per_identity: count(raw.runner_facade_max_connections_per_identity),
+            max_connections_per_assignment: count(raw.runner_facade_max_connections_per_assignment),
+            tls_handshake_timeout: raw.runner_facade_tls_handshake_timeout.0,
+            header_read_timeout: raw.runner_facade_header_read_timeout.0,
+            idle_timeout: raw.runner_facade_idle_timeout.0,
+            h2_ping_interval: raw.runner_facade_h2_ping_interval.0,
+            h2_ping_timeout: raw.runner_facade_h2_ping_timeout.0,
+        }
+    }
+}
+
+/// A count key as the `usize` its component counts with (saturating: a bound beyond the
+/// address space is no bound).
+fn count(n: u32) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+/// The facade's limits, checked: every count at least 1, every timeout at its least.
+fn facade_limits(check: &mut Check, limits: FacadeLimits) -> FacadeLimits {
+    for (key, n) in [
+        ("runner_facade_max_connections", limits.max_connections),
+        (
+            "runner_facade_max_connections_per_peer",
+            limits.max_connections_per_peer,
+        ),
+        (
+            "runner_facade_max_connections_per_identity",
+            limits.max_connections_per_identity,
+        ),
+        (
+            "runner_facade_max_connections_per_assignment",
+            limits.max_connections_per_assignment,
+        ),
+    ] {
         if n == 0 {
             check.problem(key, "must be at least 1");
         }
-        usize::try_from(n).unwrap_or(usize::MAX)
-    };
-    let max_connections = count(check, "runner_facade_max_connections", keys.max_connections);
-    let per_peer = count(
-        check,
-        "runner_facade_max_connections_per_peer",
-        keys.max_connections_per_peer,
-    );
-    let per_identity = count(
-        check,
-        "runner_facade_max_connections_per_identity",
-        keys.max_connections_per_identity,
-    );
-    let per_assignment = count(
-        check,
-        "runner_facade_max_connections_per_assignment",
-        keys.max_connections_per_assignment,
-    );
+    }
     for (key, value, least) in [
         (
             "runner_facade_tls_handshake_timeout",
-            keys.tls_handshake_timeout,
+            limits.tls_handshake_timeout,
             Duration::from_secs(1),
         ),
         (
             "runner_facade_header_read_timeout",
-            keys.header_read_timeout,
+            limits.header_read_timeout,
             Duration::from_secs(1),
         ),
         // The official runner reports every 5s; an idle bound below that would close
         // connections it is about to use.
         (
             "runner_facade_idle_timeout",
-            keys.idle_timeout,
+            limits.idle_timeout,
             Duration::from_secs(10),
         ),
         (
             "runner_facade_h2_ping_interval",
-            keys.h2_ping_interval,
+            limits.h2_ping_interval,
             Duration::from_secs(1),
         ),
         (
             "runner_facade_h2_ping_timeout",
-            keys.h2_ping_timeout,
+            limits.h2_ping_timeout,
             Duration::from_secs(1),
         ),
     ] {
@@ -1302,39 +1337,21 @@ fn facade_limits(check: &mut Check, keys: FacadeLimitKeys) -> FacadeLimits {
             );
         }
     }
-    FacadeLimits {
-        max_connections,
-        max_connections_per_peer: per_peer,
-        max_connections_per_identity: per_identity,
-        max_connections_per_assignment: per_assignment,
-        tls_handshake_timeout: keys.tls_handshake_timeout,
-        header_read_timeout: keys.header_read_timeout,
-        idle_timeout: keys.idle_timeout,
-        h2_ping_interval: keys.h2_ping_interval,
-        h2_ping_timeout: keys.h2_ping_timeout,
-    }
+    limits
 }
 
-/// The queue security keys, for [`queue_security`].
-struct QueueSecurityKeys {
-    accept_plaintext_envelopes: bool,
-    accept_undated_envelopes: bool,
-    gitea_endless_task_timeout: Duration,
-    nats_finished_bucket: String,
-    held_assignment_timeout: Duration,
-}
-
-fn queue_security(check: &mut Check, keys: QueueSecurityKeys) -> QueueSecurity {
-    if keys.gitea_endless_task_timeout < Duration::from_secs(60) {
+/// The queue's trust rules, checked: lifetimes of at least a minute, a usable bucket name.
+fn queue_security(check: &mut Check, security: QueueSecurity) -> QueueSecurity {
+    if security.task_lifetime < Duration::from_secs(60) {
         check.problem(
             "gitea_endless_task_timeout",
             "must be at least 1m (Gitea's default ENDLESS_TASK_TIMEOUT is 3h)",
         );
     }
-    if keys.held_assignment_timeout < Duration::from_secs(60) {
+    if security.held_timeout < Duration::from_secs(60) {
         check.problem("held_assignment_timeout", "must be at least 1m");
     }
-    let bucket = &keys.nats_finished_bucket;
+    let bucket = &security.finished_bucket;
     if bucket.is_empty()
         || !bucket
             .bytes()
@@ -1345,13 +1362,7 @@ fn queue_security(check: &mut Check, keys: QueueSecurityKeys) -> QueueSecurity {
             format!("{bucket:?} must be a key-value bucket name: letters, digits, '_' and '-'"),
         );
     }
-    QueueSecurity {
-        accept_plaintext_envelopes: keys.accept_plaintext_envelopes,
-        accept_undated_envelopes: keys.accept_undated_envelopes,
-        task_lifetime: keys.gitea_endless_task_timeout,
-        finished_bucket: keys.nats_finished_bucket,
-        held_timeout: keys.held_assignment_timeout,
-    }
+    security
 }
 
 /// The VM backend's keys, for [`opensandbox_settings`].
@@ -1369,7 +1380,14 @@ struct OpenSandboxKeys {
     terminal_grace: Duration,
 }
 
-fn opensandbox_settings(check: &mut Check, keys: OpenSandboxKeys) -> Option<OpenSandboxSettings> {
+/// The VM backend's settings, or `None` with every problem recorded (`trust_domain` and
+/// `codec` are `None` when their own keys are broken, already reported).
+fn opensandbox_settings(
+    check: &mut Check,
+    trust_domain: Option<&TrustDomain>,
+    codec: Option<&MetadataCodec>,
+    keys: OpenSandboxKeys,
+) -> Option<OpenSandboxSettings> {
     const WHY: &str = "with the opensandbox vm backend";
     let OpenSandboxKeys {
         api,
@@ -1446,17 +1464,25 @@ fn opensandbox_settings(check: &mut Check, keys: OpenSandboxKeys) -> Option<Open
             "must be above 0 and below vm_timeout_seconds (a renewal extends the expiry by vm_timeout_seconds)",
         );
     }
-    Some(OpenSandboxSettings {
-        api: api?,
-        api_key_file: api_key_file?,
-        ca_file,
-        pool,
+    let api = gdr_backends::opensandbox::ClientSettings {
+        base_url: api?,
         request_timeout,
         create_timeout,
-        entrypoint,
-        executor_env: env,
-        timeout,
-        renew_before,
+    };
+    let mut backend = gdr_backends::opensandbox::OpenSandboxSettings::new(
+        api,
+        pool,
+        codec?.clone(),
+        trust_domain?.clone(),
+    );
+    backend.entrypoint = entrypoint;
+    backend.extra_env = env;
+    backend.timeout = timeout;
+    backend.renew_before = renew_before;
+    Some(OpenSandboxSettings {
+        backend,
+        api_key_file: api_key_file?,
+        ca_file,
         terminal_grace,
     })
 }
@@ -1735,21 +1761,33 @@ pub fn check(sources: &Sources) -> Result<Checked, SettingsError> {
         );
     }
     if sources.environment {
-        for plain in [
-            "GITEA_RUNNER_TOKEN",
-            "NATS_PRODUCER_PASSWORD",
-            "NATS_WORKER_PASSWORD",
-            "OPENSANDBOX_API_KEY",
-            "RUNNER_FACADE_CAPABILITY_KEY",
-        ] {
-            if std::env::var_os(plain).is_some() {
+        for (plain, file) in plain_secret_variables() {
+            if std::env::var_os(&plain).is_some() {
                 problems.push(format!(
-                    "{plain} is set but ignored: secrets are read only from files ({plain}_FILE)"
+                    "{plain} is set but ignored: secrets are read only from files ({file})"
                 ));
             }
         }
     }
     Ok(Checked { rendered, problems })
+}
+
+/// The environment variables an operator might set to give a secret as a plain value,
+/// each with the variable of the file that holds it instead: derived from the key table's
+/// secret marks, so a new secret key is warned about without a second list to keep.
+/// `X_FILE` → `X`; `X_KEY_FILES` → `X_KEYS`.
+fn plain_secret_variables() -> Vec<(String, String)> {
+    KEYS.iter()
+        .filter(|k| k.secret)
+        .filter_map(|k| {
+            let file = k.env();
+            let plain = match file.strip_suffix("_FILES") {
+                Some(stem) => format!("{stem}S"),
+                None => file.strip_suffix("_FILE")?.to_owned(),
+            };
+            Some((plain, file))
+        })
+        .collect()
 }
 
 /// Whether the scheduler would write plaintext v1 envelopes: it runs, NATS is external

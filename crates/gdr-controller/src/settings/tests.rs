@@ -550,6 +550,29 @@ fn check_lists_unreadable_secret_files_with_their_key() {
     );
 }
 
+/// Issue 36 step 3: `check-config` warns about a plain secret variable for every key the
+/// key table marks secret, not for a hand-kept subset, and names that key's file variable.
+#[test]
+fn every_secret_key_has_its_plain_variable_warned_about() {
+    let warned = plain_secret_variables();
+    let secret: Vec<&Key> = KEYS.iter().filter(|k| k.secret).collect();
+    assert_eq!(secret.len(), 10, "the secret keys changed: {secret:?}");
+    for key in secret {
+        assert!(
+            warned.iter().any(|(_, file)| *file == key.env()),
+            "{} is marked secret but its plain variable is not warned about: {warned:?}",
+            key.name
+        );
+    }
+    assert!(
+        warned.contains(&(
+            "GITEA_RUNNER_TOKEN".to_owned(),
+            "GITEA_RUNNER_TOKEN_FILE".to_owned()
+        )),
+        "{warned:?}"
+    );
+}
+
 /// DESIGN invariant 19: the executor's outage tolerance reaches the executors, defaults to
 /// 30 minutes and is never below the official runner's own 10 s retry.
 #[test]
@@ -614,8 +637,8 @@ fn the_executor_log_retention_reaches_the_process_backend() {
     else {
         panic!("single host runs pod jobs as processes")
     };
-    assert_eq!(process.log_retention, Duration::from_secs(3600));
-    assert_eq!(process.log_retention_count, 3);
+    assert_eq!(process.log_retention.max_age, Duration::from_secs(3600));
+    assert_eq!(process.log_retention.max_count, 3);
 }
 
 /// The Pod section: every key reaches the backend's settings; tables come from TOML or the
@@ -974,17 +997,17 @@ fn opensandbox_settings(extra: &[&str]) -> Result<OpenSandboxSettings, SettingsE
 #[test]
 fn the_vm_backend_keys_reach_the_opensandbox_settings_with_their_defaults() {
     let o = opensandbox_settings(&[]).unwrap();
-    assert_eq!(o.api.as_str(), "https://osb.example/v1");
-    assert_eq!(o.pool, "ci-vm");
-    assert_eq!(o.request_timeout, Duration::from_secs(30));
-    assert_eq!(o.create_timeout, Duration::from_secs(90));
+    assert_eq!(o.backend.api.base_url.as_str(), "https://osb.example/v1");
+    assert_eq!(o.backend.pool, "ci-vm");
+    assert_eq!(o.backend.api.request_timeout, Duration::from_secs(30));
+    assert_eq!(o.backend.api.create_timeout, Duration::from_secs(90));
     assert_eq!(
-        o.entrypoint,
+        o.backend.entrypoint,
         ["/usr/local/bin/gitea-dynamic-runner", "executor"]
     );
-    assert!(o.executor_env.is_empty());
-    assert_eq!(o.timeout, Duration::from_secs(4 * 3600));
-    assert_eq!(o.renew_before, Duration::from_secs(600));
+    assert!(o.backend.extra_env.is_empty());
+    assert_eq!(o.backend.timeout, Duration::from_secs(4 * 3600));
+    assert_eq!(o.backend.renew_before, Duration::from_secs(600));
     assert_eq!(o.terminal_grace, Duration::from_secs(15));
     let o = opensandbox_settings(&[
         "opensandbox_pool=kata-small",
@@ -997,20 +1020,20 @@ fn the_vm_backend_keys_reach_the_opensandbox_settings_with_their_defaults() {
         "vm_terminal_grace=1s",
     ])
     .unwrap();
-    assert_eq!(o.pool, "kata-small");
+    assert_eq!(o.backend.pool, "kata-small");
     assert_eq!(o.ca_file.unwrap(), Path::new("/etc/osb-ca.pem"));
-    assert_eq!(o.create_timeout, Duration::from_secs(120));
+    assert_eq!(o.backend.api.create_timeout, Duration::from_secs(120));
     assert_eq!(
-        o.entrypoint,
+        o.backend.entrypoint,
         ["/opt/gdr/bin/gitea-dynamic-runner", "executor"]
     );
     assert_eq!(
-        o.executor_env["SPIFFE_ENDPOINT_SOCKET"],
+        o.backend.extra_env["SPIFFE_ENDPOINT_SOCKET"],
         "unix:///run/spire/agent.sock"
     );
-    assert_eq!(o.executor_env["GITEA_RUNNER_BINARY"], "/opt/runner");
-    assert_eq!(o.timeout, Duration::from_secs(3600));
-    assert_eq!(o.renew_before, Duration::from_secs(300));
+    assert_eq!(o.backend.extra_env["GITEA_RUNNER_BINARY"], "/opt/runner");
+    assert_eq!(o.backend.timeout, Duration::from_secs(3600));
+    assert_eq!(o.backend.renew_before, Duration::from_secs(300));
     assert_eq!(o.terminal_grace, Duration::from_secs(1));
 }
 

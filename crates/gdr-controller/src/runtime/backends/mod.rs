@@ -10,8 +10,8 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gdr_backends::opensandbox::{ApiKey, ClientSettings, OpenSandboxBackend};
-use gdr_backends::process::{LogRetention, ProcessBackend, ProcessBackendSettings};
+use gdr_backends::opensandbox::{ApiKey, OpenSandboxBackend};
+use gdr_backends::process::{ProcessBackend, ProcessBackendSettings};
 use gdr_core::assignment::DerivationPolicy;
 use gdr_core::backend::Backend;
 use gdr_core::executor::ExecutorBackend;
@@ -138,10 +138,7 @@ fn process_backend(
         codec: wiring.codec.clone(),
         trust_domain: wiring.policy.trust_domain.clone(),
         stop_grace: PROCESS_STOP_GRACE,
-        log_retention: LogRetention {
-            max_age: process.log_retention,
-            max_count: usize::try_from(process.log_retention_count).unwrap_or(usize::MAX),
-        },
+        log_retention: process.log_retention,
     };
     ProcessBackend::new(settings, identity).map_err(setup("building the process backend"))
 }
@@ -177,16 +174,9 @@ fn opensandbox_backend(
     wiring: &Wiring<'_>,
 ) -> Result<OpenSandboxBackend, RuntimeError> {
     let OpenSandboxSettings {
-        api,
+        backend,
         api_key_file,
         ca_file,
-        pool,
-        request_timeout,
-        create_timeout,
-        entrypoint,
-        executor_env,
-        timeout,
-        renew_before,
         // Read by the lifecycle reconciler ([`terminal_grace`]).
         terminal_grace: _,
     } = settings;
@@ -204,22 +194,9 @@ fn opensandbox_backend(
     let tls = crate::client_tls::client_config(
         "opensandbox_ca_file",
         extra_ca.as_deref(),
-        api.scheme() == "https",
+        backend.api.base_url.scheme() == "https",
     )
     .map_err(setup("building the OpenSandbox TLS configuration"))?;
-    let mut client = ClientSettings::new(api);
-    client.request_timeout = request_timeout;
-    client.create_timeout = create_timeout;
-    let mut backend = gdr_backends::opensandbox::OpenSandboxSettings::new(
-        client,
-        pool,
-        wiring.codec.clone(),
-        wiring.policy.trust_domain.clone(),
-    );
-    backend.entrypoint = entrypoint;
-    backend.extra_env = executor_env;
-    backend.timeout = timeout;
-    backend.renew_before = renew_before;
     OpenSandboxBackend::connect(backend, &key, tls).map_err(setup("building the vm backend"))
 }
 
