@@ -243,12 +243,15 @@ async fn a_first_start_creates_state_dir_the_ca_and_the_workload_api_socket_dire
     let executor = state
         .join("pod/executors")
         .join(format!("gitea-task-{task}"));
-    // The sockets the modes protect: the facade's and the running executor's.
+    // The sockets the modes protect: the facade's and the running executor's. The task's
+    // first heartbeat may be the controller's own (sent while the job waits to be
+    // claimed), so the executor's socket may still be on its way.
     for socket in [
         state.join("facade-workload.sock"),
         executor.join("workload.sock"),
     ] {
-        assert!(socket.exists(), "{} is served", socket.display());
+        let what = format!("{} to be served", socket.display());
+        gdr_testkit::until_sync(WAIT, &what, || socket.exists()).await;
     }
     for dir in [
         state.clone(),
