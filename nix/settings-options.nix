@@ -221,6 +221,31 @@ in
     default = null;
     description = "Serve SPIFFE identities from a CA under `state_dir` instead of SPIRE (required by the process backend). Default: `true without nats_url, else false`.";
   };
+  executor_identity = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "Where process executors get their SPIFFE identity: `local` (the controller's CA, with `local_identity`) or `spire` (an entry per executor in an existing SPIRE server, created and deleted with the `spire-server` CLI; each executor runs under a uid of its own from `spire_executor_uids`, so the controller needs root or CAP_SETUID, CAP_SETGID, CAP_CHOWN, CAP_KILL and CAP_DAC_OVERRIDE; needs `local_identity = false`, `spiffe_endpoint_socket` (the agent's, which executors get too), `spire_server_socket` and `spire_agent_id`). Off by default. Default: `local`.";
+  };
+  spire_server_socket = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "The SPIRE server's admin API socket (`server.socket_path`), on which `executor_identity = \"spire\"` creates and deletes executors' entries.";
+  };
+  spire_server_program = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "The `spire-server` program of `executor_identity = \"spire\"` (found on `PATH` unless a path). Default: `spire-server`.";
+  };
+  spire_executor_uids = mkOption {
+    type = types.nullOr (types.str);
+    default = null;
+    description = "With `executor_identity = \"spire\"`: the uids process executors run as, one per executor, as `<first>-<last>` (e.g. `60000-60063`). Reserved for this: any process still running as one is killed before it is handed out. At least the process backends' capacity (`pod_capacity` plus `vm_capacity`), better more, as a freed uid waits out `spire_executor_uid_quarantine`.";
+  };
+  spire_executor_uid_quarantine = mkOption {
+    type = types.nullOr (types.either types.str types.ints.unsigned);
+    default = null;
+    description = "With `executor_identity = \"spire\"`: how long a freed executor uid stays unused after its entry was deleted (also every uid after a controller start). Must exceed the SPIRE agent's sync interval (5s by default), during which the agent may still serve the deleted entry. Default: `30s`.";
+  };
   executor_program = mkOption {
     type = types.nullOr (types.str);
     default = null;
@@ -399,7 +424,7 @@ in
   spire_agent_id = mkOption {
     type = types.nullOr (types.str);
     default = null;
-    description = "Parent SPIFFE ID of every Pod entry (single-node clusters, node aliases). Unset: the agent ID of the node each Pod is scheduled on.";
+    description = "Parent SPIFFE ID of every Pod entry (single-node clusters, node aliases). Unset: the agent ID of the node each Pod is scheduled on. With `executor_identity = \"spire\"`: the SPIFFE ID of this host's SPIRE agent, parent of every process executor's entry (required there).";
   };
   opensandbox_api = mkOption {
     type = types.nullOr (types.str);

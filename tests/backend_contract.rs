@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use gdr_backends::process::{
-    IdentityProvider, LogRetention, ProcessBackend, ProcessBackendSettings,
+    IdentityProvider, LogRetention, ProcessBackend, ProcessBackendSettings, Provisioned,
 };
 use gdr_core::backend::Backend;
 use gdr_core::executor::{ExecutorBackend, ExecutorError};
@@ -33,8 +33,8 @@ struct NoIdentity;
 
 #[async_trait]
 impl IdentityProvider for NoIdentity {
-    async fn provision(&self, dir: &Path, _spiffe_id: &str) -> Result<String, ExecutorError> {
-        Ok(format!("unix:{}", dir.join("workload.sock").display()))
+    async fn provision(&self, dir: &Path, _spiffe_id: &str) -> Result<Provisioned, ExecutorError> {
+        Ok(format!("unix:{}", dir.join("workload.sock").display()).into())
     }
 
     async fn revoke(&self, _dir: &Path) {}

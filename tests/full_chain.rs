@@ -59,7 +59,7 @@ impl Controller {
 
     /// [`Controller::start_with`] against a mock Gitea the test started (and may have
     /// queued jobs in already).
-    async fn start_against(
+    pub(crate) async fn start_against(
         mock: RunningMock,
         pod_capacity: u32,
         vm_capacity: u32,
@@ -109,7 +109,7 @@ impl Controller {
         }
     }
 
-    fn queue(&self, name: &str, runs_on: &str, step: &str) -> JobId {
+    pub(crate) fn queue(&self, name: &str, runs_on: &str, step: &str) -> JobId {
         let yaml = format!(
             "on: push\njobs:\n  {name}:\n    runs-on: {runs_on}\n    steps:\n      - run: {step}\n"
         );
@@ -119,7 +119,7 @@ impl Controller {
             .expect("queue")[0]
     }
 
-    async fn wait_status(&self, job: JobId, status: Status) {
+    pub(crate) async fn wait_status(&self, job: JobId, status: Status) {
         self.mock
             .handle
             .wait_for(|m| m.job(job).is_some_and(|j| j.status == status), WAIT)
@@ -183,7 +183,7 @@ impl Controller {
     }
 
     /// The log rows Gitea stored for a job's task.
-    fn log_rows(&self, job: JobId) -> Vec<String> {
+    pub(crate) fn log_rows(&self, job: JobId) -> Vec<String> {
         self.mock.handle.log_rows(job)
     }
 

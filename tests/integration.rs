@@ -54,6 +54,8 @@ mod real_kube;
 mod real_spire;
 mod real_spire_cm;
 #[cfg(feature = "testkit")]
+mod real_spire_identity;
+#[cfg(feature = "testkit")]
 mod relay;
 mod sandbox_identity;
 mod scheduler;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use gdr_backends::process::{
     IdentityProvider, LOG_FILE, LOGS_DIR, LogRetention, METADATA_FILE, ProcessBackend,
-    ProcessBackendSettings,
+    ProcessBackendSettings, Provisioned,
 };
 use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_core::assignment::{Assignment, AssignmentId, DerivationPolicy};
@@ -46,14 +46,14 @@ impl RecordingIdentity {
 
 #[async_trait]
 impl IdentityProvider for RecordingIdentity {
-    async fn provision(&self, dir: &Path, spiffe_id: &str) -> Result<String, ExecutorError> {
+    async fn provision(&self, dir: &Path, spiffe_id: &str) -> Result<Provisioned, ExecutorError> {
         let socket = dir.join("workload.sock");
         std::fs::write(&socket, b"").map_err(ExecutorError::unavailable)?;
         self.provisioned
             .lock()
             .expect("lock")
             .push((dir.to_path_buf(), spiffe_id.to_owned()));
-        Ok(format!("unix:{}", socket.display()))
+        Ok(format!("unix:{}", socket.display()).into())
     }
 
     async fn revoke(&self, dir: &Path) {

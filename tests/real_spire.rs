@@ -32,7 +32,7 @@ const OTHER_UID: u32 = 2472;
 
 /// The claims of a JWT-SVID (its payload, unverified: the facade's trust in the token is
 /// SPIRE's business here, what matters is which identity the agent handed out).
-fn claims(token: &str) -> serde_json::Value {
+pub(crate) fn claims(token: &str) -> serde_json::Value {
     let payload = token.split('.').nth(1).expect("a JWT");
     let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(payload)
@@ -42,7 +42,7 @@ fn claims(token: &str) -> serde_json::Value {
 
 /// The first token `spire-agent api fetch jwt` printed among `rows` (its output is
 /// `token(<spiffe id>):` followed by the token on the next line).
-fn fetched_token(rows: &[String]) -> Option<String> {
+pub(crate) fn fetched_token(rows: &[String]) -> Option<String> {
     let at = rows
         .iter()
         .position(|r| r.trim_start().starts_with("token("))?;

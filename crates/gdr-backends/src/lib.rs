@@ -2,6 +2,8 @@
 //!
 //! - [`process`]: local child processes in per-assignment state directories (single host,
 //!   and the full-chain tests).
+//! - [`spire`]: process executors' identities registered in an existing SPIRE server, each
+//!   executor under a uid of its own.
 //! - [`opensandbox`] (feature `opensandbox`): sandboxes from an OpenSandbox pool (Kata
 //!   microVMs) through the Lifecycle API.
 //! - [`kubernetes`] (feature `kubernetes`): one Kubernetes Pod per job, bound to its SPIFFE
@@ -11,6 +13,7 @@ pub mod defaults;
 #[cfg(feature = "opensandbox")]
 pub mod opensandbox;
 pub mod process;
+pub mod spire;
 
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes;

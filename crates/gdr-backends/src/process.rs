@@ -32,10 +32,12 @@
 //! exact status; otherwise a recorded exit code decides; otherwise a live pid with the
 //! recorded start time is `Running` and anything else is `Finished { success: false }`.
 //!
-//! Limitation: the executor runs as the controller's user and can therefore rewrite its
+//! Limitation: with the local CA the executor runs as the controller's user and can therefore rewrite its
 //! own `metadata.json`. Re-validation refuses inconsistent metadata, but a consistent
 //! rewrite (another repository, job key and matching SPIFFE ID) is not detected; an
-//! authenticated (MAC'd) metadata file would close this.
+//! authenticated (MAC'd) metadata file would close this. An identity provider that answers
+//! a user to run as ([`Provisioned::run_as`], the SPIRE provider) closes it: the executor
+//! then owns only `work/`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::{self, Write};
@@ -180,14 +182,44 @@ fn unavailable(what: &'static str, path: &Path, source: io::Error) -> ExecutorEr
     })
 }
 
+/// The user and group an executor runs as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunAs {
+    /// Its uid.
+    pub uid: u32,
+    /// Its gid.
+    pub gid: u32,
+}
+
+/// Where an executor gets its identity, and as whom it must run to get it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Provisioned {
+    /// What the executor gets as `SPIFFE_ENDPOINT_SOCKET`.
+    pub endpoint: String,
+    /// The user it runs as; `None`: the controller's own.
+    pub run_as: Option<RunAs>,
+}
+
+impl From<String> for Provisioned {
+    /// An endpoint for an executor running as the controller's user.
+    fn from(endpoint: String) -> Self {
+        Provisioned {
+            endpoint,
+            run_as: None,
+        }
+    }
+}
+
 /// Serves the workload identity of process executors (a local CA and a per-executor
-/// SPIFFE Workload API socket in production; a recorder in tests).
+/// SPIFFE Workload API socket, or entries in an existing SPIRE server; a recorder in
+/// tests).
 #[async_trait]
 pub trait IdentityProvider: Send + Sync + 'static {
     /// Starts serving `spiffe_id` for the executor in `dir`; returns the endpoint the
-    /// executor gets as `SPIFFE_ENDPOINT_SOCKET` (e.g. `unix:<dir>/workload.sock`).
-    /// Must be idempotent: it is called again after a controller restart.
-    async fn provision(&self, dir: &Path, spiffe_id: &str) -> Result<String, ExecutorError>;
+    /// executor gets as `SPIFFE_ENDPOINT_SOCKET` (e.g. `unix:<dir>/workload.sock`) and the
+    /// user it must run as. Must be idempotent: it is called again after a controller
+    /// restart, and must then answer the same user.
+    async fn provision(&self, dir: &Path, spiffe_id: &str) -> Result<Provisioned, ExecutorError>;
 
     /// Stops serving the identity of the executor in `dir` (no-op when not served).
     async fn revoke(&self, dir: &Path);
@@ -599,8 +631,14 @@ impl Inner {
         }
         // The child needs its Workload API socket from its first instant.
         let spiffe_id = spec.assignment.identity().spiffe_id();
-        let endpoint = self.identity.provision(&dir, spiffe_id).await?;
+        let provisioned = self.identity.provision(&dir, spiffe_id).await?;
         self.live().provisioned.insert(name.clone());
+        if let Some(run_as) = provisioned.run_as
+            && let Err(e) = hand_over(&dir, run_as)
+        {
+            self.discard(&name).await;
+            return Err(unavailable("hand the work directory over in", &dir, e));
+        }
         let mut meta = Metadata {
             version: METADATA_VERSION,
             labels: spec.metadata.labels.clone(),
@@ -618,7 +656,7 @@ impl Inner {
         self.write(&name, &meta, Durability::CrashConsistent)
             .await?;
         self.live().spawning.insert(name.clone());
-        let spawned = self.spawn_child(spec, &dir, &endpoint);
+        let spawned = self.spawn_child(spec, &dir, &provisioned);
         let (mut child, log_path) = match spawned {
             Ok(c) => c,
             Err(e) => {
@@ -701,7 +739,7 @@ impl Inner {
         &self,
         spec: &ExecutorSpec,
         dir: &Path,
-        endpoint: &str,
+        provisioned: &Provisioned,
     ) -> io::Result<(tokio::process::Child, PathBuf)> {
         let log_path = dir.join(LOG_FILE);
         let log = std::fs::OpenOptions::new()
@@ -730,9 +768,14 @@ impl Inner {
         command
             .envs(&self.settings.extra_env)
             .envs(spec.environment())
-            .env(env::SPIFFE_ENDPOINT_SOCKET, endpoint)
+            .env(env::SPIFFE_ENDPOINT_SOCKET, &provisioned.endpoint)
             .env(WORKDIR_ENV, &work)
             .env_remove(ROOT_START_ENV);
+        if let Some(run_as) = provisioned.run_as {
+            // The controller's home is not the executor's to write in; without a group list
+            // the standard library drops the controller's supplementary groups.
+            command.uid(run_as.uid).gid(run_as.gid).env("HOME", &work);
+        }
         Ok((command.spawn()?, log_path))
     }
 
@@ -1183,9 +1226,10 @@ const EXECUTOR_SOCKET: &str = "workload.sock";
 
 #[async_trait]
 impl IdentityProvider for LocalIdentity {
-    async fn provision(&self, dir: &Path, spiffe_id: &str) -> Result<String, ExecutorError> {
+    async fn provision(&self, dir: &Path, spiffe_id: &str) -> Result<Provisioned, ExecutorError> {
         self.serve(dir.join(EXECUTOR_SOCKET), spiffe_id)
             .await
+            .map(Provisioned::from)
             .map_err(|source| {
                 ExecutorError::unavailable(ProcessError::Identity {
                     dir: dir.to_path_buf(),
@@ -1197,6 +1241,15 @@ impl IdentityProvider for LocalIdentity {
     async fn revoke(&self, dir: &Path) {
         self.stop(&dir.join(EXECUTOR_SOCKET)).await;
     }
+}
+
+/// Makes `work/` the executor's own and its directory traversable (not readable) by it, so
+/// that an executor running as another user can work there while `metadata.json` and the
+/// log stay the controller's (it can no longer rewrite its own metadata either).
+fn hand_over(dir: &Path, run_as: RunAs) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::os::unix::fs::chown(dir.join(WORK_DIR), Some(run_as.uid), Some(run_as.gid))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
 }
 
 /// Whether any non-exited process is in group `pgid`.

@@ -217,13 +217,8 @@ async fn run_controller(
     // not re-serve or re-adopt what the leader owns.
     let local = local_identity(&identity, &state_dir, &policy)?;
     let vm_terminal_grace = vm.as_ref().and_then(terminal_grace);
-    let wiring = Wiring {
-        state_dir: &state_dir,
-        policy: &policy,
-        codec: &codec,
-        local: local.as_ref(),
-        secrets,
-    };
+    #[rustfmt::skip] // Within run_controller's length bound.
+    let wiring = Wiring::new(&state_dir, &policy, &codec, &identity, local.as_ref(), secrets);
     let finished = queue.finished(&nats).await?;
     let (dispatch, capacities, extras) = adopt(pod, vm, &wiring, capability_key, &finished).await?;
     for backend in capacities.keys() {

@@ -267,6 +267,32 @@ keys! {
     /// Serve SPIFFE identities from a CA under `state_dir` instead of SPIRE (required by the
     /// process backend).
     local_identity: Option<bool> = None, shown "true without nats_url, else false";
+    /// Where process executors get their SPIFFE identity: `local` (the controller's CA,
+    /// with `local_identity`) or `spire` (an entry per executor in an existing SPIRE
+    /// server, created and deleted with the `spire-server` CLI; each executor runs under a
+    /// uid of its own from `spire_executor_uids`, so the controller needs root or
+    /// CAP_SETUID, CAP_SETGID, CAP_CHOWN, CAP_KILL and CAP_DAC_OVERRIDE; needs
+    /// `local_identity = false`,
+    /// `spiffe_endpoint_socket` (the agent's, which executors get too),
+    /// `spire_server_socket` and `spire_agent_id`). Off by default.
+    executor_identity: String = "local".into();
+    /// The SPIRE server's admin API socket (`server.socket_path`), on which
+    /// `executor_identity = "spire"` creates and deletes executors' entries.
+    spire_server_socket: Option<PathBuf> = None;
+    /// The `spire-server` program of `executor_identity = "spire"` (found on `PATH` unless
+    /// a path).
+    spire_server_program: PathBuf = "spire-server".into();
+    /// With `executor_identity = "spire"`: the uids process executors run as, one per
+    /// executor, as `<first>-<last>` (e.g. `60000-60063`). Reserved for this: any process
+    /// still running as one is killed before it is handed out. At least the process
+    /// backends' capacity (`pod_capacity` plus `vm_capacity`), better more, as a freed uid
+    /// waits out `spire_executor_uid_quarantine`.
+    spire_executor_uids: Option<String> = None;
+    /// With `executor_identity = "spire"`: how long a freed executor uid stays unused after
+    /// its entry was deleted (also every uid after a controller start). Must exceed the
+    /// SPIRE agent's sync interval (5s by default), during which the agent may still serve
+    /// the deleted entry.
+    spire_executor_uid_quarantine: Secs = Secs::from_secs(30);
     /// Program the process backend starts (with argument `executor`). Unset: the executor's
     /// own binary `gitea-dynamic-executor` when it sits next to this binary, else this
     /// binary (its `executor` subcommand).
@@ -387,7 +413,9 @@ keys! {
     /// class, else SPIRE ignores the entries).
     spire_class: String = "spire-mgmt-spire".into();
     /// Parent SPIFFE ID of every Pod entry (single-node clusters, node aliases). Unset:
-    /// the agent ID of the node each Pod is scheduled on.
+    /// the agent ID of the node each Pod is scheduled on. With `executor_identity =
+    /// "spire"`: the SPIFFE ID of this host's SPIRE agent, parent of every process
+    /// executor's entry (required there).
     spire_agent_id: Option<String> = None;
     // --- the VM backend (OpenSandbox) ---
     /// OpenSandbox Lifecycle API base URL including the version, e.g.

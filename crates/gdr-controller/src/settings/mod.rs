@@ -16,6 +16,9 @@ mod pod;
 mod reference;
 mod secret;
 mod sources;
+mod spire;
+
+pub use spire::SpireExecutorSettings;
 mod values;
 
 use std::collections::BTreeMap;
@@ -429,6 +432,9 @@ pub enum VmBackend {
 /// takes as it is (the log retention) is its own type.
 #[derive(Debug, Clone)]
 pub struct ProcessSettings {
+    /// `executor_identity = "spire"`: executors' entries in this SPIRE server, each
+    /// executor under a uid of its own; `None`: the local CA.
+    pub spire: Option<SpireExecutorSettings>,
     /// The executor program (`None`: this binary).
     pub program: Option<PathBuf>,
     /// The official runner the executor runs (`None`: `gitea-runner` or `act_runner`
@@ -689,6 +695,11 @@ impl TryFrom<Raw> for Settings {
             pod_backend,
             vm_backend,
             local_identity,
+            executor_identity,
+            spire_server_socket,
+            spire_server_program,
+            spire_executor_uids,
+            spire_executor_uid_quarantine,
             executor_program,
             runner_binary,
             executor_start_deadline,
@@ -890,7 +901,20 @@ impl TryFrom<Raw> for Settings {
         }
         let pod_on = components.contains(Component::PodWorker) && pod_capacity > 0;
         let vm_on = components.contains(Component::VmWorker) && vm_capacity > 0;
+        let spire = spire::spire_identity_settings(
+            &mut check,
+            spire::SpireKeys {
+                executor_identity,
+                server_socket: spire_server_socket,
+                server_program: spire_server_program,
+                agent_id: spire_agent_id.clone(),
+                uids: spire_executor_uids,
+                quarantine: spire_executor_uid_quarantine.0,
+                local_identity,
+            },
+        );
         let process = ProcessSettings {
+            spire: spire.clone(),
             program: executor_program,
             runner_binary,
             log_retention: gdr_backends::process::LogRetention {
@@ -980,12 +1004,20 @@ impl TryFrom<Raw> for Settings {
         };
         let uses_process = (pod_on && matches!(pod, Some(PodBackend::Process(_))))
             || (vm_on && matches!(vm, Some(VmBackend::Process(_))));
-        if uses_process && !local_identity {
-            check.problem(
-                "local_identity",
-                "must be true with the process backend: local executors get their SPIFFE identity from the controller's CA",
-            );
-        }
+        let process_capacity = uses_process.then(|| {
+            let on =
+                |on: bool, process: bool, capacity: u32| if on && process { capacity } else { 0 };
+            on(
+                pod_on,
+                matches!(pod, Some(PodBackend::Process(_))),
+                pod_capacity,
+            ) + on(
+                vm_on,
+                matches!(vm, Some(VmBackend::Process(_))),
+                vm_capacity,
+            )
+        });
+        spire::check_process_identity(&mut check, spire.as_ref(), local_identity, process_capacity);
         let pod = pod.filter(|_| pod_on).map(|kind| BackendSettings {
             capacity: pod_capacity,
             kind,

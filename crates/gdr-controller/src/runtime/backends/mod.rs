@@ -4,6 +4,7 @@
 
 #[cfg(feature = "kubernetes")]
 mod kubernetes;
+mod spire;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -11,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gdr_backends::opensandbox::{ApiKey, OpenSandboxBackend};
-use gdr_backends::process::{ProcessBackend, ProcessBackendSettings};
+use gdr_backends::process::{IdentityProvider, ProcessBackend, ProcessBackendSettings};
 use gdr_core::assignment::DerivationPolicy;
 use gdr_core::backend::Backend;
 use gdr_core::executor::ExecutorBackend;
@@ -24,8 +25,8 @@ use super::{
 use crate::dispatch::Dispatch;
 use crate::lifecycle::Housekeeping;
 use crate::settings::{
-    BackendSettings, OpenSandboxSettings, PodBackend, ProcessSettings, SecretPermissions,
-    VmBackend, read_secret_file_with,
+    BackendSettings, IdentitySource, OpenSandboxSettings, PodBackend, ProcessSettings,
+    SecretPermissions, VmBackend, read_secret_file_with,
 };
 use crate::wake::Wake;
 
@@ -35,7 +36,32 @@ pub(super) struct Wiring<'a> {
     pub(super) policy: &'a DerivationPolicy,
     pub(super) codec: &'a MetadataCodec,
     pub(super) local: Option<&'a Arc<LocalIdentity>>,
+    /// The SPIRE agent's Workload API (`spiffe_endpoint_socket`), when SVIDs come from it.
+    pub(super) workload_api: Option<&'a str>,
     pub(super) secrets: SecretPermissions,
+}
+
+impl<'a> Wiring<'a> {
+    pub(super) fn new(
+        state_dir: &'a Path,
+        policy: &'a DerivationPolicy,
+        codec: &'a MetadataCodec,
+        identity: &'a IdentitySource,
+        local: Option<&'a Arc<LocalIdentity>>,
+        secrets: SecretPermissions,
+    ) -> Self {
+        Wiring {
+            state_dir,
+            policy,
+            codec,
+            local,
+            workload_api: match identity {
+                IdentitySource::WorkloadApi(endpoint) => Some(endpoint.as_str()),
+                IdentitySource::Local => None,
+            },
+            secrets,
+        }
+    }
 }
 
 /// Each enabled backend's adapter and capacity.
@@ -70,12 +96,41 @@ pub(super) async fn backends(
     let mut out: Backends = Vec::new();
     #[cfg_attr(not(feature = "kubernetes"), allow(unused_mut))]
     let mut extras = BTreeMap::new();
+    // One provider for both process backends: one uid pool.
+    let spire_settings = [
+        pod.as_ref().and_then(|p| match &p.kind {
+            PodBackend::Process(process) => process.spire.clone(),
+            PodBackend::Kubernetes(_) => None,
+        }),
+        vm.as_ref().and_then(|v| match &v.kind {
+            VmBackend::Process(process) => process.spire.clone(),
+            VmBackend::OpenSandbox(_) => None,
+        }),
+    ]
+    .into_iter()
+    .flatten()
+    .next();
+    let spire = spire_settings
+        .map(|s| spire::spire_identity(&s, wiring.workload_api))
+        .transpose()?;
+    let identity = |backend: &str| -> Result<Arc<dyn IdentityProvider>, RuntimeError> {
+        match (&spire, wiring.local) {
+            (Some(spire), _) => Ok(spire.clone()),
+            (None, Some(local)) => Ok(local.clone()),
+            (None, None) => Err(step("building the process backend")(
+                format!("the {backend} process backend needs local_identity = true or executor_identity = \"spire\"").into(),
+            )),
+        }
+    };
     if let Some(pod) = pod {
         let slots = pod.slots();
         let adapter: Arc<dyn ExecutorBackend> = match pod.kind {
-            PodBackend::Process(process) => {
-                Arc::new(process_backend(Backend::Pod, &process, wiring)?)
-            }
+            PodBackend::Process(process) => Arc::new(process_backend(
+                Backend::Pod,
+                &process,
+                wiring,
+                identity("pod")?,
+            )?),
             #[cfg(feature = "kubernetes")]
             PodBackend::Kubernetes(settings) => {
                 let (adapter, more) = kubernetes::pod_backend(*settings).await?;
@@ -90,9 +145,12 @@ pub(super) async fn backends(
     if let Some(vm) = vm {
         let slots = vm.slots();
         let adapter: Arc<dyn ExecutorBackend> = match vm.kind {
-            VmBackend::Process(process) => {
-                Arc::new(process_backend(Backend::Vm, &process, wiring)?)
-            }
+            VmBackend::Process(process) => Arc::new(process_backend(
+                Backend::Vm,
+                &process,
+                wiring,
+                identity("vm")?,
+            )?),
             VmBackend::OpenSandbox(opensandbox) => {
                 Arc::new(opensandbox_backend(*opensandbox, wiring)?)
             }
@@ -106,12 +164,8 @@ fn process_backend(
     backend: Backend,
     process: &ProcessSettings,
     wiring: &Wiring<'_>,
+    identity: Arc<dyn IdentityProvider>,
 ) -> Result<ProcessBackend, RuntimeError> {
-    let identity = wiring.local.cloned().ok_or_else(|| {
-        step("building the process backend")(
-            "the process backend needs local_identity = true".into(),
-        )
-    })?;
     let program = match &process.program {
         Some(p) => p.clone(),
         None => default_executor_program(
@@ -140,7 +194,15 @@ fn process_backend(
         stop_grace: PROCESS_STOP_GRACE,
         log_retention: process.log_retention,
     };
-    ProcessBackend::new(settings, identity).map_err(setup("building the process backend"))
+    let executors = settings.state_root.join("executors");
+    let state_root = settings.state_root.clone();
+    let built =
+        ProcessBackend::new(settings, identity).map_err(setup("building the process backend"))?;
+    if process.spire.is_some() {
+        // Executors of other uids work in `<state_dir>/<backend>/executors/<id>/work`.
+        spire::traversable(&[wiring.state_dir, &state_root, &executors])?;
+    }
+    Ok(built)
 }
 
 /// The executor's own binary (crate `gdr-executor`), installed next to the controller's.
