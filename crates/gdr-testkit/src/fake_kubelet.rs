@@ -205,9 +205,9 @@ fn sidecars(pod: &Pod) -> Vec<Container> {
 struct Waiting(&'static str, String);
 
 impl FakeKubelet {
-    /// Registers `name` as a Node (with `labels`; an existing Node of that name is kept as
-    /// it is) and returns its UID, so that a SPIRE agent ID can be derived before the
-    /// kubelet starts on it.
+    /// Registers `name` as a Node with `labels` (added to an existing Node of that name)
+    /// and returns its UID, so that a SPIRE agent ID can be derived before the kubelet
+    /// starts on it.
     pub async fn register_node(
         client: kube::Client,
         name: &str,
@@ -220,7 +220,12 @@ impl FakeKubelet {
         .map_err(kube::Error::SerdeError)?;
         let node = match nodes.create(&PostParams::default(), &node).await {
             Ok(n) => n,
-            Err(kube::Error::Api(s)) if s.code == 409 => nodes.get(name).await?,
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                let labels = json!({ "metadata": { "labels": labels } });
+                nodes
+                    .patch(name, &PatchParams::default(), &Patch::Merge(&labels))
+                    .await?
+            }
             Err(e) => return Err(e),
         };
         Ok(node.uid().unwrap_or_default())
