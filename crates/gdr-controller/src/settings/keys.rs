@@ -93,7 +93,7 @@ macro_rules! keys {
         section $section:ident: $Section:ident;
         $(
             $(#[doc = $doc:literal])+
-            $name:ident: $ty:ty = $default:expr $(, shown $shown:literal)? $(=> $secret:ident)?;
+            $name:ident: $ty:ty = $default:expr $(, shown $shown:expr)? $(=> $secret:ident)?;
         )*
     )*) => {
         /// Every key as the file, the environment and `--set` give it, before validation.
@@ -150,7 +150,7 @@ macro_rules! keys {
             }
         }
     };
-    (@shown $shown:literal) => { Some($shown) };
+    (@shown $shown:expr) => { Some($shown) };
     (@shown) => { None };
     (@secret secret) => { true };
     (@secret) => { false };
@@ -170,11 +170,12 @@ keys! {
     /// File holding the controller's runner UUID (written by `register`, or by the
     /// controller's first start with `gitea_runner_registration_token_file`).
     gitea_runner_uuid_file: Option<PathBuf> = None,
-        shown "<state_dir>/runner-uuid without nats_url, else required";
+        shown concat!("<state_dir>/", runner_uuid_file!(), " without nats_url, else required");
     /// File holding the controller's runner token (written by `register`, or by the
     /// controller's first start with `gitea_runner_registration_token_file`; mode 0600).
     gitea_runner_token_file: Option<PathBuf> = None,
-        shown "<state_dir>/runner-token without nats_url, else required" => secret;
+        shown concat!("<state_dir>/", runner_token_file!(), " without nats_url, else required")
+        => secret;
     /// PEM bundle of extra CAs trusted for an https Gitea (the system roots are always
     /// trusted).
     gitea_ca_file: Option<PathBuf> = None;
@@ -200,7 +201,7 @@ keys! {
     /// SPIFFE trust domain of job identities (`spiffe://<trust_domain>/ci/…`, see
     /// `spiffe_id_scheme`). The Go version defaulted to `ddupan.top`.
     trust_domain: Option<String> = None,
-        shown "gitea-dynamic-runner.local with local_identity, else required";
+        shown concat!(local_trust_domain!(), " with local_identity, else required");
     /// How job SPIFFE IDs are formed. `ref`:
     /// `spiffe://<trust_domain>/ci/<owner>/<repo>/<ref kind>/<ref name>/<job>`, the ref
     /// kind `branch`, `tag`, `pull` (named by the pull request's number,
@@ -288,7 +289,7 @@ keys! {
         shown "https://<the facade listener's address> without nats_url, else required";
     /// The facade's SPIFFE ID, which executors verify exactly.
     runner_facade_spiffe_id: Option<String> = None,
-        shown "spiffe://<trust_domain>/gitea-dynamic-runner/facade with local_identity, else required";
+        shown concat!("spiffe://<trust_domain>", local_facade_path!(), " with local_identity, else required");
     section host: Host;
     /// SPIFFE Workload API socket of the controller, e.g.
     /// `unix:///run/spire/agent-sockets/spire-agent.sock` (not needed with `local_identity`).

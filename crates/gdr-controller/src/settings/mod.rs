@@ -13,6 +13,29 @@
 //!
 //! Secrets are never values: only paths to files that hold them (`*_file`).
 
+/// The literals of computed defaults, for their constants below and for the key table's
+/// `shown` texts (`concat!` takes literals only), so each is written once.
+macro_rules! runner_uuid_file {
+    () => {
+        "runner-uuid"
+    };
+}
+macro_rules! runner_token_file {
+    () => {
+        "runner-token"
+    };
+}
+macro_rules! local_trust_domain {
+    () => {
+        "gitea-dynamic-runner.local"
+    };
+}
+macro_rules! local_facade_path {
+    () => {
+        "/gitea-dynamic-runner/facade"
+    };
+}
+
 mod keys;
 mod pod;
 mod reference;
@@ -200,19 +223,19 @@ impl KeyFile {
 /// File names single-host mode uses under `state_dir` for what is not configured.
 pub mod state_files {
     /// The runner UUID (`gitea_runner_uuid_file`).
-    pub const RUNNER_UUID: &str = "runner-uuid";
+    pub const RUNNER_UUID: &str = runner_uuid_file!();
     /// The runner token (`gitea_runner_token_file`).
-    pub const RUNNER_TOKEN: &str = "runner-token";
+    pub const RUNNER_TOKEN: &str = runner_token_file!();
     /// The capability key (`runner_facade_capability_key_file`).
     pub const CAPABILITY_KEY: &str = "capability-key";
 }
 
 /// The trust domain of single-host mode's local identity when `trust_domain` is unset.
-pub const LOCAL_TRUST_DOMAIN: &str = "gitea-dynamic-runner.local";
+pub const LOCAL_TRUST_DOMAIN: &str = local_trust_domain!();
 
 /// The facade's SPIFFE ID path under the local trust domain when
 /// `runner_facade_spiffe_id` is unset.
-pub const LOCAL_FACADE_PATH: &str = "/gitea-dynamic-runner/facade";
+pub const LOCAL_FACADE_PATH: &str = local_facade_path!();
 
 /// The state directory when `state_dir` is unset: systemd's `$STATE_DIRECTORY` (its first
 /// entry), else `/var/lib/gitea-dynamic-runner` for root, else the XDG state directory
