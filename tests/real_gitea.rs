@@ -437,7 +437,12 @@ async fn a_controller_killed_mid_job_and_restarted_leaves_the_job_its_real_resul
     // Mid-job: the step has printed its first half (Gitea marks the job running when the
     // controller fetches it, before its executor exists).
     let end = tokio::time::Instant::now() + WAIT;
-    while !host.log_of("killed", &job).await.contains("first-half") {
+    while !host
+        .gitea
+        .job_log_so_far("killed", job.id)
+        .await
+        .is_some_and(|log| log.contains("first-half"))
+    {
         assert!(
             tokio::time::Instant::now() < end,
             "the step never started\n{}",
