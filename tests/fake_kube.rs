@@ -710,23 +710,25 @@ async fn cluster_static_entries_are_refused_where_spire_would_refuse_them() {
 }
 
 /// Peer fidelity: the custom resources are served as their CRDs (spire-controller-manager's,
-/// OpenSandbox's) declare them: ClusterStaticEntry cluster-scoped, BatchSandbox namespaced,
-/// both with a status subresource, and the fake's registration is read from those schemas.
+/// OpenSandbox's) declare them: ClusterStaticEntry cluster-scoped, BatchSandbox and Pool
+/// namespaced, each with a status subresource, and the fake's registration is read from those schemas.
 #[tokio::test]
 async fn custom_resources_are_served_with_the_scope_their_crds_declare() {
     use gdr_testkit::fake_kube::schema;
     for crd in schema::crds() {
         let rt = ResourceType::from_crd(crd);
-        let builtin = if crd.kind == "ClusterStaticEntry" {
-            ResourceType::cluster_static_entries()
-        } else {
-            ResourceType::batch_sandboxes()
+        let builtin = match crd.kind.as_str() {
+            "ClusterStaticEntry" => ResourceType::cluster_static_entries(),
+            "BatchSandbox" => ResourceType::batch_sandboxes(),
+            "Pool" => ResourceType::pools(),
+            other => panic!("the fake serves no {other}"),
         };
         assert_eq!(rt, builtin);
         assert!(rt.status_subresource, "{}", crd.kind);
     }
     assert!(!ResourceType::cluster_static_entries().namespaced);
     assert!(ResourceType::batch_sandboxes().namespaced);
+    assert!(ResourceType::pools().namespaced);
     let fake = fake_kube::start().await.unwrap();
     let get = |path: String| async move { reqwest::get(path).await.unwrap().status().as_u16() };
     let base = &fake.url;

@@ -1,7 +1,8 @@
 //! The whole chain through the Pod backend: mock Gitea → scheduler → JetStream (a real
-//! nats-server) → pod-worker → the fake Kubernetes API server (through the real `kube`
-//! client, found through a kubeconfig) → the fake kubelet, which runs each Pod's container
-//! as a local process: the real `gitea-dynamic-runner executor` → the stand-in runner →
+//! nats-server) → pod-worker → the real Kubernetes API server (kube-apiserver and etcd of
+//! `gdr_testkit::real_kube`, with the shipped RBAC: the controller calls it as its own
+//! ServiceAccount, through a kubeconfig) → the node stand-in (the test kit's kubelet), which
+//! runs each Pod's container as a local process: the real `gitea-dynamic-runner executor` → the stand-in runner →
 //! the facade (SPIFFE mTLS; the executor's SVID comes from the fake SPIRE agent only once
 //! the Pod's ClusterStaticEntry is bound) → mock Gitea.
 //!
@@ -18,18 +19,19 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt as _;
 use gdr_testkit::controller::{ControllerFixture, FACADE_SPIFFE_ID, Value, listener};
 use gdr_testkit::eventually;
-use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube, ServiceAccount};
 use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
 use gdr_testkit::fake_spire::FakeSpireAgent;
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;
+use gdr_testkit::real_kube::{NODE, RealKube, ServiceAccount};
 use gdr_testkit::spiffe::{FakeWorkloadApi, RunningWorkloadApi, TestCa};
 use gdr_testkit::standin_dockerd::{Readiness, StandinDockerd, recording_runner, runner_start};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Pod, Secret};
 use kube::Api;
-use kube::api::DeleteParams;
+use kube::api::{DeleteParams, DynamicObject};
 
 /// Upper bound of every wait (reached only when the behaviour under test is broken).
 const WAIT: Duration = Duration::from_secs(90);
@@ -37,18 +39,22 @@ const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
 const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
 const DOCKERD: &str = env!("CARGO_BIN_EXE_dockerd-standin");
 const TRUST_DOMAIN: &str = "example.org";
-const NS: &str = "ci";
+/// The shipped base's namespace: the controller's Role and the executor's ServiceAccount.
+const NS: &str = crate::real_kube::NS;
 const CLUSTER: &str = "test-cluster";
 const CLASS: &str = "spire-mgmt";
-const NODE: &str = "node-a";
-/// The executor image the fake kubelet maps to the real binary.
-const IMAGE: &str = "registry.example/gitea-dynamic-runner@sha256:0000000000000000000000000000000000000000000000000000000000000000";
+/// The executor image the node stand-in maps to the real binary.
+const IMAGE: &str = crate::real_kube::IMAGE;
 
 /// The cluster, NATS, Gitea and a controller configuration; the controller process is
 /// started (and killed) by the test.
 struct Chain {
     mock: RunningMock,
-    fake: RunningFakeKube,
+    _cluster: RealKube,
+    admin: kube::Client,
+    /// The UIDs of every Pod the API server ever held in [`NS`] (a watch from the start).
+    created: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+    _recorder: tokio::task::JoinHandle<()>,
     _kubelet: FakeKubelet,
     fixture: ControllerFixture,
     /// The stand-in dockerd every privileged Pod's `dockerd` sidecar runs.
@@ -76,9 +82,9 @@ impl Chain {
     ) -> Self {
         let nats = NatsServer::start().await.expect("nats");
         let mock = MockGitea::start(MockConfig::default()).await.expect("mock");
-        let fake = fake_kube::start().await.expect("fake API server");
-        // The shipped RBAC, the controller's Role applied in the executor namespace too.
-        fake.handle.enforce_shipped_rbac(&[("gitea-actions", NS)]);
+        let kube = crate::real_kube::cluster().await;
+        let admin = kube.admin().await;
+        let (created, recorder) = record_pods(&admin);
         let dir = tempfile::Builder::new().prefix("pc").tempdir().unwrap();
         std::fs::create_dir(dir.path().join("d")).unwrap();
         let dockerd = StandinDockerd::install(
@@ -93,19 +99,19 @@ impl Chain {
             ("kubernetes.io/hostname".to_owned(), NODE.to_owned()),
             ("gdr.test/size".to_owned(), "large".to_owned()),
         ]);
-        let node_uid = FakeKubelet::register_node(fake.client().unwrap(), NODE, &node_labels)
+        let node_uid = FakeKubelet::register_node(admin.clone(), NODE, &node_labels)
             .await
             .unwrap();
         let agent_id = format!("spiffe://{TRUST_DOMAIN}/spire/agent/k8s_psat/{CLUSTER}/{node_uid}");
         let spire = Arc::new(FakeSpireAgent::start(
-            fake.client().unwrap(),
+            admin.clone(),
             ca.clone(),
             &agent_id,
             CLASS,
             &dir.path().join("s"),
         ));
         let kubelet = FakeKubelet::start(
-            fake.client().unwrap(),
+            admin.clone(),
             KubeletConfig {
                 node_name: NODE.into(),
                 node_labels,
@@ -158,11 +164,14 @@ impl Chain {
         let fixture = configure(fixture);
         let kubeconfig = fixture.file(
             "kubeconfig",
-            &fake.kubeconfig_as("gitea-actions", &ServiceAccount::controller()),
+            &kube.kubeconfig_as(NS, &ServiceAccount::controller()).await,
         );
         Chain {
             mock,
-            fake,
+            _cluster: kube,
+            admin,
+            created,
+            _recorder: recorder,
             _kubelet: kubelet,
             fixture,
             dockerd,
@@ -256,37 +265,70 @@ impl Chain {
         self.mock.handle.runner_starts(job)
     }
 
-    fn objects(&self, rt: &ResourceType) -> usize {
-        self.fake.handle.objects(rt, None).len()
+    fn pods(&self) -> Api<Pod> {
+        Api::namespaced(self.admin.clone(), NS)
     }
 
-    /// Waits until no Pod, capability Secret or identity entry is left on the cluster.
+    /// The Pods in [`NS`], as the server holds them.
+    async fn pod_list(&self) -> Vec<Pod> {
+        self.pods().list(&Default::default()).await.unwrap().items
+    }
+
+    /// Waits until no Pod, capability Secret or identity entry is left on the cluster (the
+    /// shipped namespace holds no Secret of its own: ServiceAccount tokens are not stored).
     async fn nothing_left(&self) {
+        let secrets: Api<Secret> = Api::namespaced(self.admin.clone(), NS);
+        let entries: Api<DynamicObject> =
+            Api::all_with(self.admin.clone(), &crate::real_kube::entry_resource());
         gdr_testkit::until(WAIT, "no Pod, Secret or entry left", || async {
-            self.objects(&ResourceType::pods()) == 0
-                && self.objects(&ResourceType::secrets()) == 0
-                && self.objects(&ResourceType::cluster_static_entries()) == 0
+            let lp = Default::default();
+            self.pod_list().await.is_empty()
+                && secrets.list(&lp).await.unwrap().items.is_empty()
+                && entries.list(&lp).await.unwrap().items.is_empty()
         })
         .await;
     }
 
-    /// Pod creations the API server received (not the scheduler's `pods/<name>/binding`).
+    /// How many Pods the API server ever held in [`NS`]: one per creation.
     fn pod_creations(&self) -> usize {
-        let path = format!("POST /api/v1/namespaces/{NS}/pods");
-        self.fake
-            .handle
-            .requests()
-            .iter()
-            .filter(|r| *r == &path || r.starts_with(&format!("{path}?")))
-            .count()
+        self.created.lock().unwrap().len()
     }
 
-    fn pod(&self, job: JobId) -> Option<serde_json::Value> {
+    async fn pod(&self, job: JobId) -> Option<serde_json::Value> {
         let task = self.mock.handle.job(job)?.task_id?;
-        self.fake
-            .handle
-            .object(&ResourceType::pods(), NS, &format!("gitea-task-{task}"))
+        let pod = self
+            .pods()
+            .get_opt(&format!("gitea-task-{task}"))
+            .await
+            .unwrap()?;
+        Some(serde_json::to_value(pod).unwrap())
     }
+}
+
+/// Records the UID of every Pod the API server holds in [`NS`] from now on.
+fn record_pods(
+    admin: &kube::Client,
+) -> (
+    Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let created = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let seen = created.clone();
+    let recorder = tokio::spawn(async move {
+        let mut events = kube::runtime::watcher(pods, Default::default()).boxed();
+        while let Some(event) = events.next().await {
+            if let Ok(
+                kube::runtime::watcher::Event::Apply(pod)
+                | kube::runtime::watcher::Event::InitApply(pod),
+            ) = event
+                && let Some(uid) = pod.metadata.uid
+            {
+                seen.lock().unwrap().insert(uid);
+            }
+        }
+    });
+    (created, recorder)
 }
 
 /// DESIGN invariants 8–11 and 13: success, failure, a checkout (3 MB streamed through the
@@ -312,7 +354,7 @@ async fn jobs_run_in_fresh_pods_with_their_profile_and_every_result_reaches_gite
         c.log_rows(checkout)
     );
     c.running(hang).await;
-    let pod = c.pod(hang).expect("the hanging job's Pod");
+    let pod = c.pod(hang).await.expect("the hanging job's Pod");
     assert_eq!(pod["spec"]["nodeSelector"]["gdr.test/size"], "large");
     assert_eq!(
         pod["spec"]["containers"][0]["resources"]["limits"]["memory"],
@@ -393,11 +435,10 @@ async fn without_the_csi_driver_a_pod_job_gets_its_own_identity_through_the_node
         &format!("standin:wait-for {}", release.display()),
     );
     let volumes = gdr_testkit::eventually(WAIT, "the held job's Pod", || async {
-        c.fake
-            .handle
-            .objects(&ResourceType::pods(), Some(NS))
+        c.pod_list()
+            .await
             .first()
-            .map(|pod| pod["spec"]["volumes"].clone())
+            .and_then(|pod| serde_json::to_value(&pod.spec.as_ref()?.volumes).ok())
     })
     .await;
     let volumes = volumes.as_array().expect("volumes").clone();
@@ -488,17 +529,20 @@ async fn an_unknown_profile_label_or_two_profiles_fail_the_job_with_a_log_row_na
     let _ = second.start_kill();
 }
 
-/// DESIGN invariant 12: a Pod deleted by someone else mid-job, at once (`--force`: no
-/// grace, so the executor gets no SIGTERM to have its runner report a cancellation), is
-/// failed in Gitea at once (the Pod watch wakes the lifecycle reconciler), not after an
-/// idle timeout, and its identity entry goes with it.
+/// DESIGN invariant 12: a Pod deleted by someone else mid-job, at once (`--force`, grace
+/// 0), ends the job in Gitea at once, not after an idle timeout, and its identity entry goes
+/// with it. The real API server marks the Pod (`deletionTimestamp`, grace 0) before it
+/// removes it, and a node that sees the mark first signals the containers, as a kubelet
+/// does: so either the Pod watch wakes the lifecycle reconciler, which fails the job as
+/// gone, or the runner got SIGTERM and reported the cancellation first (Gitea keeps the
+/// first result). Both are an end at once; which one comes first is the node's timing.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pod_deleted_mid_job_fails_the_job_and_leaves_nothing() {
     let c = Chain::new(|f| f).await;
     let mut controller = c.controller(None);
     let job = c.queue("victim", "[self-hosted, pod]", "standin:hang");
     let task = c.running(job).await;
-    let pods: Api<Pod> = Api::namespaced(c.fake.client().unwrap(), NS);
+    let pods = c.pods();
     let force = DeleteParams {
         grace_period_seconds: Some(0),
         ..DeleteParams::default()
@@ -506,12 +550,27 @@ async fn a_pod_deleted_mid_job_fails_the_job_and_leaves_nothing() {
     pods.delete(&format!("gitea-task-{task}"), &force)
         .await
         .unwrap();
-    c.status(job, Status::Failure).await;
+    let ended = c
+        .mock
+        .handle
+        .wait_for_value(
+            |m| {
+                m.job(job)
+                    .map(|j| j.status)
+                    .filter(|s| matches!(s, Status::Failure | Status::Cancelled))
+            },
+            WAIT,
+        )
+        .await
+        .unwrap_or_else(|_| panic!("the job never ended\n{}", c.fixture.log()));
     let rows = c.log_rows(job);
+    let why = match ended {
+        Status::Failure => "is gone from the pod backend (deleted by someone else",
+        _ => "received SIGTERM",
+    };
     assert!(
-        rows.iter()
-            .any(|r| r.contains("is gone from the pod backend (deleted by someone else")),
-        "{rows:?}\ncontroller log:\n{}",
+        rows.iter().any(|r| r.contains(why)),
+        "{ended:?}: {rows:?}\ncontroller log:\n{}",
         c.fixture.log()
     );
     c.nothing_left().await;
@@ -530,7 +589,7 @@ async fn a_pod_deleted_gracefully_mid_job_has_its_runner_report_the_cancellation
     let mut controller = c.controller(None);
     let job = c.queue("victim", "[self-hosted, pod]", "standin:hang");
     let task = c.running(job).await;
-    let pods: Api<Pod> = Api::namespaced(c.fake.client().unwrap(), NS);
+    let pods = c.pods();
     pods.delete(&format!("gitea-task-{task}"), &DeleteParams::default())
         .await
         .unwrap();
@@ -557,7 +616,7 @@ async fn a_killed_controller_adopts_its_pods_on_restart_and_runs_nothing_twice()
     first.start_kill().unwrap();
     first.wait().await.unwrap();
     assert_eq!(
-        c.objects(&ResourceType::pods()),
+        c.pod_list().await.len(),
         1,
         "the Pod outlives the controller"
     );
@@ -565,7 +624,7 @@ async fn a_killed_controller_adopts_its_pods_on_restart_and_runs_nothing_twice()
     let mut second = c.controller(Some("after-create"));
     let fresh = c.queue("fresh", "[self-hosted, pod]", "standin:success");
     c.killed_at_its_fail_point(&mut second).await;
-    assert_eq!(c.objects(&ResourceType::pods()), 2);
+    assert_eq!(c.pod_list().await.len(), 2);
 
     let mut third = c.controller(None);
     c.status(fresh, Status::Success).await;
@@ -620,7 +679,7 @@ async fn a_privileged_pods_job_runs_with_the_docker_daemon_of_its_dockerd_sideca
     let mut controller = c.controller(None);
     let job = c.queue("docker", "[self-hosted, pod]", "standin:hang");
     c.running(job).await;
-    let pod = c.pod(job).expect("the job's Pod");
+    let pod = c.pod(job).await.expect("the job's Pod");
     let executor = &pod["spec"]["containers"][0];
     assert_eq!(
         executor["securityContext"]["privileged"], false,

@@ -433,7 +433,23 @@ async fn a_controller_killed_mid_job_and_restarted_leaves_the_job_its_real_resul
     )
     .await;
     let mut first = host.start(&[]);
-    host.running("killed").await;
+    let job = host.running("killed").await;
+    // Mid-job: the step has printed its first half (Gitea marks the job running when the
+    // controller fetches it, before its executor exists).
+    let end = tokio::time::Instant::now() + WAIT;
+    while !host
+        .gitea
+        .job_log_so_far("killed", job.id)
+        .await
+        .is_some_and(|log| log.contains("first-half"))
+    {
+        assert!(
+            tokio::time::Instant::now() < end,
+            "the step never started\n{}",
+            host.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     first.start_kill().unwrap();
     first.wait().await.unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;

@@ -45,11 +45,10 @@ pub(crate) const NS: &str = "gitea-actions";
 const LEASE: &str = "gitea-dynamic-runner";
 pub(crate) const IMAGE: &str = "registry.example/gitea-dynamic-runner@sha256:0000000000000000000000000000000000000000000000000000000000000000";
 
-/// The control plane with the shipped RBAC and the vendored CRDs installed.
+/// The control plane with the shipped RBAC, the vendored CRDs and a Node installed.
 pub(crate) async fn cluster() -> RealKube {
     let kube = RealKube::start(&Peers::from_env()).await;
-    kube.install_shipped_rbac().await;
-    kube.install_crds().await;
+    kube.install_defaults().await;
     let (apiserver, etcd) = kube.rss_kib();
     eprintln!(
         "real control plane: started in {:?}; RSS kube-apiserver {apiserver:?} KiB, etcd {etcd:?} KiB",
@@ -62,6 +61,14 @@ pub(crate) fn entry_resource() -> ApiResource {
     ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk("spire.spiffe.io", "v1alpha1", "ClusterStaticEntry"),
         "clusterstaticentries",
+    )
+}
+
+/// OpenSandbox's Pool, as the vendored CRD declares it.
+fn pool_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("sandbox.opensandbox.io", "v1alpha1", "Pool"),
+        "pools",
     )
 }
 
@@ -330,6 +337,149 @@ async fn the_real_server_validates_cluster_static_entries_against_the_vendored_c
     );
 }
 
+/// No DESIGN invariant (issue 38, the fixture): a test cluster starts with the Node the
+/// node stand-in runs (`RealKube::install_defaults`) and serves OpenSandbox's Pool as its
+/// vendored CRD declares it: a Pool with its capacity stored, status subresource and all.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_test_cluster_has_its_node_and_serves_pools_as_the_vendored_crd_declares() {
+    let kube = cluster().await;
+    let admin = kube.admin().await;
+    let node = Api::<Node>::all(admin.clone())
+        .get(gdr_testkit::real_kube::NODE)
+        .await
+        .unwrap();
+    assert_eq!(
+        node.metadata.labels.unwrap()["kubernetes.io/hostname"],
+        gdr_testkit::real_kube::NODE
+    );
+    let pools: Api<DynamicObject> = Api::namespaced_with(admin, NS, &pool_resource());
+    let pool = DynamicObject::new("kata", &pool_resource()).data(json!({ "spec": {
+        "capacitySpec": { "bufferMax": 2, "bufferMin": 1, "poolMax": 4, "poolMin": 1 },
+        "recycleStrategy": {},
+        "template": { "spec": { "containers": [] } },
+    }}));
+    let stored = pools.create(&PostParams::default(), &pool).await.unwrap();
+    assert_eq!(stored.data["spec"]["capacitySpec"]["poolMax"], 4);
+    // The schema's default.
+    assert_eq!(stored.data["spec"]["recycleStrategy"]["type"], "Delete");
+    let status = json!({ "status": {
+        "allocated": 0, "available": 1, "revision": "r1", "total": 1,
+    }});
+    let patched = pools
+        .patch_status("kata", &PatchParams::default(), &Patch::Merge(&status))
+        .await
+        .unwrap();
+    assert_eq!(patched.data["status"]["available"], 1);
+}
+
+/// The watch events a Lease watch from now with bookmarks and a 4 s timeout yields on
+/// `client`'s server before it ends, by kind; the bookmarks' resourceVersions are checked
+/// to be at least `from`.
+async fn watch_until_its_deadline(client: Client) -> Vec<&'static str> {
+    let leases: Api<Lease> = Api::namespaced(client, NS);
+    let from = leases
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .metadata
+        .resource_version
+        .unwrap();
+    let params = WatchParams::default().timeout(4);
+    let mut stream = leases.watch(&params, &from).await.unwrap().boxed();
+    let mut kinds = Vec::new();
+    while let Some(event) = tokio::time::timeout(WAIT, stream.next()).await.unwrap() {
+        kinds.push(match event.unwrap() {
+            WatchEvent::Bookmark(b) => {
+                let rv: u64 = b.metadata.resource_version.parse().unwrap();
+                assert!(rv >= from.parse::<u64>().unwrap(), "{rv} < {from}");
+                "BOOKMARK"
+            }
+            WatchEvent::Added(_) => "ADDED",
+            WatchEvent::Modified(_) => "MODIFIED",
+            WatchEvent::Deleted(_) => "DELETED",
+            WatchEvent::Error(_) => "ERROR",
+        });
+    }
+    kinds
+}
+
+/// Peer fidelity (issue 38, watch bookmarks): a watch that allows bookmarks gets one from
+/// the real server before its `timeoutSeconds` deadline, though nothing changed (the watch
+/// cache sends the last one 2 s before the deadline; a loaded server was seen sending two),
+/// and then ends; the fake sends the same.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_watch_gets_a_bookmark_before_its_deadline_from_the_real_server_and_the_fake() {
+    let only_bookmarks =
+        |kinds: &[&str]| !kinds.is_empty() && kinds.iter().all(|k| *k == "BOOKMARK");
+    let kube = cluster().await;
+    // A fresh server may serve the first watches from etcd, without bookmarks, while its
+    // watch cache of Leases initialises: the cache's answer is the one compared.
+    let mut real = Vec::new();
+    for _ in 0..5 {
+        real = watch_until_its_deadline(kube.admin().await).await;
+        assert!(real.iter().all(|k| *k == "BOOKMARK"), "{real:?}");
+        if !real.is_empty() {
+            break;
+        }
+    }
+    assert!(only_bookmarks(&real), "{real:?}");
+    let fake = gdr_testkit::fake_kube::start().await.unwrap();
+    let imitated = watch_until_its_deadline(fake.client().unwrap()).await;
+    assert!(only_bookmarks(&imitated), "{imitated:?}");
+}
+
+/// What a `Foreground` deletion of a Lease answers, and whether the Lease is still there
+/// afterwards.
+async fn delete_in_the_foreground(client: Client) -> (serde_json::Value, bool) {
+    let leases: Api<Lease> = Api::namespaced(client, NS);
+    let lease = Lease {
+        metadata: ObjectMeta {
+            name: Some("foreground".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    leases.create(&PostParams::default(), &lease).await.unwrap();
+    let answer = leases
+        .delete("foreground", &kube::api::DeleteParams::foreground())
+        .await
+        .unwrap()
+        .left()
+        .expect("the marked object, not a Status");
+    let marked = json!({
+        "finalizers": answer.metadata.finalizers,
+        "deleting": answer.metadata.deletion_timestamp.is_some(),
+    });
+    (
+        marked,
+        leases.get_opt("foreground").await.unwrap().is_some(),
+    )
+}
+
+/// Peer fidelity (issue 38, Foreground deletion): the real server answers a `Foreground`
+/// deletion with the object marked (a `deletionTimestamp` and the `foregroundDeletion`
+/// finalizer) and, with no garbage collector running (no kube-controller-manager), keeps it
+/// so; the fake answers the same and then collects it, as a cluster's garbage collector
+/// does (the difference docs/pod-backend.md lists under garbage collection). The product
+/// deletes in the background only.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_foreground_deletion_is_answered_with_the_marked_object_as_the_real_server_does() {
+    let kube = cluster().await;
+    let (real, kept) = delete_in_the_foreground(kube.admin().await).await;
+    assert_eq!(
+        real,
+        json!({ "finalizers": ["foregroundDeletion"], "deleting": true })
+    );
+    assert!(
+        kept,
+        "no garbage collector runs beside the test's API server"
+    );
+    let fake = gdr_testkit::fake_kube::start().await.unwrap();
+    let (imitated, kept) = delete_in_the_foreground(fake.client().unwrap()).await;
+    assert_eq!(imitated, real);
+    assert!(!kept, "the fake collects it as a cluster would");
+}
+
 // ---- leader election ----
 
 struct Candidate {
@@ -570,6 +720,9 @@ async fn failing_calls(admin: Client, controller: Client) -> Vec<(&'static str, 
             "className": "spire-mgmt",
         }
     }));
+    let pools: Api<DynamicObject> = Api::namespaced_with(admin.clone(), NS, &pool_resource());
+    let unsized_pool = DynamicObject::new("unsized", &pool_resource())
+        .data(json!({ "spec": { "template": { "spec": { "containers": [] } } } }));
     let nodes: Api<Node> = Api::all(controller.clone());
     let secrets: Api<Secret> = Api::namespaced(controller.clone(), NS);
     vec![
@@ -599,6 +752,10 @@ async fn failing_calls(admin: Client, controller: Client) -> Vec<(&'static str, 
             answer(entries.create(&pp, &incomplete).await),
         ),
         (
+            "create a Pool without its capacitySpec",
+            answer(pools.create(&pp, &unsized_pool).await),
+        ),
+        (
             "list Nodes as the controller",
             answer(nodes.list(&Default::default()).await),
         ),
@@ -611,7 +768,7 @@ async fn failing_calls(admin: Client, controller: Client) -> Vec<(&'static str, 
 
 /// Peer fidelity (issue 38, differences): the fake API server answers the failing calls
 /// the product meets (404, 409 AlreadyExists and Conflict, 422 of a built-in kind and of
-/// the CRD, 403 of a namespaced and a cluster-scoped resource) with the real server's
+/// the CRDs, 403 of a namespaced and a cluster-scoped resource) with the real server's
 /// code, reason and message.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_fake_answers_failing_calls_with_the_real_servers_status() {
@@ -650,8 +807,7 @@ async fn the_fake_answers_failing_calls_with_the_real_servers_status() {
 #[tokio::test(flavor = "multi_thread")]
 async fn after_a_compaction_the_pod_watch_gets_a_real_410_and_re_lists() {
     let mut kube = RealKube::start_with(&Peers::from_env(), Options { watch_cache: false }).await;
-    kube.install_shipped_rbac().await;
-    kube.install_crds().await;
+    kube.install_defaults().await;
     let client = kube.client_as(&ServiceAccount::controller()).await;
     let spec = task_spec(9, "[self-hosted, pod]", "https://127.0.0.1:9");
     let record = backend(client.clone()).create(&spec).await.unwrap();

@@ -37,7 +37,7 @@ use gdr_core::capability::EnvelopeIdKey;
 use crate::backoff::Backoff;
 use crate::dispatch::Dispatch;
 use crate::gitea::{GiteaClient, Reported};
-use crate::queue::{self, QueueError, StreamSettings};
+use crate::queue::{self, QueueError, QueueErrorSource, StreamSettings};
 use crate::shutdown::Shutdown;
 
 /// Durable name of the held consumer.
@@ -133,12 +133,12 @@ impl HeldAssignments {
         ack_wait: Duration,
     ) -> Result<PullConsumer, QueueError> {
         let stream = queue::open_stream(&self.js, &self.stream).await?;
-        let err = |e: &dyn std::fmt::Display| QueueError::Consumer {
+        let err = |e: QueueErrorSource| QueueError::Consumer {
             consumer: CONSUMER.into(),
-            message: e.to_string(),
+            source: e,
         };
         if !create {
-            return stream.get_consumer(CONSUMER).await.map_err(|e| err(&e));
+            return stream.get_consumer(CONSUMER).await.map_err(&err);
         }
         let config = pull::Config {
             durable_name: Some(CONSUMER.into()),
@@ -151,7 +151,7 @@ impl HeldAssignments {
         stream
             .get_or_create_consumer(CONSUMER, config)
             .await
-            .map_err(|e| err(&e))
+            .map_err(|e| err(e.into()))
     }
 
     /// Rounds every `interval` until `shutdown`.
@@ -208,9 +208,9 @@ impl HeldAssignments {
         if round.held.values().all(|n| *n == 0) {
             return Ok(round);
         }
-        let consumer_err = |e: &dyn std::fmt::Display| QueueError::Consumer {
+        let consumer_err = |e: QueueErrorSource| QueueError::Consumer {
             consumer: CONSUMER.into(),
-            message: e.to_string(),
+            source: e,
         };
         let mut batch = consumer
             .fetch()
@@ -218,9 +218,9 @@ impl HeldAssignments {
             .expires(Duration::from_secs(1))
             .messages()
             .await
-            .map_err(|e| consumer_err(&e))?;
+            .map_err(|e| consumer_err(e.into()))?;
         while let Some(message) = batch.next().await {
-            let message = message.map_err(|e| consumer_err(&e))?;
+            let message = message.map_err(&consumer_err)?;
             let settle = self.settle(&message, interval, &mut round).await;
             if let Err(e) = message.ack_with(settle).await {
                 tracing::warn!(error = %e, "settling a held assignment failed; it comes back");

@@ -59,9 +59,12 @@ pub enum LeaseError {
     /// A Kubernetes API error that retrying will not fix (e.g. an invalid Lease).
     #[error("Kubernetes API: {0}")]
     Api(#[source] Box<kube::Error>),
-    /// Settings or client configuration are unusable.
+    /// The settings are unusable (what is wrong with them).
     #[error("configuration: {0}")]
     Config(String),
+    /// No Kubernetes client could be built from the environment.
+    #[error("configuration: {0}")]
+    Client(#[source] crate::kube_client::KubeClientError),
 }
 
 impl From<kube::Error> for LeaseError {
@@ -210,7 +213,7 @@ impl From<watch::Receiver<bool>> for Leadership {
 pub async fn client_from_environment() -> Result<kube::Client, LeaseError> {
     crate::kube_client::from_environment(crate::kube_client::Retries::Client)
         .await
-        .map_err(|e| LeaseError::Config(e.to_string()))
+        .map_err(LeaseError::Client)
 }
 
 /// Campaigns for, holds and releases one Lease.

@@ -12,39 +12,45 @@ use async_trait::async_trait;
 use gdr_core::assignment_id::AssignmentId;
 use gdr_core::backend::Backend;
 
+/// The cause of a [`QueueError`]: the NATS client's error, or what the adapter saw.
+pub type QueueErrorSource = Box<dyn std::error::Error + Send + Sync + 'static>;
+
 /// Why a queue operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum QueueError {
     /// The stream could not be created or read.
-    #[error("JetStream stream {stream}: {message}")]
+    #[error("JetStream stream {stream}: {source}")]
     Stream {
         /// Stream name.
         stream: String,
-        /// Cause.
-        message: String,
+        /// Cause, kept for the log's cause chain.
+        #[source]
+        source: QueueErrorSource,
     },
     /// The consumer could not be created or read.
-    #[error("JetStream consumer {consumer}: {message}")]
+    #[error("JetStream consumer {consumer}: {source}")]
     Consumer {
         /// Durable name.
         consumer: String,
-        /// Cause.
-        message: String,
+        /// Cause, kept for the log's cause chain.
+        #[source]
+        source: QueueErrorSource,
     },
     /// JetStream did not acknowledge a publish.
-    #[error("publishing {id} to {subject}: {message}")]
+    #[error("publishing {id} to {subject}: {source}")]
     Publish {
         /// Assignment ID.
         id: String,
         /// Subject.
         subject: String,
-        /// Cause.
-        message: String,
+        /// Cause, kept for the log's cause chain.
+        #[source]
+        source: QueueErrorSource,
     },
     /// The envelope is larger than the NATS server takes (its `max_payload`): no retry
     /// can store it.
     #[error(
-        "publishing {id} to {subject}: the envelope of {size} bytes is larger than the NATS server's max_payload allows ({message}); raise the server's max_payload to queue such tasks"
+        "publishing {id} to {subject}: the envelope of {size} bytes is larger than the NATS server's max_payload allows ({source}); raise the server's max_payload to queue such tasks"
     )]
     TooLarge {
         /// Assignment ID.
@@ -53,16 +59,18 @@ pub enum QueueError {
         subject: String,
         /// The envelope's size in bytes.
         size: usize,
-        /// Cause.
-        message: String,
+        /// Cause, kept for the log's cause chain.
+        #[source]
+        source: QueueErrorSource,
     },
     /// The finished-assignments bucket could not be created, read or written.
-    #[error("JetStream key-value bucket {bucket}: {message}")]
+    #[error("JetStream key-value bucket {bucket}: {source}")]
     Finished {
         /// Bucket name.
         bucket: String,
-        /// Cause.
-        message: String,
+        /// Cause, kept for the log's cause chain.
+        #[source]
+        source: QueueErrorSource,
     },
 }
 
@@ -103,4 +111,30 @@ pub trait FinishedLog: Send + Sync + std::fmt::Debug {
 
     /// Writes the unsaved IDs; returns how many are still unsaved.
     async fn save_unsaved(&self) -> usize;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 41 item 3: a queue error keeps the NATS client's error as its source, so a
+    /// log line (which prints the error) and a caller walking the chain both see the cause.
+    #[test]
+    fn a_queue_error_keeps_its_cause_for_the_log_and_the_chain() {
+        let cause = std::io::Error::new(std::io::ErrorKind::ConnectionReset, "nats went away");
+        let e = QueueError::Publish {
+            id: "gitea-task-7".into(),
+            subject: "ci.pod".into(),
+            source: cause.into(),
+        };
+        assert_eq!(
+            e.to_string(),
+            "publishing gitea-task-7 to ci.pod: nats went away"
+        );
+        let source = std::error::Error::source(&e).expect("a source");
+        let io = source
+            .downcast_ref::<std::io::Error>()
+            .expect("the original error, not its text");
+        assert_eq!(io.kind(), std::io::ErrorKind::ConnectionReset);
+    }
 }

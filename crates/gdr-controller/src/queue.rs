@@ -49,7 +49,7 @@ impl StreamSettings {
     }
 }
 
-pub use crate::ports::QueueError;
+pub use crate::ports::{QueueError, QueueErrorSource};
 
 /// Creates the stream if missing, or makes an existing one cover every subject (a stream
 /// of the Go version, or of an older release, lacks the held subjects).
@@ -57,9 +57,9 @@ pub async fn ensure_stream(
     js: &jetstream::Context,
     settings: &StreamSettings,
 ) -> Result<stream::Stream, QueueError> {
-    let err = |e: &dyn std::fmt::Display| QueueError::Stream {
+    let err = |e: QueueErrorSource| QueueError::Stream {
         stream: settings.stream.clone(),
-        message: e.to_string(),
+        source: e,
     };
     let config = stream::Config {
         name: settings.stream.clone(),
@@ -69,8 +69,16 @@ pub async fn ensure_stream(
         duplicate_window: settings.duplicate_window,
         ..Default::default()
     };
-    let mut stream = js.get_or_create_stream(config).await.map_err(|e| err(&e))?;
-    let existing = stream.info().await.map_err(|e| err(&e))?.config.clone();
+    let mut stream = js
+        .get_or_create_stream(config)
+        .await
+        .map_err(|e| err(e.into()))?;
+    let existing = stream
+        .info()
+        .await
+        .map_err(|e| err(e.into()))?
+        .config
+        .clone();
     let missing: Vec<String> = settings
         .subjects()
         .into_iter()
@@ -80,8 +88,11 @@ pub async fn ensure_stream(
         let mut config = existing;
         tracing::info!(stream = %settings.stream, subjects = ?missing, "adding subjects to the stream");
         config.subjects.extend(missing);
-        js.update_stream(config).await.map_err(|e| err(&e))?;
-        stream = js.get_stream(&settings.stream).await.map_err(|e| err(&e))?;
+        js.update_stream(config).await.map_err(|e| err(e.into()))?;
+        stream = js
+            .get_stream(&settings.stream)
+            .await
+            .map_err(|e| err(e.into()))?;
     }
     Ok(stream)
 }
@@ -95,7 +106,7 @@ pub async fn open_stream(
         .await
         .map_err(|e| QueueError::Stream {
             stream: settings.stream.clone(),
-            message: e.to_string(),
+            source: e.into(),
         })
 }
 
@@ -121,9 +132,9 @@ pub async fn ensure_consumer(
     consumer_settings: &ConsumerSettings,
 ) -> Result<consumer::PullConsumer, QueueError> {
     let name = backend.as_str().to_string();
-    let err = |e: &dyn std::fmt::Display| QueueError::Consumer {
+    let err = |e: QueueErrorSource| QueueError::Consumer {
         consumer: name.clone(),
-        message: e.to_string(),
+        source: e,
     };
     let wanted = consumer::pull::Config {
         durable_name: Some(name.clone()),
@@ -137,8 +148,13 @@ pub async fn ensure_consumer(
     let mut consumer: consumer::PullConsumer = stream
         .get_or_create_consumer(&name, wanted.clone())
         .await
-        .map_err(|e| err(&e))?;
-    let current = consumer.info().await.map_err(|e| err(&e))?.config.clone();
+        .map_err(|e| err(e.into()))?;
+    let current = consumer
+        .info()
+        .await
+        .map_err(|e| err(e.into()))?
+        .config
+        .clone();
     let differs = current.max_ack_pending != wanted.max_ack_pending
         || current.ack_wait != wanted.ack_wait
         || current.max_deliver != wanted.max_deliver
@@ -152,7 +168,10 @@ pub async fn ensure_consumer(
             ack_wait = ?wanted.ack_wait,
             "updating the worker consumer to the configured settings"
         );
-        consumer = stream.update_consumer(wanted).await.map_err(|e| err(&e))?;
+        consumer = stream
+            .update_consumer(wanted)
+            .await
+            .map_err(|e| err(e.into()))?;
     }
     Ok(consumer)
 }
@@ -168,7 +187,7 @@ pub async fn open_consumer(
         .await
         .map_err(|e| QueueError::Consumer {
             consumer: name,
-            message: e.to_string(),
+            source: e,
         })
 }
 
@@ -192,10 +211,10 @@ pub async fn publish(
     payload: bytes::Bytes,
 ) -> Result<Published, QueueError> {
     let subject = settings.subject(backend);
-    let err = |e: &dyn std::fmt::Display| QueueError::Publish {
+    let err = |e: QueueErrorSource| QueueError::Publish {
         id: assignment_id.to_string(),
         subject: subject.clone(),
-        message: e.to_string(),
+        source: e,
     };
     let size = payload.len();
     let message = jetstream::message::PublishMessage::build()
@@ -209,12 +228,12 @@ pub async fn publish(
                 id: assignment_id.to_string(),
                 subject: subject.clone(),
                 size,
-                message: e.to_string(),
+                source: e.into(),
             },
-            _ => err(&e),
+            _ => err(e.into()),
         })?
         .await
-        .map_err(|e| err(&e))?;
+        .map_err(|e| err(e.into()))?;
     Ok(Published {
         sequence: ack.sequence,
         duplicate: ack.duplicate,
@@ -256,9 +275,9 @@ async fn counts_per_backend(
     filter: String,
     subject_of: fn(&StreamSettings, Backend) -> String,
 ) -> Result<BTreeMap<Backend, u64>, QueueError> {
-    let err = |e: &dyn std::fmt::Display| QueueError::Stream {
+    let err = |e: QueueErrorSource| QueueError::Stream {
         stream: settings.stream.clone(),
-        message: e.to_string(),
+        source: e,
     };
     let wanted: BTreeMap<String, Backend> = [Backend::Pod, Backend::Vm]
         .into_iter()
@@ -268,8 +287,8 @@ async fn counts_per_backend(
     let mut subjects = stream
         .info_with_subjects(filter)
         .await
-        .map_err(|e| err(&e))?;
-    while let Some((subject, count)) = subjects.try_next().await.map_err(|e| err(&e))? {
+        .map_err(|e| err(e.into()))?;
+    while let Some((subject, count)) = subjects.try_next().await.map_err(|e| err(e.into()))? {
         if let Some(backend) = wanted.get(&subject) {
             counts.insert(*backend, u64::try_from(count).unwrap_or(u64::MAX));
         }
@@ -287,7 +306,7 @@ pub async fn unclaimed(stream: &mut stream::Stream) -> Result<u64, QueueError> {
         .map(|i| i.state.messages)
         .map_err(|e| QueueError::Stream {
             stream: name,
-            message: e.to_string(),
+            source: e.into(),
         })
 }
 
@@ -318,7 +337,7 @@ impl crate::ports::QueueDepth for ConsumerDepth {
             .await
             .map_err(|e| QueueError::Consumer {
                 consumer: name.to_owned(),
-                message: e.to_string(),
+                source: e.into(),
             })?;
         // Not yet delivered, plus delivered and not yet acknowledged (the worker holds it,
         // or it waits for redelivery after a NAK): every assignment not yet claimed.
@@ -442,7 +461,7 @@ impl<'a> QueuedReader<'a> {
                 Err(e) => {
                     let e = QueueError::Stream {
                         stream: self.stream.cached_info().config.name.clone(),
-                        message: e.to_string(),
+                        source: e.into(),
                     };
                     if page.is_empty() {
                         return Err(e);
@@ -540,9 +559,9 @@ impl FinishedAssignments {
         ttl: Duration,
         create: bool,
     ) -> Result<Self, QueueError> {
-        let err = |e: &dyn std::fmt::Display| QueueError::Finished {
+        let err = |e: QueueErrorSource| QueueError::Finished {
             bucket: bucket.to_owned(),
-            message: e.to_string(),
+            source: e,
         };
         let store = if create {
             js.create_or_update_key_value(kv::Config {
@@ -554,9 +573,9 @@ impl FinishedAssignments {
                 ..Default::default()
             })
             .await
-            .map_err(|e| err(&e))?
+            .map_err(|e| err(e.into()))?
         } else {
-            js.get_key_value(bucket).await.map_err(|e| err(&e))?
+            js.get_key_value(bucket).await.map_err(|e| err(e.into()))?
         };
         Ok(FinishedAssignments {
             store,
@@ -570,10 +589,10 @@ impl FinishedAssignments {
         self.unsaved.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn err(&self, e: &dyn std::fmt::Display) -> QueueError {
+    fn err(&self, e: QueueErrorSource) -> QueueError {
         QueueError::Finished {
             bucket: self.bucket.clone(),
-            message: e.to_string(),
+            source: e,
         }
     }
 
@@ -591,7 +610,7 @@ impl FinishedAssignments {
             }
             Err(e) => {
                 self.unsaved().insert(id.clone());
-                Err(self.err(&e))
+                Err(self.err(e.into()))
             }
         }
     }
@@ -608,7 +627,7 @@ impl FinishedAssignments {
             .get(id.as_str())
             .await
             .map(|v| v.is_some())
-            .map_err(|e| self.err(&e))
+            .map_err(|e| self.err(e.into()))
     }
 
     /// Counts `id` as finished in this process at once, and leaves the write to
@@ -733,7 +752,7 @@ impl crate::ports::QueuedAssignments for StreamQueue {
         let mut stream = open_stream(&self.js, &self.settings).await?;
         stream.info().await.map_err(|e| QueueError::Stream {
             stream: self.settings.stream.clone(),
-            message: e.to_string(),
+            source: e.into(),
         })?;
         for subject in [
             self.settings.subject(self.backend),
@@ -754,10 +773,11 @@ impl crate::ports::QueuedAssignments for StreamQueue {
             if found.len() < ids.len() && reader.capped() {
                 return Err(QueueError::Stream {
                     stream: self.settings.stream.clone(),
-                    message: format!(
+                    source: format!(
                         "more than {} messages on {subject}; cannot tell which assignments are still queued",
                         self.limits.max
-                    ),
+                    )
+                    .into(),
                 });
             }
         }

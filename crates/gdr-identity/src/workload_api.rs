@@ -953,3 +953,6 @@ impl LocalIdentity {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

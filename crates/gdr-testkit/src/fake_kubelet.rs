@@ -205,8 +205,9 @@ fn sidecars(pod: &Pod) -> Vec<Container> {
 struct Waiting(&'static str, String);
 
 impl FakeKubelet {
-    /// Registers `name` as a Node (with `labels`) and returns its UID, so that a SPIRE agent
-    /// ID can be derived before the kubelet starts on it.
+    /// Registers `name` as a Node with `labels` (added to an existing Node of that name)
+    /// and returns its UID, so that a SPIRE agent ID can be derived before the kubelet
+    /// starts on it.
     pub async fn register_node(
         client: kube::Client,
         name: &str,
@@ -217,11 +218,17 @@ impl FakeKubelet {
             json!({ "metadata": { "name": name, "labels": labels }, "spec": {} }),
         )
         .map_err(kube::Error::SerdeError)?;
-        Ok(nodes
-            .create(&PostParams::default(), &node)
-            .await?
-            .uid()
-            .unwrap_or_default())
+        let node = match nodes.create(&PostParams::default(), &node).await {
+            Ok(n) => n,
+            Err(kube::Error::Api(s)) if s.code == 409 => {
+                let labels = json!({ "metadata": { "labels": labels } });
+                nodes
+                    .patch(name, &PatchParams::default(), &Patch::Merge(&labels))
+                    .await?
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(node.uid().unwrap_or_default())
     }
 
     /// Registers the Node (or reuses it) and starts following Pods.

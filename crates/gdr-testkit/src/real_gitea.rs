@@ -275,6 +275,14 @@ impl RealGitea {
     /// The job's log as Gitea serves it for download.
     pub async fn job_log(&self, repo: &str, job: i64) -> String {
         let path = format!("repos/{ADMIN}/{repo}/actions/jobs/{job}/logs");
+        self.job_log_so_far(repo, job)
+            .await
+            .unwrap_or_else(|| panic!("GET {path}: 404, logs not found"))
+    }
+
+    /// The job's log so far; `None` while Gitea has none (`404`, before its first row).
+    pub async fn job_log_so_far(&self, repo: &str, job: i64) -> Option<String> {
+        let path = format!("repos/{ADMIN}/{repo}/actions/jobs/{job}/logs");
         let answer = self
             .http
             .get(self.api(&path))
@@ -284,8 +292,11 @@ impl RealGitea {
             .unwrap_or_else(|e| panic!("GET {path}: {e}"));
         let status = answer.status();
         let body = answer.text().await.unwrap_or_default();
+        if status == reqwest::StatusCode::NOT_FOUND {
+            return None;
+        }
         assert!(status.is_success(), "GET {path}: {status}: {body}");
-        body
+        Some(body)
     }
 
     /// Waits until `ci/<repo>` has `count` jobs and every one of them is completed, and

@@ -204,6 +204,9 @@ fn rss_kib(child: &Child) -> Option<u64> {
         .ok()
 }
 
+/// The Node every test cluster has ([`RealKube::install_defaults`]).
+pub const NODE: &str = "node-a";
+
 impl RealKube {
     /// Starts etcd and the API server on free loopback ports (chosen again when one was
     /// taken meanwhile) and waits until the API server is ready and has its `default`
@@ -534,6 +537,21 @@ impl RealKube {
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("etcd {path}: {e}: {text}"))
     }
 
+    /// What a test cluster starts with: the shipped RBAC ([`Self::install_shipped_rbac`]),
+    /// the vendored CRDs ([`Self::install_crds`]) and the Node [`NODE`] (no kubelet runs
+    /// it until a test starts one: [`crate::fake_kubelet::FakeKubelet`] reuses it).
+    pub async fn install_defaults(&self) {
+        self.install_shipped_rbac().await;
+        self.install_crds().await;
+        let labels = std::collections::BTreeMap::from([(
+            "kubernetes.io/hostname".to_owned(),
+            NODE.to_owned(),
+        )]);
+        crate::fake_kubelet::FakeKubelet::register_node(self.admin().await, NODE, &labels)
+            .await
+            .unwrap_or_else(|e| panic!("cannot register the Node {NODE}: {e}"));
+    }
+
     /// Installs the RBAC of the shipped manifests (`kubectl kustomize` of
     /// `deploy/kubernetes/base` and `deploy/kubernetes/sandbox-identity`): their Namespaces,
     /// ServiceAccounts, Roles, ClusterRoles and bindings, and the namespaces they name.
@@ -571,7 +589,7 @@ impl RealKube {
     }
 
     /// Installs the custom resources the test kit has schemas of (ClusterStaticEntry,
-    /// BatchSandbox: [`crate::fake_kube::schema::crds`]) as CustomResourceDefinitions, and
+    /// BatchSandbox, Pool: [`crate::fake_kube::schema::crds`]) as CustomResourceDefinitions, and
     /// waits until the server serves each.
     pub async fn install_crds(&self) {
         let admin = self.admin().await;

@@ -292,7 +292,7 @@ impl Heartbeater {
             Ok(r) => r,
             Err(_) => Err(QueueError::Stream {
                 stream: self.stream.stream.clone(),
-                message: format!("not read within {budget:?}"),
+                source: format!("not read within {budget:?}").into(),
             }),
         };
         round.stream_read = result.is_ok();

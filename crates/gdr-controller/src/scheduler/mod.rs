@@ -130,7 +130,7 @@ pub enum SchedulerError {
     Settings(String),
     /// A poller task panicked or was aborted.
     #[error("poller stopped abnormally: {0}")]
-    Poller(String),
+    Poller(#[source] tokio::task::JoinError),
 }
 
 /// What a finished [`Scheduler::run`] did.
@@ -321,7 +321,7 @@ impl Scheduler {
         while let Some(joined) = pollers.join_next().await {
             match joined {
                 Ok(r) => report.merge(r),
-                Err(e) => failure = Some(SchedulerError::Poller(e.to_string())),
+                Err(e) => failure = Some(SchedulerError::Poller(e)),
             }
         }
         stop_watcher.trigger();
@@ -400,7 +400,7 @@ async fn watch_backlog(shared: Arc<Shared>, stop: Shutdown) {
             Ok(r) => r,
             Err(_) => Err(QueueError::Stream {
                 stream: shared.stream.stream.clone(),
-                message: "stream info timed out".into(),
+                source: "stream info timed out".into(),
             }),
         };
         match result {

@@ -1,7 +1,9 @@
 //! Every configuration key, declared once: its field in [`Raw`], its default, its
 //! documentation and its type. The environment variable is the key in upper case (the Go
 //! version's names). `--help`, `check-config --reference` (text, markdown, nix, json), the
-//! README table and the NixOS module's options are all generated from [`KEYS`].
+//! README table and the NixOS module's options are all generated from [`KEYS`]. Keys come
+//! in sections (`section gitea: Gitea;` opens one, up to the next): [`Sections`] holds
+//! [`Raw`] split by them, and each section converts into its component's settings.
 
 use std::path::PathBuf;
 
@@ -88,54 +90,92 @@ impl Key {
 
 macro_rules! keys {
     ($(
-        $(#[doc = $doc:literal])+
-        $name:ident: $ty:ty = $default:expr $(, shown $shown:literal)? $(=> $secret:ident)?;
+        section $section:ident: $Section:ident;
+        $(
+            $(#[doc = $doc:literal])+
+            $name:ident: $ty:ty = $default:expr $(, shown $shown:expr)? $(=> $secret:ident)?;
+        )*
     )*) => {
         /// Every key as the file, the environment and `--set` give it, before validation.
         #[derive(Clone, Serialize, Deserialize)]
         #[serde(deny_unknown_fields, default)]
         pub(crate) struct Raw {
-            $(pub(crate) $name: $ty,)*
+            $($(pub(crate) $name: $ty,)*)*
         }
 
         impl Default for Raw {
             fn default() -> Self {
-                Raw { $($name: $default,)* }
+                Raw { $($($name: $default,)*)* }
             }
         }
 
         /// The configuration reference, in declaration order.
-        pub const KEYS: &[Key] = &[$(Key {
+        pub const KEYS: &[Key] = &[$($(Key {
             name: stringify!($name),
             doc: concat!($($doc),+),
             shown: keys!(@shown $($shown)?),
             kind: <$ty as KeyType>::KIND,
             secret: keys!(@secret $($secret)?),
-        },)*];
+        },)*)*];
+
+        /// The keys of each section, as [`Raw`] holds them: what one section's conversion
+        /// takes (its function destructures them, so a key it does not read is a compile
+        /// error).
+        pub(crate) mod section {
+            // Without the `kubernetes` feature nothing reads the Pod section.
+            #![cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
+            #[allow(clippy::wildcard_imports)]
+            use super::*;
+
+            $(
+                #[doc = concat!("The keys of section `", stringify!($section), "`.")]
+                pub(crate) struct $Section {
+                    $($(#[doc = $doc])+ pub(crate) $name: $ty,)*
+                }
+            )*
+        }
+
+        /// [`Raw`] by section, in declaration order.
+        pub(crate) struct Sections {
+            $(
+                #[doc = concat!("Section `", stringify!($section), "`.")]
+                pub(crate) $section: section::$Section,
+            )*
+        }
+
+        impl From<Raw> for Sections {
+            fn from(raw: Raw) -> Self {
+                let Raw { $($($name,)*)* } = raw;
+                Sections { $($section: section::$Section { $($name,)* },)* }
+            }
+        }
     };
-    (@shown $shown:literal) => { Some($shown) };
+    (@shown $shown:expr) => { Some($shown) };
     (@shown) => { None };
     (@secret secret) => { true };
     (@secret) => { false };
 }
 
 keys! {
+    section components: ComponentSet;
     /// Components this process runs (comma-separated, or `all`): `scheduler` (FetchTask
     /// pollers, heartbeats and the facade), `pod-worker`, `vm-worker`. A worker without the
     /// scheduler is refused: executors reach the facade of the replica that holds their
     /// assignment.
     components: Components = Components::all(), shown "scheduler,pod-worker,vm-worker";
+    section gitea: Gitea;
     /// Base URL of the Gitea instance (http or https); the runner API lives under
     /// `<url>/api/actions`.
     gitea_instance_url: Option<String> = None;
     /// File holding the controller's runner UUID (written by `register`, or by the
     /// controller's first start with `gitea_runner_registration_token_file`).
     gitea_runner_uuid_file: Option<PathBuf> = None,
-        shown "<state_dir>/runner-uuid without nats_url, else required";
+        shown concat!("<state_dir>/", runner_uuid_file!(), " without nats_url, else required");
     /// File holding the controller's runner token (written by `register`, or by the
     /// controller's first start with `gitea_runner_registration_token_file`; mode 0600).
     gitea_runner_token_file: Option<PathBuf> = None,
-        shown "<state_dir>/runner-token without nats_url, else required" => secret;
+        shown concat!("<state_dir>/", runner_token_file!(), " without nats_url, else required")
+        => secret;
     /// PEM bundle of extra CAs trusted for an https Gitea (the system roots are always
     /// trusted).
     gitea_ca_file: Option<PathBuf> = None;
@@ -143,11 +183,13 @@ keys! {
     gitea_request_timeout: Secs = Secs::from_secs(60);
     /// Timeout of each FetchTask poll (1ms to 60s).
     gitea_fetch_timeout: Secs = Secs::from_secs(5);
+    section runner: Runner;
     /// Name the controller registers under in Gitea.
     runner_name: String = "gitea-dynamic-runner".into();
     /// Capabilities declared to Gitea; must match what the one-shot official runner
     /// supports (`cancelling` needs runner >= 2.0).
     runner_capabilities: List = List::of(&["cancelling"]);
+    section backends: Backends;
     /// Concurrent Pod executors. 0 disables the pod backend.
     pod_capacity: u32 = 4;
     /// Concurrent VM executors. 0 disables the vm backend.
@@ -155,10 +197,11 @@ keys! {
     /// The runs-on label that selects the VM backend besides `vm` itself (`vm-dev` takes
     /// only test jobs while a backend is repaired).
     vm_runner_label: String = "vm".into();
+    section policy: Policy;
     /// SPIFFE trust domain of job identities (`spiffe://<trust_domain>/ci/…`, see
     /// `spiffe_id_scheme`). The Go version defaulted to `ddupan.top`.
     trust_domain: Option<String> = None,
-        shown "gitea-dynamic-runner.local with local_identity, else required";
+        shown concat!(local_trust_domain!(), " with local_identity, else required");
     /// How job SPIFFE IDs are formed. `ref`:
     /// `spiffe://<trust_domain>/ci/<owner>/<repo>/<ref kind>/<ref name>/<job>`, the ref
     /// kind `branch`, `tag`, `pull` (named by the pull request's number,
@@ -175,6 +218,7 @@ keys! {
     /// Prefix of executor labels, annotations and metadata keys; keep it to take over a
     /// Go deployment.
     metadata_prefix: String = gdr_core::metadata::DEFAULT_PREFIX.into();
+    section key_files: KeyFiles;
     /// File holding the >= 32-byte key that derives assignment capabilities
     /// (HMAC-SHA256); whitespace around it is trimmed. Unset in single-host mode: a key is
     /// generated as `<state_dir>/capability-key` (mode 0600) on first start and reused.
@@ -190,6 +234,7 @@ keys! {
     /// Older task keys still accepted for decryption during a rotation (comma-separated
     /// paths).
     task_encryption_previous_key_files: List = List::default() => secret;
+    section nats: Nats;
     /// NATS server URL(s), comma-separated. Unset: single-host mode with an embedded,
     /// supervised nats-server whose store lives under `state_dir`.
     nats_url: Option<String> = None;
@@ -217,6 +262,7 @@ keys! {
     /// JetStream ack wait of the worker consumers: an assignment a dead controller held is
     /// redelivered after this.
     nats_ack_wait: Secs = Secs::from_secs(60);
+    section scheduler: Scheduler;
     /// Interval of the task-ID-only UpdateTask heartbeats that keep queued tasks alive in
     /// Gitea (at least 1s; keep it well below Gitea's 10 minute zombie timeout).
     heartbeat_interval: Secs = Secs::from_secs(60);
@@ -234,6 +280,7 @@ keys! {
     /// official runner's `fetch_interval` (at least 100ms). Only the idle pace: a job
     /// arriving, a freed slot or a drained backlog makes the pollers fetch at once.
     fetch_interval: Secs = Secs::from_secs(2);
+    section facade: Facade;
     /// Listen address of the RunnerService facade (SPIFFE mTLS).
     runner_facade_listen: Option<String> = None,
         shown "127.0.0.1:8443 without nats_url (single host), else 0.0.0.0:8443";
@@ -242,7 +289,8 @@ keys! {
         shown "https://<the facade listener's address> without nats_url, else required";
     /// The facade's SPIFFE ID, which executors verify exactly.
     runner_facade_spiffe_id: Option<String> = None,
-        shown "spiffe://<trust_domain>/gitea-dynamic-runner/facade with local_identity, else required";
+        shown concat!("spiffe://<trust_domain>", local_facade_path!(), " with local_identity, else required");
+    section host: Host;
     /// SPIFFE Workload API socket of the controller, e.g.
     /// `unix:///run/spire/agent-sockets/spire-agent.sock` (not needed with `local_identity`).
     spiffe_endpoint_socket: Option<String> = None;
@@ -267,6 +315,7 @@ keys! {
     /// Serve SPIFFE identities from a CA under `state_dir` instead of SPIRE (required by the
     /// process backend).
     local_identity: Option<bool> = None, shown "true without nats_url, else false";
+    section spire_executors: SpireExecutors;
     /// Where process executors get their SPIFFE identity: `local` (the controller's CA,
     /// with `local_identity`) or `spire` (an entry per executor in an existing SPIRE
     /// server, created and deleted with the `spire-server` CLI; each executor runs under a
@@ -293,6 +342,7 @@ keys! {
     /// SPIRE agent's sync interval (5s by default), during which the agent may still serve
     /// the deleted entry.
     spire_executor_uid_quarantine: Secs = Secs::from_secs(30);
+    section executors: Executors;
     /// Program the process backend starts (with argument `executor`). Unset: the executor's
     /// own binary `gitea-dynamic-executor` when it sits next to this binary, else this
     /// binary (its `executor` subcommand).
@@ -323,8 +373,10 @@ keys! {
     /// How many ended executors' logs the process backend keeps at most; the oldest go
     /// first.
     executor_log_retention_count: u32 = 100;
+    section embedded_nats: EmbeddedNats;
     /// nats-server binary of the embedded single-host mode (used when `nats_url` is unset).
     nats_server_binary: PathBuf = PathBuf::from("nats-server");
+    section leader: Leader;
     /// Campaign for a Kubernetes Lease; only the leader works, standbys report not ready.
     leader_election: bool = false;
     /// Namespace of the leader Lease.
@@ -339,6 +391,7 @@ keys! {
     /// the leader dies (renewals every duration/7, given up after 2/3 of it).
     lease_duration: Secs = Secs::from_secs(15);
     // --- The Pod backend (`pod_backend = "kubernetes"`); see docs/pod-backend.md. ---
+    section pod: Pod;
     /// Namespace of executor Pods and their capability Secrets.
     pod_namespace: String = pod_default::NAMESPACE.into();
     /// Executor image (required for the kubernetes pod backend). Pin a digest
@@ -418,6 +471,7 @@ keys! {
     /// executor's entry (required there).
     spire_agent_id: Option<String> = None;
     // --- the VM backend (OpenSandbox) ---
+    section vm: Vm;
     /// OpenSandbox Lifecycle API base URL including the version, e.g.
     /// `https://opensandbox.example.org/v1` (required for the opensandbox vm backend).
     opensandbox_api: Option<String> = None;
@@ -455,6 +509,7 @@ keys! {
     vm_terminal_grace: Secs = Secs::from_secs(15);
 
     // --- spire ---
+    section sandbox_identity: SandboxIdentity;
     /// SPIRE k8s_psat cluster name of the sandbox cluster: the in-VM agents' parent ID is
     /// `spiffe://<trust_domain>/spire/agent/k8s_psat/<cluster>/pod/<Pod UID>`
     /// (`sandbox-identity`).
@@ -477,6 +532,7 @@ keys! {
 
     // === Facade limits: what one peer can hold of the facade (docs/security.md) ===
 
+    section facade_limits: FacadeLimits;
     /// Most connections the facade holds at once, TLS handshakes included. At the limit a
     /// new connection replaces the oldest one still in its handshake, or is closed at once.
     /// Capped at a quarter of the open-file limit, which is raised to its hard limit at
@@ -510,6 +566,7 @@ keys! {
 
     // === Queue security: who may write the queue, and what a worker trusts ===
 
+    section queue_security: QueueSecurity;
     /// Accept plaintext (v1) envelopes although `task_encryption_key_file` is set. Only for
     /// draining a queue the Go version wrote: a v1 envelope proves nothing about its writer.
     /// Logged as a warning at start.
@@ -534,6 +591,7 @@ keys! {
 
     // === Secret files ===
 
+    section secrets: Secrets;
     /// Which permissions a secret file may have: `owner-only` (no group or other access,
     /// as ssh requires of private keys), `group-readable` (also read by the file's group:
     /// Kubernetes Secret volumes with `fsGroup` are 0440), or `unchecked`.
@@ -541,6 +599,7 @@ keys! {
 
     // === One command on a host: registration at the first start ===
 
+    section registration: Registration;
     /// File holding a registration token from Gitea's runner settings
     /// (`controller --registration-token-file`). While `gitea_runner_uuid_file` and
     /// `gitea_runner_token_file` do not exist, the controller registers itself with it at

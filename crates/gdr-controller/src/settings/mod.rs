@@ -3,13 +3,38 @@
 //! Layers, later wins: built-in defaults < TOML file (`--config`) < environment (the Go
 //! version's variable names, e.g. `POD_CAPACITY`) < `--set key=value`. Every key is declared
 //! once in `keys`, which also generates the references. The layers produce a `Raw`
-//! value that is converted once ([`Settings::try_from`]) into [`Settings`]: backend kinds
-//! as enums, optional sections that exist only when their component is enabled, durations
-//! and paths typed. The conversion destructures `Raw` exhaustively and the runtime
-//! destructures [`Settings`] exhaustively, so a key that nothing reads is a compile error,
-//! not a silent no-op.
+//! value that is split by section (`keys::Sections`: `gitea`, `nats`, `pod`, `vm`, …) and
+//! converted once ([`Settings::try_from`]) into [`Settings`]: each section by a function of
+//! its own into its component's settings type, backend kinds as enums, optional sections
+//! that exist only when their component is enabled, durations and paths typed. The
+//! conversion destructures every section exhaustively and the runtime destructures
+//! [`Settings`] exhaustively, so a key that nothing reads is a compile error, not a silent
+//! no-op.
 //!
 //! Secrets are never values: only paths to files that hold them (`*_file`).
+
+/// The literals of computed defaults, for their constants below and for the key table's
+/// `shown` texts (`concat!` takes literals only), so each is written once.
+macro_rules! runner_uuid_file {
+    () => {
+        "runner-uuid"
+    };
+}
+macro_rules! runner_token_file {
+    () => {
+        "runner-token"
+    };
+}
+macro_rules! local_trust_domain {
+    () => {
+        "gitea-dynamic-runner.local"
+    };
+}
+macro_rules! local_facade_path {
+    () => {
+        "/gitea-dynamic-runner/facade"
+    };
+}
 
 mod keys;
 mod pod;
@@ -32,6 +57,7 @@ use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
 pub(crate) use keys::Raw;
 pub use keys::{KEYS, Key, Kind};
+use keys::{Sections, section};
 pub use pod::KubernetesSettings;
 pub use reference::{Format, default_of, render as reference};
 pub use secret::{
@@ -40,6 +66,7 @@ pub use secret::{
 };
 pub use sources::{ParseError, Sources};
 pub use values::{Component, Components};
+use values::{List, Secs};
 
 /// The official runner's `report_close_timeout`: an executor that holds reports for less
 /// adds nothing to what the runner does itself.
@@ -199,19 +226,19 @@ impl KeyFile {
 /// File names single-host mode uses under `state_dir` for what is not configured.
 pub mod state_files {
     /// The runner UUID (`gitea_runner_uuid_file`).
-    pub const RUNNER_UUID: &str = "runner-uuid";
+    pub const RUNNER_UUID: &str = runner_uuid_file!();
     /// The runner token (`gitea_runner_token_file`).
-    pub const RUNNER_TOKEN: &str = "runner-token";
+    pub const RUNNER_TOKEN: &str = runner_token_file!();
     /// The capability key (`runner_facade_capability_key_file`).
     pub const CAPABILITY_KEY: &str = "capability-key";
 }
 
 /// The trust domain of single-host mode's local identity when `trust_domain` is unset.
-pub const LOCAL_TRUST_DOMAIN: &str = "gitea-dynamic-runner.local";
+pub const LOCAL_TRUST_DOMAIN: &str = local_trust_domain!();
 
 /// The facade's SPIFFE ID path under the local trust domain when
 /// `runner_facade_spiffe_id` is unset.
-pub const LOCAL_FACADE_PATH: &str = "/gitea-dynamic-runner/facade";
+pub const LOCAL_FACADE_PATH: &str = local_facade_path!();
 
 /// The state directory when `state_dir` is unset: systemd's `$STATE_DIRECTORY` (its first
 /// entry), else `/var/lib/gitea-dynamic-runner` for root, else the XDG state directory
@@ -646,526 +673,138 @@ fn name_without_wildcards(check: &mut Check, key: &'static str, name: &str) {
 impl TryFrom<Raw> for Settings {
     type Error = SettingsError;
 
-    // TODO(issue 36 step 3): split; each section converts into its component's settings.
-    #[allow(clippy::too_many_lines)]
+    /// One function per section, called in the order their problems are listed.
     fn try_from(raw: Raw) -> Result<Self, SettingsError> {
-        // Exhaustive: a key declared but not converted does not compile (unused binding
-        // under `-D warnings`).
-        let Raw {
-            components,
-            gitea_instance_url,
-            gitea_runner_uuid_file,
-            gitea_runner_token_file,
-            gitea_ca_file,
-            gitea_request_timeout,
-            gitea_fetch_timeout,
-            runner_name,
-            runner_capabilities,
-            pod_capacity,
-            vm_capacity,
-            vm_runner_label,
-            trust_domain,
-            spiffe_id_scheme,
-            metadata_prefix,
-            runner_facade_capability_key_file,
-            task_encryption_key_file,
-            task_encryption_previous_key_files,
-            nats_url,
-            nats_producer_user,
-            nats_producer_password_file,
-            nats_producer_creds_file,
-            nats_worker_user,
-            nats_worker_password_file,
-            nats_worker_creds_file,
-            nats_ca_file,
-            nats_stream,
-            nats_subject_base,
-            nats_create_stream,
-            nats_ack_wait,
-            heartbeat_interval,
-            backlog_limit,
-            fetch_pollers_max,
-            fetch_interval,
-            runner_facade_listen,
-            runner_facade_url,
-            runner_facade_spiffe_id,
-            spiffe_endpoint_socket,
-            health_listen,
-            state_dir,
-            pod_backend,
-            vm_backend,
-            local_identity,
-            executor_identity,
-            spire_server_socket,
-            spire_server_program,
-            spire_executor_uids,
-            spire_executor_uid_quarantine,
-            executor_program,
-            runner_binary,
-            executor_start_deadline,
-            executor_idle_timeout,
-            executor_report_outage_tolerance,
-            executor_log_retention,
-            executor_log_retention_count,
-            nats_server_binary,
-            leader_election,
-            lease_namespace,
-            lease_name,
-            leader_identity,
-            lease_duration,
-            pod_namespace,
-            pod_executor_image,
-            pod_service_account,
-            pod_executor_uid,
-            pod_privileged,
-            pod_docker_storage_limit,
-            pod_active_deadline,
-            pod_automount_service_account_token,
-            pod_executor_args,
-            pod_executor_env,
-            pod_spiffe_csi_driver,
-            pod_spiffe_host_path,
-            pod_spiffe_socket_dir,
-            pod_spiffe_socket_name,
-            pod_resources,
-            pod_profiles,
-            pod_profile_max,
-            pod_volume_allow_list,
-            pod_orphan_secret_grace,
-            pod_identity_bind_deadline,
-            spire_cluster,
-            spire_class,
-            spire_agent_id,
-            opensandbox_api,
-            opensandbox_api_key_file,
-            opensandbox_pool,
-            opensandbox_ca_file,
-            opensandbox_request_timeout,
-            opensandbox_create_timeout,
-            vm_entrypoint,
-            vm_executor_env,
-            vm_timeout_seconds,
-            runner_facade_max_connections,
-            runner_facade_max_connections_per_peer,
-            runner_facade_max_connections_per_identity,
-            runner_facade_max_connections_per_assignment,
-            runner_facade_tls_handshake_timeout,
-            runner_facade_header_read_timeout,
-            runner_facade_idle_timeout,
-            runner_facade_h2_ping_interval,
-            runner_facade_h2_ping_timeout,
-            accept_plaintext_envelopes,
-            accept_undated_envelopes,
-            gitea_endless_task_timeout,
-            nats_finished_bucket,
-            held_assignment_timeout,
-            secret_file_permissions,
-            vm_renew_before,
-            vm_terminal_grace,
+        // Exhaustive: a section not converted does not compile (unused binding under
+        // `-D warnings`), and each section's function destructures its keys.
+        let Sections {
+            components: section::ComponentSet { components },
+            gitea,
+            runner,
+            backends:
+                section::Backends {
+                    pod_capacity,
+                    vm_capacity,
+                    vm_runner_label,
+                },
+            policy,
+            key_files,
+            nats,
+            scheduler,
+            facade,
+            host:
+                section::Host {
+                    spiffe_endpoint_socket,
+                    health_listen,
+                    state_dir,
+                    pod_backend,
+                    vm_backend,
+                    local_identity,
+                },
+            spire_executors,
+            executors,
+            embedded_nats,
+            leader,
+            pod,
+            vm,
             // Read by `sandbox-identity` only ([`SandboxIdentitySettings::load`]).
-            spire_cluster_name: _,
-            spire_class_name: _,
-            opensandbox_namespace: _,
-            runner_uid: _,
-            sandbox_identity_resync: _,
-            sandbox_identity_lease_name: _,
-            gitea_runner_registration_token_file,
-        } = raw;
-        let mut check = Check::default();
-        let single_host = nats_url.is_none();
-        let state_dir = check.state_dir(state_dir);
-
-        // Gitea.
-        let gitea = gitea_settings(
-            &mut check,
-            Purpose::Run,
-            GiteaKeys {
-                url: gitea_instance_url,
-                uuid_file: gitea_runner_uuid_file,
-                token_file: gitea_runner_token_file,
-                registration_token_file: gitea_runner_registration_token_file,
-                state_defaults: single_host.then(|| state_dir.clone()),
-                ca_file: gitea_ca_file,
-                request_timeout: gitea_request_timeout.0,
-                fetch_timeout: gitea_fetch_timeout.0,
+            sandbox_identity: _,
+            facade_limits,
+            queue_security,
+            secrets: section::Secrets {
+                secret_file_permissions,
             },
-        );
-        let runner = RunnerSettings {
-            name: runner_name,
-            capabilities: runner_capabilities.0,
-        };
+            registration,
+        } = raw.into();
+        let mut check = Check::default();
+        let single_host = nats.nats_url.is_none();
+        let state_dir = check.state_dir(state_dir);
+        let in_state = single_host.then(|| state_dir.clone());
+        let gitea = gitea_settings(&mut check, Purpose::Run, gitea, registration, in_state);
 
         // Policy and identity. Local identity is a CA of the controller's own, so its
         // trust domain and the facade's ID need no choice by the operator.
         let local_identity = local_identity.unwrap_or(single_host);
-        let trust_domain = check.trust_domain(
-            trust_domain.or_else(|| local_identity.then(|| LOCAL_TRUST_DOMAIN.to_owned())),
-        );
-        let runner_facade_spiffe_id = runner_facade_spiffe_id.or_else(|| {
-            trust_domain
-                .as_ref()
-                .filter(|_| local_identity)
-                .map(|td| format!("spiffe://{}{LOCAL_FACADE_PATH}", td.as_str()))
-        });
-        let scheme = check.ok(
-            "spiffe_id_scheme",
-            spiffe_id_scheme.parse::<IdentityScheme>(),
-        );
-        let labels = check.ok("vm_runner_label", BackendLabels::new(vm_runner_label));
-        let codec = check.ok("metadata_prefix", MetadataCodec::new(metadata_prefix));
-        let capability_key_file = capability_key_file(
-            &mut check,
-            runner_facade_capability_key_file,
-            single_host.then_some(state_dir.as_path()),
-        );
-        let task_keys = task_keys(
-            &mut check,
-            task_encryption_key_file,
-            task_encryption_previous_key_files.paths(),
-        );
+        let derivation = Derivation::new(&mut check, policy, vm_runner_label, local_identity);
+        let (capability_key_file, task_keys) =
+            key_file_settings(&mut check, key_files, single_host.then_some(&state_dir));
         let identity = identity_source(&mut check, local_identity, spiffe_endpoint_socket);
-
-        // NATS.
-        name_without_wildcards(&mut check, "nats_stream", &nats_stream);
-        name_without_wildcards(&mut check, "nats_subject_base", &nats_subject_base);
-        if nats_stream.contains('.') {
-            check.problem("nats_stream", "stream names cannot contain '.'");
-        }
-        let auth = |user: String,
-                    password: Option<PathBuf>,
-                    creds: Option<PathBuf>,
-                    key: &'static str| match (password, creds) {
-            (_, Some(creds)) => NatsAuth::Creds(creds),
-            (Some(file), None) => NatsAuth::Password { user, file, key },
-            (None, None) => NatsAuth::Anonymous,
-        };
-        let producer = auth(
-            nats_producer_user,
-            nats_producer_password_file,
-            nats_producer_creds_file,
-            "nats_producer_password_file",
-        );
-        let worker = auth(
-            nats_worker_user,
-            nats_worker_password_file,
-            nats_worker_creds_file,
-            "nats_worker_password_file",
-        );
-        let server = match nats_url {
-            None => NatsServer::Embedded {
-                binary: nats_server_binary,
-                binder: None,
-            },
-            Some(url) => NatsServer::External {
-                url,
-                producer,
-                worker,
-                ca_file: nats_ca_file,
-            },
-        };
-        let security = queue_security(
-            &mut check,
-            QueueSecurity {
-                accept_plaintext_envelopes,
-                accept_undated_envelopes,
-                task_lifetime: gitea_endless_task_timeout.0,
-                finished_bucket: nats_finished_bucket,
-                held_timeout: held_assignment_timeout.0,
-            },
-        );
-        let nats = NatsSettings {
-            server,
-            stream: nats_stream,
-            subject_base: nats_subject_base,
-            create_stream: nats_create_stream,
-            ack_wait: nats_ack_wait.0,
-            security,
-        };
-        if nats.ack_wait < Duration::from_secs(1) {
-            check.problem(
-                "nats_ack_wait",
-                "must be at least 1s (the worker extends the deadline every third of it)",
-            );
-        }
+        let nats = nats_settings(&mut check, nats, embedded_nats, queue_security);
 
         // Backends.
-        for (key, capacity) in [("pod_capacity", pod_capacity), ("vm_capacity", vm_capacity)] {
-            if capacity > MAX_CAPACITY {
-                check.problem(
-                    key,
-                    format!(
-                        "{capacity} is above the limit of {MAX_CAPACITY} executors per backend"
-                    ),
-                );
-            }
-        }
+        check_capacities(&mut check, pod_capacity, vm_capacity);
+        let (process, timings) = executor_settings(executors);
         let pod_on = components.contains(Component::PodWorker) && pod_capacity > 0;
         let vm_on = components.contains(Component::VmWorker) && vm_capacity > 0;
-        let spire = spire::spire_identity_settings(
-            &mut check,
-            spire::SpireKeys {
-                executor_identity,
-                server_socket: spire_server_socket,
-                server_program: spire_server_program,
-                agent_id: spire_agent_id.clone(),
-                uids: spire_executor_uids,
-                quarantine: spire_executor_uid_quarantine.0,
-                local_identity,
-            },
-        );
+        // The Pod section's agent ID is the parent of process executors' SPIRE entries too.
+        let spire_keys = spire::keys(spire_executors, pod.spire_agent_id.clone(), local_identity);
+        let spire = spire::spire_identity_settings(&mut check, spire_keys);
         let process = ProcessSettings {
             spire: spire.clone(),
-            program: executor_program,
-            runner_binary,
-            log_retention: gdr_backends::process::LogRetention {
-                max_age: executor_log_retention.0,
-                max_count: count(executor_log_retention_count),
-            },
+            ..process
         };
-        let default_kind = |single: &'static str, cluster: &'static str| {
-            if single_host { single } else { cluster }
-        };
-        let pod_kind = pod_backend.unwrap_or_else(|| default_kind("process", "kubernetes").into());
-        let vm_kind = vm_backend.unwrap_or_else(|| default_kind("process", "opensandbox").into());
-        let pod = match pod_kind.as_str() {
-            "process" => Some(PodBackend::Process(process.clone())),
-            "kubernetes" if pod_on => pod::kubernetes(
-                &mut check,
-                pod::PodKeys {
-                    namespace: pod_namespace,
-                    image: pod_executor_image,
-                    service_account: pod_service_account,
-                    executor_uid: pod_executor_uid,
-                    privileged: pod_privileged,
-                    docker_storage_limit: pod_docker_storage_limit,
-                    active_deadline: pod_active_deadline.0,
-                    automount_service_account_token: pod_automount_service_account_token,
-                    executor_args: pod_executor_args.0,
-                    executor_env: pod_executor_env,
-                    csi_driver: pod_spiffe_csi_driver,
-                    host_path: pod_spiffe_host_path,
-                    socket_dir: pod_spiffe_socket_dir,
-                    socket_name: pod_spiffe_socket_name,
-                    resources: pod_resources,
-                    profiles: pod_profiles,
-                    profile_max: pod_profile_max,
-                    volume_allow_list: pod_volume_allow_list,
-                    orphan_secret_grace: pod_orphan_secret_grace.0,
-                    identity_deadline: pod_identity_bind_deadline.0,
-                    spire_cluster,
-                    spire_class,
-                    spire_agent_id,
-                },
-                &pod::Context {
-                    trust_domain: trust_domain.as_ref(),
-                    codec: codec.as_ref(),
-                    labels: labels.as_ref(),
-                },
-            )
-            .map(|k| PodBackend::Kubernetes(Box::new(k))),
-            "kubernetes" => None,
-            other => {
-                check.problem(
-                    "pod_backend",
-                    format!("{other:?} must be \"kubernetes\" or \"process\""),
-                );
-                None
-            }
-        };
-        let vm = match vm_kind.as_str() {
-            "process" => Some(VmBackend::Process(process)),
-            "opensandbox" if vm_on => opensandbox_settings(
-                &mut check,
-                trust_domain.as_ref(),
-                codec.as_ref(),
-                OpenSandboxKeys {
-                    api: opensandbox_api,
-                    api_key_file: opensandbox_api_key_file,
-                    pool: opensandbox_pool,
-                    ca_file: opensandbox_ca_file,
-                    request_timeout: opensandbox_request_timeout.0,
-                    create_timeout: opensandbox_create_timeout.0,
-                    entrypoint: vm_entrypoint.0,
-                    executor_env: vm_executor_env.0,
-                    timeout_seconds: vm_timeout_seconds,
-                    renew_before: vm_renew_before.0,
-                    terminal_grace: vm_terminal_grace.0,
-                },
-            )
-            .map(|o| VmBackend::OpenSandbox(Box::new(o))),
-            "opensandbox" => None,
-            other => {
-                check.problem(
-                    "vm_backend",
-                    format!("{other:?} must be \"opensandbox\" or \"process\""),
-                );
-                None
-            }
-        };
-        let uses_process = (pod_on && matches!(pod, Some(PodBackend::Process(_))))
-            || (vm_on && matches!(vm, Some(VmBackend::Process(_))));
-        let process_capacity = uses_process.then(|| {
-            let on =
-                |on: bool, process: bool, capacity: u32| if on && process { capacity } else { 0 };
-            on(
-                pod_on,
-                matches!(pod, Some(PodBackend::Process(_))),
-                pod_capacity,
-            ) + on(
-                vm_on,
-                matches!(vm, Some(VmBackend::Process(_))),
-                vm_capacity,
-            )
-        });
-        spire::check_process_identity(&mut check, spire.as_ref(), local_identity, process_capacity);
-        let pod = pod.filter(|_| pod_on).map(|kind| BackendSettings {
-            capacity: pod_capacity,
-            kind,
-        });
-        let vm = vm.filter(|_| vm_on).map(|kind| BackendSettings {
-            capacity: vm_capacity,
-            kind,
-        });
-
-        // Components.
-        let scheduler_on = components.contains(Component::Scheduler);
+        let pod_kind = backend_kind(pod_backend, single_host, "kubernetes");
+        let vm_kind = backend_kind(vm_backend, single_host, "opensandbox");
+        let pod = pod_backend_settings(&mut check, &pod_kind, pod_on, pod, &process, &derivation)
+            .filter(|_| pod_on)
+            .map(|kind| BackendSettings {
+                capacity: pod_capacity,
+                kind,
+            });
+        let vm = vm_backend_settings(&mut check, &vm_kind, vm_on, vm, process, &derivation)
+            .filter(|_| vm_on)
+            .map(|kind| BackendSettings {
+                capacity: vm_capacity,
+                kind,
+            });
+        let process_capacity = |on: bool, capacity: u32| if on { capacity } else { 0 };
+        let pod_process = matches!(pod.as_ref().map(|p| &p.kind), Some(PodBackend::Process(_)));
+        let vm_process = matches!(vm.as_ref().map(|v| &v.kind), Some(VmBackend::Process(_)));
+        spire::check_process_identity(
+            &mut check,
+            spire.as_ref(),
+            local_identity,
+            (pod_process || vm_process).then(|| {
+                process_capacity(pod_process, pod_capacity)
+                    + process_capacity(vm_process, vm_capacity)
+            }),
+        );
         check_components(&mut check, &components, pod_capacity, vm_capacity);
 
         // Scheduler and facade.
-        if heartbeat_interval.0 < Duration::from_secs(1) {
-            check.problem("heartbeat_interval", "must be at least 1s");
-        }
-        if backlog_limit == Some(0) {
-            check.problem("backlog_limit", "must be at least 1");
-        }
-        if fetch_pollers_max == 0 {
-            check.problem("fetch_pollers_max", "must be at least 1");
-        }
-        if fetch_interval.0 < MIN_FETCH_INTERVAL {
-            check.problem("fetch_interval", "must be at least 100ms");
-        }
-        let listen_default = |port: u16| {
-            if single_host {
-                format!("127.0.0.1:{port}")
-            } else {
-                format!("0.0.0.0:{port}")
-            }
-        };
-        let facade_listen = runner_facade_listen.unwrap_or_else(|| listen_default(8443));
-        let facade_limits = facade_limits(
-            &mut check,
-            FacadeLimits {
-                max_connections: count(runner_facade_max_connections),
-                max_connections_per_peer: count(runner_facade_max_connections_per_peer),
-                max_connections_per_identity: count(runner_facade_max_connections_per_identity),
-                max_connections_per_assignment: count(runner_facade_max_connections_per_assignment),
-                tls_handshake_timeout: runner_facade_tls_handshake_timeout.0,
-                header_read_timeout: runner_facade_header_read_timeout.0,
-                idle_timeout: runner_facade_idle_timeout.0,
-                h2_ping_interval: runner_facade_h2_ping_interval.0,
-                h2_ping_timeout: runner_facade_h2_ping_timeout.0,
-            },
-        );
+        check_scheduler_pace(&mut check, &scheduler);
+        let limits = facade_limit_settings(&mut check, facade_limits);
         let secrets = check
             .ok(
                 "secret_file_permissions",
                 secret_file_permissions.parse::<SecretPermissions>(),
             )
             .unwrap_or_default();
-        let scheduler = if scheduler_on {
-            let url = match runner_facade_url {
-                Some(u) => check
-                    .ok(
-                        "runner_facade_url",
-                        http_url(&u, &["https"]).map(|_| u).map_err(|e| {
-                            format!("{e}: executors reach the facade over SPIFFE mTLS only")
-                        }),
-                    )
-                    .map(Some),
-                // Executors on this host dial the listener the controller binds.
-                None if single_host => Some(None),
-                None => check.required(
-                    "runner_facade_url",
-                    None,
-                    "when the scheduler runs (the URL executors dial)",
-                ),
-            };
-            let spiffe_id = check
-                .required(
-                    "runner_facade_spiffe_id",
-                    runner_facade_spiffe_id,
-                    "when the scheduler runs",
-                )
-                .filter(|id| {
-                    let ok = id.starts_with("spiffe://");
-                    if !ok {
-                        check.problem(
-                            "runner_facade_spiffe_id",
-                            format!("{id:?} must be a spiffe:// URI"),
-                        );
-                    }
-                    ok
-                });
-            url.zip(spiffe_id)
-                .map(|(url, spiffe_id)| SchedulerSettings {
-                    heartbeat_interval: heartbeat_interval.0,
-                    backlog_limit: backlog_limit.map(u64::from),
-                    fetch_pollers_max: usize::try_from(fetch_pollers_max).unwrap_or(usize::MAX),
-                    fetch_interval: fetch_interval.0,
-                    facade: FacadeSettings {
-                        listen: facade_listen,
-                        url,
-                        spiffe_id,
-                        limits: facade_limits,
-                    },
-                })
+        let scheduler = if components.contains(Component::Scheduler) {
+            let local_id = derivation.local_facade_id(local_identity);
+            scheduler_settings(&mut check, scheduler, facade, limits, single_host, local_id)
         } else {
             None
         };
 
-        // Leader election.
-        let leader = check.leader(
-            leader_election,
-            LeaderSettings {
-                namespace: lease_namespace,
-                name: lease_name,
-                identity: leader_identity,
-                lease_duration: lease_duration.0,
-            },
-        );
-
-        let executors = executor_timings(
-            &mut check,
-            ExecutorTimings {
-                start_deadline: executor_start_deadline.0,
-                idle_timeout: executor_idle_timeout.0,
-                report_outage_tolerance: executor_report_outage_tolerance.0,
-            },
-        );
-
-        let policy =
-            trust_domain
-                .zip(scheme)
-                .zip(labels)
-                .map(|((trust_domain, scheme), labels)| DerivationPolicy {
-                    trust_domain,
-                    scheme,
-                    labels,
-                });
+        let leader = leader_settings(&mut check, leader);
+        let executors = executor_timings(&mut check, timings);
+        let (policy, codec) = derivation.finish();
         match (gitea, policy, codec, capability_key_file) {
             (Some(gitea), Some(policy), Some(codec), Some(capability_key_file))
                 if check.problems.is_empty() =>
             {
                 Ok(Settings {
                     gitea,
-                    runner,
+                    runner: runner.into(),
                     policy,
                     codec,
                     capability_key_file,
                     task_keys,
                     nats,
                     state_dir,
-                    health_listen: health_listen.unwrap_or_else(|| listen_default(9090)),
+                    health_listen: health_listen
+                        .unwrap_or_else(|| listen_default(single_host, 9090)),
                     identity,
                     scheduler,
                     pod,
@@ -1181,6 +820,122 @@ impl TryFrom<Raw> for Settings {
 }
 
 // === Sections of [`Settings::try_from`] ===
+
+impl From<section::Runner> for RunnerSettings {
+    fn from(keys: section::Runner) -> Self {
+        let section::Runner {
+            runner_name,
+            runner_capabilities,
+        } = keys;
+        RunnerSettings {
+            name: runner_name,
+            capabilities: runner_capabilities.0,
+        }
+    }
+}
+
+/// A listen address on `port`: loopback in single-host mode, every address otherwise.
+fn listen_default(single_host: bool, port: u16) -> String {
+    if single_host {
+        format!("127.0.0.1:{port}")
+    } else {
+        format!("0.0.0.0:{port}")
+    }
+}
+
+/// The parts of the derivation policy and the metadata codec, each `None` when its key is
+/// broken (already reported): the backends are converted with them.
+struct Derivation {
+    trust_domain: Option<TrustDomain>,
+    scheme: Option<IdentityScheme>,
+    labels: Option<BackendLabels>,
+    codec: Option<MetadataCodec>,
+}
+
+impl Derivation {
+    /// `trust_domain` (with local identity: [`LOCAL_TRUST_DOMAIN`] when unset),
+    /// `spiffe_id_scheme`, `vm_runner_label` and `metadata_prefix`, in that order.
+    fn new(
+        check: &mut Check,
+        keys: section::Policy,
+        vm_runner_label: String,
+        local_identity: bool,
+    ) -> Self {
+        let section::Policy {
+            trust_domain,
+            spiffe_id_scheme,
+            metadata_prefix,
+        } = keys;
+        let trust_domain = check.trust_domain(
+            trust_domain.or_else(|| local_identity.then(|| LOCAL_TRUST_DOMAIN.to_owned())),
+        );
+        let scheme = check.ok(
+            "spiffe_id_scheme",
+            spiffe_id_scheme.parse::<IdentityScheme>(),
+        );
+        let labels = check.ok("vm_runner_label", BackendLabels::new(vm_runner_label));
+        let codec = check.ok("metadata_prefix", MetadataCodec::new(metadata_prefix));
+        Derivation {
+            trust_domain,
+            scheme,
+            labels,
+            codec,
+        }
+    }
+
+    /// The facade's SPIFFE ID under local identity, when `runner_facade_spiffe_id` is unset.
+    fn local_facade_id(&self, local_identity: bool) -> Option<String> {
+        self.trust_domain
+            .as_ref()
+            .filter(|_| local_identity)
+            .map(|td| format!("spiffe://{}{LOCAL_FACADE_PATH}", td.as_str()))
+    }
+
+    /// What the Pod backend is converted with.
+    fn pod_context(&self) -> pod::Context<'_> {
+        pod::Context {
+            trust_domain: self.trust_domain.as_ref(),
+            codec: self.codec.as_ref(),
+            labels: self.labels.as_ref(),
+        }
+    }
+
+    /// The policy and the codec, when their keys are sound.
+    fn finish(self) -> (Option<DerivationPolicy>, Option<MetadataCodec>) {
+        let policy = self.trust_domain.zip(self.scheme).zip(self.labels).map(
+            |((trust_domain, scheme), labels)| DerivationPolicy {
+                trust_domain,
+                scheme,
+                labels,
+            },
+        );
+        (policy, self.codec)
+    }
+}
+
+/// The capability key file, then the task keys; `state_dir` is given in single-host mode.
+fn key_file_settings(
+    check: &mut Check,
+    keys: section::KeyFiles,
+    state_dir: Option<&PathBuf>,
+) -> (Option<KeyFile>, Option<TaskKeyFiles>) {
+    let section::KeyFiles {
+        runner_facade_capability_key_file,
+        task_encryption_key_file,
+        task_encryption_previous_key_files,
+    } = keys;
+    let capability = capability_key_file(
+        check,
+        runner_facade_capability_key_file,
+        state_dir.map(PathBuf::as_path),
+    );
+    let task = task_keys(
+        check,
+        task_encryption_key_file,
+        task_encryption_previous_key_files.paths(),
+    );
+    (capability, task)
+}
 
 /// `runner_facade_capability_key_file`; unset in single-host mode (`state_dir` given):
 /// generated under `state_dir`.
@@ -1240,6 +995,189 @@ fn identity_source(
     }
 }
 
+/// The JetStream handoff: the embedded server without `nats_url`, else the cluster with
+/// its credentials; then the queue's trust rules.
+fn nats_settings(
+    check: &mut Check,
+    keys: section::Nats,
+    embedded: section::EmbeddedNats,
+    security: section::QueueSecurity,
+) -> NatsSettings {
+    let section::Nats {
+        nats_url,
+        nats_producer_user,
+        nats_producer_password_file,
+        nats_producer_creds_file,
+        nats_worker_user,
+        nats_worker_password_file,
+        nats_worker_creds_file,
+        nats_ca_file,
+        nats_stream,
+        nats_subject_base,
+        nats_create_stream,
+        nats_ack_wait,
+    } = keys;
+    let section::EmbeddedNats { nats_server_binary } = embedded;
+    name_without_wildcards(check, "nats_stream", &nats_stream);
+    name_without_wildcards(check, "nats_subject_base", &nats_subject_base);
+    if nats_stream.contains('.') {
+        check.problem("nats_stream", "stream names cannot contain '.'");
+    }
+    let server = match nats_url {
+        None => NatsServer::Embedded {
+            binary: nats_server_binary,
+            binder: None,
+        },
+        Some(url) => NatsServer::External {
+            url,
+            producer: nats_auth(
+                nats_producer_user,
+                nats_producer_password_file,
+                nats_producer_creds_file,
+                "nats_producer_password_file",
+            ),
+            worker: nats_auth(
+                nats_worker_user,
+                nats_worker_password_file,
+                nats_worker_creds_file,
+                "nats_worker_password_file",
+            ),
+            ca_file: nats_ca_file,
+        },
+    };
+    let security = queue_security(check, security);
+    if nats_ack_wait.0 < Duration::from_secs(1) {
+        check.problem(
+            "nats_ack_wait",
+            "must be at least 1s (the worker extends the deadline every third of it)",
+        );
+    }
+    NatsSettings {
+        server,
+        stream: nats_stream,
+        subject_base: nats_subject_base,
+        create_stream: nats_create_stream,
+        ack_wait: nats_ack_wait.0,
+        security,
+    }
+}
+
+/// How one NATS connection authenticates: a `.creds` file wins over a password file.
+fn nats_auth(
+    user: String,
+    password: Option<PathBuf>,
+    creds: Option<PathBuf>,
+    key: &'static str,
+) -> NatsAuth {
+    match (password, creds) {
+        (_, Some(creds)) => NatsAuth::Creds(creds),
+        (Some(file), None) => NatsAuth::Password { user, file, key },
+        (None, None) => NatsAuth::Anonymous,
+    }
+}
+
+/// Each backend's capacity is at most [`MAX_CAPACITY`].
+fn check_capacities(check: &mut Check, pod_capacity: u32, vm_capacity: u32) {
+    for (key, capacity) in [("pod_capacity", pod_capacity), ("vm_capacity", vm_capacity)] {
+        if capacity > MAX_CAPACITY {
+            check.problem(
+                key,
+                format!("{capacity} is above the limit of {MAX_CAPACITY} executors per backend"),
+            );
+        }
+    }
+}
+
+/// The process backend's keys, and the executor deadlines (checked last:
+/// [`executor_timings`]).
+fn executor_settings(keys: section::Executors) -> (ProcessSettings, ExecutorTimings) {
+    let section::Executors {
+        executor_program,
+        runner_binary,
+        executor_start_deadline,
+        executor_idle_timeout,
+        executor_report_outage_tolerance,
+        executor_log_retention,
+        executor_log_retention_count,
+    } = keys;
+    // `executor_identity`'s SPIRE settings join in `try_from`, after the Pod section.
+    let process = ProcessSettings {
+        spire: None,
+        program: executor_program,
+        runner_binary,
+        log_retention: gdr_backends::process::LogRetention {
+            max_age: executor_log_retention.0,
+            max_count: count(executor_log_retention_count),
+        },
+    };
+    let timings = ExecutorTimings {
+        start_deadline: executor_start_deadline.0,
+        idle_timeout: executor_idle_timeout.0,
+        report_outage_tolerance: executor_report_outage_tolerance.0,
+    };
+    (process, timings)
+}
+
+/// `pod_backend` or `vm_backend`; unset: `process` in single-host mode, else `cluster`.
+fn backend_kind(kind: Option<String>, single_host: bool, cluster: &str) -> String {
+    kind.unwrap_or_else(|| if single_host { "process" } else { cluster }.to_owned())
+}
+
+/// What runs pod jobs (`None`: off, or broken and reported); the kubernetes backend's
+/// keys are converted only when the backend is `on`.
+fn pod_backend_settings(
+    check: &mut Check,
+    kind: &str,
+    on: bool,
+    keys: section::Pod,
+    process: &ProcessSettings,
+    derivation: &Derivation,
+) -> Option<PodBackend> {
+    match kind {
+        "process" => Some(PodBackend::Process(process.clone())),
+        "kubernetes" if on => pod::kubernetes(check, keys, &derivation.pod_context())
+            .map(|k| PodBackend::Kubernetes(Box::new(k))),
+        "kubernetes" => None,
+        other => {
+            check.problem(
+                "pod_backend",
+                format!("{other:?} must be \"kubernetes\" or \"process\""),
+            );
+            None
+        }
+    }
+}
+
+/// What runs vm jobs (`None`: off, or broken and reported); the opensandbox backend's
+/// keys are converted only when the backend is `on`.
+fn vm_backend_settings(
+    check: &mut Check,
+    kind: &str,
+    on: bool,
+    keys: section::Vm,
+    process: ProcessSettings,
+    derivation: &Derivation,
+) -> Option<VmBackend> {
+    match kind {
+        "process" => Some(VmBackend::Process(process)),
+        "opensandbox" if on => opensandbox_settings(
+            check,
+            derivation.trust_domain.as_ref(),
+            derivation.codec.as_ref(),
+            keys,
+        )
+        .map(|o| VmBackend::OpenSandbox(Box::new(o))),
+        "opensandbox" => None,
+        other => {
+            check.problem(
+                "vm_backend",
+                format!("{other:?} must be \"opensandbox\" or \"process\""),
+            );
+            None
+        }
+    }
+}
+
 /// Which components run together, and that something can run at all.
 fn check_components(
     check: &mut Check,
@@ -1266,6 +1204,117 @@ fn check_components(
     }
 }
 
+/// The scheduler's pace, checked whether or not the scheduler runs.
+fn check_scheduler_pace(check: &mut Check, keys: &section::Scheduler) {
+    let section::Scheduler {
+        heartbeat_interval,
+        backlog_limit,
+        fetch_pollers_max,
+        fetch_interval,
+    } = keys;
+    if heartbeat_interval.0 < Duration::from_secs(1) {
+        check.problem("heartbeat_interval", "must be at least 1s");
+    }
+    if *backlog_limit == Some(0) {
+        check.problem("backlog_limit", "must be at least 1");
+    }
+    if *fetch_pollers_max == 0 {
+        check.problem("fetch_pollers_max", "must be at least 1");
+    }
+    if fetch_interval.0 < MIN_FETCH_INTERVAL {
+        check.problem("fetch_interval", "must be at least 100ms");
+    }
+}
+
+/// The scheduler and its facade, when the scheduler runs: the URL executors dial
+/// (required but in single-host mode) and the facade's SPIFFE ID (`local_id` when unset).
+fn scheduler_settings(
+    check: &mut Check,
+    keys: section::Scheduler,
+    facade: section::Facade,
+    limits: FacadeLimits,
+    single_host: bool,
+    local_id: Option<String>,
+) -> Option<SchedulerSettings> {
+    let section::Scheduler {
+        heartbeat_interval,
+        backlog_limit,
+        fetch_pollers_max,
+        fetch_interval,
+    } = keys;
+    let section::Facade {
+        runner_facade_listen,
+        runner_facade_url,
+        runner_facade_spiffe_id,
+    } = facade;
+    let url = match runner_facade_url {
+        Some(u) => check
+            .ok(
+                "runner_facade_url",
+                http_url(&u, &["https"])
+                    .map(|_| u)
+                    .map_err(|e| format!("{e}: executors reach the facade over SPIFFE mTLS only")),
+            )
+            .map(Some),
+        // Executors on this host dial the listener the controller binds.
+        None if single_host => Some(None),
+        None => check.required(
+            "runner_facade_url",
+            None,
+            "when the scheduler runs (the URL executors dial)",
+        ),
+    };
+    let spiffe_id = check
+        .required(
+            "runner_facade_spiffe_id",
+            runner_facade_spiffe_id.or(local_id),
+            "when the scheduler runs",
+        )
+        .filter(|id| {
+            let ok = id.starts_with("spiffe://");
+            if !ok {
+                check.problem(
+                    "runner_facade_spiffe_id",
+                    format!("{id:?} must be a spiffe:// URI"),
+                );
+            }
+            ok
+        });
+    let (url, spiffe_id) = url.zip(spiffe_id)?;
+    Some(SchedulerSettings {
+        heartbeat_interval: heartbeat_interval.0,
+        backlog_limit: backlog_limit.map(u64::from),
+        fetch_pollers_max: count(fetch_pollers_max),
+        fetch_interval: fetch_interval.0,
+        facade: FacadeSettings {
+            listen: runner_facade_listen.unwrap_or_else(|| listen_default(single_host, 8443)),
+            url,
+            spiffe_id,
+            limits,
+        },
+    })
+}
+
+/// Leader election, when `leader_election` is on (the lease duration is checked either way).
+fn leader_settings(check: &mut Check, keys: section::Leader) -> Option<LeaderSettings> {
+    let section::Leader {
+        leader_election,
+        lease_namespace,
+        lease_name,
+        leader_identity,
+        lease_duration,
+    } = keys;
+    check.leader(
+        leader_election,
+        LeaderSettings {
+            namespace: lease_namespace,
+            name: lease_name,
+            identity: leader_identity,
+            lease_duration: lease_duration.0,
+        },
+    )
+}
+
 /// The executor deadlines, checked against what the official runner itself does.
 fn executor_timings(check: &mut Check, timings: ExecutorTimings) -> ExecutorTimings {
     if timings.report_outage_tolerance < MIN_REPORT_OUTAGE_TOLERANCE {
@@ -1288,18 +1337,10 @@ fn executor_timings(check: &mut Check, timings: ExecutorTimings) -> ExecutorTimi
 impl Default for FacadeLimits {
     /// The limits the keys default to (for tests that run a facade without settings).
     fn default() -> Self {
-        let raw = Raw::default();
-        FacadeLimits {
-            max_connections: count(raw.runner_facade_max_connections),
-            max_connections_per_peer: count(raw.runner_facade_max_connections_per_peer),
-            max_connections_per_identity: count(raw.runner_facade_max_connections_per_identity),
-            max_connections_per_assignment: count(raw.runner_facade_max_connections_per_assignment),
-            tls_handshake_timeout: raw.runner_facade_tls_handshake_timeout.0,
-            header_read_timeout: raw.runner_facade_header_read_timeout.0,
-            idle_timeout: raw.runner_facade_idle_timeout.0,
-            h2_ping_interval: raw.runner_facade_h2_ping_interval.0,
-            h2_ping_timeout: raw.runner_facade_h2_ping_timeout.0,
-        }
+        facade_limit_settings(
+            &mut Check::default(),
+            Sections::from(Raw::default()).facade_limits,
+        )
     }
 }
 
@@ -1310,7 +1351,29 @@ fn count(n: u32) -> usize {
 }
 
 /// The facade's limits, checked: every count at least 1, every timeout at its least.
-fn facade_limits(check: &mut Check, limits: FacadeLimits) -> FacadeLimits {
+fn facade_limit_settings(check: &mut Check, keys: section::FacadeLimits) -> FacadeLimits {
+    let section::FacadeLimits {
+        runner_facade_max_connections,
+        runner_facade_max_connections_per_peer,
+        runner_facade_max_connections_per_identity,
+        runner_facade_max_connections_per_assignment,
+        runner_facade_tls_handshake_timeout,
+        runner_facade_header_read_timeout,
+        runner_facade_idle_timeout,
+        runner_facade_h2_ping_interval,
+        runner_facade_h2_ping_timeout,
+    } = keys;
+    let limits = FacadeLimits {
+        max_connections: count(runner_facade_max_connections),
+        max_connections_per_peer: count(runner_facade_max_connections_per_peer),
+        max_connections_per_identity: count(runner_facade_max_connections_per_identity),
+        max_connections_per_assignment: count(runner_facade_max_connections_per_assignment),
+        tls_handshake_timeout: runner_facade_tls_handshake_timeout.0,
+        header_read_timeout: runner_facade_header_read_timeout.0,
+        idle_timeout: runner_facade_idle_timeout.0,
+        h2_ping_interval: runner_facade_h2_ping_interval.0,
+        h2_ping_timeout: runner_facade_h2_ping_timeout.0,
+    };
     for (key, n) in [
         ("runner_facade_max_connections", limits.max_connections),
         (
@@ -1373,7 +1436,21 @@ fn facade_limits(check: &mut Check, limits: FacadeLimits) -> FacadeLimits {
 }
 
 /// The queue's trust rules, checked: lifetimes of at least a minute, a usable bucket name.
-fn queue_security(check: &mut Check, security: QueueSecurity) -> QueueSecurity {
+fn queue_security(check: &mut Check, keys: section::QueueSecurity) -> QueueSecurity {
+    let section::QueueSecurity {
+        accept_plaintext_envelopes,
+        accept_undated_envelopes,
+        gitea_endless_task_timeout,
+        nats_finished_bucket,
+        held_assignment_timeout,
+    } = keys;
+    let security = QueueSecurity {
+        accept_plaintext_envelopes,
+        accept_undated_envelopes,
+        task_lifetime: gitea_endless_task_timeout.0,
+        finished_bucket: nats_finished_bucket,
+        held_timeout: held_assignment_timeout.0,
+    };
     if security.task_lifetime < Duration::from_secs(60) {
         check.problem(
             "gitea_endless_task_timeout",
@@ -1397,42 +1474,27 @@ fn queue_security(check: &mut Check, security: QueueSecurity) -> QueueSecurity {
     security
 }
 
-/// The VM backend's keys, for [`opensandbox_settings`].
-struct OpenSandboxKeys {
-    api: Option<String>,
-    api_key_file: Option<PathBuf>,
-    pool: String,
-    ca_file: Option<PathBuf>,
-    request_timeout: Duration,
-    create_timeout: Duration,
-    entrypoint: Vec<String>,
-    executor_env: Vec<String>,
-    timeout_seconds: u64,
-    renew_before: Duration,
-    terminal_grace: Duration,
-}
-
 /// The VM backend's settings, or `None` with every problem recorded (`trust_domain` and
 /// `codec` are `None` when their own keys are broken, already reported).
 fn opensandbox_settings(
     check: &mut Check,
     trust_domain: Option<&TrustDomain>,
     codec: Option<&MetadataCodec>,
-    keys: OpenSandboxKeys,
+    keys: section::Vm,
 ) -> Option<OpenSandboxSettings> {
     const WHY: &str = "with the opensandbox vm backend";
-    let OpenSandboxKeys {
-        api,
-        api_key_file,
-        pool,
-        ca_file,
-        request_timeout,
-        create_timeout,
-        entrypoint,
-        executor_env,
-        timeout_seconds,
-        renew_before,
-        terminal_grace,
+    let section::Vm {
+        opensandbox_api: api,
+        opensandbox_api_key_file: api_key_file,
+        opensandbox_pool: pool,
+        opensandbox_ca_file: ca_file,
+        opensandbox_request_timeout: Secs(request_timeout),
+        opensandbox_create_timeout: Secs(create_timeout),
+        vm_entrypoint: List(entrypoint),
+        vm_executor_env: List(executor_env),
+        vm_timeout_seconds: timeout_seconds,
+        vm_renew_before: Secs(renew_before),
+        vm_terminal_grace: Secs(terminal_grace),
     } = keys;
     let api = check
         .required("opensandbox_api", api, WHY)
@@ -1519,19 +1581,6 @@ fn opensandbox_settings(
     })
 }
 
-/// The Gitea keys, for [`gitea_settings`].
-struct GiteaKeys {
-    url: Option<String>,
-    uuid_file: Option<PathBuf>,
-    token_file: Option<PathBuf>,
-    registration_token_file: Option<PathBuf>,
-    /// Single-host mode's `state_dir`, where unset credential files default to.
-    state_defaults: Option<PathBuf>,
-    ca_file: Option<PathBuf>,
-    request_timeout: Duration,
-    fetch_timeout: Duration,
-}
-
 /// What the Gitea settings are loaded for: the hints differ.
 #[derive(Clone, Copy)]
 enum Purpose {
@@ -1539,7 +1588,15 @@ enum Purpose {
     Register,
 }
 
-fn gitea_settings(check: &mut Check, purpose: Purpose, keys: GiteaKeys) -> Option<GiteaSettings> {
+/// How to reach Gitea; `state_defaults`: single-host mode's `state_dir`, where unset
+/// credential files default to.
+fn gitea_settings(
+    check: &mut Check,
+    purpose: Purpose,
+    keys: section::Gitea,
+    registration: section::Registration,
+    state_defaults: Option<PathBuf>,
+) -> Option<GiteaSettings> {
     let (url_why, file_why) = match purpose {
         Purpose::Run => (
             "(the Gitea base URL; `controller --gitea-url`)",
@@ -1550,16 +1607,17 @@ fn gitea_settings(check: &mut Check, purpose: Purpose, keys: GiteaKeys) -> Optio
             "to register (where the runner's credential is written)",
         ),
     };
-    let GiteaKeys {
-        url,
-        uuid_file,
-        token_file,
-        registration_token_file,
-        state_defaults,
-        ca_file,
-        request_timeout,
-        fetch_timeout,
+    let section::Gitea {
+        gitea_instance_url: url,
+        gitea_runner_uuid_file: uuid_file,
+        gitea_runner_token_file: token_file,
+        gitea_ca_file: ca_file,
+        gitea_request_timeout: Secs(request_timeout),
+        gitea_fetch_timeout: Secs(fetch_timeout),
     } = keys;
+    let section::Registration {
+        gitea_runner_registration_token_file: registration_token_file,
+    } = registration;
     let url = check
         .required("gitea_instance_url", url, url_why)
         .and_then(|u| check.ok("gitea_instance_url", http_url(&u, &["http", "https"])));
@@ -1606,37 +1664,45 @@ pub struct RegisterSettings {
 impl RegisterSettings {
     /// Loads the layers and checks only what registration needs.
     pub fn load(sources: &Sources) -> Result<Self, SettingsError> {
-        let raw = sources.load()?;
+        let Sections {
+            components: section::ComponentSet { components },
+            gitea,
+            runner,
+            backends:
+                section::Backends {
+                    pod_capacity,
+                    vm_capacity,
+                    vm_runner_label,
+                },
+            nats,
+            host,
+            pod,
+            registration,
+            ..
+        } = sources.load()?.into();
         let mut check = Check::default();
         // Where the controller looks for its credential in single-host mode.
-        let state_defaults = raw
+        let state_defaults = nats
             .nats_url
             .is_none()
-            .then(|| check.state_dir(raw.state_dir.clone()));
+            .then(|| check.state_dir(host.state_dir));
         let gitea = gitea_settings(
             &mut check,
             Purpose::Register,
-            GiteaKeys {
-                url: raw.gitea_instance_url,
-                uuid_file: raw.gitea_runner_uuid_file,
-                token_file: raw.gitea_runner_token_file,
-                registration_token_file: raw.gitea_runner_registration_token_file,
-                state_defaults,
-                ca_file: raw.gitea_ca_file,
-                request_timeout: raw.gitea_request_timeout.0,
-                fetch_timeout: raw.gitea_fetch_timeout.0,
-            },
+            gitea,
+            registration,
+            state_defaults,
         );
-        let labels = check.ok("vm_runner_label", BackendLabels::new(raw.vm_runner_label));
+        let labels = check.ok("vm_runner_label", BackendLabels::new(vm_runner_label));
         // The labels the Pod profiles add, as the controller declares them.
-        let pods_on = raw.components.contains(Component::PodWorker) && raw.pod_capacity > 0;
-        let kubernetes = raw
+        let pods_on = components.contains(Component::PodWorker) && pod_capacity > 0;
+        let kubernetes = host
             .pod_backend
             .as_deref()
-            .map_or(raw.nats_url.is_some(), |k| k == "kubernetes");
+            .map_or(nats.nats_url.is_some(), |k| k == "kubernetes");
         let mut profile_labels = Vec::new();
         if let (Some(l), true) = (&labels, pods_on && kubernetes) {
-            for label in raw.pod_profiles.0.keys() {
+            for label in pod.pod_profiles.0.keys() {
                 match pod::profile_label(l, label) {
                     Ok(()) => profile_labels.push(label.clone()),
                     Err(why) => check.problem("pod_profiles", format!("{label:?}: {why}")),
@@ -1646,20 +1712,17 @@ impl RegisterSettings {
         match (gitea, labels) {
             (Some(gitea), Some(labels)) if check.problems.is_empty() => {
                 let enabled = [
-                    (Backend::Pod, Component::PodWorker, raw.pod_capacity),
-                    (Backend::Vm, Component::VmWorker, raw.vm_capacity),
+                    (Backend::Pod, Component::PodWorker, pod_capacity),
+                    (Backend::Vm, Component::VmWorker, vm_capacity),
                 ]
                 .into_iter()
-                .filter(|(_, c, n)| raw.components.contains(*c) && *n > 0)
+                .filter(|(_, c, n)| components.contains(*c) && *n > 0)
                 .map(|(b, _, _)| b);
                 let mut labels = declared_labels(&labels, enabled);
                 labels.extend(profile_labels);
                 Ok(RegisterSettings {
                     gitea,
-                    runner: RunnerSettings {
-                        name: raw.runner_name,
-                        capabilities: raw.runner_capabilities.0,
-                    },
+                    runner: runner.into(),
                     labels,
                 })
             }
@@ -1685,11 +1748,27 @@ pub struct SandboxIdentitySettings {
 impl SandboxIdentitySettings {
     /// Loads the layers and checks only what `sandbox-identity` needs.
     pub fn load(sources: &Sources) -> Result<Self, SettingsError> {
-        let raw = sources.load()?;
+        let Sections {
+            policy,
+            host,
+            leader,
+            sandbox_identity,
+            ..
+        } = sources.load()?.into();
+        let section::SandboxIdentity {
+            spire_cluster_name,
+            spire_class_name,
+            opensandbox_namespace: namespace,
+            runner_uid,
+            sandbox_identity_resync: Secs(resync),
+            sandbox_identity_lease_name,
+        } = sandbox_identity;
         let mut check = Check::default();
-        let trust_domain = check.trust_domain(raw.trust_domain);
-        let codec = check.ok("metadata_prefix", MetadataCodec::new(raw.metadata_prefix));
-        let namespace = raw.opensandbox_namespace;
+        let trust_domain = check.trust_domain(policy.trust_domain);
+        let codec = check.ok(
+            "metadata_prefix",
+            MetadataCodec::new(policy.metadata_prefix),
+        );
         if !is_dns_label(&namespace) {
             check.problem(
                 "opensandbox_namespace",
@@ -1697,8 +1776,8 @@ impl SandboxIdentitySettings {
             );
         }
         for (key, value) in [
-            ("spire_cluster_name", &raw.spire_cluster_name),
-            ("spire_class_name", &raw.spire_class_name),
+            ("spire_cluster_name", &spire_cluster_name),
+            ("spire_class_name", &spire_class_name),
         ] {
             if value.is_empty() || value.contains(|c: char| c.is_whitespace() || c == '/') {
                 check.problem(
@@ -1707,16 +1786,16 @@ impl SandboxIdentitySettings {
                 );
             }
         }
-        if raw.sandbox_identity_resync.0 < Duration::from_secs(1) {
+        if resync < Duration::from_secs(1) {
             check.problem("sandbox_identity_resync", "must be at least 1s");
         }
         let leader = check.leader(
-            raw.leader_election,
+            leader.leader_election,
             LeaderSettings {
-                namespace: raw.lease_namespace,
-                name: raw.sandbox_identity_lease_name,
-                identity: raw.leader_identity,
-                lease_duration: raw.lease_duration.0,
+                namespace: leader.lease_namespace,
+                name: sandbox_identity_lease_name,
+                identity: leader.leader_identity,
+                lease_duration: leader.lease_duration.0,
             },
         );
         match (trust_domain, codec) {
@@ -1725,13 +1804,13 @@ impl SandboxIdentitySettings {
                     reconciler: gdr_sandbox_identity::Settings {
                         namespace,
                         trust_domain,
-                        cluster: raw.spire_cluster_name,
-                        class_name: raw.spire_class_name,
-                        runner_uid: raw.runner_uid,
+                        cluster: spire_cluster_name,
+                        class_name: spire_class_name,
+                        runner_uid,
                         codec,
-                        resync: raw.sandbox_identity_resync.0,
+                        resync,
                     },
-                    health_listen: raw.health_listen.unwrap_or_else(|| "0.0.0.0:9090".into()),
+                    health_listen: host.health_listen.unwrap_or_else(|| "0.0.0.0:9090".into()),
                     leader,
                 })
             }

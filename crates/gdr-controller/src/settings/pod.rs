@@ -7,13 +7,12 @@
 //! here too, so `check-config` reports them and a misconfigured profile stops the
 //! controller at start instead of failing jobs.
 
-use std::time::Duration;
-
 use gdr_core::backend::BackendLabels;
 use gdr_core::identity::TrustDomain;
 use gdr_core::metadata::MetadataCodec;
 
 use super::Check;
+use super::keys::section;
 use super::values::Table;
 
 /// The Pod backend's settings in this build: the backend's own type with the
@@ -25,34 +24,6 @@ pub use gdr_backends::kubernetes::KubernetesSettings;
 #[cfg(not(feature = "kubernetes"))]
 #[derive(Debug, Clone)]
 pub enum KubernetesSettings {}
-
-/// The raw Pod keys, as [`super::Raw`] holds them.
-#[cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
-pub(super) struct PodKeys {
-    pub namespace: String,
-    pub image: Option<String>,
-    pub service_account: String,
-    pub executor_uid: u32,
-    pub privileged: bool,
-    pub docker_storage_limit: String,
-    pub active_deadline: Duration,
-    pub automount_service_account_token: bool,
-    pub executor_args: Vec<String>,
-    pub executor_env: Table,
-    pub csi_driver: String,
-    pub host_path: Option<std::path::PathBuf>,
-    pub socket_dir: String,
-    pub socket_name: String,
-    pub resources: Table,
-    pub profiles: Table,
-    pub profile_max: Table,
-    pub volume_allow_list: Table,
-    pub orphan_secret_grace: Duration,
-    pub identity_deadline: Duration,
-    pub spire_cluster: String,
-    pub spire_class: String,
-    pub spire_agent_id: Option<String>,
-}
 
 /// What the Pod settings are derived with besides their own keys (`None`: that key is
 /// broken and already reported).
@@ -67,32 +38,35 @@ pub(super) struct Context<'a> {
 #[cfg(feature = "kubernetes")]
 pub(super) fn kubernetes(
     check: &mut Check,
-    keys: PodKeys,
+    keys: section::Pod,
     context: &Context<'_>,
 ) -> Option<KubernetesSettings> {
+    use std::time::Duration;
+
+    use super::values::{List, Secs};
     use gdr_backends::kubernetes::{PodProfile, Resources, WorkloadApiVolume};
 
-    let PodKeys {
-        namespace,
-        image,
-        service_account,
-        executor_uid,
-        privileged,
-        docker_storage_limit,
-        active_deadline,
-        automount_service_account_token,
-        executor_args,
-        executor_env,
-        csi_driver,
-        host_path,
-        socket_dir,
-        socket_name,
-        resources,
-        profiles,
-        profile_max,
-        volume_allow_list,
-        orphan_secret_grace,
-        identity_deadline,
+    let section::Pod {
+        pod_namespace: namespace,
+        pod_executor_image: image,
+        pod_service_account: service_account,
+        pod_executor_uid: executor_uid,
+        pod_privileged: privileged,
+        pod_docker_storage_limit: docker_storage_limit,
+        pod_active_deadline: Secs(active_deadline),
+        pod_automount_service_account_token: automount_service_account_token,
+        pod_executor_args: List(executor_args),
+        pod_executor_env: executor_env,
+        pod_spiffe_csi_driver: csi_driver,
+        pod_spiffe_host_path: host_path,
+        pod_spiffe_socket_dir: socket_dir,
+        pod_spiffe_socket_name: socket_name,
+        pod_resources: resources,
+        pod_profiles: profiles,
+        pod_profile_max: profile_max,
+        pod_volume_allow_list: volume_allow_list,
+        pod_orphan_secret_grace: Secs(orphan_secret_grace),
+        pod_identity_bind_deadline: Secs(identity_deadline),
         spire_cluster,
         spire_class,
         spire_agent_id,
@@ -186,7 +160,7 @@ pub(super) fn kubernetes(
 #[cfg(not(feature = "kubernetes"))]
 pub(super) fn kubernetes(
     check: &mut Check,
-    _keys: PodKeys,
+    _keys: section::Pod,
     _context: &Context<'_>,
 ) -> Option<KubernetesSettings> {
     check.problem(
@@ -214,6 +188,7 @@ fn key_of(field: &str) -> (&'static str, Option<&str>) {
 /// named `kata`, `kata-qemu`, `kata-clh`, …) runs the Pod in a guest VM, and the SPIFFE CSI
 /// driver's Workload API socket (a Unix socket on the node) does not cross into it, so the
 /// executor would never get its SVID. The VM backend gives each sandbox its identity.
+#[cfg_attr(not(feature = "kubernetes"), allow(dead_code))]
 pub(super) fn kata_refusal(runtime_class: &str) -> Option<String> {
     runtime_class.to_ascii_lowercase().contains("kata").then(|| {
         format!(

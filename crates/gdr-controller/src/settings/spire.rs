@@ -35,6 +35,31 @@ pub(super) struct SpireKeys {
     pub(super) local_identity: bool,
 }
 
+/// The section's keys with the parent ID (`spire_agent_id`, a key of the Pod section) and
+/// where the controller's own identity comes from.
+pub(super) fn keys(
+    section: super::keys::section::SpireExecutors,
+    agent_id: Option<String>,
+    local_identity: bool,
+) -> SpireKeys {
+    let super::keys::section::SpireExecutors {
+        executor_identity,
+        spire_server_socket,
+        spire_server_program,
+        spire_executor_uids,
+        spire_executor_uid_quarantine,
+    } = section;
+    SpireKeys {
+        executor_identity,
+        server_socket: spire_server_socket,
+        server_program: spire_server_program,
+        agent_id,
+        uids: spire_executor_uids,
+        quarantine: spire_executor_uid_quarantine.0,
+        local_identity,
+    }
+}
+
 /// `None` with `executor_identity = "local"`; the SPIRE settings with `"spire"`, every
 /// missing or wrong key a problem.
 pub(super) fn spire_identity_settings(

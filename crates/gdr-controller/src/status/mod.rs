@@ -462,7 +462,7 @@ mod tests {
         async fn unclaimed(&self, backend: Backend) -> Result<u64, QueueError> {
             self.0.map_err(|()| QueueError::Consumer {
                 consumer: backend.as_str().into(),
-                message: "no responders".into(),
+                source: "no responders".into(),
             })
         }
     }

@@ -40,10 +40,12 @@
 //!   (marked for its grace period until deleted with none left, which the fake kubelet does
 //!   once it has killed the containers), an unscheduled or finished Pod goes at once;
 //! - garbage collection: deleting an object deletes (or, with
-//!   `propagationPolicy=Orphan`, orphans) the objects whose `ownerReferences` name its uid.
+//!   `propagationPolicy=Orphan`, orphans) the objects whose `ownerReferences` name its uid;
+//!   `propagationPolicy=Foreground` marks the object (the `foregroundDeletion` finalizer)
+//!   before its dependents and it go.
 //!
 //! Not implemented: strategic merge, JSON patch and server-side apply (415), pagination
-//! (`limit` returns everything), `Foreground` propagation, admission plugins (Pod Security,
+//! (`limit` returns everything), admission plugins (Pod Security,
 //! quotas, LimitRanges, webhooks), namespaces as objects, CEL validation rules of CRDs
 //! (neither shipped CRD has any). docs/pod-backend.md lists what that leaves unverified.
 //!
@@ -204,6 +206,12 @@ impl ResourceType {
     pub fn batch_sandboxes() -> Self {
         Self::shipped_crd("sandbox.opensandbox.io", "batchsandboxes")
     }
+
+    /// `sandbox.opensandbox.io/v1alpha1` Pool (the pre-warmed Pods a BatchSandbox's
+    /// `poolRef` names), as OpenSandbox's CRD declares it.
+    pub fn pools() -> Self {
+        Self::shipped_crd("sandbox.opensandbox.io", "pools")
+    }
 }
 
 /// Store key: (resource type key, namespace or "" when cluster-scoped, name).
@@ -294,6 +302,7 @@ impl FakeKube {
             ResourceType::secrets(),
             ResourceType::cluster_static_entries(),
             ResourceType::batch_sandboxes(),
+            ResourceType::pools(),
         ] {
             kube.register(rt);
         }
@@ -1540,6 +1549,9 @@ fn delete(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
     let orphan = options["propagationPolicy"] == "Orphan";
     let deleting = old["metadata"]["deletionTimestamp"].is_string();
     let grace = graceful_period(&t.rt, &old, &options);
+    if options["propagationPolicy"] == "Foreground" && grace.is_none() && !has_finalizers(&old) {
+        return foreground(s, k, &old);
+    }
     if grace.is_some() || has_finalizers(&old) {
         // Marked, not removed: the kubelet ends a running Pod's containers and then removes
         // it; an object with finalizers stays until whoever owns them removes the last one.
@@ -1559,6 +1571,23 @@ fn delete(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
         return (StatusCode::OK, axum::Json(marked)).into_response();
     }
     remove(s, k, &old, orphan)
+}
+
+/// A `Foreground` deletion as a cluster carries it out: the object is marked (a
+/// `deletionTimestamp` and the `foregroundDeletion` finalizer, which is what the real server
+/// answers), its dependents are collected, then the garbage collector removes it. The fake
+/// does the collector's part at once; the real server alone (no kube-controller-manager, as
+/// in the tests) leaves the object marked.
+fn foreground(s: &mut Store, k: ObjectKey, old: &Value) -> Response {
+    let mut marked = old.clone();
+    s.revision += 1;
+    marked["metadata"]["deletionTimestamp"] = rfc3339_after(0).into();
+    marked["metadata"]["deletionGracePeriodSeconds"] = 0.into();
+    marked["metadata"]["finalizers"] = json!(["foregroundDeletion"]);
+    marked["metadata"]["resourceVersion"] = s.revision.to_string().into();
+    commit(s, k.clone(), Some(old.clone()), Some(marked.clone()));
+    let _gone = remove(s, k, &marked, false);
+    (StatusCode::OK, axum::Json(marked)).into_response()
 }
 
 /// Removes a stored object and collects its dependents; the answer is the object, as the

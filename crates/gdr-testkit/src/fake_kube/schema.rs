@@ -169,6 +169,10 @@ const CRD_FILES: &[(&str, &str)] = &[
         "batchsandboxes.sandbox.opensandbox.io.yaml",
         include_str!("../../schemas/batchsandboxes.sandbox.opensandbox.io.yaml"),
     ),
+    (
+        "pools.sandbox.opensandbox.io.yaml",
+        include_str!("../../schemas/pools.sandbox.opensandbox.io.yaml"),
+    ),
 ];
 
 static SCHEMAS: OnceLock<Result<Schemas, String>> = OnceLock::new();

@@ -5,7 +5,10 @@
 //! matching object. A watch whose `R` is older than the compacted history, or that is open
 //! when [`super::FakeKube::expire_watches`] runs, receives one `ERROR` event carrying a
 //! `410 Expired` Status and ends, as the real server does in a `200` stream. Bookmarks are
-//! sent only when the client asked (`allowWatchBookmarks=true`). `timeoutSeconds` ends the
+//! sent only when the client asked (`allowWatchBookmarks=true`): on demand
+//! ([`super::FakeKube::send_bookmarks`]) and, as the real server's watch cache sends them,
+//! every minute and once 2 s before the watch's `timeoutSeconds` deadline, so that a client
+//! learns the current resourceVersion before its watch ends. `timeoutSeconds` ends the
 //! stream cleanly.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -34,6 +37,8 @@ struct WatchState {
     bookmarks_seen: u64,
     expiry_seen: u64,
     deadline: Option<Instant>,
+    /// When the next periodic BOOKMARK is due (`None` without `allowWatchBookmarks`).
+    next_bookmark: Option<Instant>,
     rx: tokio::sync::watch::Receiver<u64>,
     pending: VecDeque<Value>,
     done: bool,
@@ -84,15 +89,36 @@ impl WatchState {
         self.cursor = s.revision;
         if self.bookmarks && s.bookmarks != self.bookmarks_seen {
             self.bookmarks_seen = s.bookmarks;
-            self.pending.push_back(json!({
-                "type": "BOOKMARK",
-                "object": {
-                    "kind": self.rt.kind,
-                    "apiVersion": self.rt.api_version(),
-                    "metadata": { "resourceVersion": self.cursor.to_string() },
-                },
-            }));
+            self.bookmark();
         }
+    }
+
+    /// Queues a BOOKMARK carrying the current resourceVersion.
+    fn bookmark(&mut self) {
+        self.pending.push_back(json!({
+            "type": "BOOKMARK",
+            "object": {
+                "kind": self.rt.kind,
+                "apiVersion": self.rt.api_version(),
+                "metadata": { "resourceVersion": self.cursor.to_string() },
+            },
+        }));
+    }
+}
+
+/// How often the real server's watch cache sends a BOOKMARK to a watch that allows them.
+const BOOKMARK_EVERY: Duration = Duration::from_secs(60);
+/// How long before a watch's deadline the real server sends its last BOOKMARK.
+const BOOKMARK_BEFORE_DEADLINE: Duration = Duration::from_secs(2);
+
+/// When the next periodic BOOKMARK is due after `now`: a minute on, or 2 s before the
+/// deadline when that comes first; `None` once that moment has passed (the watch ends
+/// before another one).
+fn next_bookmark(now: Instant, deadline: Option<Instant>) -> Option<Instant> {
+    let periodic = now + BOOKMARK_EVERY;
+    match deadline.and_then(|d| d.checked_sub(BOOKMARK_BEFORE_DEADLINE)) {
+        Some(last) if last < periodic => (last > now).then_some(last),
+        _ => Some(periodic),
     }
 }
 
@@ -143,6 +169,9 @@ pub(super) fn start(
         .get("timeoutSeconds")
         .and_then(|v| v.parse::<u64>().ok())
         .map(|secs| Instant::now() + Duration::from_secs(secs));
+    let bookmarks = params
+        .get("allowWatchBookmarks")
+        .is_some_and(|v| v == "true");
     let mut state = WatchState {
         kube: kube.clone(),
         rt: t.rt.clone(),
@@ -151,12 +180,15 @@ pub(super) fn start(
         labels,
         fields,
         cursor: from.unwrap_or(s.revision),
-        bookmarks: params
-            .get("allowWatchBookmarks")
-            .is_some_and(|v| v == "true"),
+        bookmarks,
         bookmarks_seen: s.bookmarks,
         expiry_seen: s.expiry,
         deadline,
+        next_bookmark: if bookmarks {
+            next_bookmark(Instant::now(), deadline)
+        } else {
+            None
+        },
         rx: kube.changed.subscribe(),
         pending: VecDeque::new(),
         done: false,
@@ -203,9 +235,20 @@ pub(super) fn start(
                     None => std::future::pending().await,
                 }
             };
+            let due = st.next_bookmark;
+            let bookmark_due = async move {
+                match due {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 changed = st.rx.changed() => if changed.is_err() { return None },
                 _ = timed_out => return None,
+                () = bookmark_due => {
+                    st.bookmark();
+                    st.next_bookmark = next_bookmark(Instant::now(), st.deadline);
+                }
             }
         }
     });
@@ -215,4 +258,21 @@ pub(super) fn start(
         Body::from_stream(stream),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bookmark_is_due_every_minute_and_last_two_seconds_before_the_deadline() {
+        let now = Instant::now();
+        let s = Duration::from_secs;
+        assert_eq!(next_bookmark(now, None), Some(now + s(60)));
+        assert_eq!(next_bookmark(now, Some(now + s(120))), Some(now + s(60)));
+        assert_eq!(next_bookmark(now, Some(now + s(5))), Some(now + s(3)));
+        // Past the last moment: no other bookmark before the watch ends.
+        assert_eq!(next_bookmark(now, Some(now + s(1))), None);
+        assert_eq!(next_bookmark(now + s(3), Some(now + s(5))), None);
+    }
 }

@@ -37,9 +37,7 @@ use gdr_core::assignment::{
 };
 use gdr_core::backend::Backend;
 use gdr_core::capacity::Admission;
-use gdr_core::executor::{
-    Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec, Phase,
-};
+use gdr_core::executor::{Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec};
 use gdr_core::metadata::MetadataCodec;
 
 use crate::backoff::Backoff;
@@ -49,6 +47,9 @@ use crate::job_metrics::{FailureReason, JobMetrics};
 use crate::metrics::BackendLabel;
 use crate::shutdown::Shutdown;
 use crate::wake::Wake;
+
+mod decide;
+use decide::{AfterCreateError, Observed, Settle, Start};
 
 /// Re-subscribing after a stream error: quick at first, never a spin.
 const RESUBSCRIBE: Backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
@@ -104,25 +105,18 @@ pub struct EnvelopeTrust {
 }
 
 impl EnvelopeTrust {
-    /// The rules as of now.
-    pub fn rules(&self) -> EnvelopeRules {
+    /// The rules as of `now`.
+    pub fn rules(&self, now: SystemTime) -> EnvelopeRules {
         EnvelopeRules {
             accept_plaintext: self.accept_plaintext,
             max_age: self.max_age,
             accept_undated: self.accept_undated,
-            now: SystemTime::now(),
+            now,
         }
     }
 }
 
 pub use crate::vocabulary::Outcome;
-
-/// How a delivery is settled.
-enum Settle {
-    Ack,
-    Term,
-    Nak(Option<Duration>),
-}
 
 /// A backend worker.
 pub struct Worker {
@@ -143,6 +137,9 @@ pub struct Worker {
     /// Notified when a settled delivery left the stream (the scheduler's backlog gate
     /// re-reads the stream at once).
     settled: Option<Arc<tokio::sync::Notify>>,
+    /// The time the decisions are made at (the wall clock: the ages it measures are of
+    /// executors and envelopes, which outlive this process).
+    clock: fn() -> SystemTime,
 }
 
 /// Why a worker could not start.
@@ -219,6 +216,7 @@ impl Worker {
             retry_hints: Mutex::new(std::collections::HashMap::new()),
             wake: Wake::none(),
             settled: None,
+            clock: SystemTime::now,
         })
     }
 
@@ -332,7 +330,7 @@ impl Worker {
             let Some(id) = envelope_id(&message.payload).filter(|id| waiting.contains(id)) else {
                 continue;
             };
-            let rules = self.settings.envelopes.rules();
+            let rules = self.settings.envelopes.rules((self.clock)());
             match decode_with(
                 &message.payload,
                 &self.policy,
@@ -417,7 +415,14 @@ impl Worker {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&label);
-        let settlement = self.settlement(outcome, hint);
+        let s = &self.settings;
+        let delays = decide::Delays {
+            full: s.full_delay,
+            not_ready: s.not_ready_delay,
+            error: s.error_delay,
+            progress: s.progress_interval,
+        };
+        let settlement = decide::settlement(outcome, hint, &delays);
         let leaves = matches!(settlement, Settle::Ack | Settle::Term);
         let settle = match settlement {
             Settle::Ack => message.double_ack().await,
@@ -440,27 +445,6 @@ impl Worker {
         }
     }
 
-    fn settlement(&self, outcome: Outcome, retry_hint: Option<Duration>) -> Settle {
-        let s = &self.settings;
-        match outcome {
-            Outcome::Claimed
-            | Outcome::AlreadyClaimed
-            | Outcome::ExecutorFailed
-            | Outcome::Held => Settle::Ack,
-            Outcome::Poison | Outcome::Plaintext | Outcome::Expired | Outcome::Replayed => {
-                Settle::Term
-            }
-            // The backend knows best when it has room again (OpenSandbox's Retry-After).
-            Outcome::Full => Settle::Nak(Some(retry_hint.unwrap_or(s.full_delay))),
-            Outcome::NotReady => Settle::Nak(Some(s.not_ready_delay)),
-            Outcome::InFlight => Settle::Nak(Some(s.progress_interval)),
-            Outcome::BackendError | Outcome::MissingKey | Outcome::ReportPending => {
-                Settle::Nak(Some(s.error_delay))
-            }
-            Outcome::Interrupted => Settle::Nak(None),
-        }
-    }
-
     async fn process(&self, message: &jetstream::Message, shutdown: Shutdown) -> (String, Outcome) {
         let backend = self.settings.backend;
         let label = || {
@@ -475,7 +459,7 @@ impl Worker {
                 |id| id.to_string(),
             )
         };
-        let rules = self.settings.envelopes.rules();
+        let rules = self.settings.envelopes.rules((self.clock)());
         let decoded = decode_with(
             &message.payload,
             &self.policy,
@@ -603,26 +587,26 @@ impl Worker {
                 return Outcome::BackendError;
             }
         };
-        if existing.as_ref().is_some_and(|r| r.claimed || r.terminal) {
+        let observed = existing.as_ref().map(Observed::from);
+        if observed.as_ref().is_some_and(|o| o.settled) {
             return Outcome::AlreadyClaimed;
         }
-        // Invariant 20: the record of a job's end outlives its executor. Invariant 12: it
-        // is written before an unclaimed job's failure is reported, so an executor that is
-        // still there (its clean-up failed, or the controller restarted after the report)
-        // is never offered its task again.
-        match self.dispatch.has_finished(&id).await {
-            Ok(false) => {}
-            Ok(true) => {
-                let Some(record) = existing.as_ref() else {
-                    tracing::warn!(%backend, assignment_id = %id, "terminating an assignment that finished before (a replayed envelope)");
-                    return Outcome::Replayed;
-                };
-                let reason = format!(
-                    "the job was failed before its runner claimed it; its executor {} is removed",
-                    record.name
-                );
-                // Reported again (Gitea keeps the first result) in case the first report
-                // never reached it; counted as what stopped it from starting.
+        // Invariant 12: the finished record is written before an unclaimed job's failure
+        // is reported, so an executor still there is never offered its task again.
+        match self
+            .dispatch
+            .has_finished(&id)
+            .await
+            .map(|finished| decide::start(observed.as_ref(), finished))
+        {
+            Ok(Start::Admit) => {}
+            Ok(Start::Replayed) => {
+                tracing::warn!(%backend, assignment_id = %id, "terminating an assignment that finished before (a replayed envelope)");
+                return Outcome::Replayed;
+            }
+            // Reported again (Gitea keeps the first result) in case the first report never
+            // reached it; counted as what stopped it from starting.
+            Ok(Start::FailAgain(reason)) => {
                 return self
                     .fail(&assignment, FailureReason::StartDeadline, &reason)
                     .await;
@@ -632,33 +616,11 @@ impl Worker {
                 return Outcome::BackendError;
             }
         }
-        match self.dispatch.admit(backend, &id) {
-            Admission::Full => {
-                let (in_use, capacity) = self.dispatch.pool_usage(backend);
-                tracing::info!(%backend, assignment_id = %id, event = "queued", in_use, capacity, "pool full: the job waits in line for a slot");
-                let waited = self.dispatch.admit_when_free(backend, &id, &shutdown);
-                match self.keeping_alive(message, &id, waited).await {
-                    Waited::Admitted => {
-                        // The wait can be long: Gitea may have ended the task meanwhile
-                        // (the heartbeater records that), and it must get no executor.
-                        if existing.is_none()
-                            && self.dispatch.has_finished(&id).await.unwrap_or(false)
-                        {
-                            self.dispatch.forget(backend, &id);
-                            tracing::warn!(%backend, assignment_id = %id, "terminating an assignment that finished before (ended in Gitea while it waited for a slot)");
-                            return Outcome::Replayed;
-                        }
-                        self.admitted(message, &id);
-                    }
-                    Waited::LineFull => {
-                        tracing::info!(%backend, assignment_id = %id, event = "queued", retry_in = ?self.settings.full_delay, "pool and its line full: the job stays queued in JetStream and is offered again later");
-                        return Outcome::Full;
-                    }
-                    Waited::Stopped => return Outcome::Interrupted,
-                }
-            }
-            Admission::Admitted => self.admitted(message, &id),
-            Admission::AlreadyAdmitted => {}
+        if let Err(outcome) = self
+            .take_slot(&id, existing.is_none(), message, &shutdown)
+            .await
+        {
+            return outcome;
         }
         // Offered before the executor exists, so its runner's first FetchTask finds the task
         // however fast the executor starts (an empty answer would cost the runner its 2 s
@@ -666,76 +628,175 @@ impl Worker {
         let mut claim = self.dispatch.offer(&assignment);
         let record = match existing {
             Some(r) => r,
-            None => {
-                let spec = self.spec(&assignment);
-                match self
-                    .keeping_alive(message, &id, self.backend.create(&spec))
-                    .await
-                {
-                    Ok(r) => {
-                        crate::failpoint::hit(crate::failpoint::points::AFTER_CREATE);
-                        tracing::info!(%backend, assignment_id = %id, event = "executor_created", executor = %r.name, "executor created");
-                        r
-                    }
-                    Err(e) => match self.after_create_error(&assignment, e).await {
-                        Ok(r) => r,
-                        Err(outcome) => return outcome,
-                    },
-                }
-            }
+            None => match self.create(&assignment, message).await {
+                Ok(r) => r,
+                Err(outcome) => return outcome,
+            },
         };
         let mut wake = self.wake.fresh();
-        let mut bound = record.identity_bound;
-        while !bound {
-            match self.backend.bind_identity(&record).await {
+        if !record.identity_bound
+            && let Err(outcome) = self
+                .bind(&assignment, &record, &mut wake, message, &shutdown)
+                .await
+        {
+            return outcome;
+        }
+        self.await_claim(
+            &assignment,
+            &record,
+            &mut claim,
+            &mut wake,
+            message,
+            &shutdown,
+        )
+        .await
+    }
+
+    /// Takes an admission slot for `id`, waiting in line while the pool is full; `Err` is
+    /// the delivery's outcome when it cannot (the line is full, or shutdown).
+    async fn take_slot(
+        &self,
+        id: &AssignmentId,
+        new: bool,
+        message: &jetstream::Message,
+        shutdown: &Shutdown,
+    ) -> Result<(), Outcome> {
+        let backend = self.settings.backend;
+        match self.dispatch.admit(backend, id) {
+            Admission::Full => {
+                let (in_use, capacity) = self.dispatch.pool_usage(backend);
+                tracing::info!(%backend, assignment_id = %id, event = "queued", in_use, capacity, "pool full: the job waits in line for a slot");
+                let waited = self.dispatch.admit_when_free(backend, id, shutdown);
+                match self.keeping_alive(message, id, waited).await {
+                    Waited::Admitted => {
+                        // The wait can be long: Gitea may have ended the task meanwhile
+                        // (the heartbeater records that), and it must get no executor.
+                        if new && self.dispatch.has_finished(id).await.unwrap_or(false) {
+                            self.dispatch.forget(backend, id);
+                            tracing::warn!(%backend, assignment_id = %id, "terminating an assignment that finished before (ended in Gitea while it waited for a slot)");
+                            return Err(Outcome::Replayed);
+                        }
+                        self.admitted(message, id);
+                    }
+                    Waited::LineFull => {
+                        tracing::info!(%backend, assignment_id = %id, event = "queued", retry_in = ?self.settings.full_delay, "pool and its line full: the job stays queued in JetStream and is offered again later");
+                        return Err(Outcome::Full);
+                    }
+                    Waited::Stopped => return Err(Outcome::Interrupted),
+                }
+            }
+            Admission::Admitted => self.admitted(message, id),
+            Admission::AlreadyAdmitted => {}
+        }
+        Ok(())
+    }
+
+    /// Creates the job's executor, extending the ack deadline while the backend works.
+    async fn create(
+        &self,
+        assignment: &Assignment,
+        message: &jetstream::Message,
+    ) -> Result<ExecutorRecord, Outcome> {
+        let backend = self.settings.backend;
+        let id = assignment.id();
+        let spec = self.spec(assignment);
+        match self
+            .keeping_alive(message, id, self.backend.create(&spec))
+            .await
+        {
+            Ok(r) => {
+                crate::failpoint::hit(crate::failpoint::points::AFTER_CREATE);
+                tracing::info!(%backend, assignment_id = %id, event = "executor_created", executor = %r.name, "executor created");
+                Ok(r)
+            }
+            Err(e) => self.after_create_error(assignment, e).await,
+        }
+    }
+
+    /// Binds the executor's workload identity, waiting (for the backend's change signal or
+    /// the not-ready delay) while its target does not exist yet; `Err` is the delivery's
+    /// outcome when it cannot be bound now or at all.
+    async fn bind(
+        &self,
+        assignment: &Assignment,
+        record: &ExecutorRecord,
+        wake: &mut Wake,
+        message: &jetstream::Message,
+        shutdown: &Shutdown,
+    ) -> Result<(), Outcome> {
+        let backend = self.settings.backend;
+        let id = assignment.id();
+        loop {
+            let why = match self.backend.bind_identity(record).await {
                 Ok(Binding::Bound) => {
                     tracing::info!(%backend, assignment_id = %id, event = "identity_bound", executor = %record.name, spiffe_id = %assignment.identity().spiffe_id(), "workload identity bound");
-                    bound = true;
+                    return Ok(());
                 }
-                Ok(Binding::NotReady(why)) => {
-                    tracing::info!(%backend, assignment_id = %id, reason = %why, retry_in = ?self.settings.not_ready_delay, "identity target not ready; binding again later");
-                    // A claim in flight or done wins over the deadline (see below).
-                    if let Some(failure) = self.start_overdue(&record, Some(&why))
-                        && self.dispatch.expire(&id)
-                    {
-                        return self
-                            .fail(&assignment, FailureReason::StartDeadline, &failure)
-                            .await;
-                    }
-                    if !wake.is_live() {
-                        return Outcome::NotReady;
-                    }
-                    // The watch tells when the Pod is scheduled; the delay bounds a wait
-                    // for a change that never comes.
-                    let waited = self.keeping_alive(message, &id, async {
-                        tokio::select! {
-                            _ = wake.changed() => true,
-                            _ = tokio::time::sleep(self.settings.not_ready_delay) => true,
-                            _ = shutdown.wait() => false,
-                        }
-                    });
-                    if !waited.await {
-                        return Outcome::Interrupted;
-                    }
-                }
+                Ok(Binding::NotReady(why)) => why,
                 Err(ExecutorError::Permanent(cause)) => {
                     let reason = format!("the job's identity cannot be bound: {cause}");
-                    return self
-                        .fail(&assignment, FailureReason::IdentityRefused, &reason)
-                        .await;
+                    return Err(self
+                        .fail(assignment, FailureReason::IdentityRefused, &reason)
+                        .await);
                 }
                 Err(e) => {
                     tracing::warn!(%backend, assignment_id = %id, error = %e, retry_in = ?self.settings.error_delay, "binding the identity failed; retrying with the next delivery");
-                    return Outcome::BackendError;
+                    return Err(Outcome::BackendError);
                 }
+            };
+            tracing::info!(%backend, assignment_id = %id, reason = %why, retry_in = ?self.settings.not_ready_delay, "identity target not ready; binding again later");
+            // A claim in flight or done wins over the deadline (see `await_claim`).
+            let overdue = decide::start_overdue(
+                &Observed::from(record),
+                Some(&why),
+                (self.clock)(),
+                self.settings.start_deadline,
+            );
+            if let Some(failure) = overdue
+                && self.dispatch.expire(id)
+            {
+                return Err(self
+                    .fail(assignment, FailureReason::StartDeadline, &failure)
+                    .await);
+            }
+            if !wake.is_live() {
+                return Err(Outcome::NotReady);
+            }
+            // The watch tells when the Pod is scheduled; the delay bounds a wait for a
+            // change that never comes.
+            let waited = self.keeping_alive(message, id, async {
+                tokio::select! {
+                    _ = wake.changed() => true,
+                    _ = tokio::time::sleep(self.settings.not_ready_delay) => true,
+                    _ = shutdown.wait() => false,
+                }
+            });
+            if !waited.await {
+                return Err(Outcome::Interrupted);
             }
         }
+    }
+
+    /// Waits, extending the ack deadline, until the runner claims the task, looking at the
+    /// executor at every progress tick and backend change; fails the job when its executor
+    /// ended, disappeared or is past its start deadline first.
+    async fn await_claim(
+        &self,
+        assignment: &Assignment,
+        record: &ExecutorRecord,
+        claim: &mut tokio::sync::watch::Receiver<ClaimState>,
+        wake: &mut Wake,
+        message: &jetstream::Message,
+        shutdown: &Shutdown,
+    ) -> Outcome {
+        let backend = self.settings.backend;
+        let id = assignment.id();
         let interval = self.settings.progress_interval;
         // A deadline, not a sleep per turn: wakes must not postpone the progress acks.
         let mut progress_due = tokio::time::Instant::now() + interval;
         loop {
             if matches!(*claim.borrow(), ClaimState::Claimed | ClaimState::Terminal) {
-                self.observe(|m| &m.start_latency, elapsed_since(record.created_at));
+                self.observe(|m| &m.start_latency, self.elapsed_since(record.created_at));
                 return Outcome::Claimed;
             }
             // Biased: a claim that lands together with a wake (the runner fetched, then its
@@ -754,78 +815,34 @@ impl Worker {
                     }
                 }
             }
-            if let Some((why, failure)) = self.executor_failure(&id, &record).await {
+            if let Some((why, failure)) = self.executor_failure(id, record).await {
                 // The failure and the claim exclude each other: a claim being recorded (or
                 // recorded while the backend was read) wins, and this loop sees it land or
                 // be rolled back; once expired, no runner can claim the task, so it is
                 // never handed out while it is failed in Gitea and its executor deleted.
-                if !self.dispatch.expire(&id) {
+                if !self.dispatch.expire(id) {
                     continue;
                 }
-                return self.fail(&assignment, why, &failure).await;
+                return self.fail(assignment, why, &failure).await;
             }
         }
     }
 
-    /// Why an executor created at `record.created_at` is past its start deadline, if it is.
-    /// Counted from the creation, not from this delivery, so a controller that restarts
-    /// again and again still fails a stuck executor.
-    fn start_overdue(&self, record: &ExecutorRecord, waiting_for: Option<&str>) -> Option<String> {
-        let age = SystemTime::now()
-            .duration_since(record.created_at)
-            .unwrap_or_default();
-        (age > self.settings.start_deadline).then(|| {
-            let deadline =
-                humantime_serde::re::humantime::format_duration(self.settings.start_deadline);
-            match waiting_for {
-                Some(why) => format!(
-                    "the executor {} did not start the job within {deadline}: {why}",
-                    record.name
-                ),
-                None => format!(
-                    "the executor {} did not start the job within {deadline}",
-                    record.name
-                ),
-            }
-        })
-    }
-
-    /// Checks, while waiting for the claim, whether the executor has died or is too late;
-    /// `None` while it may still claim (or when the backend cannot tell now).
+    /// Looks at the executor while waiting for the claim: whether it has failed to start
+    /// ([`decide::executor_failure`]); `None` while it may still claim, or when the
+    /// backend cannot tell now.
     async fn executor_failure(
         &self,
         id: &AssignmentId,
         record: &ExecutorRecord,
     ) -> Option<(FailureReason, String)> {
-        let overdue = |current: &ExecutorRecord, why: Option<&str>| {
-            self.start_overdue(current, why)
-                .map(|f| (FailureReason::StartDeadline, f))
-        };
         match self.backend.find(id).await {
-            Ok(Some(current)) if current.claimed || current.terminal => None,
-            Ok(Some(current)) => match &current.phase {
-                Phase::Finished { success, reason } => Some((
-                    FailureReason::EndedBeforeClaim,
-                    format!(
-                        "the executor {} ended before its runner fetched the task ({})",
-                        current.name,
-                        reason.clone().unwrap_or_else(|| if *success {
-                            "exit 0".into()
-                        } else {
-                            "failed".into()
-                        })
-                    ),
-                )),
-                Phase::Starting { reason } => overdue(&current, reason.as_deref()),
-                Phase::Running => overdue(&current, None),
-            },
-            Ok(None) => Some((
-                FailureReason::Disappeared,
-                format!(
-                    "the executor {} disappeared before its runner fetched the task",
-                    record.name
-                ),
-            )),
+            Ok(current) => decide::executor_failure(
+                &Observed::from(record),
+                current.as_ref().map(Observed::from).as_ref(),
+                (self.clock)(),
+                self.settings.start_deadline,
+            ),
             Err(e) => {
                 tracing::warn!(backend = %self.settings.backend, assignment_id = %id, error = %e, "looking at the executor failed; looking again later");
                 None
@@ -894,6 +911,11 @@ impl Worker {
         }
     }
 
+    /// Time since `then` by the worker's clock (zero if the clock went backwards).
+    fn elapsed_since(&self, then: SystemTime) -> Duration {
+        (self.clock)().duration_since(then).unwrap_or_default()
+    }
+
     /// Logs (and observes) that `id` took a slot.
     fn admitted(&self, message: &jetstream::Message, id: &AssignmentId) {
         let backend = self.settings.backend;
@@ -906,7 +928,7 @@ impl Worker {
     /// restart does not reset it.
     fn queue_wait(&self, message: &jetstream::Message) -> Option<Duration> {
         let stored: SystemTime = message.info().ok()?.published.into();
-        let waited = elapsed_since(stored);
+        let waited = self.elapsed_since(stored);
         self.observe(|m| &m.queue_wait, waited);
         Some(waited)
     }
@@ -954,22 +976,22 @@ impl Worker {
         let backend = self.settings.backend;
         let id = assignment.id();
         let permanent = matches!(error, ExecutorError::Permanent(_));
-        match self.backend.find(id).await {
-            // Refused for good: failed below with the backend's reason; `fail` deletes the
-            // executor and frees the slot once Gitea has the failure.
-            Ok(Some(_)) if permanent => {}
-            Ok(Some(record)) => {
+        let found = self.backend.find(id).await;
+        let seen = found.as_ref().ok().map(Option::is_some);
+        if let Err(find) = &found {
+            tracing::warn!(%backend, assignment_id = %id, error = %error, find_error = %find, "creating the executor failed and the backend cannot tell whether it was stored; its slot is kept until a later look tells");
+        }
+        match (decide::after_create_error(permanent, seen), found) {
+            (AfterCreateError::GoOn, Ok(Some(record))) => {
                 tracing::warn!(%backend, assignment_id = %id, error = %error, event = "executor_created", executor = %record.name, "creating the executor answered with an error, but the backend has it: it keeps its slot and the job goes on with it");
                 return Ok(record);
             }
             // Nothing was created, so the slot and the offer go back.
-            Ok(None) => self.dispatch.forget(backend, id),
-            Err(find) => {
-                tracing::warn!(%backend, assignment_id = %id, error = %error, find_error = %find, "creating the executor failed and the backend cannot tell whether it was stored; its slot is kept until a later look tells");
-                if !permanent {
-                    return Err(Outcome::BackendError);
-                }
-            }
+            (AfterCreateError::Release, _) => self.dispatch.forget(backend, id),
+            (AfterCreateError::KeepAndRetry, _) => return Err(Outcome::BackendError),
+            // Refused for good: failed below with the backend's reason; `fail` deletes the
+            // executor and frees the slot once Gitea has the failure.
+            (AfterCreateError::Keep | AfterCreateError::GoOn, _) => {}
         }
         Err(match error {
             ExecutorError::Full {
@@ -998,9 +1020,4 @@ impl Worker {
             }
         })
     }
-}
-
-/// Time since `then` (zero if the clock went backwards).
-fn elapsed_since(then: SystemTime) -> Duration {
-    SystemTime::now().duration_since(then).unwrap_or_default()
 }
