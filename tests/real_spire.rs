@@ -32,6 +32,26 @@ const OTHER_UID: u32 = 2472;
 
 /// The claims of a JWT-SVID (its payload, unverified: the facade's trust in the token is
 /// SPIRE's business here, what matters is which identity the agent handed out).
+/// Copies of the executor and the stand-in runner that another uid can execute wherever
+/// the checkout lives (a 0700 home, say): the directory (kept while it is held) and both
+/// paths.
+pub(crate) fn programs_for_other_uids()
+-> (tempfile::TempDir, std::path::PathBuf, std::path::PathBuf) {
+    let programs = tempfile::Builder::new()
+        .prefix("rb")
+        .tempdir()
+        .expect("dir");
+    std::fs::set_permissions(programs.path(), std::fs::Permissions::from_mode(0o755))
+        .expect("chmod");
+    let (bin, standin) = (
+        programs.path().join("executor"),
+        programs.path().join("runner"),
+    );
+    std::fs::copy(BIN, &bin).expect("copy the executor");
+    std::fs::copy(STANDIN, &standin).expect("copy the stand-in runner");
+    (programs, bin, standin)
+}
+
 pub(crate) fn claims(token: &str) -> serde_json::Value {
     let payload = token.split('.').nth(1).expect("a JWT");
     let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
@@ -94,19 +114,7 @@ async fn with_the_real_spire_the_job_fetches_a_jwt_svid_of_its_own_id_and_nothin
         .tempdir()
         .expect("dir");
     std::fs::set_permissions(work.path(), std::fs::Permissions::from_mode(0o777)).expect("chmod");
-    // Copies the job's uid can execute wherever the checkout lives (a 0700 home, say).
-    let programs = tempfile::Builder::new()
-        .prefix("rb")
-        .tempdir()
-        .expect("dir");
-    std::fs::set_permissions(programs.path(), std::fs::Permissions::from_mode(0o755))
-        .expect("chmod");
-    let (bin, standin) = (
-        programs.path().join("executor"),
-        programs.path().join("runner"),
-    );
-    std::fs::copy(BIN, &bin).expect("copy the executor");
-    std::fs::copy(STANDIN, &standin).expect("copy the stand-in runner");
+    let (_programs, bin, standin) = programs_for_other_uids();
     let capability = env.dispatch.capability_key().issue(a.id());
     let mut executor = tokio::process::Command::new(&bin);
     executor

@@ -21,10 +21,8 @@ use gdr_testkit::mock_gitea::{MockConfig, MockGitea, Status};
 use gdr_testkit::real_spire::{NODE_ID, RealSpire, SpirePrograms, TRUST_DOMAIN};
 
 use crate::full_chain::Controller;
-use crate::real_spire::{claims, fetched_token};
+use crate::real_spire::{claims, fetched_token, programs_for_other_uids};
 
-const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
-const STANDIN: &str = env!("CARGO_BIN_EXE_gitea-runner-standin");
 /// The executor uids of this test (none of another test's).
 const FIRST_UID: u32 = 2481;
 const LAST_UID: u32 = 2482;
@@ -53,19 +51,7 @@ async fn with_spire_identity_the_executor_gets_its_jobs_svid_from_the_real_agent
         .await
         .expect("facade SVID");
 
-    // Copies the executors' uids can execute wherever the checkout lives (a 0700 home).
-    let programs = tempfile::Builder::new()
-        .prefix("rb")
-        .tempdir()
-        .expect("dir");
-    std::fs::set_permissions(programs.path(), std::fs::Permissions::from_mode(0o755))
-        .expect("chmod");
-    let (bin, standin) = (
-        programs.path().join("executor"),
-        programs.path().join("runner"),
-    );
-    std::fs::copy(BIN, &bin).expect("copy the executor");
-    std::fs::copy(STANDIN, &standin).expect("copy the stand-in runner");
+    let (_programs, bin, standin) = programs_for_other_uids();
     let server_program = SpirePrograms::from_env().server;
     let (endpoint, socket, uids) = (
         spire.endpoint(),
