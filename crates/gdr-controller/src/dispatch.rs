@@ -139,7 +139,7 @@ pub struct Authorized {
 }
 
 /// Why the facade refuses a caller.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum AuthError {
     /// The assignment ID is malformed or unknown to this controller.
     #[error("unknown assignment")]
@@ -153,11 +153,28 @@ pub enum AuthError {
     /// The backend could not be asked (after a restart, before the assignment's
     /// redelivery): the caller may well be legitimate, so it should retry, not give up.
     #[error("the backend cannot be read: {0}")]
-    Unavailable(String),
+    Unavailable(#[source] Unreadable),
     /// The assignment has ended (Gitea has its result, or it was failed): its
     /// credentials open nothing any more, after a restart as before one.
     #[error("the assignment has finished")]
     Finished,
+}
+
+/// Why a look-up on the backends could not answer whether an executor may call.
+#[derive(Debug, thiserror::Error)]
+pub enum Unreadable {
+    /// A backend could not list its executors.
+    #[error("asking the {backend} backend for the executor: {source}")]
+    Backend {
+        /// Which backend.
+        backend: Backend,
+        /// Why.
+        #[source]
+        source: ExecutorError,
+    },
+    /// The finished-assignments log could not be read.
+    #[error("reading the finished-assignments log: {0}")]
+    FinishedLog(#[source] QueueError),
 }
 
 /// Why handing out a task (or finishing it) failed.
@@ -563,7 +580,7 @@ impl Dispatch {
                     match self.has_finished(&id).await {
                         Ok(false) => {}
                         Ok(true) => return Err(AuthError::Finished),
-                        Err(e) => return Err(AuthError::Unavailable(e.to_string())),
+                        Err(e) => return Err(AuthError::Unavailable(Unreadable::FinishedLog(e))),
                     }
                     return Ok(Authorized {
                         id,
@@ -572,7 +589,12 @@ impl Dispatch {
                     });
                 }
                 Ok(None) => {}
-                Err(e) => unavailable = Some(e.to_string()),
+                Err(source) => {
+                    unavailable = Some(Unreadable::Backend {
+                        backend: backend.backend(),
+                        source,
+                    });
+                }
             }
         }
         // The capability is ours; if a backend could not answer, the executor may be in it.
@@ -1047,14 +1069,14 @@ mod tests {
         d.offer(&a);
         let (id, cap, peer) = credentials(&d, &a);
         let (_, other_cap, other_peer) = credentials(&d, &b);
-        assert_eq!(
+        assert!(matches!(
             d.authorize(&id, &other_cap, &peer),
             Err(AuthError::BadCapability)
-        );
-        assert_eq!(
+        ));
+        assert!(matches!(
             d.authorize(&id, &cap, &other_peer),
             Err(AuthError::WrongIdentity)
-        );
+        ));
         assert!(d.authorize(&id, &cap, &peer).is_ok());
     }
 
@@ -1069,18 +1091,30 @@ mod tests {
         executor(&backend, &d, &a).await;
         let (id, cap, peer) = credentials(&d, &a);
         backend.set_failing(Some(Failure::Unavailable));
-        assert!(matches!(
-            d.authorize_from_backend(&id, &cap, &peer).await,
-            Err(AuthError::Unavailable(_))
-        ));
+        let refused = d
+            .authorize_from_backend(&id, &cap, &peer)
+            .await
+            .unwrap_err();
+        // The cause is kept (issue 41 item 3), so the facade's log line names it.
+        let cause = std::error::Error::source(&refused).expect("the look-up's cause");
+        assert!(
+            matches!(
+                cause.downcast_ref::<Unreadable>(),
+                Some(Unreadable::Backend {
+                    backend: Backend::Pod,
+                    source: ExecutorError::Unavailable(_),
+                })
+            ),
+            "{refused:?}"
+        );
         backend.set_failing(None);
         assert!(d.authorize_from_backend(&id, &cap, &peer).await.is_ok());
         let stranger = assignment(9, "[self-hosted, pod]");
         let (id, cap, peer) = credentials(&d, &stranger);
-        assert_eq!(
+        assert!(matches!(
             d.authorize_from_backend(&id, &cap, &peer).await,
             Err(AuthError::UnknownAssignment)
-        );
+        ));
     }
 
     /// DESIGN invariant 10: the terminal marker outlives the controller. A restarted controller
@@ -1097,10 +1131,10 @@ mod tests {
         backend.mark_terminal(a.id()).await.unwrap();
 
         let after = dispatch(&backend, 1);
-        assert_eq!(
+        assert!(matches!(
             after.authorize_from_backend(&id, &cap, &peer).await,
             Err(AuthError::Finished)
-        );
+        ));
     }
 
     /// DESIGN invariant 7: pools are restored from backend metadata; claimed executors are
