@@ -370,7 +370,7 @@ impl Env {
                 listener,
                 relay,
                 credentials,
-                std::future::pending(),
+                gdr_controller::shutdown::Shutdown::never(),
             )
             .await
         });

@@ -427,7 +427,7 @@ struct Facade {
     peers: Arc<Mutex<Vec<String>>>,
     connections: Arc<AtomicUsize>,
     _api: RunningWorkloadApi,
-    _stop: tokio::sync::oneshot::Sender<()>,
+    _stop: gdr_controller::shutdown::ShutdownGuard,
 }
 
 async fn facade(c: &Cluster) -> Facade {
@@ -466,13 +466,11 @@ async fn facade(c: &Cluster) -> Facade {
             });
         }
     });
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (stop, stopped) = gdr_controller::shutdown::shutdown_channel();
+    let stop = stop.into_guard();
     tokio::spawn(async move {
         let _source = source;
-        gdr_controller::facade::tls::serve_tls(inner, tls, app, async {
-            let _ = stopped.await;
-        })
-        .await
+        gdr_controller::facade::tls::serve_tls(inner, tls, app, stopped).await
     });
     Facade {
         url: format!("https://{addr}"),

@@ -181,7 +181,7 @@ async fn sandbox_identity_calls(fake: &RunningFakeKube) {
         Settings::new(backend_contract::trust_domain()),
         Metrics::default(),
     ));
-    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let (stop, stopped) = gdr_controller::shutdown::shutdown_channel();
     let run = tokio::spawn(reconciler.run(stopped));
     let entries: Api<DynamicObject> = Api::all_with(admin.clone(), &entry_resource());
     let entry = eventually(WAIT, "the sandbox's Pod has its entry", || async {
@@ -229,7 +229,7 @@ async fn sandbox_identity_calls(fake: &RunningFakeKube) {
             .then_some(())
     })
     .await;
-    stop.send_replace(true);
+    stop.trigger();
     run.await.unwrap();
 }
 

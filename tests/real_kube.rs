@@ -480,6 +480,98 @@ async fn a_foreground_deletion_is_answered_with_the_marked_object_as_the_real_se
     assert!(!kept, "the fake collects it as a cluster would");
 }
 
+/// What a Pod's watch sees when the Pod (on `node`, or on none) is deleted with `grace`
+/// (`None`: the request names none): each event's kind and, for a modification, the
+/// deletion grace it stores; until the Pod is gone or a 5 s watch ends.
+async fn pod_deletion_events(
+    client: Client,
+    name: &str,
+    node: Option<&str>,
+    grace: Option<u32>,
+) -> Vec<String> {
+    let pods: Api<Pod> = Api::namespaced(client, NS);
+    let mut pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {"containers": [{"name": "executor", "image": IMAGE}]},
+    });
+    if let Some(node) = node {
+        pod["spec"]["nodeName"] = node.into();
+    }
+    let created = pods
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(pod).unwrap(),
+        )
+        .await
+        .unwrap();
+    let from = created.metadata.resource_version.unwrap();
+    let params = WatchParams::default()
+        .fields(&format!("metadata.name={name}"))
+        .timeout(5);
+    let mut stream = pods.watch(&params, &from).await.unwrap().boxed();
+    let mut options = kube::api::DeleteParams::default();
+    if let Some(grace) = grace {
+        options = options.grace_period(grace);
+    }
+    pods.delete(name, &options).await.unwrap();
+    let mut seen = Vec::new();
+    while let Some(event) = tokio::time::timeout(WAIT, stream.next()).await.unwrap() {
+        match event.unwrap() {
+            WatchEvent::Modified(pod) => seen.push(format!(
+                "MODIFIED, deletion grace {:?}",
+                pod.metadata.deletion_grace_period_seconds
+            )),
+            WatchEvent::Deleted(_) => {
+                seen.push("DELETED".into());
+                break;
+            }
+            WatchEvent::Bookmark(_) => {}
+            other => seen.push(format!("{other:?}")),
+        }
+    }
+    seen
+}
+
+/// The three deletions of `pod_deletion_events` the Pod backend and the node stand-in meet:
+/// a running Pod deleted at once (grace 0, as the backend force-deletes), a running Pod
+/// deleted politely (its own grace period, 30 s: no kubelet ends it here, so it stays
+/// marked), and a Pod no node runs.
+async fn pod_deletions(client: Client) -> Vec<Vec<String>> {
+    vec![
+        pod_deletion_events(client.clone(), "at-once", Some("node-a"), Some(0)).await,
+        pod_deletion_events(client.clone(), "politely", Some("node-a"), None).await,
+        pod_deletion_events(client, "unscheduled", None, None).await,
+    ]
+}
+
+/// Peer fidelity (issue 38, DESIGN invariant 16): the real server stores every Pod deletion
+/// as a mark first — a Pod deleted with no grace (or never scheduled) is first `MODIFIED`
+/// with a `deletionTimestamp` and grace 0, then `DELETED` — so a node, and the backend's
+/// watch, see the mark before the Pod goes (a node sends SIGTERM on it: the race the
+/// force-deleted `pod_chain` test allows for). The fake stores the same sequence (it
+/// removed such a Pod at once until this test compared them).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_deleted_pod_is_first_stored_marked_on_the_real_server_and_the_fake() {
+    let kube = cluster().await;
+    let real = pod_deletions(kube.admin().await).await;
+    eprintln!("real server: {real:?}");
+    let marked_then_gone = vec![
+        "MODIFIED, deletion grace Some(0)".to_owned(),
+        "DELETED".to_owned(),
+    ];
+    assert_eq!(real[0], marked_then_gone, "a running Pod deleted at once");
+    assert_eq!(
+        real[1],
+        vec!["MODIFIED, deletion grace Some(30)".to_owned()],
+        "a running Pod deleted politely stays marked until its node ends it"
+    );
+    assert_eq!(real[2], marked_then_gone, "a Pod no node runs");
+    let fake = gdr_testkit::fake_kube::start().await.unwrap();
+    let imitated = pod_deletions(fake.client().unwrap()).await;
+    assert_eq!(imitated, real);
+}
+
 // ---- leader election ----
 
 struct Candidate {
@@ -1122,16 +1214,14 @@ pub(crate) async fn allocated_sandbox(kube: &RealKube, spiffe_id: &str) -> Pod {
 
 /// `sandbox-identity`'s reconciler as its ServiceAccount, with its default settings; stopped
 /// through the sender.
-pub(crate) async fn run_sandbox_identity(
-    kube: &RealKube,
-) -> (tokio::sync::watch::Sender<bool>, JoinHandle<()>) {
+pub(crate) async fn run_sandbox_identity(kube: &RealKube) -> (ShutdownTrigger, JoinHandle<()>) {
     let identity = kube.client_as(&ServiceAccount::sandbox_identity()).await;
     let reconciler = Arc::new(Reconciler::new(
         identity,
         Settings::new(backend_contract::trust_domain()),
         Metrics::default(),
     ));
-    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let (stop, stopped) = gdr_controller::shutdown::shutdown_channel();
     (stop, tokio::spawn(reconciler.run(stopped)))
 }
 
@@ -1193,7 +1283,7 @@ async fn sandbox_identity_binds_a_sandbox_pod_through_the_real_api_server_under_
             .then_some(())
     })
     .await;
-    stop.send_replace(true);
+    stop.trigger();
     run.await.unwrap();
 }
 
@@ -1468,8 +1558,9 @@ async fn the_fake_selects_by_label_and_field_as_the_real_server_does() {
 /// finalizer stays, marked for deletion, until the finalizer is removed.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_node_stand_in_honours_a_deleted_pods_grace_period_and_its_finalizers() {
-    use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
     use std::os::unix::fs::PermissionsExt;
+
+    use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
 
     let kube = cluster().await;
     let admin = kube.admin().await;

@@ -227,7 +227,7 @@ async fn the_real_spire_controller_manager_turns_sandbox_identitys_entry_into_ex
     })
     .await;
     assert_eq!(entries, [wanted], "{}", manager.log());
-    stop.send_replace(true);
+    stop.trigger();
     run.await.unwrap();
 }
 

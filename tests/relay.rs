@@ -132,7 +132,7 @@ impl Runner {
                 listener,
                 serving,
                 credentials,
-                std::future::pending(),
+                gdr_controller::shutdown::Shutdown::never(),
             )
             .await
         });
@@ -448,8 +448,13 @@ impl PollRecorder {
         let addr = listener.local_addr().expect("addr");
         tokio::spawn(async move {
             let _source = source;
-            gdr_controller::facade::tls::serve_tls(listener, config, app, std::future::pending())
-                .await
+            gdr_controller::facade::tls::serve_tls(
+                listener,
+                config,
+                app,
+                gdr_controller::shutdown::Shutdown::never(),
+            )
+            .await
         });
         PollRecorder {
             addr,

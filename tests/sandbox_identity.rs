@@ -8,9 +8,8 @@ use std::time::Duration;
 use gdr_core::backend::Backend;
 use gdr_core::metadata::MetadataCodec;
 use gdr_sandbox_identity::{Metrics, Reconciler, Settings, batchsandbox_resource, entry_resource};
-use gdr_testkit::backend_contract;
-use gdr_testkit::eventually;
 use gdr_testkit::fake_kube::{self, RunningFakeKube, ServiceAccount};
+use gdr_testkit::{backend_contract, eventually};
 use http::{Method, StatusCode};
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec};
 use kube::api::{DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
@@ -532,7 +531,7 @@ async fn the_run_loop_converges_without_being_asked_and_stops_on_shutdown() {
     let mut settings = Cluster::settings();
     settings.resync = Duration::from_millis(100);
     let reconciler = Arc::new(cluster.reconciler_with(settings, Metrics::default()));
-    let (stop, shutdown) = tokio::sync::watch::channel(false);
+    let (stop, shutdown) = gdr_controller::shutdown::shutdown_channel();
     let task = tokio::spawn(Arc::clone(&reconciler).run(shutdown));
     cluster.sandbox("sb-a", &["ci-vm-1"], Some(JOB_A)).await;
     eventually(DEADLINE, "the entry appears", || async {
@@ -548,7 +547,7 @@ async fn the_run_loop_converges_without_being_asked_and_stops_on_shutdown() {
         cluster.entries().await.is_empty().then_some(())
     })
     .await;
-    stop.send(true).unwrap();
+    stop.trigger();
     tokio::time::timeout(DEADLINE, task)
         .await
         .expect("the loop stops")

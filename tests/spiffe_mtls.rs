@@ -36,7 +36,7 @@ use hyper_util::rt::TokioExecutor;
 use rustls::pki_types::ServerName;
 use spiffe::X509Source;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
 const TD: &str = "example.test";
 const FACADE_ID: &str = "spiffe://example.test/ns/ci/sa/facade";
@@ -82,16 +82,15 @@ async fn pki() -> Pki {
 /// An mTLS server in the background; dropping `stop` shuts it down.
 struct TlsServer {
     addr: SocketAddr,
-    _stop: oneshot::Sender<()>,
+    _stop: gdr_controller::shutdown::ShutdownGuard,
 }
 
 async fn serve(config: rustls::ServerConfig, app: Router) -> TlsServer {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let (stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(serve_tls(listener, Arc::new(config), app, async {
-        let _ = stopped.await;
-    }));
+    let (stop, stopped) = gdr_controller::shutdown::shutdown_channel();
+    let stop = stop.into_guard();
+    tokio::spawn(serve_tls(listener, Arc::new(config), app, stopped));
     TlsServer { addr, _stop: stop }
 }
 
@@ -441,11 +440,15 @@ fn upstream_app() -> Router {
 }
 
 /// The loopback proxy in front of an mTLS upstream; returns its `http://` base URL.
-async fn proxy_to(pki: &Pki, upstream: SocketAddr) -> (String, oneshot::Sender<()>) {
+async fn proxy_to(
+    pki: &Pki,
+    upstream: SocketAddr,
+) -> (String, gdr_controller::shutdown::ShutdownGuard) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let config = executor_client_config(&pki.executor, FACADE_ID).unwrap();
-    let (stop, stopped) = oneshot::channel::<()>();
+    let (stop, stopped) = gdr_controller::shutdown::shutdown_channel();
+    let stop = stop.into_guard();
     let relay = Relay::new(
         ASSIGNMENT,
         &format!("https://{upstream}"),
@@ -455,11 +458,9 @@ async fn proxy_to(pki: &Pki, upstream: SocketAddr) -> (String, oneshot::Sender<(
     .unwrap();
     let credentials = RunnerCredentials::new(ASSIGNMENT, CAPABILITY).unwrap();
     tokio::spawn(async move {
-        serve_loopback_proxy(listener, relay, credentials, async {
-            let _ = stopped.await;
-        })
-        .await
-        .unwrap();
+        serve_loopback_proxy(listener, relay, credentials, stopped)
+            .await
+            .unwrap();
     });
     (format!("http://{addr}"), stop)
 }
@@ -576,13 +577,9 @@ async fn the_loopback_proxy_answers_502_when_the_facade_is_not_the_expected_iden
     )
     .unwrap();
     let credentials = RunnerCredentials::new(ASSIGNMENT, CAPABILITY).unwrap();
-    let (_stop, stopped) = oneshot::channel::<()>();
-    tokio::spawn(async move {
-        serve_loopback_proxy(listener, relay, credentials, async {
-            let _ = stopped.await;
-        })
-        .await
-    });
+    let (stop, stopped) = gdr_controller::shutdown::shutdown_channel();
+    let _stop = stop.into_guard();
+    tokio::spawn(async move { serve_loopback_proxy(listener, relay, credentials, stopped).await });
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let resp = client
         .get(format!("http://{addr}/echo/x").parse().unwrap())

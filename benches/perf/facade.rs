@@ -156,7 +156,7 @@ pub async fn run(table: &mut Table) {
         facade_listener,
         server_config,
         app,
-        std::future::pending(),
+        gdr_controller::shutdown::Shutdown::never(),
     ));
     let proxy = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let proxy_url = format!("http://{}", proxy.local_addr().expect("addr"));
@@ -176,7 +176,7 @@ pub async fn run(table: &mut Table) {
         proxy,
         relay,
         credentials,
-        std::future::pending(),
+        gdr_controller::shutdown::Shutdown::never(),
     ));
 
     let via = runner_client(&proxy_url, assignment.id().as_str(), capability.expose());

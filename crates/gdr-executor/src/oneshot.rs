@@ -379,14 +379,14 @@ async fn run_executor(
     )?;
     let credentials =
         crate::proxy::RunnerCredentials::new(config.assignment_id.as_str(), &config.capability)?;
-    let (stop_proxy, proxy_stopped) = tokio::sync::oneshot::channel::<()>();
+    // Stops the proxy on every way out, the early error returns included.
+    let (stop_proxy, proxy_stopped) = gdr_shutdown::shutdown_channel();
+    let stop_proxy = stop_proxy.into_guard();
     let proxy = tokio::spawn(crate::proxy::serve_loopback_proxy(
         listener,
         relay.clone(),
         credentials,
-        async {
-            let _ = proxy_stopped.await;
-        },
+        proxy_stopped,
     ));
 
     let mut cleanup = Cleanup {
@@ -447,7 +447,7 @@ async fn run_executor(
     // Invariant 19: the runner may have been answered by the relay; nothing leaves
     // before the facade has it — unless the executor is being terminated.
     let (settled, ()) = tokio::join!(settle(&relay, &mut signals, terminating), stopping);
-    let _ = stop_proxy.send(());
+    drop(stop_proxy);
     let _ = proxy.await;
     drop(cleanup);
     match settled {

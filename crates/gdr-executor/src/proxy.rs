@@ -22,7 +22,6 @@
 //! on every handshake, so new connections after a rotation present the new certificate
 //! while established ones carry on.
 
-use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,6 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use gdr_shutdown::Shutdown;
 use http::header::{self, HeaderMap, HeaderName};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Limited};
@@ -86,26 +86,25 @@ impl std::fmt::Debug for RunnerCredentials {
     }
 }
 
-/// Serves the loopback proxy on `listener` until `shutdown` resolves, then lets open
+/// Serves the loopback proxy on `listener` until `shutdown` is triggered, then lets open
 /// requests finish. The relay holds the facade client (see [`Relay::new`]); every request
 /// it sends carries `credentials`.
 pub async fn serve_loopback_proxy(
     listener: TcpListener,
     relay: Arc<Relay>,
     credentials: RunnerCredentials,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    shutdown: Shutdown,
 ) -> Result<(), ProxyError> {
     let credentials = Arc::new(credentials);
     let local = listener
         .local_addr()
         .map(|a| a.to_string())
         .unwrap_or_else(|_| "<unknown>".to_string());
-    let mut shutdown = std::pin::pin!(shutdown);
     let graceful = GracefulShutdown::new();
     loop {
         let (stream, peer) = tokio::select! {
             biased;
-            _ = &mut shutdown => break,
+            _ = shutdown.wait() => break,
             accepted = listener.accept() => match accepted {
                 Ok(conn) => conn,
                 // Too many open files and the like pass; keep serving.

@@ -30,12 +30,13 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
+use gdr_shutdown::ShutdownGuard;
 use rcgen::{
     BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType,
     ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType, SerialNumber,
 };
 use tokio::net::UnixListener;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 /// Lifetime of SVIDs issued by [`WorkloadApi::start`] unless changed with
@@ -567,24 +568,21 @@ impl WorkloadApi {
             let accepted = listener.accept().await.map(|(stream, _)| stream);
             Some((accepted, listener))
         });
-        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let (stop, stopped) = gdr_shutdown::shutdown_channel();
         let service = WorkloadApiService {
             shared: shared.clone(),
         };
         let join = tokio::spawn(async move {
             tonic::transport::Server::builder()
                 .add_service(service)
-                .serve_with_incoming_shutdown(incoming, async {
-                    // A dropped handle also stops the server.
-                    let _ = stop_rx.await;
-                })
+                .serve_with_incoming_shutdown(incoming, async move { stopped.wait().await })
                 .await
         });
         Ok(RunningWorkloadApi {
             socket_path,
             shared,
             rotation: None,
-            stop: Some(stop_tx),
+            stop: Some(stop.into_guard()),
             join: Some(join),
         })
     }
@@ -596,7 +594,8 @@ pub struct RunningWorkloadApi {
     pub socket_path: PathBuf,
     shared: Arc<Shared>,
     rotation: Option<JoinHandle<()>>,
-    stop: Option<oneshot::Sender<()>>,
+    /// Stops the server when dropped (with the handle, or by `shutdown`).
+    stop: Option<ShutdownGuard>,
     join: Option<JoinHandle<Result<(), tonic::transport::Error>>>,
 }
 
@@ -684,9 +683,7 @@ impl RunningWorkloadApi {
         if let Some(rotation) = self.rotation.take() {
             rotation.abort();
         }
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
+        drop(self.stop.take());
         if let Some(join) = self.join.take() {
             let _ = join.await;
         }
@@ -699,9 +696,7 @@ impl Drop for RunningWorkloadApi {
         if let Some(rotation) = self.rotation.take() {
             rotation.abort();
         }
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
+        drop(self.stop.take());
         let _ = std::fs::remove_file(&self.socket_path);
     }
 }

@@ -31,6 +31,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use gdr_core::identity::TrustDomain;
 use gdr_core::metadata::MetadataCodec;
+use gdr_shutdown::Shutdown;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{
     ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams,
@@ -42,7 +43,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 pub use sandbox::{DesiredEntry, EntryTemplate, Refusal};
 use serde_json::json;
-use tokio::sync::{Notify, watch};
+use tokio::sync::Notify;
 
 /// Configuration of the reconciler; every field is one documented setting.
 #[derive(Debug, Clone)]
@@ -393,8 +394,8 @@ impl Reconciler {
         Ok(pass)
     }
 
-    /// Runs passes on watch events and every `resync` until `shutdown` turns true.
-    pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+    /// Runs passes on watch events and every `resync` until `shutdown` is triggered.
+    pub async fn run(self: Arc<Self>, shutdown: Shutdown) {
         let trigger = Arc::new(Notify::new());
         let watches = [
             tokio::spawn(watch_changes(
@@ -410,17 +411,18 @@ impl Reconciler {
                 shutdown.clone(),
             )),
         ];
-        while !*shutdown.borrow() {
+        while !shutdown.is_triggered() {
             if let Err(e) = self.reconcile_once().await {
                 tracing::warn!(error = %e, "sandbox identity pass failed; retrying");
             }
             tokio::select! {
                 _ = trigger.notified() => {}
                 _ = tokio::time::sleep(self.settings.resync) => {}
-                _ = shutdown.changed() => {}
+                _ = shutdown.wait() => {}
             }
         }
         for watch in watches {
+            // Each ends on the same signal; a watch stuck in a call is not waited for.
             watch.abort();
         }
     }
@@ -433,12 +435,12 @@ async fn watch_changes(
     api: Api<DynamicObject>,
     selector: String,
     trigger: Arc<Notify>,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: Shutdown,
 ) {
     const MAX_BACKOFF: Duration = Duration::from_secs(30);
     let mut backoff = Duration::from_secs(1);
     let mut warned = false;
-    while !*shutdown.borrow() {
+    while !shutdown.is_triggered() {
         let params = WatchParams::default().labels(&selector).timeout(290);
         let started = match api
             .list(&ListParams::default().labels(&selector).limit(1))
@@ -464,7 +466,7 @@ async fn watch_changes(
                             Some(Ok(WatchEvent::Bookmark(_))) => {}
                             Some(Ok(WatchEvent::Error(_)) | Err(_)) | None => break,
                         },
-                        _ = shutdown.changed() => return,
+                        _ = shutdown.wait() => return,
                     }
                 }
             }
@@ -479,7 +481,7 @@ async fn watch_changes(
         trigger.notify_one();
         tokio::select! {
             _ = tokio::time::sleep(backoff) => {}
-            _ = shutdown.changed() => return,
+            _ = shutdown.wait() => return,
         }
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }

@@ -543,32 +543,25 @@ fn classify(e: &std::io::Error) -> AcceptFailure {
     }
 }
 
-/// Serves `app` over mTLS on `listener` with the default limits until `shutdown`
-/// resolves; see [`serve_tls_limited`].
+/// Serves `app` over mTLS on `listener` with the default limits until `shutdown` is
+/// triggered; see [`serve_tls_limited`].
 pub async fn serve_tls(
     listener: TcpListener,
     config: Arc<rustls::ServerConfig>,
     app: axum::Router,
-    shutdown: impl Future<Output = ()> + Send + 'static,
+    shutdown: Shutdown,
 ) -> std::io::Result<()> {
-    let (trigger, stop) = crate::shutdown::shutdown_channel();
-    let watcher = tokio::spawn(async move {
-        shutdown.await;
-        trigger.trigger();
-    });
     let stats = Arc::new(FacadeStats::default());
-    let result = serve_with(
+    serve_with(
         listener,
         config,
         app,
         FacadeLimits::default(),
         None,
         stats,
-        stop,
+        shutdown,
     )
-    .await;
-    watcher.abort();
-    result
+    .await
 }
 
 /// Serves `app` over mTLS on `listener` until `shutdown`, then closes connections

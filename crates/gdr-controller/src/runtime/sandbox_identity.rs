@@ -153,7 +153,7 @@ async fn lead(
         _ = leadership.lost() => return (Err(RuntimeError::LostLeadership), elector),
     }
     w.readiness.set(true);
-    let (stop_reconciler, stopping) = tokio::sync::watch::channel(false);
+    let (stop_reconciler, stopping) = crate::shutdown::shutdown_channel();
     let mut task = tokio::spawn(reconciler.run(stopping));
     let (outcome, ended) = tokio::select! {
         _ = shutdown.wait() => (Ok(()), false),
@@ -161,7 +161,7 @@ async fn lead(
         _ = &mut task => (Err(RuntimeError::Component("the sandbox identity reconciler")), true),
     };
     w.readiness.set(false);
-    stop_reconciler.send_replace(true);
+    stop_reconciler.trigger();
     if !ended && tokio::time::timeout(STOP_TIMEOUT, task).await.is_err() {
         tracing::warn!(timeout = ?STOP_TIMEOUT, "the reconciler did not stop in time");
     }

@@ -1562,15 +1562,28 @@ fn delete(s: &mut Store, t: &Target, name: &str, body: &[u8]) -> Response {
         if deleting && earlier {
             return (StatusCode::OK, axum::Json(old)).into_response();
         }
-        let mut marked = old.clone();
-        s.revision += 1;
-        marked["metadata"]["deletionTimestamp"] = rfc3339_after(secs).into();
-        marked["metadata"]["deletionGracePeriodSeconds"] = secs.into();
-        marked["metadata"]["resourceVersion"] = s.revision.to_string().into();
-        commit(s, k, Some(old), Some(marked.clone()));
+        let marked = mark(s, k, &old, secs);
         return (StatusCode::OK, axum::Json(marked)).into_response();
     }
+    if t.rt.is("", "pods") {
+        // The real server's Pod strategy makes every Pod deletion graceful: one with no
+        // grace left (grace 0, no node, a terminal phase) is stored marked first, then
+        // removed, and a watch sees both (a node sends SIGTERM on the mark).
+        let marked = mark(s, k.clone(), &old, 0);
+        return remove(s, k, &marked, orphan);
+    }
     remove(s, k, &old, orphan)
+}
+
+/// Stores `old` marked for deletion in `secs` (a `MODIFIED` event); the marked object.
+fn mark(s: &mut Store, k: ObjectKey, old: &Value, secs: i64) -> Value {
+    let mut marked = old.clone();
+    s.revision += 1;
+    marked["metadata"]["deletionTimestamp"] = rfc3339_after(secs).into();
+    marked["metadata"]["deletionGracePeriodSeconds"] = secs.into();
+    marked["metadata"]["resourceVersion"] = s.revision.to_string().into();
+    commit(s, k, Some(old.clone()), Some(marked.clone()));
+    marked
 }
 
 /// A `Foreground` deletion as a cluster carries it out: the object is marked (a
@@ -1610,7 +1623,7 @@ fn has_finalizers(obj: &Value) -> bool {
 }
 
 /// The grace period of a Pod's deletion, as the API server's Pod strategy decides it:
-/// `None` (removed at once) for a Pod no node runs, one in a terminal phase, or a zero
+/// `None` (marked with none left and removed at once) for a Pod no node runs, one in a terminal phase, or a zero
 /// grace; else `gracePeriodSeconds` of the request, the Pod's
 /// `terminationGracePeriodSeconds`, or 30.
 fn graceful_period(rt: &ResourceType, pod: &Value, options: &Value) -> Option<i64> {
