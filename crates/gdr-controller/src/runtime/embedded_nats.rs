@@ -87,9 +87,49 @@ pub enum EmbeddedNatsError {
         /// The leftover server.
         pid: u32,
     },
-    /// The server could not be started, or did not become ready.
-    #[error("{0}")]
-    Start(String),
+    /// The store directory could not be made private.
+    #[error("the NATS store: {0}")]
+    Store(#[source] crate::runtime::PrivateDirError),
+    /// The thread that supervises the server could not be started.
+    #[error("starting the supervisor thread: {0}")]
+    Supervisor(#[source] std::io::Error),
+    /// The supervisor thread ended without a word (it panicked).
+    #[error("the supervisor thread ended before the server was ready")]
+    SupervisorEnded,
+    /// No loopback port could be had for the server.
+    #[error("choosing a loopback port for NATS: {0}")]
+    Port(#[source] std::io::Error),
+    /// The server's program could not be started.
+    #[error(
+        "starting {} through {} (nats_server_binary): {source}",
+        .binary.display(),
+        .binder.display()
+    )]
+    Spawn {
+        /// The nats-server program.
+        binary: PathBuf,
+        /// The program that starts it (binding it to this process's life).
+        binder: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The server exited while starting.
+    #[error(
+        "{} (nats_server_binary) exited at start: {status}; its last stderr lines: {stderr}",
+        .binary.display()
+    )]
+    ExitedAtStart {
+        /// The nats-server program.
+        binary: PathBuf,
+        /// How it ended.
+        status: std::process::ExitStatus,
+        /// The last lines it wrote to stderr.
+        stderr: String,
+    },
+    /// The server did not accept clients in time.
+    #[error("nats-server did not accept clients within {0:?}")]
+    NotReady(Duration),
 }
 
 fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> EmbeddedNatsError {
@@ -137,8 +177,7 @@ impl EmbeddedNats {
     /// Locks the store, stops a server left over on it, starts the server (store in
     /// `store`) and waits until it accepts clients.
     pub async fn start(launch: &Launch, store: &Path) -> Result<Self, EmbeddedNatsError> {
-        crate::runtime::private_dir(store)
-            .map_err(|e| EmbeddedNatsError::Start(format!("the NATS store: {e}")))?;
+        crate::runtime::private_dir(store).map_err(EmbeddedNatsError::Store)?;
         let lock = lock_store(store)?;
         write_auth(store)?;
         let launch = launch.clone();
@@ -156,9 +195,7 @@ impl EmbeddedNats {
         let supervisor = std::thread::Builder::new()
             .name("embedded-nats".into())
             .spawn(move || supervise(&launch, &thread_store, &thread_shared, ready_tx))
-            .map_err(|e| {
-                EmbeddedNatsError::Start(format!("starting the supervisor thread: {e}"))
-            })?;
+            .map_err(EmbeddedNatsError::Supervisor)?;
         let mut nats = EmbeddedNats {
             port: 0,
             store: store.clone(),
@@ -173,9 +210,7 @@ impl EmbeddedNats {
                 Ok(nats)
             }
             Ok(Err(e)) => Err(e),
-            Err(_) => Err(EmbeddedNatsError::Start(
-                "the supervisor thread ended before the server was ready".into(),
-            )),
+            Err(_) => Err(EmbeddedNatsError::SupervisorEnded),
         }
     }
 
@@ -315,9 +350,7 @@ fn first_start(
     loop {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
-            .map_err(|e| {
-                EmbeddedNatsError::Start(format!("choosing a loopback port for NATS: {e}"))
-            })?
+            .map_err(EmbeddedNatsError::Port)?
             .port();
         let mut server = spawn(launch, store, port, shared)?;
         match wait_ready(&mut server, launch, port) {
@@ -453,12 +486,10 @@ fn spawn(
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| {
-            EmbeddedNatsError::Start(format!(
-                "starting {} through {} (nats_server_binary): {e}",
-                launch.binary.display(),
-                launch.binder.display()
-            ))
+        .map_err(|source| EmbeddedNatsError::Spawn {
+            binary: launch.binary.clone(),
+            binder: launch.binder.clone(),
+            source,
         })?;
     let tail = match child.stderr.take() {
         Some(stderr) => StderrTail::follow(stderr),
@@ -479,11 +510,11 @@ fn wait_ready(
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
     loop {
         if let Ok(Some(status)) = child.try_wait() {
-            return Err(EmbeddedNatsError::Start(format!(
-                "{} (nats_server_binary) exited at start: {status}; its last stderr lines: {}",
-                launch.binary.display(),
-                tail.last_lines()
-            )));
+            return Err(EmbeddedNatsError::ExitedAtStart {
+                binary: launch.binary.clone(),
+                status,
+                stderr: tail.last_lines(),
+            });
         }
         if let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(1))
         {
@@ -494,9 +525,7 @@ fn wait_ready(
             }
         }
         if Instant::now() >= deadline {
-            return Err(EmbeddedNatsError::Start(format!(
-                "nats-server did not accept clients within {READY_TIMEOUT:?}"
-            )));
+            return Err(EmbeddedNatsError::NotReady(READY_TIMEOUT));
         }
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -125,6 +125,24 @@ pub enum RuntimeError {
     },
 }
 
+/// A cause with what it concerns (a file, a URL): the text leads with that, and the cause
+/// stays reachable as the source, so a log line or `/status` can walk the whole chain.
+#[derive(Debug, thiserror::Error)]
+#[error("{context}: {source}")]
+pub struct InContext {
+    context: String,
+    #[source]
+    source: Source,
+}
+
+/// `source`, said to concern `context` (a path, a redacted URL).
+pub(crate) fn in_context(context: impl std::fmt::Display, source: impl Into<Source>) -> Source {
+    Box::new(InContext {
+        context: context.to_string(),
+        source: source.into(),
+    })
+}
+
 fn step(step: &'static str) -> impl FnOnce(Source) -> RuntimeError {
     move |source| RuntimeError::Setup { step, source }
 }
@@ -518,28 +536,69 @@ fn uses_state_dir(
         || vm.is_some_and(|v| matches!(v.kind, VmBackend::Process(_)))
 }
 
+/// Why a state directory could not be made private.
+#[derive(Debug, thiserror::Error)]
+pub enum PrivateDirError {
+    /// It could not be created.
+    #[error("creating {}: {source}", .path.display())]
+    Create {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Its mode could not be read.
+    #[error("reading {}: {source}", .path.display())]
+    Read {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// It is open to others and could not be restricted.
+    #[error("{} is mode {mode:04o} and cannot be made 0700: {source}", .path.display())]
+    Restrict {
+        /// The directory.
+        path: PathBuf,
+        /// Its mode.
+        mode: u32,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// Creates `dir` (and its parents) as 0700, or makes an existing one 0700: the embedded
 /// NATS store, the local CA's key and the executors' Workload API sockets live below it,
 /// and only the controller's user may reach them.
-pub(crate) fn private_dir(dir: &Path) -> Result<(), String> {
+pub(crate) fn private_dir(dir: &Path) -> Result<(), PrivateDirError> {
     use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let path = || dir.to_path_buf();
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)
-        .map_err(|e| format!("creating {}: {e}", dir.display()))?;
+        .map_err(|source| PrivateDirError::Create {
+            path: path(),
+            source,
+        })?;
     let mode = std::fs::metadata(dir)
-        .map_err(|e| format!("reading {}: {e}", dir.display()))?
+        .map_err(|source| PrivateDirError::Read {
+            path: path(),
+            source,
+        })?
         .permissions()
         .mode();
     if mode & 0o077 != 0 {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(|e| {
-            format!(
-                "{} is mode {:04o} and cannot be made 0700: {e}",
-                dir.display(),
-                mode & 0o7777
-            )
-        })?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(
+            |source| PrivateDirError::Restrict {
+                path: path(),
+                mode: mode & 0o7777,
+                source,
+            },
+        )?;
         tracing::info!(dir = %dir.display(), was = format!("{:04o}", mode & 0o7777), "restricted a state directory to its owner (0700)");
     }
     Ok(())
@@ -575,7 +634,7 @@ fn capability_key(
     })
     .map_err(step("reading the capability key"))?;
     CapabilityKey::new(text.as_bytes()).map_err(|e| {
-        step("runner_facade_capability_key_file")(format!("{}: {e}", file.path().display()).into())
+        step("runner_facade_capability_key_file")(in_context(file.path().display(), e))
     })
 }
 
@@ -613,11 +672,13 @@ fn keyring(
         check_secret_file_mode("task_encryption_key_file", path, secrets)
             .map_err(setup("task_encryption_key_file"))?;
         let bytes = std::fs::read(path).map_err(|e| {
-            step("task_encryption_key_file")(format!("cannot read {}: {e}", path.display()).into())
+            step("task_encryption_key_file")(in_context(
+                format_args!("cannot read {}", path.display()),
+                e,
+            ))
         })?;
-        TaskKey::from_file_contents(&bytes).map_err(|e| {
-            step("task_encryption_key_file")(format!("{}: {e}", path.display()).into())
-        })
+        TaskKey::from_file_contents(&bytes)
+            .map_err(|e| step("task_encryption_key_file")(in_context(path.display(), e)))
     };
     let mut previous = previous.iter().map(load).collect::<Result<Vec<_>, _>>()?;
     if single_host && generated.exists() {
@@ -629,15 +690,15 @@ fn keyring(
 
 /// Reads the generated key at `path`, or creates it (0600) on first start.
 fn generated_task_key(path: &Path) -> Result<TaskKey, RuntimeError> {
-    let fail = |e: String| step("generating the task encryption key")(e.into());
+    let fail = |e: Source| step("generating the task encryption key")(e);
     let (text, created) = first_start::generated_secret(path, || {
         TaskKey::generate()
             .map(|(_, text)| text)
             .map_err(std::io::Error::other)
     })
-    .map_err(|e| fail(e.to_string()))?;
+    .map_err(|e| fail(e.into()))?;
     let key = TaskKey::from_file_contents(text.as_bytes())
-        .map_err(|e| fail(format!("{}: {e}", path.display())))?;
+        .map_err(|e| fail(in_context(path.display(), e)))?;
     if created {
         tracing::info!(path = %path.display(), key_id = key.key_id(), "generated the task encryption key of single-host mode");
     }

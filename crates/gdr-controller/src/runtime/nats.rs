@@ -10,7 +10,7 @@ use async_nats::jetstream;
 use gdr_core::backend::Backend;
 
 use super::embedded_nats::{EmbeddedNats, Launch};
-use super::{METRICS_INTERVAL, RuntimeError, setup, step};
+use super::{METRICS_INTERVAL, RuntimeError, in_context, setup, step};
 use crate::metrics::Metrics;
 use crate::ports::QueueDepth;
 use crate::queue::{self, ConsumerSettings, FinishedAssignments, StreamSettings};
@@ -196,9 +196,7 @@ async fn connect(
             async_nats::ConnectOptions::with_credentials_file(path.clone())
                 .await
                 .map_err(|e| {
-                    step("reading the NATS credentials file")(
-                        format!("{}: {e}", path.display()).into(),
-                    )
+                    step("reading the NATS credentials file")(in_context(path.display(), e))
                 })?
         }
         NatsAuth::Password { user, file, key } => {
@@ -215,9 +213,10 @@ async fn connect(
             .add_root_certificates(ca.to_path_buf())
             .require_tls(true);
     }
-    options.connect(url).await.map_err(|e| {
-        step("connecting to NATS")(format!("{}: {e}", settings::redact_url_userinfo(url)).into())
-    })
+    options
+        .connect(url)
+        .await
+        .map_err(|e| step("connecting to NATS")(in_context(settings::redact_url_userinfo(url), e)))
 }
 
 pub(super) async fn queue_depth(queue: &Queue) -> Option<Arc<dyn QueueDepth>> {
@@ -272,5 +271,48 @@ async fn watch_connections(
         if !stop.sleep(METRICS_INTERVAL).await {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 41 item 3: a NATS error keeps its cause. A credentials file async-nats cannot
+    /// parse fails the start with the file named and the library's own error reachable as
+    /// a source, so a log line or `/status` can print the whole chain (it was flattened
+    /// into a string, ending the chain at the step).
+    #[tokio::test]
+    async fn a_nats_start_up_error_keeps_the_librarys_cause_as_its_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let creds = dir.path().join("worker.creds");
+        std::fs::write(&creds, "not a credentials file\n").unwrap();
+        let refused = connect(
+            "nats://127.0.0.1:4222",
+            Role::Worker,
+            &NatsAuth::Creds(creds.clone()),
+            None,
+            SecretPermissions::Unchecked,
+        )
+        .await
+        .unwrap_err();
+        let mut causes = Vec::new();
+        let mut cause = std::error::Error::source(&refused);
+        while let Some(c) = cause {
+            causes.push(c);
+            cause = c.source();
+        }
+        assert!(
+            causes[0]
+                .to_string()
+                .starts_with(&creds.display().to_string()),
+            "the file is named: {refused}"
+        );
+        assert!(
+            causes
+                .iter()
+                .any(|c| c.downcast_ref::<std::io::Error>().is_some()),
+            "async-nats's error is a source of {refused:?}"
+        );
     }
 }

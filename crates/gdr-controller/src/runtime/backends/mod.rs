@@ -20,7 +20,8 @@ use gdr_core::metadata::MetadataCodec;
 use gdr_identity::workload_api::LocalIdentity;
 
 use super::{
-    LIFECYCLE_INTERVAL, PROCESS_STOP_GRACE, RuntimeError, first_start, private_dir, setup, step,
+    LIFECYCLE_INTERVAL, PROCESS_STOP_GRACE, RuntimeError, first_start, in_context, private_dir,
+    setup, step,
 };
 use crate::dispatch::Dispatch;
 use crate::lifecycle::Housekeeping;
@@ -244,9 +245,8 @@ fn opensandbox_backend(
     } = settings;
     let key = read_secret_file_with("opensandbox_api_key_file", &api_key_file, wiring.secrets)
         .map_err(setup("reading the OpenSandbox API key"))?;
-    let key = ApiKey::from_file_contents(&key).map_err(|e| {
-        step("opensandbox_api_key_file")(format!("{}: {e}", api_key_file.display()).into())
-    })?;
+    let key = ApiKey::from_file_contents(&key)
+        .map_err(|e| step("opensandbox_api_key_file")(in_context(api_key_file.display(), e)))?;
     let extra_ca = match &ca_file {
         Some(p) => Some(std::fs::read(p).map_err(|e| {
             step("opensandbox_ca_file")(format!("cannot read {}: {e}", p.display()).into())
