@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea};
-use rand::Rng;
+use rand::RngExt;
 
 /// A mock Gitea speaking the Actions runner protocol (in memory, for local testing).
 ///

@@ -17,7 +17,7 @@ use gdr_core::assignment::AssignmentId;
 use gdr_testkit::controller::{ControllerFixture, Value, listener};
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RpcMethod, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;
-use rand::Rng;
+use rand::RngExt;
 
 use crate::facade::CHECKOUT;
 use crate::table::{Table, mean, mib, millis, proc_status_kib, quantile, secs};

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use buffa_types::google::protobuf::{Struct, Timestamp, Value};
 use gdr_proto::runner::v1 as pb;
-use rand::Rng;
+use rand::RngExt;
 
 use super::workflow::ParsedWorkflow;
 use super::{
