@@ -378,7 +378,8 @@ impl Controller {
     }
 }
 
-/// Live executor processes of `controller`: its children running `<bin> executor`.
+/// Live executor processes of `controller`: its children running the executor's own binary
+/// (`gitea-dynamic-executor`, when it sits next to the controller's) or `<bin> executor`.
 fn executors_of(controller: u32) -> Vec<u32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -395,16 +396,28 @@ fn executors_of(controller: u32) -> Vec<u32> {
                 .and_then(|(_, rest)| rest.split_whitespace().nth(1))
                 .and_then(|p| p.parse::<u32>().ok());
             ppid == Some(controller)
-                && std::fs::read(format!("/proc/{pid}/cmdline"))
-                    .is_ok_and(|c| c.split(|b| *b == 0).nth(1) == Some(b"executor"))
+                && std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                    let mut args = c.split(|b| *b == 0);
+                    let program = args.next().unwrap_or_default();
+                    program.ends_with(b"gitea-dynamic-executor") || args.next() == Some(b"executor")
+                })
         })
         .collect()
+}
+
+/// What an executor used at most: its peak RSS (`VmHWM`) and the largest anonymous
+/// (heap, stacks) and file-backed (the binary's mapped code and data) parts seen.
+#[derive(Debug, Default, Clone, Copy)]
+struct Peak {
+    hwm: u64,
+    anon: u64,
+    file: u64,
 }
 
 /// Samples the peak RSS of every executor of `controller` until stopped.
 struct ExecutorSampler {
     stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<HashMap<u32, u64>>,
+    thread: std::thread::JoinHandle<HashMap<u32, Peak>>,
 }
 
 impl ExecutorSampler {
@@ -412,12 +425,15 @@ impl ExecutorSampler {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let thread = std::thread::spawn(move || {
-            let mut peaks: HashMap<u32, u64> = HashMap::new();
+            let mut peaks: HashMap<u32, Peak> = HashMap::new();
             while !flag.load(Ordering::Acquire) {
                 for pid in executors_of(controller) {
                     if let Some(hwm) = proc_status_kib(pid, "VmHWM") {
                         let peak = peaks.entry(pid).or_default();
-                        *peak = (*peak).max(hwm);
+                        peak.hwm = peak.hwm.max(hwm);
+                        let part = |field| proc_status_kib(pid, field).unwrap_or(0);
+                        peak.anon = peak.anon.max(part("RssAnon"));
+                        peak.file = peak.file.max(part("RssFile"));
                     }
                 }
                 std::thread::sleep(Duration::from_millis(2));
@@ -427,7 +443,7 @@ impl ExecutorSampler {
         ExecutorSampler { stop, thread }
     }
 
-    fn finish(self) -> HashMap<u32, u64> {
+    fn finish(self) -> HashMap<u32, Peak> {
         self.stop.store(true, Ordering::Release);
         self.thread.join().expect("sampler")
     }
@@ -571,6 +587,10 @@ pub async fn run(table: &mut Table) {
     eprintln!("this controller, pod_capacity {K}:");
     let ours = measure(&mock.handle, true).await;
     let idle_rss = proc_status_kib(controller.pid, "VmRSS").unwrap_or(0);
+    let idle_parts = (
+        proc_status_kib(controller.pid, "RssAnon").unwrap_or(0),
+        proc_status_kib(controller.pid, "RssFile").unwrap_or(0),
+    );
     let sampler = ExecutorSampler::start(controller.pid);
     let job = mock
         .handle
@@ -592,7 +612,12 @@ pub async fn run(table: &mut Table) {
         executors_of(controller.pid).is_empty()
     })
     .await;
-    let executor_peak = sampler.finish().values().copied().max().unwrap_or(0);
+    let executor_peak = sampler
+        .finish()
+        .values()
+        .copied()
+        .max_by_key(|p| p.hwm)
+        .unwrap_or_default();
     let parts = breakdown(&controller.fixture.log(), &ours.burst_tasks);
     controller.stop(&[]).await;
     drop(mock);
@@ -685,6 +710,7 @@ pub async fn run(table: &mut Table) {
         &parts,
         Memory {
             idle_rss,
+            idle_parts,
             queued_rss,
             queued_hwm,
             fetched,
@@ -696,10 +722,12 @@ pub async fn run(table: &mut Table) {
 
 struct Memory {
     idle_rss: u64,
+    /// Anonymous and file-backed parts of `idle_rss`.
+    idle_parts: (u64, u64),
     queued_rss: u64,
     queued_hwm: u64,
     fetched: Option<f64>,
-    executor_peak: u64,
+    executor_peak: Peak,
     checkout_ok: bool,
 }
 
@@ -836,8 +864,26 @@ fn report(
                 " (THE CHECKOUT FAILED)"
             }
         ),
-        (memory.executor_peak as f64, mib(memory.executor_peak)),
+        (
+            memory.executor_peak.hwm as f64,
+            mib(memory.executor_peak.hwm),
+        ),
         (10.0 * 1024.0, "10 MiB (goal)".into()),
         "≤ 1×",
+    );
+    // Where the resident memory is: the largest anonymous and file-backed parts sampled
+    // (each may peak at another moment, so they need not add up to the peak).
+    table.row(
+        "of which anonymous (heap, stacks) / file-backed (mapped binary): executor at most; controller idle",
+        format!(
+            "{} / {}; {} / {}",
+            mib(memory.executor_peak.anon),
+            mib(memory.executor_peak.file),
+            mib(memory.idle_parts.0),
+            mib(memory.idle_parts.1)
+        ),
+        "–".into(),
+        "–".into(),
+        "where the bytes are",
     );
 }
