@@ -1,7 +1,7 @@
 //! The metrics of a job's way through the workers, the lifecycle reconciler, the facade
 //! and the held store (deliveries, waits, latencies, results, failures, executors by
 //! phase), in one place because each of them counts some of the same job's steps. They
-//! register through the [`Registrar`] the wiring hands out, like every component's.
+//! register through the `metrics::Registrar` the wiring hands out, like every component's.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;

@@ -24,6 +24,8 @@ pub enum Retries {
     /// The caller, on its own schedule. The Pod backend's callers are the worker (which
     /// puts the delivery back with a delay) and the lifecycle pass (the next pass): a
     /// client that kept retrying for minutes would hold a delivery past its ack wait.
+    /// (Only the Pod backend asks for it.)
+    #[cfg(feature = "kubernetes")]
     Caller,
 }
 

@@ -2,43 +2,43 @@
 //! through an executor backend, serving the RunnerService facade its runners talk to.
 //!
 //! - Adapters: [`gitea`] (Connect client for Gitea's RunnerService), [`queue`] (JetStream),
-//!   [`lease`] (Kubernetes Lease leader election), [`kube_client`] (the Kubernetes API
+//!   [`lease`] (Kubernetes Lease leader election), `kube_client` (the Kubernetes API
 //!   client of the Lease and the Pod backend).
 //! - Components: [`scheduler`] (FetchTask pollers, heartbeats), [`worker`] (one per
 //!   backend), [`dispatch`] (admission and claims shared by workers and facade), [`facade`],
-//!   [`lifecycle`] (clean-up and failure reports), [`held`] (assignments sealed with an
+//!   [`lifecycle`] (clean-up and failure reports), `held` (assignments sealed with an
 //!   unknown task key).
-//! - Wiring: [`settings`], [`cli`], [`register`], [`runtime`], [`logging`], [`limits`] (the
+//! - Wiring: [`settings`], [`cli`], `register`, [`runtime`], [`logging`], [`limits`] (the
 //!   process's open-file limit), [`shutdown`] (the one stop signal), [`wake`] (a backend's
 //!   change signal).
-//! - Operating it: [`metrics`], [`health`] (the health listener), [`status`] (what the
+//! - Operating it: `metrics`, `health` (the health listener), [`status`] (what the
 //!   controller is doing, for `/status`, the status page and the `status` subcommand).
 
-pub mod backoff;
+pub(crate) mod backoff;
 pub mod cli;
 pub(crate) mod client_tls;
 pub mod dispatch;
 pub mod facade;
-pub mod failpoint;
+pub(crate) mod failpoint;
 pub mod gitea;
-pub mod health;
-pub mod held;
+pub(crate) mod health;
+pub(crate) mod held;
 pub mod job_metrics;
-pub mod kube_client;
+pub(crate) mod kube_client;
 pub mod lease;
 pub mod lifecycle;
 pub mod limits;
 pub mod logging;
-pub mod metrics;
+pub(crate) mod metrics;
 pub mod ports;
 pub mod queue;
-pub mod register;
+pub(crate) mod register;
 pub mod runtime;
 pub mod scheduler;
 pub mod settings;
 pub mod shutdown;
 pub mod status;
-pub mod vocabulary;
+pub(crate) mod vocabulary;
 pub mod wake;
 pub mod worker;
 

@@ -1,5 +1,5 @@
 //! The controller's one metrics registry, composed: the pools', the queue's, the lease's
-//! and the NATS connections' metrics of [`crate::metrics::Metrics`], and the ones each
+//! and the NATS connections' metrics of `crate::metrics::Metrics`, and the ones each
 //! component registers itself (the scheduler's, the facade's, the jobs'). The reference
 //! (`gitea-dynamic-runner metrics`, docs/metrics.md) is generated from this same
 //! composition.

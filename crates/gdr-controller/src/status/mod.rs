@@ -7,7 +7,7 @@
 //! that could disagree with it. It carries no secret and no task payload: IDs, repository,
 //! job key, phases and times only.
 //!
-//! Served as JSON at `/status` and as HTML at `/` by [`crate::health`]; printed by
+//! Served as JSON at `/status` and as HTML at `/` by the `health` module; printed by
 //! `gitea-dynamic-runner status` ([`table`], [`client`]).
 
 pub mod client;

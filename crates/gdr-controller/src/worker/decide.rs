@@ -186,6 +186,28 @@ pub(super) fn after_create_error(permanent: bool, found: Option<bool>) -> AfterC
     }
 }
 
+/// The consumer's re-subscribe count: every way a pull ends (it cannot start, it breaks,
+/// the stream just ends) is a failure until a message arrives again, so a consumer whose
+/// stream keeps ending backs off like one whose pull keeps failing instead of spinning.
+#[derive(Debug, Default)]
+pub(super) struct Resubscribes {
+    failures: u32,
+}
+
+impl Resubscribes {
+    /// A message arrived: the next failure is a first one again.
+    pub(super) fn delivered(&mut self) {
+        self.failures = 0;
+    }
+
+    /// The pull ended; answers the attempt number (0-based) whose backoff delay to wait.
+    pub(super) fn failed(&mut self) -> u32 {
+        let attempt = self.failures;
+        self.failures = self.failures.saturating_add(1);
+        attempt
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -366,5 +388,22 @@ mod tests {
         assert_eq!(after_create_error(true, Some(false)), Release);
         assert_eq!(after_create_error(false, None), KeepAndRetry);
         assert_eq!(after_create_error(true, None), Keep);
+    }
+
+    /// A stream that keeps ending waits longer each time; a message resets the backoff.
+    #[test]
+    fn a_stream_that_keeps_ending_backs_off() {
+        let backoff = super::super::RESUBSCRIBE;
+        let mut resubscribes = Resubscribes::default();
+        let ceilings: Vec<Duration> = (0..4)
+            .map(|_| backoff.ceiling(resubscribes.failed()))
+            .collect();
+        assert!(ceilings[0] > Duration::ZERO);
+        assert!(ceilings.windows(2).all(|w| w[0] < w[1]), "{ceilings:?}");
+        resubscribes.delivered();
+        assert_eq!(resubscribes.failed(), 0);
+        let mut saturated = Resubscribes { failures: u32::MAX };
+        assert_eq!(saturated.failed(), u32::MAX);
+        assert_eq!(saturated.failed(), u32::MAX);
     }
 }

@@ -364,13 +364,12 @@ impl Worker {
         let this = Arc::new(self);
         let backend = this.settings.backend;
         let mut tasks = tokio::task::JoinSet::new();
-        let mut failures = 0u32;
+        let mut resubscribes = decide::Resubscribes::default();
         'outer: while !shutdown.is_triggered() {
             let mut messages = match consumer.messages().await {
                 Ok(m) => m,
                 Err(e) => {
-                    let delay = RESUBSCRIBE.delay(failures);
-                    failures = failures.saturating_add(1);
+                    let delay = RESUBSCRIBE.delay(resubscribes.failed());
                     tracing::warn!(%backend, error = %e, retry_in = ?delay, "cannot pull assignments; retrying");
                     if !shutdown.sleep(delay).await {
                         break;
@@ -383,21 +382,28 @@ impl Worker {
                     _ = shutdown.wait() => break 'outer,
                     next = messages.next() => match next {
                         Some(Ok(message)) => {
-                            failures = 0;
+                            resubscribes.delivered();
                             let worker = Arc::clone(&this);
                             let stop = shutdown.clone();
                             tasks.spawn(async move { worker.handle(message, stop).await });
                         }
                         Some(Err(e)) => {
-                            let delay = RESUBSCRIBE.delay(failures);
-                            failures = failures.saturating_add(1);
+                            let delay = RESUBSCRIBE.delay(resubscribes.failed());
                             tracing::warn!(%backend, error = %e, retry_in = ?delay, "assignment pull interrupted; re-subscribing");
                             if !shutdown.sleep(delay).await {
                                 break 'outer;
                             }
                             continue 'outer;
                         }
-                        None => continue 'outer,
+                        None => {
+                            // A stream that keeps ending must not make the loop spin.
+                            let delay = RESUBSCRIBE.delay(resubscribes.failed());
+                            tracing::warn!(%backend, retry_in = ?delay, "assignment stream ended; re-subscribing");
+                            if !shutdown.sleep(delay).await {
+                                break 'outer;
+                            }
+                            continue 'outer;
+                        }
                     },
                     Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
                 }
