@@ -848,3 +848,54 @@ async fn a_process_executor_never_gets_the_variable_that_starts_it_as_root() {
     assert!(log.contains("sandboxed=unset"), "{log}");
     backend.delete(&id).await.expect("delete");
 }
+
+/// DESIGN invariant 8 (nothing lost to a controller's death): a controller killed between
+/// writing an executor's metadata and spawning it leaves a record of a process that never
+/// ran (no pid, no process in its working directory, never claimed). The next backend
+/// instance treats it as a creation that never completed: `find` and `list` do not report
+/// it (it was reported as an executor that ended, so the job was failed), and `create`
+/// starts the executor, so the redelivered job runs.
+#[tokio::test]
+async fn an_executor_a_killed_controller_never_started_is_started_by_the_next_create() {
+    let s = setup().await;
+    let identity = Arc::new(RecordingIdentity::default());
+    let backend = s.backend("exec sleep 30", &identity);
+    let spec = s.spec("owner/repo").await;
+    let id = spec.assignment.id().clone();
+    backend.create(&spec).await.expect("create");
+    let first = s.pid(&id);
+    kill(first);
+    eventually(DEADLINE, "the first process to end", || async {
+        process_gone(first).then_some(())
+    })
+    .await;
+    drop(backend);
+    // The state the kill leaves: metadata written before the spawn, no pid, no process.
+    let mut meta = s.metadata(&id);
+    meta["pid"] = serde_json::Value::Null;
+    meta["pid_start_time"] = serde_json::Value::Null;
+    meta["exit_code"] = serde_json::Value::Null;
+    std::fs::write(
+        s.dir(&id).join(METADATA_FILE),
+        serde_json::to_vec_pretty(&meta).expect("json"),
+    )
+    .expect("rewrite metadata");
+
+    let backend = s.backend("exec sleep 30", &identity);
+    let found = backend.find(&id).await.expect("find");
+    assert!(found.is_none(), "reported as an executor: {found:?}");
+    let listed = backend.list().await.expect("list");
+    assert!(
+        listed.iter().all(|r| r.assignment.id() != &id),
+        "{listed:?}"
+    );
+    let record = backend.create(&spec).await.expect("create again");
+    assert_eq!(record.phase, Phase::Running);
+    let second = s.pid(&id);
+    assert_ne!(second, first);
+    backend.delete(&id).await.expect("delete");
+    eventually(DEADLINE, "the restarted executor to stop", || async {
+        process_gone(second).then_some(())
+    })
+    .await;
+}

@@ -334,6 +334,23 @@ impl Inner {
         }
     }
 
+    /// Whether `name`'s record is of a creation a controller stopped between writing the
+    /// metadata and spawning: no pid, no process of ours or in its working directory, never
+    /// claimed or ended. Its job never ran, so it is treated as a creation that never
+    /// completed (the next `create` starts it) rather than as an executor that ended.
+    fn never_started(&self, name: &str, meta: &Metadata) -> bool {
+        if meta.pid.is_some() || meta.exit_code.is_some() || meta.claimed || meta.terminal {
+            return false;
+        }
+        {
+            let live = self.live();
+            if live.spawning.contains(name) || live.children.contains_key(name) {
+                return false;
+            }
+        }
+        unrecorded_executor(&self.dir(name).join(WORK_DIR)).is_none()
+    }
+
     fn record(&self, name: &str, loaded: Loaded) -> ExecutorRecord {
         let phase = self.phase(name, &loaded.meta);
         ExecutorRecord {
@@ -374,6 +391,7 @@ impl ExecutorBackend for ProcessBackend {
         let name = id.as_str();
         match self.inner.load(name).await? {
             Load::Absent | Load::Incomplete => Ok(None),
+            Load::Valid(loaded) if self.inner.never_started(name, &loaded.meta) => Ok(None),
             Load::Valid(loaded) => {
                 let record = self.inner.record(name, *loaded);
                 if let Err(e) = self.inner.ensure_provisioned(&record).await {
@@ -397,6 +415,9 @@ impl ExecutorBackend for ProcessBackend {
         let lock = self.inner.lock_for(name);
         let _guard = lock.lock().await;
         match self.inner.load(name).await? {
+            Load::Valid(loaded) if self.inner.never_started(name, &loaded.meta) => {
+                tracing::info!(assignment_id = %id, executor = name, "starting an executor whose start an earlier controller recorded but never made");
+            }
             Load::Valid(loaded) => return Ok(self.inner.record(name, *loaded)),
             Load::Incomplete => {
                 tracing::info!(assignment_id = %id, executor = name, "completing an executor directory left without metadata");
@@ -478,6 +499,9 @@ impl ExecutorBackend for ProcessBackend {
                 continue;
             }
             match self.inner.load(&name).await {
+                Ok(Load::Valid(loaded)) if self.inner.never_started(&name, &loaded.meta) => {
+                    tracing::warn!(executor = %name, directory = %entry.path().display(), "skipping an executor that was recorded but never started (its job's redelivery starts it)");
+                }
                 Ok(Load::Valid(loaded)) => {
                     let record = self.inner.record(&name, *loaded);
                     if let Err(e) = self.inner.ensure_provisioned(&record).await {

@@ -46,11 +46,15 @@ impl Inner {
             pid_start_time: None,
             exit_code: None,
         };
+        // Marked as spawning first: from the metadata write on, a look-up must not take the
+        // record for one an earlier controller never started.
+        self.live().spawning.insert(name.clone());
         // Recorded before the spawn: a redelivery after a crash finds the directory and
         // never starts a second executor.
-        self.write(&name, &meta, Durability::CrashConsistent)
-            .await?;
-        self.live().spawning.insert(name.clone());
+        if let Err(e) = self.write(&name, &meta, Durability::CrashConsistent).await {
+            self.live().spawning.remove(&name);
+            return Err(e);
+        }
         let (child, pid, log_path) = self
             .start(spec, &name, &dir, &provisioned, &mut meta)
             .await?;
