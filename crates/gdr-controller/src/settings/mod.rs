@@ -800,9 +800,7 @@ impl TryFrom<Raw> for Settings {
             sandbox_identity: _,
             facade_limits,
             queue_security,
-            secrets: section::Secrets {
-                secret_file_permissions,
-            },
+            secrets,
             registration,
         } = raw.into();
         let mut check = Check::default();
@@ -821,60 +819,28 @@ impl TryFrom<Raw> for Settings {
         let nats = nats_settings(&mut check, nats, embedded_nats, queue_security);
 
         // Backends.
-        check_capacities(&mut check, pod_capacity, vm_capacity);
-        let (process, timings) = executor_settings(executors);
-        let pod_on = components.contains(Component::PodWorker) && pod_capacity > 0;
-        let vm_on = components.contains(Component::VmWorker) && vm_capacity > 0;
-        // The Pod section's agent ID is the parent of process executors' SPIRE entries too.
-        let spire_keys = spire::keys(spire_executors, pod.spire_agent_id.clone(), local_identity);
-        let spire = spire::spire_identity_settings(&mut check, spire_keys);
-        let process = ProcessSettings {
-            spire: spire.clone(),
-            ..process
-        };
-        let pod_kind = pod_backend.unwrap_or_else(|| default_pod_backend(single_host).to_owned());
-        let vm_kind = vm_backend.unwrap_or_else(|| default_vm_backend(single_host).to_owned());
-        let pod = pod_backend_settings(&mut check, &pod_kind, pod_on, pod, &process, &derivation)
-            .filter(|_| pod_on)
-            .map(|kind| BackendSettings {
-                capacity: pod_capacity,
-                kind,
-            });
-        let vm = vm_backend_settings(&mut check, &vm_kind, vm_on, vm, process, &derivation)
-            .filter(|_| vm_on)
-            .map(|kind| BackendSettings {
-                capacity: vm_capacity,
-                kind,
-            });
-        let process_capacity = |on: bool, capacity: u32| if on { capacity } else { 0 };
-        let pod_process = matches!(pod.as_ref().map(|p| &p.kind), Some(PodBackend::Process(_)));
-        let vm_process = matches!(vm.as_ref().map(|v| &v.kind), Some(VmBackend::Process(_)));
-        spire::check_process_identity(
-            &mut check,
-            spire.as_ref(),
+        let keys = WorkerKeys {
+            pod_capacity,
+            vm_capacity,
+            pod_backend,
+            vm_backend,
+            spire_executors,
+            executors,
+            pod,
+            vm,
+            single_host,
             local_identity,
-            (pod_process || vm_process).then(|| {
-                process_capacity(pod_process, pod_capacity)
-                    + process_capacity(vm_process, vm_capacity)
-            }),
-        );
-        check_components(&mut check, &components, pod_capacity, vm_capacity);
+        };
+        let (pod, vm, timings) = workers(&mut check, keys, &components, &derivation);
 
         // Scheduler and facade.
         check_scheduler_pace(&mut check, &scheduler);
         let limits = facade_limit_settings(&mut check, facade_limits);
-        let secrets = check
-            .ok(
-                "secret_file_permissions",
-                secret_file_permissions.parse::<SecretPermissions>(),
-            )
-            .unwrap_or_default();
-        let scheduler = if components.contains(Component::Scheduler) {
+        let secrets = secret_permissions(&mut check, secrets);
+        let scheduler = components.contains(Component::Scheduler).then(|| {
             let local_id = derivation.local_facade_id(local_identity);
             scheduler_settings(&mut check, scheduler, facade, limits, single_host, local_id)
-        } else {
-            None
-        };
+        });
 
         let leader = leader_settings(&mut check, leader);
         let executors = executor_timings(&mut check, timings);
@@ -895,7 +861,7 @@ impl TryFrom<Raw> for Settings {
                     health_listen: health_listen
                         .unwrap_or_else(|| listen_default(single_host, HEALTH_PORT)),
                     identity,
-                    scheduler,
+                    scheduler: scheduler.flatten(),
                     pod,
                     vm,
                     executors,
@@ -909,6 +875,101 @@ impl TryFrom<Raw> for Settings {
 }
 
 // === Sections of [`Settings::try_from`] ===
+
+/// `secret_file_permissions`.
+fn secret_permissions(check: &mut Check, keys: section::Secrets) -> SecretPermissions {
+    let section::Secrets {
+        secret_file_permissions,
+    } = keys;
+    check
+        .ok(
+            "secret_file_permissions",
+            secret_file_permissions.parse::<SecretPermissions>(),
+        )
+        .unwrap_or_default()
+}
+
+/// The worker sections' keys, and where the controller runs (what their defaults depend
+/// on): what [`workers`] converts.
+struct WorkerKeys {
+    pod_capacity: u32,
+    vm_capacity: u32,
+    pod_backend: Option<String>,
+    vm_backend: Option<String>,
+    spire_executors: section::SpireExecutors,
+    executors: section::Executors,
+    pod: section::Pod,
+    vm: section::Vm,
+    single_host: bool,
+    local_identity: bool,
+}
+
+/// The enabled backends, and the executor deadlines (checked last: [`executor_timings`]).
+type Workers = (
+    Option<BackendSettings<PodBackend>>,
+    Option<BackendSettings<VmBackend>>,
+    ExecutorTimings,
+);
+
+/// The backends: capacities, the process backend's keys, the SPIRE identity of process
+/// executors, each backend's kind and settings, then which components run together.
+fn workers(
+    check: &mut Check,
+    keys: WorkerKeys,
+    components: &Components,
+    derivation: &Derivation,
+) -> Workers {
+    let WorkerKeys {
+        pod_capacity,
+        vm_capacity,
+        pod_backend,
+        vm_backend,
+        spire_executors,
+        executors,
+        pod,
+        vm,
+        single_host,
+        local_identity,
+    } = keys;
+    check_capacities(check, pod_capacity, vm_capacity);
+    let (process, timings) = executor_settings(executors);
+    let pod_on = components.contains(Component::PodWorker) && pod_capacity > 0;
+    let vm_on = components.contains(Component::VmWorker) && vm_capacity > 0;
+    // The Pod section's agent ID is the parent of process executors' SPIRE entries too.
+    let spire_keys = spire::keys(spire_executors, pod.spire_agent_id.clone(), local_identity);
+    let spire = spire::spire_identity_settings(check, spire_keys);
+    let process = ProcessSettings {
+        spire: spire.clone(),
+        ..process
+    };
+    let pod_kind = pod_backend.unwrap_or_else(|| default_pod_backend(single_host).to_owned());
+    let vm_kind = vm_backend.unwrap_or_else(|| default_vm_backend(single_host).to_owned());
+    let pod = pod_backend_settings(check, &pod_kind, pod_on, pod, &process, derivation)
+        .filter(|_| pod_on)
+        .map(|kind| BackendSettings {
+            capacity: pod_capacity,
+            kind,
+        });
+    let vm = vm_backend_settings(check, &vm_kind, vm_on, vm, process, derivation)
+        .filter(|_| vm_on)
+        .map(|kind| BackendSettings {
+            capacity: vm_capacity,
+            kind,
+        });
+    let process_capacity = |on: bool, capacity: u32| if on { capacity } else { 0 };
+    let pod_process = matches!(pod.as_ref().map(|p| &p.kind), Some(PodBackend::Process(_)));
+    let vm_process = matches!(vm.as_ref().map(|v| &v.kind), Some(VmBackend::Process(_)));
+    spire::check_process_identity(
+        check,
+        spire.as_ref(),
+        local_identity,
+        (pod_process || vm_process).then(|| {
+            process_capacity(pod_process, pod_capacity) + process_capacity(vm_process, vm_capacity)
+        }),
+    );
+    check_components(check, components, pod_capacity, vm_capacity);
+    (pod, vm, timings)
+}
 
 impl From<section::Runner> for RunnerSettings {
     fn from(keys: section::Runner) -> Self {
