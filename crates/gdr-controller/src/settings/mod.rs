@@ -1686,28 +1686,7 @@ fn opensandbox_settings(
             "must name the program to run (a path inside the pool's image)",
         );
     }
-    let mut env = BTreeMap::new();
-    for item in executor_env {
-        let Some((name, value)) = item.split_once('=') else {
-            check.problem("vm_executor_env", format!("{item:?} must be NAME=value"));
-            continue;
-        };
-        let valid = name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !valid {
-            check.problem(
-                "vm_executor_env",
-                format!("{name:?} is not an environment variable name"),
-            );
-        } else if gdr_core::executor::env::ASSIGNMENT.contains(&name) {
-            check.problem(
-                "vm_executor_env",
-                format!("{name} comes from the assignment and cannot be configured"),
-            );
-        } else if env.insert(name.to_owned(), value.to_owned()).is_some() {
-            check.problem("vm_executor_env", format!("{name} is given twice"));
-        }
-    }
+    let env = vm_executor_env(check, executor_env);
     let timeout = Duration::from_secs(timeout_seconds);
     if timeout < MIN_SANDBOX_TIMEOUT {
         check.problem(
@@ -1745,6 +1724,34 @@ fn opensandbox_settings(
         ca_file,
         terminal_grace,
     })
+}
+
+/// `vm_executor_env`: `NAME=value` items, each name a variable name the assignment does not
+/// set, given once.
+fn vm_executor_env(check: &mut Check, items: Vec<String>) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    for item in items {
+        let Some((name, value)) = item.split_once('=') else {
+            check.problem("vm_executor_env", format!("{item:?} must be NAME=value"));
+            continue;
+        };
+        let valid = name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            check.problem(
+                "vm_executor_env",
+                format!("{name:?} is not an environment variable name"),
+            );
+        } else if gdr_core::executor::env::ASSIGNMENT.contains(&name) {
+            check.problem(
+                "vm_executor_env",
+                format!("{name} comes from the assignment and cannot be configured"),
+            );
+        } else if env.insert(name.to_owned(), value.to_owned()).is_some() {
+            check.problem("vm_executor_env", format!("{name} is given twice"));
+        }
+    }
+    env
 }
 
 /// What the Gitea settings are loaded for: the hints differ.
