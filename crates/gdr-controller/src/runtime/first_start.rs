@@ -9,9 +9,7 @@ use std::path::{Path, PathBuf};
 use crate::register::{self, Registration};
 use crate::settings::{GiteaSettings, KeyFile, RunnerSettings};
 
-/// The official runner's names, in the order they are looked for on `PATH` when
-/// `runner_binary` is unset (`gitea-runner` since 0.3; `act_runner` before).
-pub const RUNNER_NAMES: [&str; 2] = ["gitea-runner", "act_runner"];
+pub use crate::settings::RUNNER_NAMES;
 
 /// Why a first-start step failed.
 #[derive(Debug, thiserror::Error)]

@@ -162,7 +162,7 @@ keys! {
     /// pollers, heartbeats and the facade), `pod-worker`, `vm-worker`. A worker without the
     /// scheduler is refused: executors reach the facade of the replica that holds their
     /// assignment.
-    components: Components = Components::all(), shown "scheduler,pod-worker,vm-worker";
+    components: Components = Components::all();
     section gitea: Gitea;
     /// Base URL of the Gitea instance (http or https); the runner API lives under
     /// `<url>/api/actions`.
@@ -283,7 +283,10 @@ keys! {
     section facade: Facade;
     /// Listen address of the RunnerService facade (SPIFFE mTLS).
     runner_facade_listen: Option<String> = None,
-        shown "127.0.0.1:8443 without nats_url (single host), else 0.0.0.0:8443";
+        shown concat!(
+            loopback_address!(), ":", facade_port!(), " without nats_url (single host), else ",
+            any_address!(), ":", facade_port!()
+        );
     /// URL executors use to reach the facade (https only).
     runner_facade_url: Option<String> = None,
         shown "https://<the facade listener's address> without nats_url, else required";
@@ -297,7 +300,11 @@ keys! {
     /// Listen address of the health listener: `/healthz`, `/readyz`, `/metrics`, the
     /// `/status` JSON and the status page at `/` (read-only; shows repository and job names).
     health_listen: Option<String> = None,
-        shown "127.0.0.1:9090 without nats_url (single host), else 0.0.0.0:9090; sandbox-identity: 0.0.0.0:9090";
+        shown concat!(
+            loopback_address!(), ":", health_port!(), " without nats_url (single host), else ",
+            any_address!(), ":", health_port!(), "; sandbox-identity: ",
+            any_address!(), ":", health_port!()
+        );
     /// Directory for local state: the embedded NATS store, the local CA, process
     /// executors, and in single-host mode the runner credential, capability key and task
     /// key the first start writes. Unset: systemd's `$STATE_DIRECTORY` (`StateDirectory=`);
@@ -305,13 +312,18 @@ keys! {
     /// `$XDG_STATE_HOME/gitea-dynamic-runner`, or `~/.local/state/gitea-dynamic-runner`
     /// without `XDG_STATE_HOME`.
     state_dir: Option<PathBuf> = None,
-        shown "$STATE_DIRECTORY, /var/lib/gitea-dynamic-runner as root, else $XDG_STATE_HOME/gitea-dynamic-runner (~/.local/state/gitea-dynamic-runner)";
+        shown concat!(
+            "$STATE_DIRECTORY, ", root_state_parent!(), "/", state_dir_name!(), " as root, else $XDG_STATE_HOME/",
+            state_dir_name!(), " (~/", home_state_parent!(), "/", state_dir_name!(), ")"
+        );
     /// What runs pod jobs: `kubernetes` (Pods) or `process` (local child processes, single
     /// host).
-    pod_backend: Option<String> = None, shown "process without nats_url, else kubernetes";
+    pod_backend: Option<String> = None,
+        shown concat!(process_backend!(), " without nats_url, else ", kubernetes_backend!());
     /// What runs vm jobs: `opensandbox` (Kata VMs) or `process` (local child processes,
     /// single host).
-    vm_backend: Option<String> = None, shown "process without nats_url, else opensandbox";
+    vm_backend: Option<String> = None,
+        shown concat!(process_backend!(), " without nats_url, else ", opensandbox_backend!());
     /// Serve SPIFFE identities from a CA under `state_dir` instead of SPIRE (required by the
     /// process backend).
     local_identity: Option<bool> = None, shown "true without nats_url, else false";
@@ -346,11 +358,13 @@ keys! {
     /// Program the process backend starts (with argument `executor`). Unset: the executor's
     /// own binary `gitea-dynamic-executor` when it sits next to this binary, else this
     /// binary (its `executor` subcommand).
-    executor_program: Option<PathBuf> = None, shown "gitea-dynamic-executor next to this binary, else this binary";
+    executor_program: Option<PathBuf> = None,
+        shown concat!(executor_binary!(), " next to this binary, else this binary");
     /// The official runner binary executors run as `daemon --once`. Unset: `gitea-runner`,
     /// else `act_runner`, found on `PATH` when the controller starts (a process backend
     /// without either fails to start, saying what to install).
-    runner_binary: Option<PathBuf> = None, shown "gitea-runner or act_runner on PATH";
+    runner_binary: Option<PathBuf> = None,
+        shown concat!(gitea_runner!(), " or ", act_runner!(), " on PATH");
     /// An executor whose runner has not claimed its task this long after the executor was
     /// created is failed (counted from its creation, across controller restarts).
     executor_start_deadline: Secs = Secs::from_secs(600);

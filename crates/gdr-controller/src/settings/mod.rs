@@ -35,6 +35,71 @@ macro_rules! local_facade_path {
         "/gitea-dynamic-runner/facade"
     };
 }
+macro_rules! loopback_address {
+    () => {
+        "127.0.0.1"
+    };
+}
+macro_rules! any_address {
+    () => {
+        "0.0.0.0"
+    };
+}
+macro_rules! facade_port {
+    () => {
+        8443
+    };
+}
+macro_rules! health_port {
+    () => {
+        9090
+    };
+}
+macro_rules! state_dir_name {
+    () => {
+        "gitea-dynamic-runner"
+    };
+}
+macro_rules! root_state_parent {
+    () => {
+        "/var/lib"
+    };
+}
+macro_rules! home_state_parent {
+    () => {
+        ".local/state"
+    };
+}
+macro_rules! process_backend {
+    () => {
+        "process"
+    };
+}
+macro_rules! kubernetes_backend {
+    () => {
+        "kubernetes"
+    };
+}
+macro_rules! opensandbox_backend {
+    () => {
+        "opensandbox"
+    };
+}
+macro_rules! executor_binary {
+    () => {
+        "gitea-dynamic-executor"
+    };
+}
+macro_rules! gitea_runner {
+    () => {
+        "gitea-runner"
+    };
+}
+macro_rules! act_runner {
+    () => {
+        "act_runner"
+    };
+}
 
 mod keys;
 mod pod;
@@ -240,6 +305,30 @@ pub const LOCAL_TRUST_DOMAIN: &str = local_trust_domain!();
 /// `runner_facade_spiffe_id` is unset.
 pub const LOCAL_FACADE_PATH: &str = local_facade_path!();
 
+/// The port of the facade's listener when `runner_facade_listen` is unset.
+pub const FACADE_PORT: u16 = facade_port!();
+
+/// The port of the health listener when `health_listen` is unset.
+pub const HEALTH_PORT: u16 = health_port!();
+
+/// The kinds of backend `pod_backend` and `vm_backend` name.
+pub mod backend_kinds {
+    /// Local child processes (either backend, single host).
+    pub const PROCESS: &str = process_backend!();
+    /// Kubernetes Pods (the pod backend).
+    pub const KUBERNETES: &str = kubernetes_backend!();
+    /// OpenSandbox Kata VMs (the vm backend).
+    pub const OPENSANDBOX: &str = opensandbox_backend!();
+}
+
+/// The executor's own binary (crate `gdr-executor`), installed next to the controller's:
+/// the process backend's program when `executor_program` is unset and it is there.
+pub const EXECUTOR_BINARY: &str = executor_binary!();
+
+/// The official runner's names, in the order they are looked for on `PATH` when
+/// `runner_binary` is unset (`gitea-runner` since 0.3; `act_runner` before).
+pub const RUNNER_NAMES: [&str; 2] = [gitea_runner!(), act_runner!()];
+
 /// The state directory when `state_dir` is unset: systemd's `$STATE_DIRECTORY` (its first
 /// entry), else `/var/lib/gitea-dynamic-runner` for root, else the XDG state directory
 /// (`$XDG_STATE_HOME`, which must be absolute, or `$HOME/.local/state`).
@@ -247,7 +336,7 @@ pub fn default_state_dir(
     env: impl Fn(&str) -> Option<std::ffi::OsString>,
     root: bool,
 ) -> Result<PathBuf, String> {
-    const NAME: &str = "gitea-dynamic-runner";
+    const NAME: &str = state_dir_name!();
     let absolute = |name: &str| env(name).map(PathBuf::from).filter(|p| p.is_absolute());
     if let Some(dirs) = env("STATE_DIRECTORY") {
         // systemd lists one absolute path per `StateDirectory=` entry, colon-separated.
@@ -256,13 +345,13 @@ pub fn default_state_dir(
         }
     }
     if root {
-        return Ok(PathBuf::from("/var/lib").join(NAME));
+        return Ok(PathBuf::from(root_state_parent!()).join(NAME));
     }
     if let Some(xdg) = absolute("XDG_STATE_HOME") {
         return Ok(xdg.join(NAME));
     }
     match absolute("HOME") {
-        Some(home) => Ok(home.join(".local/state").join(NAME)),
+        Some(home) => Ok(home.join(home_state_parent!()).join(NAME)),
         None => Err(
             "is not set and neither STATE_DIRECTORY, XDG_STATE_HOME nor HOME names an absolute directory: set state_dir".into(),
         ),
@@ -711,9 +800,7 @@ impl TryFrom<Raw> for Settings {
             sandbox_identity: _,
             facade_limits,
             queue_security,
-            secrets: section::Secrets {
-                secret_file_permissions,
-            },
+            secrets,
             registration,
         } = raw.into();
         let mut check = Check::default();
@@ -732,60 +819,28 @@ impl TryFrom<Raw> for Settings {
         let nats = nats_settings(&mut check, nats, embedded_nats, queue_security);
 
         // Backends.
-        check_capacities(&mut check, pod_capacity, vm_capacity);
-        let (process, timings) = executor_settings(executors);
-        let pod_on = components.contains(Component::PodWorker) && pod_capacity > 0;
-        let vm_on = components.contains(Component::VmWorker) && vm_capacity > 0;
-        // The Pod section's agent ID is the parent of process executors' SPIRE entries too.
-        let spire_keys = spire::keys(spire_executors, pod.spire_agent_id.clone(), local_identity);
-        let spire = spire::spire_identity_settings(&mut check, spire_keys);
-        let process = ProcessSettings {
-            spire: spire.clone(),
-            ..process
-        };
-        let pod_kind = backend_kind(pod_backend, single_host, "kubernetes");
-        let vm_kind = backend_kind(vm_backend, single_host, "opensandbox");
-        let pod = pod_backend_settings(&mut check, &pod_kind, pod_on, pod, &process, &derivation)
-            .filter(|_| pod_on)
-            .map(|kind| BackendSettings {
-                capacity: pod_capacity,
-                kind,
-            });
-        let vm = vm_backend_settings(&mut check, &vm_kind, vm_on, vm, process, &derivation)
-            .filter(|_| vm_on)
-            .map(|kind| BackendSettings {
-                capacity: vm_capacity,
-                kind,
-            });
-        let process_capacity = |on: bool, capacity: u32| if on { capacity } else { 0 };
-        let pod_process = matches!(pod.as_ref().map(|p| &p.kind), Some(PodBackend::Process(_)));
-        let vm_process = matches!(vm.as_ref().map(|v| &v.kind), Some(VmBackend::Process(_)));
-        spire::check_process_identity(
-            &mut check,
-            spire.as_ref(),
+        let keys = WorkerKeys {
+            pod_capacity,
+            vm_capacity,
+            pod_backend,
+            vm_backend,
+            spire_executors,
+            executors,
+            pod,
+            vm,
+            single_host,
             local_identity,
-            (pod_process || vm_process).then(|| {
-                process_capacity(pod_process, pod_capacity)
-                    + process_capacity(vm_process, vm_capacity)
-            }),
-        );
-        check_components(&mut check, &components, pod_capacity, vm_capacity);
+        };
+        let (pod, vm, timings) = workers(&mut check, keys, &components, &derivation);
 
         // Scheduler and facade.
         check_scheduler_pace(&mut check, &scheduler);
         let limits = facade_limit_settings(&mut check, facade_limits);
-        let secrets = check
-            .ok(
-                "secret_file_permissions",
-                secret_file_permissions.parse::<SecretPermissions>(),
-            )
-            .unwrap_or_default();
-        let scheduler = if components.contains(Component::Scheduler) {
+        let secrets = secret_permissions(&mut check, secrets);
+        let scheduler = components.contains(Component::Scheduler).then(|| {
             let local_id = derivation.local_facade_id(local_identity);
             scheduler_settings(&mut check, scheduler, facade, limits, single_host, local_id)
-        } else {
-            None
-        };
+        });
 
         let leader = leader_settings(&mut check, leader);
         let executors = executor_timings(&mut check, timings);
@@ -804,9 +859,9 @@ impl TryFrom<Raw> for Settings {
                     nats,
                     state_dir,
                     health_listen: health_listen
-                        .unwrap_or_else(|| listen_default(single_host, 9090)),
+                        .unwrap_or_else(|| listen_default(single_host, HEALTH_PORT)),
                     identity,
-                    scheduler,
+                    scheduler: scheduler.flatten(),
                     pod,
                     vm,
                     executors,
@@ -820,6 +875,101 @@ impl TryFrom<Raw> for Settings {
 }
 
 // === Sections of [`Settings::try_from`] ===
+
+/// `secret_file_permissions`.
+fn secret_permissions(check: &mut Check, keys: section::Secrets) -> SecretPermissions {
+    let section::Secrets {
+        secret_file_permissions,
+    } = keys;
+    check
+        .ok(
+            "secret_file_permissions",
+            secret_file_permissions.parse::<SecretPermissions>(),
+        )
+        .unwrap_or_default()
+}
+
+/// The worker sections' keys, and where the controller runs (what their defaults depend
+/// on): what [`workers`] converts.
+struct WorkerKeys {
+    pod_capacity: u32,
+    vm_capacity: u32,
+    pod_backend: Option<String>,
+    vm_backend: Option<String>,
+    spire_executors: section::SpireExecutors,
+    executors: section::Executors,
+    pod: section::Pod,
+    vm: section::Vm,
+    single_host: bool,
+    local_identity: bool,
+}
+
+/// The enabled backends, and the executor deadlines (checked last: [`executor_timings`]).
+type Workers = (
+    Option<BackendSettings<PodBackend>>,
+    Option<BackendSettings<VmBackend>>,
+    ExecutorTimings,
+);
+
+/// The backends: capacities, the process backend's keys, the SPIRE identity of process
+/// executors, each backend's kind and settings, then which components run together.
+fn workers(
+    check: &mut Check,
+    keys: WorkerKeys,
+    components: &Components,
+    derivation: &Derivation,
+) -> Workers {
+    let WorkerKeys {
+        pod_capacity,
+        vm_capacity,
+        pod_backend,
+        vm_backend,
+        spire_executors,
+        executors,
+        pod,
+        vm,
+        single_host,
+        local_identity,
+    } = keys;
+    check_capacities(check, pod_capacity, vm_capacity);
+    let (process, timings) = executor_settings(executors);
+    let pod_on = components.contains(Component::PodWorker) && pod_capacity > 0;
+    let vm_on = components.contains(Component::VmWorker) && vm_capacity > 0;
+    // The Pod section's agent ID is the parent of process executors' SPIRE entries too.
+    let spire_keys = spire::keys(spire_executors, pod.spire_agent_id.clone(), local_identity);
+    let spire = spire::spire_identity_settings(check, spire_keys);
+    let process = ProcessSettings {
+        spire: spire.clone(),
+        ..process
+    };
+    let pod_kind = pod_backend.unwrap_or_else(|| default_pod_backend(single_host).to_owned());
+    let vm_kind = vm_backend.unwrap_or_else(|| default_vm_backend(single_host).to_owned());
+    let pod = pod_backend_settings(check, &pod_kind, pod_on, pod, &process, derivation)
+        .filter(|_| pod_on)
+        .map(|kind| BackendSettings {
+            capacity: pod_capacity,
+            kind,
+        });
+    let vm = vm_backend_settings(check, &vm_kind, vm_on, vm, process, derivation)
+        .filter(|_| vm_on)
+        .map(|kind| BackendSettings {
+            capacity: vm_capacity,
+            kind,
+        });
+    let process_capacity = |on: bool, capacity: u32| if on { capacity } else { 0 };
+    let pod_process = matches!(pod.as_ref().map(|p| &p.kind), Some(PodBackend::Process(_)));
+    let vm_process = matches!(vm.as_ref().map(|v| &v.kind), Some(VmBackend::Process(_)));
+    spire::check_process_identity(
+        check,
+        spire.as_ref(),
+        local_identity,
+        (pod_process || vm_process).then(|| {
+            process_capacity(pod_process, pod_capacity) + process_capacity(vm_process, vm_capacity)
+        }),
+    );
+    check_components(check, components, pod_capacity, vm_capacity);
+    (pod, vm, timings)
+}
 
 impl From<section::Runner> for RunnerSettings {
     fn from(keys: section::Runner) -> Self {
@@ -837,9 +987,9 @@ impl From<section::Runner> for RunnerSettings {
 /// A listen address on `port`: loopback in single-host mode, every address otherwise.
 fn listen_default(single_host: bool, port: u16) -> String {
     if single_host {
-        format!("127.0.0.1:{port}")
+        format!("{}:{port}", loopback_address!())
     } else {
-        format!("0.0.0.0:{port}")
+        format!("{}:{port}", any_address!())
     }
 }
 
@@ -1118,9 +1268,22 @@ fn executor_settings(keys: section::Executors) -> (ProcessSettings, ExecutorTimi
     (process, timings)
 }
 
-/// `pod_backend` or `vm_backend`; unset: `process` in single-host mode, else `cluster`.
-fn backend_kind(kind: Option<String>, single_host: bool, cluster: &str) -> String {
-    kind.unwrap_or_else(|| if single_host { "process" } else { cluster }.to_owned())
+/// The pod backend when `pod_backend` is unset: processes on a single host, else Pods.
+fn default_pod_backend(single_host: bool) -> &'static str {
+    if single_host {
+        backend_kinds::PROCESS
+    } else {
+        backend_kinds::KUBERNETES
+    }
+}
+
+/// The vm backend when `vm_backend` is unset: processes on a single host, else OpenSandbox.
+fn default_vm_backend(single_host: bool) -> &'static str {
+    if single_host {
+        backend_kinds::PROCESS
+    } else {
+        backend_kinds::OPENSANDBOX
+    }
 }
 
 /// What runs pod jobs (`None`: off, or broken and reported); the kubernetes backend's
@@ -1133,15 +1296,16 @@ fn pod_backend_settings(
     process: &ProcessSettings,
     derivation: &Derivation,
 ) -> Option<PodBackend> {
+    use backend_kinds::{KUBERNETES, PROCESS};
     match kind {
-        "process" => Some(PodBackend::Process(process.clone())),
-        "kubernetes" if on => pod::kubernetes(check, keys, &derivation.pod_context())
+        PROCESS => Some(PodBackend::Process(process.clone())),
+        KUBERNETES if on => pod::kubernetes(check, keys, &derivation.pod_context())
             .map(|k| PodBackend::Kubernetes(Box::new(k))),
-        "kubernetes" => None,
+        KUBERNETES => None,
         other => {
             check.problem(
                 "pod_backend",
-                format!("{other:?} must be \"kubernetes\" or \"process\""),
+                format!("{other:?} must be {KUBERNETES:?} or {PROCESS:?}"),
             );
             None
         }
@@ -1158,20 +1322,21 @@ fn vm_backend_settings(
     process: ProcessSettings,
     derivation: &Derivation,
 ) -> Option<VmBackend> {
+    use backend_kinds::{OPENSANDBOX, PROCESS};
     match kind {
-        "process" => Some(VmBackend::Process(process)),
-        "opensandbox" if on => opensandbox_settings(
+        PROCESS => Some(VmBackend::Process(process)),
+        OPENSANDBOX if on => opensandbox_settings(
             check,
             derivation.trust_domain.as_ref(),
             derivation.codec.as_ref(),
             keys,
         )
         .map(|o| VmBackend::OpenSandbox(Box::new(o))),
-        "opensandbox" => None,
+        OPENSANDBOX => None,
         other => {
             check.problem(
                 "vm_backend",
-                format!("{other:?} must be \"opensandbox\" or \"process\""),
+                format!("{other:?} must be {OPENSANDBOX:?} or {PROCESS:?}"),
             );
             None
         }
@@ -1287,7 +1452,8 @@ fn scheduler_settings(
         fetch_pollers_max: count(fetch_pollers_max),
         fetch_interval: fetch_interval.0,
         facade: FacadeSettings {
-            listen: runner_facade_listen.unwrap_or_else(|| listen_default(single_host, 8443)),
+            listen: runner_facade_listen
+                .unwrap_or_else(|| listen_default(single_host, FACADE_PORT)),
             url,
             spiffe_id,
             limits,
@@ -1520,28 +1686,7 @@ fn opensandbox_settings(
             "must name the program to run (a path inside the pool's image)",
         );
     }
-    let mut env = BTreeMap::new();
-    for item in executor_env {
-        let Some((name, value)) = item.split_once('=') else {
-            check.problem("vm_executor_env", format!("{item:?} must be NAME=value"));
-            continue;
-        };
-        let valid = name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !valid {
-            check.problem(
-                "vm_executor_env",
-                format!("{name:?} is not an environment variable name"),
-            );
-        } else if gdr_core::executor::env::ASSIGNMENT.contains(&name) {
-            check.problem(
-                "vm_executor_env",
-                format!("{name} comes from the assignment and cannot be configured"),
-            );
-        } else if env.insert(name.to_owned(), value.to_owned()).is_some() {
-            check.problem("vm_executor_env", format!("{name} is given twice"));
-        }
-    }
+    let env = vm_executor_env(check, executor_env);
     let timeout = Duration::from_secs(timeout_seconds);
     if timeout < MIN_SANDBOX_TIMEOUT {
         check.problem(
@@ -1579,6 +1724,34 @@ fn opensandbox_settings(
         ca_file,
         terminal_grace,
     })
+}
+
+/// `vm_executor_env`: `NAME=value` items, each name a variable name the assignment does not
+/// set, given once.
+fn vm_executor_env(check: &mut Check, items: Vec<String>) -> BTreeMap<String, String> {
+    let mut env = BTreeMap::new();
+    for item in items {
+        let Some((name, value)) = item.split_once('=') else {
+            check.problem("vm_executor_env", format!("{item:?} must be NAME=value"));
+            continue;
+        };
+        let valid = name.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !valid {
+            check.problem(
+                "vm_executor_env",
+                format!("{name:?} is not an environment variable name"),
+            );
+        } else if gdr_core::executor::env::ASSIGNMENT.contains(&name) {
+            check.problem(
+                "vm_executor_env",
+                format!("{name} comes from the assignment and cannot be configured"),
+            );
+        } else if env.insert(name.to_owned(), value.to_owned()).is_some() {
+            check.problem("vm_executor_env", format!("{name} is given twice"));
+        }
+    }
+    env
 }
 
 /// What the Gitea settings are loaded for: the hints differ.
@@ -1699,7 +1872,8 @@ impl RegisterSettings {
         let kubernetes = host
             .pod_backend
             .as_deref()
-            .map_or(nats.nats_url.is_some(), |k| k == "kubernetes");
+            .unwrap_or_else(|| default_pod_backend(nats.nats_url.is_none()))
+            == backend_kinds::KUBERNETES;
         let mut profile_labels = Vec::new();
         if let (Some(l), true) = (&labels, pods_on && kubernetes) {
             for label in pod.pod_profiles.0.keys() {
@@ -1810,7 +1984,9 @@ impl SandboxIdentitySettings {
                         codec,
                         resync,
                     },
-                    health_listen: host.health_listen.unwrap_or_else(|| "0.0.0.0:9090".into()),
+                    health_listen: host
+                        .health_listen
+                        .unwrap_or_else(|| listen_default(false, HEALTH_PORT)),
                     leader,
                 })
             }

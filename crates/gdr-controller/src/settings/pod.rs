@@ -44,7 +44,7 @@ pub(super) fn kubernetes(
     use std::time::Duration;
 
     use super::values::{List, Secs};
-    use gdr_backends::kubernetes::{PodProfile, Resources, WorkloadApiVolume};
+    use gdr_backends::kubernetes::{Resources, WorkloadApiVolume};
 
     let section::Pod {
         pod_namespace: namespace,
@@ -89,28 +89,12 @@ pub(super) fn kubernetes(
     let extra_env = strings(check, "pod_executor_env", executor_env);
     let maxima = quantities(check, "pod_profile_max", profile_max);
     let default_resources: Option<Resources> = typed(check, "pod_resources", None, resources);
-    let mut typed_profiles = std::collections::BTreeMap::new();
-    for (label, body) in profiles.0 {
-        if let Some(labels) = context.labels
-            && let Err(why) = profile_label(labels, &label)
-        {
-            check.problem("pod_profiles", format!("{label:?}: {why}"));
-            continue;
-        }
-        if let Some(profile) = typed::<PodProfile>(check, "pod_profiles", Some(&label), body) {
-            if let Some(why) = profile.runtime_class_name.as_deref().and_then(kata_refusal) {
-                check.problem("pod_profiles", format!("{label:?}: {why}"));
-                continue;
-            }
-            typed_profiles.insert(label, profile);
-        }
-    }
-    let mut volumes = std::collections::BTreeMap::new();
-    for (name, source) in volume_allow_list.0 {
-        if let Some(volume) = volume(check, &name, source) {
-            volumes.insert(name, volume);
-        }
-    }
+    let typed_profiles = pod_profiles(check, profiles, context.labels);
+    let volumes = volume_allow_list
+        .0
+        .into_iter()
+        .filter_map(|(name, source)| Some((name.clone(), volume(check, &name, source)?)))
+        .collect();
     let (Some(image), Some(trust_domain), Some(codec), Some(default_resources)) = (
         image,
         context.trust_domain,
@@ -146,14 +130,49 @@ pub(super) fn kubernetes(
     s.orphan_secret_grace = orphan_secret_grace;
     s.identity_deadline = identity_deadline;
     if let Err(e) = s.validate() {
-        let (key, entry) = key_of(&e.field);
-        match entry {
-            Some(entry) => check.problem(key, format!("{entry}: {}", e.problem)),
-            None => check.problem(key, e.problem),
-        }
+        report(check, &e.field, e.problem);
         return None;
     }
     (check.problems.len() == before).then_some(s)
+}
+
+/// A problem the backend's own validation found in `field`, under the key it belongs to.
+#[cfg(feature = "kubernetes")]
+fn report(check: &mut Check, field: &str, problem: String) {
+    let (key, entry) = key_of(field);
+    match entry {
+        Some(entry) => check.problem(key, format!("{entry}: {problem}")),
+        None => check.problem(key, problem),
+    }
+}
+
+/// `pod_profiles`: each label one Gitea stores that selects no backend, each body a
+/// [`PodProfile`](gdr_backends::kubernetes::PodProfile) without a Kata runtime class.
+#[cfg(feature = "kubernetes")]
+fn pod_profiles(
+    check: &mut Check,
+    profiles: Table,
+    labels: Option<&BackendLabels>,
+) -> std::collections::BTreeMap<String, gdr_backends::kubernetes::PodProfile> {
+    use gdr_backends::kubernetes::PodProfile;
+
+    let mut typed_profiles = std::collections::BTreeMap::new();
+    for (label, body) in profiles.0 {
+        if let Some(labels) = labels
+            && let Err(why) = profile_label(labels, &label)
+        {
+            check.problem("pod_profiles", format!("{label:?}: {why}"));
+            continue;
+        }
+        if let Some(profile) = typed::<PodProfile>(check, "pod_profiles", Some(&label), body) {
+            if let Some(why) = profile.runtime_class_name.as_deref().and_then(kata_refusal) {
+                check.problem("pod_profiles", format!("{label:?}: {why}"));
+                continue;
+            }
+            typed_profiles.insert(label, profile);
+        }
+    }
+    typed_profiles
 }
 
 /// Without the `kubernetes` feature: a clear refusal.

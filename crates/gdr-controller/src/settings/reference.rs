@@ -216,6 +216,98 @@ mod tests {
         );
     }
 
+    /// Issue 36: a default the reference shows by hand (`shown`) is built from the
+    /// declaration the code uses, so changing one without the other cannot happen. Each
+    /// assertion formats what the code itself computes and looks for it in the text.
+    #[test]
+    fn shown_defaults_name_the_values_the_code_uses() {
+        use std::ffi::OsString;
+
+        use crate::settings::{
+            Component, EXECUTOR_BINARY, FACADE_PORT, HEALTH_PORT, RUNNER_NAMES,
+            SandboxIdentitySettings, Sources, default_pod_backend, default_state_dir,
+            default_vm_backend, listen_default,
+        };
+
+        let text = render(Format::Text);
+        let shown = |name: &str| {
+            let key = KEYS.iter().find(|k| k.name == name).unwrap();
+            let default = default_of(key).unwrap();
+            assert!(text.contains(&format!("; default: {default}]")), "{name}");
+            default
+        };
+
+        let components: Vec<&str> = Component::ALL.iter().map(|c| c.as_str()).collect();
+        assert_eq!(shown("components"), components.join(","));
+
+        for (key, port) in [
+            ("runner_facade_listen", FACADE_PORT),
+            ("health_listen", HEALTH_PORT),
+        ] {
+            let single_host = listen_default(true, port);
+            let cluster = listen_default(false, port);
+            assert!(
+                shown(key).starts_with(&format!(
+                    "{single_host} without nats_url (single host), else {cluster}"
+                )),
+                "{key}: {}",
+                shown(key)
+            );
+        }
+        let sandbox = SandboxIdentitySettings::load(
+            &Sources::overrides(["trust_domain=example.org"]).unwrap(),
+        )
+        .unwrap();
+        assert!(
+            shown("health_listen")
+                .ends_with(&format!("; sandbox-identity: {}", sandbox.health_listen)),
+            "{}",
+            shown("health_listen")
+        );
+
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| OsString::from(v))
+            }
+        };
+        let root = default_state_dir(env(&[]), true).unwrap();
+        let xdg = default_state_dir(env(&[("XDG_STATE_HOME", "/XDG")]), false).unwrap();
+        let home = default_state_dir(env(&[("HOME", "/HOME")]), false).unwrap();
+        let expected = format!(
+            "$STATE_DIRECTORY, {} as root, else {} ({})",
+            root.display(),
+            xdg.display().to_string().replace("/XDG", "$XDG_STATE_HOME"),
+            home.display().to_string().replace("/HOME", "~"),
+        );
+        assert_eq!(shown("state_dir"), expected);
+
+        for (key, default) in [
+            (
+                "pod_backend",
+                default_pod_backend as fn(bool) -> &'static str,
+            ),
+            ("vm_backend", default_vm_backend),
+        ] {
+            assert_eq!(
+                shown(key),
+                format!(
+                    "{} without nats_url, else {}",
+                    default(true),
+                    default(false)
+                )
+            );
+        }
+
+        assert!(shown("executor_program").starts_with(&format!("{EXECUTOR_BINARY} next to")));
+        assert_eq!(
+            shown("runner_binary"),
+            format!("{} or {} on PATH", RUNNER_NAMES[0], RUNNER_NAMES[1])
+        );
+    }
+
     #[test]
     fn nix_strings_escape_interpolation_and_quotes() {
         assert_eq!(nix_string("a \"${b}\" \\"), "\"a \\\"\\${b}\\\" \\\\\"");

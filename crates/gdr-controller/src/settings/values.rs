@@ -172,8 +172,10 @@ impl<'de> Deserialize<'de> for Components {
                     .into_iter()
                     .find(|c| c.as_str() == n)
                     .ok_or_else(|| {
+                        let known: Vec<&str> = Component::ALL.iter().map(|c| c.as_str()).collect();
                         serde::de::Error::custom(format!(
-                            "unknown component {n:?}; expected scheduler, pod-worker, vm-worker or all"
+                            "unknown component {n:?}; expected {} or all",
+                            known.join(", ")
                         ))
                     })
             })

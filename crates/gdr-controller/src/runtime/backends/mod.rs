@@ -206,8 +206,7 @@ fn process_backend(
     Ok(built)
 }
 
-/// The executor's own binary (crate `gdr-executor`), installed next to the controller's.
-pub const EXECUTOR_BINARY: &str = "gitea-dynamic-executor";
+pub use crate::settings::EXECUTOR_BINARY;
 
 /// The program of process executors when `executor_program` is unset: the executor's own
 /// binary when it sits next to `controller` (it links no controller code, so each job's
