@@ -196,7 +196,7 @@ pub struct CheckConfigArgs {
 #[derive(Debug, Args)]
 pub struct StatusArgs {
     /// Base URL of the controller's health listener (health_listen).
-    #[arg(long, value_name = "URL", default_value = "http://127.0.0.1:9090")]
+    #[arg(long, value_name = "URL", default_value = crate::settings::DEFAULT_STATUS_URL)]
     pub url: String,
     /// Print the `/status` JSON document instead of tables.
     #[arg(long)]

@@ -311,6 +311,10 @@ pub const FACADE_PORT: u16 = facade_port!();
 /// The port of the health listener when `health_listen` is unset.
 pub const HEALTH_PORT: u16 = health_port!();
 
+/// Where `status` looks for the health listener unless told: `health_listen`'s single-host
+/// default, as a URL.
+pub const DEFAULT_STATUS_URL: &str = concat!("http://", loopback_address!(), ":", health_port!());
+
 /// The kinds of backend `pod_backend` and `vm_backend` name.
 pub mod backend_kinds {
     /// Local child processes (either backend, single host).
