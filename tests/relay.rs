@@ -16,6 +16,7 @@ use gdr_proto::runner::v1::{
     DeclareRequest, FetchTaskRequest, FetchTaskResponse, LogRow, RunnerServiceClient, TaskResult,
     TaskState, UpdateLogRequest, UpdateTaskRequest,
 };
+use gdr_testkit::eventually;
 use gdr_testkit::log_capture::Capture;
 use gdr_testkit::mock_gitea::{GrpcCode, MockFault, RpcMethod, Status};
 use gdr_testkit::spiffe::{FakeWorkloadApi, RunningWorkloadApi};
@@ -33,6 +34,8 @@ struct Gate {
     addr: SocketAddr,
     open: watch::Sender<bool>,
     refused: Arc<AtomicUsize>,
+    /// Connections being forwarded now.
+    forwarding: Arc<AtomicUsize>,
 }
 
 impl Gate {
@@ -42,6 +45,8 @@ impl Gate {
         let (open, watched) = watch::channel(true);
         let refused = Arc::new(AtomicUsize::new(0));
         let counted = refused.clone();
+        let forwarding = Arc::new(AtomicUsize::new(0));
+        let live = forwarding.clone();
         tokio::spawn(async move {
             loop {
                 let Ok((mut inbound, _)) = listener.accept().await else {
@@ -53,14 +58,16 @@ impl Gate {
                     continue;
                 }
                 let mut watched = watched.clone();
+                let live = live.clone();
+                live.fetch_add(1, Ordering::SeqCst);
                 tokio::spawn(async move {
-                    let Ok(mut outbound) = TcpStream::connect(target).await else {
-                        return;
-                    };
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                        _ = watched.wait_for(|open| !*open) => {}
+                    if let Ok(mut outbound) = TcpStream::connect(target).await {
+                        tokio::select! {
+                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                            _ = watched.wait_for(|open| !*open) => {}
+                        }
                     }
+                    live.fetch_sub(1, Ordering::SeqCst);
                 });
             }
         });
@@ -68,11 +75,19 @@ impl Gate {
             addr,
             open,
             refused,
+            forwarding,
         }
     }
 
-    fn close(&self) {
+    /// Closes the gate and returns once every forwarded connection is cut: a request sent
+    /// after this cannot slip through a connection whose forwarder had not yet seen the
+    /// gate close (a race the gate at 0f553fd lost once).
+    async fn close(&self) {
         self.open.send_replace(false);
+        eventually(WAIT, "the gate's forwarded connections are cut", || async {
+            (self.forwarding.load(Ordering::SeqCst) == 0).then_some(())
+        })
+        .await;
     }
 
     fn open(&self) {
@@ -237,7 +252,7 @@ async fn a_held_report_answered_with_a_transient_500_is_sent_again_until_the_fac
     let runner = Runner::start(&env, &a, gate.addr, None).await;
     runner.claim().await;
     assert_eq!(runner.log(0, rows(0, 2, 10), false).await, 2);
-    gate.close();
+    gate.close().await;
     assert_eq!(
         runner.log(2, rows(2, 2, 10), true).await,
         4,
@@ -279,7 +294,7 @@ async fn a_held_result_for_a_task_gitea_no_longer_has_is_refused_at_once_and_cou
     let gate = Gate::start(env.facade_addr).await;
     let runner = Runner::start(&env, &a, gate.addr, None).await;
     runner.claim().await;
-    gate.close();
+    gate.close().await;
     runner.finish(TaskResult::RESULT_SUCCESS).await;
     env.mock.handle.fail_next(
         RpcMethod::UpdateTask,
@@ -318,7 +333,7 @@ async fn a_held_log_larger_than_the_facades_request_limit_reaches_gitea_in_order
     let runner = Runner::start(&env, &a, gate.addr, None).await;
     runner.claim().await;
     assert_eq!(runner.log(0, rows(0, 2, 10), false).await, 2);
-    gate.close();
+    gate.close().await;
     // The official runner sends at most 100 rows per call; five calls of 2 MiB each.
     const ROW: usize = 20 * 1024;
     for call in 0..5 {
@@ -368,7 +383,7 @@ fn a_batch_the_facade_refuses_for_good_is_dropped_alone_and_said_so_and_the_rest
         let runner = Runner::start(&env, &a, gate.addr, None).await;
         runner.claim().await;
         assert_eq!(runner.log(0, rows(0, 2, 10), false).await, 2);
-        gate.close();
+        gate.close().await;
         let mut held = rows(2, 1, 10);
         held.extend(rows(3, 1, FACADE_REQUEST_LIMIT + 1024));
         held.extend(rows(4, 1, 10));
@@ -477,7 +492,7 @@ async fn a_poll_held_through_a_facade_outage_carries_only_the_deadline_the_runne
     let a = env.assignment("standin:success").await;
     let facade = PollRecorder::start(&env).await;
     let gate = Gate::start(facade.addr).await;
-    gate.close();
+    gate.close().await;
     const DEADLINE: Duration = Duration::from_secs(5);
     let runner = Runner::start(&env, &a, gate.addr, Some(DEADLINE)).await;
     let started = tokio::time::Instant::now();
@@ -511,7 +526,7 @@ async fn a_poll_whose_deadline_ran_out_during_a_facade_outage_is_answered_no_tas
     let a = env.assignment("standin:success").await;
     let facade = PollRecorder::start(&env).await;
     let gate = Gate::start(facade.addr).await;
-    gate.close();
+    gate.close().await;
     let runner = Runner::start(&env, &a, gate.addr, Some(Duration::from_millis(1500))).await;
     let answer = runner
         .client
