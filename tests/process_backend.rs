@@ -162,6 +162,20 @@ impl Setup {
         std::fs::read_to_string(self.dir(id).join(LOG_FILE)).unwrap_or_default()
     }
 
+    /// Rewrites `id`'s metadata as a controller killed before recording the spawn leaves
+    /// it: no pid, no start time, no exit code.
+    fn forget_pid(&self, id: &AssignmentId) {
+        let mut meta = self.metadata(id);
+        for field in ["pid", "pid_start_time", "exit_code"] {
+            meta[field] = serde_json::Value::Null;
+        }
+        std::fs::write(
+            self.dir(id).join(METADATA_FILE),
+            serde_json::to_vec_pretty(&meta).expect("json"),
+        )
+        .expect("rewrite metadata");
+    }
+
     fn pid(&self, id: &AssignmentId) -> i32 {
         let pid = self.metadata(id)["pid"].as_i64().expect("pid recorded");
         i32::try_from(pid).expect("pid")
@@ -375,14 +389,7 @@ async fn an_executor_whose_pid_was_never_recorded_is_found_running_and_stopped_o
     let pid = s.pid(&id);
     drop(backend);
     // The state the kill leaves: metadata written before the spawn, no pid yet.
-    let mut meta = s.metadata(&id);
-    meta["pid"] = serde_json::Value::Null;
-    meta["pid_start_time"] = serde_json::Value::Null;
-    std::fs::write(
-        s.dir(&id).join(METADATA_FILE),
-        serde_json::to_vec_pretty(&meta).expect("json"),
-    )
-    .expect("rewrite metadata");
+    s.forget_pid(&id);
 
     let backend = s.backend("exec sleep 30", &identity);
     assert_eq!(phase_of(&backend, &id).await, Phase::Running);
@@ -871,15 +878,7 @@ async fn an_executor_a_killed_controller_never_started_is_started_by_the_next_cr
     .await;
     drop(backend);
     // The state the kill leaves: metadata written before the spawn, no pid, no process.
-    let mut meta = s.metadata(&id);
-    meta["pid"] = serde_json::Value::Null;
-    meta["pid_start_time"] = serde_json::Value::Null;
-    meta["exit_code"] = serde_json::Value::Null;
-    std::fs::write(
-        s.dir(&id).join(METADATA_FILE),
-        serde_json::to_vec_pretty(&meta).expect("json"),
-    )
-    .expect("rewrite metadata");
+    s.forget_pid(&id);
 
     let backend = s.backend("exec sleep 30", &identity);
     let found = backend.find(&id).await.expect("find");

@@ -221,8 +221,6 @@ mod tests {
     /// assertion formats what the code itself computes and looks for it in the text.
     #[test]
     fn shown_defaults_name_the_values_the_code_uses() {
-        use std::ffi::OsString;
-
         use crate::settings::{
             Component, EXECUTOR_BINARY, FACADE_PORT, HEALTH_PORT, RUNNER_NAMES,
             SandboxIdentitySettings, Sources, default_pod_backend, default_state_dir,
@@ -265,14 +263,7 @@ mod tests {
             shown("health_listen")
         );
 
-        let env = |pairs: &'static [(&'static str, &'static str)]| {
-            move |name: &str| {
-                pairs
-                    .iter()
-                    .find(|(k, _)| *k == name)
-                    .map(|(_, v)| OsString::from(v))
-            }
-        };
+        let env = super::super::tests::fake_env;
         let root = default_state_dir(env(&[]), true).unwrap();
         let xdg = default_state_dir(env(&[("XDG_STATE_HOME", "/XDG")]), false).unwrap();
         let home = default_state_dir(env(&[("HOME", "/HOME")]), false).unwrap();

@@ -290,15 +290,7 @@ fn configured_credential_files_win_over_the_state_dir_defaults() {
 /// state directory.
 #[test]
 fn state_dir_defaults_to_the_platform_state_location() {
-    use std::ffi::OsString;
-    let env = |pairs: &'static [(&'static str, &'static str)]| {
-        move |name: &str| {
-            pairs
-                .iter()
-                .find(|(k, _)| *k == name)
-                .map(|(_, v)| OsString::from(v))
-        }
-    };
+    let env = fake_env;
     let user = env(&[("HOME", "/home/ada")]);
     assert_eq!(
         default_state_dir(user, false).unwrap(),
@@ -1187,4 +1179,16 @@ fn spiffe_id_scheme_defaults_to_ref_and_job_is_chosen_explicitly() {
             .iter()
             .any(|p| p.key == "spiffe_id_scheme" && p.rule.contains("\"ref\" or \"job\"")),
     );
+}
+
+/// An environment of `pairs` only, as `default_state_dir` reads one.
+pub(super) fn fake_env(
+    pairs: &'static [(&'static str, &'static str)],
+) -> impl Fn(&str) -> Option<std::ffi::OsString> + Copy {
+    move |name: &str| {
+        pairs
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| std::ffi::OsString::from(v))
+    }
 }
