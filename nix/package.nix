@@ -1,8 +1,9 @@
 # The Rust build with crane: the product binary and the checks `nix flake check` runs.
 #
-# Two dependency caches, because cargo keys compiled dependencies by their feature set:
-# - `cargoArtifacts`: the product feature set (default features, `cargo build --release
-#   --locked`), reused by the package;
+# Two dependency caches, because cargo keys compiled dependencies by their feature set and
+# profile:
+# - `cargoArtifacts`: the product feature set (default features, `cargo build --profile
+#   dist --locked`), reused by the package;
 # - `cargoArtifactsAll`: `--workspace --all-features` (test peers, fail points), reused by
 #   clippy, nextest and doc, which must see exactly what CI sees.
 {
@@ -51,7 +52,14 @@ let
   # The same flags as `.ci/run` and the README's test command.
   allFeatures = "--locked --workspace --all-features";
 
-  cargoArtifacts = craneLib.buildDepsOnly commonArgs;
+  # The package is built with Cargo.toml's `dist` profile (whole-program LTO, one codegen
+  # unit): smaller binaries, so less code mapped per executor. Its dependencies must be
+  # built with the same profile to be reused.
+  distProfile = {
+    CARGO_PROFILE = "dist";
+  };
+
+  cargoArtifacts = craneLib.buildDepsOnly (commonArgs // distProfile);
 
   cargoArtifactsAll = craneLib.buildDepsOnly (
     commonArgs
@@ -63,6 +71,7 @@ let
 
   package = craneLib.buildPackage (
     commonArgs
+    // distProfile
     // {
       inherit cargoArtifacts;
       # The product build: default features only, so no test peer (gdr-testkit) and no

@@ -430,3 +430,57 @@ fn the_kata_tests_containerd_template_is_config_version_2_with_the_shims_configu
         "nixos-tests/kata.nix does not use kata-containerd.nix"
     );
 }
+
+/// The section `[profile.<name>]` of Cargo.toml as `key → value` text, if declared.
+fn cargo_profile(cargo_toml: &str, name: &str) -> Option<BTreeMap<String, String>> {
+    let header = format!("[profile.{name}]\n");
+    let start = cargo_toml.find(&header)? + header.len();
+    let body = &cargo_toml[start..];
+    let end = body.find("\n[").unwrap_or(body.len());
+    Some(
+        body[..end]
+            .lines()
+            .filter_map(|l| l.split_once(" = "))
+            .map(|(k, v)| (k.trim().to_owned(), v.trim().trim_matches('"').to_owned()))
+            .collect(),
+    )
+}
+
+/// Issue 39 (the shipped binaries are small): the package and its dependency cache are both
+/// built with the profile nix/package.nix names, and Cargo.toml declares that profile with
+/// whole-program LTO and one codegen unit. A profile renamed on one side would make crane
+/// build with cargo's error, or ship binaries without the optimisation.
+#[test]
+fn the_package_is_built_with_the_dist_profile_cargo_toml_declares() {
+    let package = read("nix/package.nix");
+    let named: BTreeSet<&str> = package
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("CARGO_PROFILE = \""))
+        .filter_map(|rest| rest.strip_suffix("\";"))
+        .collect();
+    assert_eq!(
+        named.len(),
+        1,
+        "one CARGO_PROFILE in nix/package.nix: {named:?}"
+    );
+    let name = named.into_iter().next().unwrap_or_default();
+    for user in [
+        "cargoArtifacts = craneLib.buildDepsOnly (commonArgs // distProfile);",
+        "// distProfile\n    // {",
+    ] {
+        assert!(package.contains(user), "nix/package.nix lacks `{user}`");
+    }
+    let profile = cargo_profile(&read("Cargo.toml"), name)
+        .unwrap_or_else(|| panic!("Cargo.toml declares no [profile.{name}]"));
+    for (key, value) in [
+        ("inherits", "release"),
+        ("lto", "fat"),
+        ("codegen-units", "1"),
+    ] {
+        assert_eq!(
+            profile.get(key).map(String::as_str),
+            Some(value),
+            "[profile.{name}] {key}: {profile:?}"
+        );
+    }
+}

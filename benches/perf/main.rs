@@ -1,7 +1,8 @@
 //! The performance figures of docs/performance.md, each next to its reference, in one
 //! table: per-job overhead against plain runners, idle load on Gitea, the scheduler's
 //! handoff against raw JetStream, controller and executor memory, and the facade's
-//! latency and throughput against direct calls.
+//! latency and throughput against direct calls; and, with the real Gitea and official
+//! runner built from their Go modules, the burst against plain official runners.
 //!
 //! `NATS_SERVER_BIN=… cargo bench --features testkit --bench perf` (plain `main`, no
 //! harness). `--profile dev` gives a quick run with unoptimised figures.
@@ -16,6 +17,7 @@
 mod chain;
 mod facade;
 mod handoff;
+mod official;
 mod table;
 
 use table::Table;
@@ -40,6 +42,9 @@ async fn main() {
     }
     if wanted("facade") {
         facade::run(&mut table).await;
+    }
+    if wanted("official") {
+        official::run(&mut table).await;
     }
     println!();
     print!("{}", table.markdown());
