@@ -32,7 +32,7 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use gdr_core::assignment::{
-    Assignment, AssignmentId, DerivationPolicy, EnvelopeRules, TaskKeyring, decode_with,
+    Assignment, AssignmentId, DerivationPolicy, Envelope, EnvelopeRules, TaskKeyring, decode_with,
     envelope_id,
 };
 use gdr_core::backend::Backend;
@@ -453,8 +453,10 @@ impl Worker {
 
     async fn process(&self, message: &jetstream::Message, shutdown: Shutdown) -> (String, Outcome) {
         let backend = self.settings.backend;
+        // Parsed once: the log's ID, the held copy's and the opening read the same parse.
+        let envelope = Envelope::parse(&message.payload);
         let label = || {
-            envelope_id(&message.payload).map_or_else(
+            envelope.id().map_or_else(
                 || {
                     let sequence = message
                         .info()
@@ -462,16 +464,11 @@ impl Worker {
                         .unwrap_or_default();
                     format!("stream-sequence-{sequence}")
                 },
-                |id| id.to_string(),
+                ToString::to_string,
             )
         };
         let rules = self.settings.envelopes.rules((self.clock)());
-        let decoded = decode_with(
-            &message.payload,
-            &self.policy,
-            self.keyring.as_ref(),
-            &rules,
-        );
+        let decoded = envelope.open(&self.policy, self.keyring.as_ref(), &rules);
         let assignment = match decoded {
             Ok(a) => a,
             Err(e) => {
@@ -482,7 +479,7 @@ impl Worker {
                     // configured, or fails it.
                     Unopened::Hold => {
                         tracing::error!(%backend, assignment_id = %label, error = %e, "cannot decrypt an assignment: setting it aside until its task key is configured");
-                        (label, self.hold(message).await)
+                        (label, self.hold(message, envelope.id()).await)
                     }
                     Unopened::Terminate { outcome, why } => {
                         tracing::error!(%backend, assignment_id = %label, error = %e, "{why}");
@@ -503,15 +500,16 @@ impl Worker {
         (label, self.reconcile(assignment, message, shutdown).await)
     }
 
-    /// Moves an undecryptable delivery to the held subject, then lets the caller ack it.
-    async fn hold(&self, message: &jetstream::Message) -> Outcome {
+    /// Moves an undecryptable delivery (naming `id`) to the held subject, then lets the
+    /// caller ack it.
+    async fn hold(&self, message: &jetstream::Message, id: Option<&AssignmentId>) -> Outcome {
         let backend = self.settings.backend;
         let mut publish =
             jetstream::message::PublishMessage::build().payload(message.payload.clone());
         // A redelivery of a message held already is dropped by JetStream as a duplicate.
         // Keyed by the stream sequence too: the ID is unauthenticated, and a forged message
         // naming it must not make the real one a duplicate.
-        if let (Some(id), Ok(info)) = (envelope_id(&message.payload), message.info()) {
+        if let (Some(id), Ok(info)) = (id, message.info()) {
             publish = publish.message_id(format!("held-{id}-{}", info.stream_sequence));
         }
         let stored = async {
