@@ -28,8 +28,8 @@ use async_nats::jetstream::consumer::{AckPolicy, PullConsumer, pull};
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use gdr_core::assignment::{
-    DerivationPolicy, EnvelopeError, EnvelopeRules, TaskKeyring, authenticated_id, decode_with,
-    envelope_id,
+    Assignment, AssignmentId, DerivationPolicy, EnvelopeError, EnvelopeRules, TaskKeyring,
+    authenticated_id, decode_with, envelope_id,
 };
 use gdr_core::backend::Backend;
 use gdr_core::capability::EnvelopeIdKey;
@@ -244,98 +244,13 @@ impl HeldAssignments {
             self.keyring.as_ref(),
             &rules,
         ) {
-            Ok(assignment) => {
-                let sequence = message
-                    .info()
-                    .map(|i| i.stream_sequence)
-                    .unwrap_or_default();
-                let publish = jetstream::message::PublishMessage::build()
-                    .payload(message.payload.clone())
-                    // Not the assignment ID: within the duplicate window of the original
-                    // publish JetStream would drop it. Unique per held copy, so a retried
-                    // release is stored once.
-                    .message_id(format!("released-{}-{sequence}", assignment.id()));
-                let subject = self.stream.subject(assignment.backend());
-                match async { self.js.send_publish(subject, publish).await?.await }.await {
-                    Ok(_) => {
-                        round.released += 1;
-                        tracing::info!(assignment_id = %assignment.id(), "a held assignment's task key is configured now; released to its backend");
-                        AckKind::Ack
-                    }
-                    Err(e) => {
-                        tracing::warn!(assignment_id = %assignment.id(), error = %e, "releasing a held assignment failed; retrying");
-                        AckKind::Nak(Some(interval))
-                    }
-                }
-            }
+            Ok(assignment) => self.release(message, &assignment, interval, round).await,
             Err(e @ (EnvelopeError::UnknownKey(_) | EnvelopeError::NoKeyring)) => {
                 let Some(id) = id else {
                     round.dropped += 1;
                     return AckKind::Term;
                 };
-                let held_for = message
-                    .info()
-                    .ok()
-                    .and_then(|i| {
-                        let published = SystemTime::UNIX_EPOCH
-                            + Duration::from_nanos(
-                                u64::try_from(i.published.unix_timestamp_nanos()).unwrap_or(0),
-                            );
-                        SystemTime::now().duration_since(published).ok()
-                    })
-                    .unwrap_or_default();
-                if held_for < self.timeout {
-                    round.waiting += 1;
-                    return AckKind::Nak(Some(interval));
-                }
-                // Only an ID our own scheduler wrote may be failed or recorded: otherwise a
-                // publisher could pre-forge the IDs Gitea hands out next.
-                let Some(authenticated) = self
-                    .id_key
-                    .as_ref()
-                    .and_then(|k| authenticated_id(&message.payload, k))
-                    .filter(|a| a.id() == &id)
-                else {
-                    tracing::warn!(assignment_id = %id, "dropping a held assignment whose ID is not authenticated (no valid id_mac: a forgery, or written by an older release); nothing is failed in Gitea or recorded, and Gitea's own timeouts end its task if it exists");
-                    round.unauthenticated += 1;
-                    return AckKind::Term;
-                };
-                let lifetime = EnvelopeRules {
-                    accept_plaintext: true,
-                    max_age: self.task_lifetime,
-                    accept_undated: false,
-                    now: SystemTime::now(),
-                };
-                if let Err(e) = authenticated.check_age(&lifetime) {
-                    tracing::warn!(assignment_id = %id, error = %e, "dropping a held assignment outside its task's lifetime; Gitea has ended that task");
-                    round.expired += 1;
-                    return AckKind::Term;
-                }
-                let reason = format!(
-                    "the job's queued assignment cannot be opened: {e}; it was held for {} waiting for that key (configure it in task_encryption_previous_key_files)",
-                    humantime_serde::re::humantime::format_duration(Duration::from_secs(
-                        held_for.as_secs()
-                    ))
-                );
-                tracing::error!(assignment_id = %id, %reason, "failing a held assignment in Gitea");
-                match self
-                    .gitea
-                    .report_failure(id.task_id(), &reason, &REPORT_BACKOFF, REPORT_ATTEMPTS)
-                    .await
-                {
-                    Ok(Reported::Accepted | Reported::TaskGone) => {
-                        if let Err(e) = self.dispatch.record_finished(&id).await {
-                            tracing::warn!(assignment_id = %id, error = %e, "recording the failed held assignment failed; retrying");
-                            return AckKind::Nak(Some(interval));
-                        }
-                        round.failed += 1;
-                        AckKind::Term
-                    }
-                    Err(e) => {
-                        tracing::warn!(assignment_id = %id, error = %e, retry_in = ?REPORT_RETRY, "Gitea did not take the failure of a held assignment; retrying");
-                        AckKind::Nak(Some(REPORT_RETRY.max(interval)))
-                    }
-                }
+                self.still_held(message, &id, &e, interval, round).await
             }
             // Not something a worker could ever run: drop it (the worker would too).
             Err(e) => {
@@ -345,4 +260,127 @@ impl HeldAssignments {
             }
         }
     }
+
+    /// Its task key is known now: publishes it again to its backend's subject.
+    async fn release(
+        &self,
+        message: &jetstream::Message,
+        assignment: &Assignment,
+        interval: Duration,
+        round: &mut Round,
+    ) -> AckKind {
+        let sequence = message
+            .info()
+            .map(|i| i.stream_sequence)
+            .unwrap_or_default();
+        let publish = jetstream::message::PublishMessage::build()
+            .payload(message.payload.clone())
+            // Not the assignment ID: within the duplicate window of the original
+            // publish JetStream would drop it. Unique per held copy, so a retried
+            // release is stored once.
+            .message_id(format!("released-{}-{sequence}", assignment.id()));
+        let subject = self.stream.subject(assignment.backend());
+        match async { self.js.send_publish(subject, publish).await?.await }.await {
+            Ok(_) => {
+                round.released += 1;
+                tracing::info!(assignment_id = %assignment.id(), "a held assignment's task key is configured now; released to its backend");
+                AckKind::Ack
+            }
+            Err(e) => {
+                tracing::warn!(assignment_id = %assignment.id(), error = %e, "releasing a held assignment failed; retrying");
+                AckKind::Nak(Some(interval))
+            }
+        }
+    }
+
+    /// Its task key is still unknown (`error`): it waits until the timeout, then is dropped
+    /// or failed in Gitea.
+    async fn still_held(
+        &self,
+        message: &jetstream::Message,
+        id: &AssignmentId,
+        error: &EnvelopeError,
+        interval: Duration,
+        round: &mut Round,
+    ) -> AckKind {
+        let held_for = held_for(message);
+        if held_for < self.timeout {
+            round.waiting += 1;
+            return AckKind::Nak(Some(interval));
+        }
+        // Only an ID our own scheduler wrote may be failed or recorded: otherwise a
+        // publisher could pre-forge the IDs Gitea hands out next.
+        let Some(authenticated) = self
+            .id_key
+            .as_ref()
+            .and_then(|k| authenticated_id(&message.payload, k))
+            .filter(|a| a.id() == id)
+        else {
+            tracing::warn!(assignment_id = %id, "dropping a held assignment whose ID is not authenticated (no valid id_mac: a forgery, or written by an older release); nothing is failed in Gitea or recorded, and Gitea's own timeouts end its task if it exists");
+            round.unauthenticated += 1;
+            return AckKind::Term;
+        };
+        let lifetime = EnvelopeRules {
+            accept_plaintext: true,
+            max_age: self.task_lifetime,
+            accept_undated: false,
+            now: SystemTime::now(),
+        };
+        if let Err(e) = authenticated.check_age(&lifetime) {
+            tracing::warn!(assignment_id = %id, error = %e, "dropping a held assignment outside its task's lifetime; Gitea has ended that task");
+            round.expired += 1;
+            return AckKind::Term;
+        }
+        let reason = format!(
+            "the job's queued assignment cannot be opened: {error}; it was held for {} waiting for that key (configure it in task_encryption_previous_key_files)",
+            humantime_serde::re::humantime::format_duration(Duration::from_secs(
+                held_for.as_secs()
+            ))
+        );
+        tracing::error!(assignment_id = %id, %reason, "failing a held assignment in Gitea");
+        self.fail(id, &reason, interval, round).await
+    }
+
+    /// Fails its task in Gitea (one attempt) and records it as finished.
+    async fn fail(
+        &self,
+        id: &AssignmentId,
+        reason: &str,
+        interval: Duration,
+        round: &mut Round,
+    ) -> AckKind {
+        match self
+            .gitea
+            .report_failure(id.task_id(), reason, &REPORT_BACKOFF, REPORT_ATTEMPTS)
+            .await
+        {
+            Ok(Reported::Accepted | Reported::TaskGone) => {
+                if let Err(e) = self.dispatch.record_finished(id).await {
+                    tracing::warn!(assignment_id = %id, error = %e, "recording the failed held assignment failed; retrying");
+                    return AckKind::Nak(Some(interval));
+                }
+                round.failed += 1;
+                AckKind::Term
+            }
+            Err(e) => {
+                tracing::warn!(assignment_id = %id, error = %e, retry_in = ?REPORT_RETRY, "Gitea did not take the failure of a held assignment; retrying");
+                AckKind::Nak(Some(REPORT_RETRY.max(interval)))
+            }
+        }
+    }
+}
+
+/// How long ago the message was published (zero if its metadata says nothing usable).
+fn held_for(message: &jetstream::Message) -> Duration {
+    message
+        .info()
+        .ok()
+        .and_then(|i| {
+            let published = SystemTime::UNIX_EPOCH
+                + Duration::from_nanos(
+                    u64::try_from(i.published.unix_timestamp_nanos()).unwrap_or(0),
+                );
+            SystemTime::now().duration_since(published).ok()
+        })
+        .unwrap_or_default()
 }

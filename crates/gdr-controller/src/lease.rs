@@ -257,6 +257,44 @@ impl Written {
     }
 }
 
+/// What a campaigning candidate saw of the holders, so each change is logged once.
+#[derive(Default)]
+struct Standby {
+    last_holder: Option<String>,
+    /// The renewTime last seen under our identity in another process's Lease.
+    seen_own: Option<Option<Timestamp>>,
+    duplicate_reported: bool,
+}
+
+impl Standby {
+    /// Another candidate holds a valid Lease.
+    fn held_by(&mut self, s: &LeaseSettings, holder: Option<String>) {
+        self.seen_own = None;
+        if holder != self.last_holder {
+            tracing::info!(lease = %s.name, identity = %s.identity,
+                holder = holder.as_deref().unwrap_or(""), "lease held by another candidate");
+            self.last_holder = holder;
+        }
+    }
+
+    /// A valid Lease names our identity, written by another process: a previous run of
+    /// this replica (it expires) or, once it is renewed, a second process with our identity.
+    fn held_under_our_identity(&mut self, s: &LeaseSettings, renewed: Option<Timestamp>) {
+        match self.seen_own {
+            None => tracing::warn!(lease = %s.name, identity = %s.identity,
+                "the lease names this replica's identity but this process did not write it: waiting for it to expire (a previous run of this replica), unless it is renewed"),
+            Some(before) if before != renewed && !self.duplicate_reported => {
+                self.duplicate_reported = true;
+                tracing::error!(lease = %s.name, identity = %s.identity,
+                    "another process holds the lease under this replica's identity: every replica needs its own leader_identity (leave it unset for a unique one); this replica stays standby");
+            }
+            Some(_) => {}
+        }
+        self.seen_own = Some(renewed);
+        self.last_holder = Some(s.identity.clone());
+    }
+}
+
 impl LeaderElector {
     pub fn new(client: kube::Client, settings: LeaseSettings) -> Self {
         let api = Api::namespaced(client, &settings.namespace);
@@ -288,45 +326,42 @@ impl LeaderElector {
         leadership.send_replace(false);
         self.settings.validate()?;
         let s = &self.settings;
-
-        // ---- campaign ----
-        let mut last_holder: Option<String> = None;
         let mut written = Written::default();
-        // The renewTime last seen under our identity in another process's Lease.
-        let mut seen_own: Option<Option<Timestamp>> = None;
-        let mut duplicate_reported = false;
-        let (mut current, mut renewed_at) = loop {
+        let Some((current, renewed_at)) = self.campaign(&mut written, &shutdown).await? else {
+            return Ok(());
+        };
+        // `renewed_at` is when the successful write was *sent*: the lease runs from the
+        // renewTime we wrote, which is no earlier, so our deadline is conservative.
+        leadership.send_replace(true);
+        tracing::info!(lease = %s.name, identity = %s.identity, holder = %s.identity, "became leader");
+        written.clear();
+        self.lead(&leadership, &shutdown, current, renewed_at, written)
+            .await
+    }
+
+    /// Tries to acquire the Lease every retry period until it is ours (the Lease as stored
+    /// and when the winning write was sent) or `shutdown` (`None`).
+    async fn campaign(
+        &self,
+        written: &mut Written,
+        shutdown: &Shutdown,
+    ) -> Result<Option<(Lease, Instant)>, LeaseError> {
+        let s = &self.settings;
+        let mut standby = Standby::default();
+        loop {
             let started = Instant::now();
             let attempt = tokio::select! {
                 () = shutdown.wait() => {
                     tracing::info!(lease = %s.name, identity = %s.identity, "shutdown while campaigning");
-                    return Ok(());
+                    return Ok(None);
                 }
-                r = tokio::time::timeout(s.renew_deadline, self.try_acquire(&mut written)) => r,
+                r = tokio::time::timeout(s.renew_deadline, self.try_acquire(written)) => r,
             };
             match attempt {
-                Ok(Ok(Attempt::Acquired(lease))) => break (*lease, started),
-                Ok(Ok(Attempt::HeldBy(holder))) => {
-                    seen_own = None;
-                    if holder != last_holder {
-                        tracing::info!(lease = %s.name, identity = %s.identity,
-                            holder = holder.as_deref().unwrap_or(""), "lease held by another candidate");
-                        last_holder = holder;
-                    }
-                }
+                Ok(Ok(Attempt::Acquired(lease))) => return Ok(Some((*lease, started))),
+                Ok(Ok(Attempt::HeldBy(holder))) => standby.held_by(s, holder),
                 Ok(Ok(Attempt::HeldUnderOurIdentity(renewed))) => {
-                    match seen_own {
-                        None => tracing::warn!(lease = %s.name, identity = %s.identity,
-                            "the lease names this replica's identity but this process did not write it: waiting for it to expire (a previous run of this replica), unless it is renewed"),
-                        Some(before) if before != renewed && !duplicate_reported => {
-                            duplicate_reported = true;
-                            tracing::error!(lease = %s.name, identity = %s.identity,
-                                "another process holds the lease under this replica's identity: every replica needs its own leader_identity (leave it unset for a unique one); this replica stays standby");
-                        }
-                        Some(_) => {}
-                    }
-                    seen_own = Some(renewed);
-                    last_holder = Some(s.identity.clone());
+                    standby.held_under_our_identity(s, renewed);
                 }
                 Ok(Err(e)) if is_permanent(&e) => return Err(e.into()),
                 Ok(Err(e)) => {
@@ -339,18 +374,23 @@ impl LeaderElector {
                 }
             }
             tokio::select! {
-                () = shutdown.wait() => return Ok(()),
+                () = shutdown.wait() => return Ok(None),
                 () = tokio::time::sleep(jittered(s.retry_period)) => {}
             }
-        };
+        }
+    }
 
-        // `renewed_at` is when the successful write was *sent*: the lease runs from the
-        // renewTime we wrote, which is no earlier, so our deadline is conservative.
-        leadership.send_replace(true);
-        tracing::info!(lease = %s.name, identity = %s.identity, holder = %s.identity, "became leader");
-
-        // ---- lead ----
-        written.clear();
+    /// Renews the Lease every retry period until `shutdown` (released, `Ok`) or until
+    /// leadership is lost (`Err`).
+    async fn lead(
+        &self,
+        leadership: &watch::Sender<bool>,
+        shutdown: &Shutdown,
+        mut current: Lease,
+        mut renewed_at: Instant,
+        mut written: Written,
+    ) -> Result<(), LeaseError> {
+        let s = &self.settings;
         loop {
             tokio::select! {
                 () = shutdown.wait() => {
@@ -363,7 +403,7 @@ impl LeaderElector {
             let remaining =
                 (renewed_at + s.renew_deadline).saturating_duration_since(Instant::now());
             if remaining.is_zero() {
-                return self.lost(&leadership, "no renewal within renew_deadline");
+                return self.lost(leadership, "no renewal within renew_deadline");
             }
             let sent = Instant::now();
             // Each request is bounded by what is left of the deadline: a hanging API server
@@ -384,48 +424,59 @@ impl LeaderElector {
                     tracing::debug!(lease = %s.name, identity = %s.identity, "renewed");
                 }
                 Ok(Err(e)) if is_conflict(&e) => {
-                    // Someone wrote the Lease since our last write. If it is still ours (our
-                    // own write whose answer we missed: its renewTime is one we wrote),
-                    // continue from the stored version; under our identity with a renewTime
-                    // we never wrote, another process uses our identity; otherwise another
-                    // candidate took it.
-                    let reread = tokio::time::timeout(remaining, self.api.get_opt(&s.name)).await;
-                    match reread {
-                        Ok(Ok(Some(lease)))
-                            if holder_of(&lease) == Some(s.identity.as_str())
-                                && written.contains(renew_time_of(&lease)) =>
-                        {
-                            current = lease;
-                            written.clear();
-                        }
-                        Ok(Ok(Some(lease))) if holder_of(&lease) == Some(s.identity.as_str()) => {
-                            leadership.send_replace(false);
-                            tracing::error!(lease = %s.name, identity = %s.identity,
-                                "another process renewed the lease under this replica's identity: two processes share it, so this one stops leading; every replica needs its own leader_identity (leave it unset for a unique one)");
-                            return Err(LeaseError::DuplicateIdentity(s.identity.clone()));
-                        }
-                        Ok(Ok(lease)) => {
-                            let holder =
-                                lease.as_ref().and_then(holder_of).unwrap_or("").to_owned();
-                            tracing::warn!(lease = %s.name, identity = %s.identity, holder = %holder,
-                                "lease taken over by another holder");
-                            return self.lost(&leadership, "lease taken over (409)");
-                        }
-                        Ok(Err(e)) => {
-                            tracing::warn!(lease = %s.name, identity = %s.identity, error = %e,
-                                "re-reading the lease after a conflict failed");
-                        }
-                        Err(_) => {
-                            return self.lost(&leadership, "no renewal within renew_deadline");
-                        }
-                    }
+                    self.after_conflict(leadership, &mut current, &mut written, remaining)
+                        .await?;
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(lease = %s.name, identity = %s.identity, error = %e,
                         "renewing the lease failed; retrying until renew_deadline");
                 }
-                Err(_) => return self.lost(&leadership, "no renewal within renew_deadline"),
+                Err(_) => return self.lost(leadership, "no renewal within renew_deadline"),
             }
+        }
+    }
+
+    /// A renewal met a conflict: someone wrote the Lease since our last write. If it is
+    /// still ours (our own write whose answer we missed: its renewTime is one we wrote),
+    /// leading continues from the stored version (`Ok`); under our identity with a
+    /// renewTime we never wrote, another process uses our identity; otherwise another
+    /// candidate took it.
+    async fn after_conflict(
+        &self,
+        leadership: &watch::Sender<bool>,
+        current: &mut Lease,
+        written: &mut Written,
+        remaining: Duration,
+    ) -> Result<(), LeaseError> {
+        let s = &self.settings;
+        let reread = tokio::time::timeout(remaining, self.api.get_opt(&s.name)).await;
+        match reread {
+            Ok(Ok(Some(lease)))
+                if holder_of(&lease) == Some(s.identity.as_str())
+                    && written.contains(renew_time_of(&lease)) =>
+            {
+                *current = lease;
+                written.clear();
+                Ok(())
+            }
+            Ok(Ok(Some(lease))) if holder_of(&lease) == Some(s.identity.as_str()) => {
+                leadership.send_replace(false);
+                tracing::error!(lease = %s.name, identity = %s.identity,
+                    "another process renewed the lease under this replica's identity: two processes share it, so this one stops leading; every replica needs its own leader_identity (leave it unset for a unique one)");
+                Err(LeaseError::DuplicateIdentity(s.identity.clone()))
+            }
+            Ok(Ok(lease)) => {
+                let holder = lease.as_ref().and_then(holder_of).unwrap_or("").to_owned();
+                tracing::warn!(lease = %s.name, identity = %s.identity, holder = %holder,
+                    "lease taken over by another holder");
+                self.lost(leadership, "lease taken over (409)")
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(lease = %s.name, identity = %s.identity, error = %e,
+                    "re-reading the lease after a conflict failed");
+                Ok(())
+            }
+            Err(_) => self.lost(leadership, "no renewal within renew_deadline"),
         }
     }
 

@@ -755,18 +755,88 @@ pub fn decode_with(
     keyring: Option<&TaskKeyring>,
     rules: &EnvelopeRules,
 ) -> Result<Assignment, EnvelopeError> {
+    open(&parse(bytes)?, policy, keyring, rules)
+}
+
+/// A delivery's payload, parsed once: the ID it names ([`Envelope::id`], for routing and
+/// logs) and its opening ([`Envelope::open`]) read the same parse.
+pub struct Envelope {
+    parsed: Result<Parsed, EnvelopeError>,
+    id: Option<AssignmentId>,
+}
+
+impl Envelope {
+    /// Parses `bytes` as an envelope of a version this build reads.
+    pub fn parse(bytes: &[u8]) -> Self {
+        let parsed = parse(bytes);
+        let id = match &parsed {
+            Ok(Parsed::V1(envelope)) => AssignmentId::parse(&envelope.id).ok(),
+            Ok(Parsed::V2(envelope)) => AssignmentId::parse(&envelope.id).ok(),
+            // Not an envelope this build opens: its ID may still be readable, for the log.
+            Err(_) => envelope_id(bytes),
+        };
+        Envelope { parsed, id }
+    }
+
+    /// The assignment ID it names, as [`envelope_id`] reads it: unauthenticated, never for
+    /// authorisation.
+    pub fn id(&self) -> Option<&AssignmentId> {
+        self.id.as_ref()
+    }
+
+    /// The assignment, as [`decode_with`] opens these bytes.
+    pub fn open(
+        &self,
+        policy: &DerivationPolicy,
+        keyring: Option<&TaskKeyring>,
+        rules: &EnvelopeRules,
+    ) -> Result<Assignment, EnvelopeError> {
+        match &self.parsed {
+            Ok(parsed) => open(parsed, policy, keyring, rules),
+            Err(e) => Err(e.clone()),
+        }
+    }
+}
+
+/// An envelope's JSON, of a version this build reads.
+enum Parsed {
+    V1(EnvelopeV1),
+    V2(EnvelopeV2),
+}
+
+fn parse(bytes: &[u8]) -> Result<Parsed, EnvelopeError> {
     let probe: VersionProbe = serde_json::from_slice(bytes).map_err(|e| json_error(&e))?;
-    let (id, backend, identity, task_bytes, fetched_at) = match probe.version {
-        1 => {
-            let envelope: EnvelopeV1 = serde_json::from_slice(bytes).map_err(|e| json_error(&e))?;
+    let json = |e: serde_json::Error| json_error(&e);
+    match probe.version {
+        1 => Ok(Parsed::V1(serde_json::from_slice(bytes).map_err(json)?)),
+        2 => Ok(Parsed::V2(serde_json::from_slice(bytes).map_err(json)?)),
+        other => Err(EnvelopeError::UnsupportedVersion(other)),
+    }
+}
+
+/// Decrypts (v2), applies `rules`, derives the assignment from the task inside and rejects
+/// the envelope if its `id`, `backend` or `identity` differ from the derived ones.
+fn open(
+    parsed: &Parsed,
+    policy: &DerivationPolicy,
+    keyring: Option<&TaskKeyring>,
+    rules: &EnvelopeRules,
+) -> Result<Assignment, EnvelopeError> {
+    let (id, backend, identity, task_bytes, fetched_at) = match parsed {
+        Parsed::V1(envelope) => {
             if keyring.is_some() && !rules.accept_plaintext {
                 return Err(EnvelopeError::Plaintext);
             }
             let task = decode_base64("task", &envelope.task)?;
-            (envelope.id, envelope.backend, envelope.identity, task, None)
+            (
+                &envelope.id,
+                &envelope.backend,
+                &envelope.identity,
+                task,
+                None,
+            )
         }
-        2 => {
-            let envelope: EnvelopeV2 = serde_json::from_slice(bytes).map_err(|e| json_error(&e))?;
+        Parsed::V2(envelope) => {
             let keyring = keyring.ok_or(EnvelopeError::NoKeyring)?;
             if !is_key_id(&envelope.key_id) {
                 return Err(EnvelopeError::Malformed(
@@ -800,14 +870,13 @@ pub fn decode_with(
             sealed.truncate(plain_len);
             check_age(envelope.fetched_at, rules)?;
             (
-                envelope.id,
-                envelope.backend,
-                envelope.identity,
+                &envelope.id,
+                &envelope.backend,
+                &envelope.identity,
                 sealed,
                 envelope.fetched_at,
             )
         }
-        other => return Err(EnvelopeError::UnsupportedVersion(other)),
     };
     let task = Task::decode_from_slice(&task_bytes)
         .map_err(|_| EnvelopeError::Malformed("task is not a valid Task protobuf".into()))?;

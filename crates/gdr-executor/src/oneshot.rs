@@ -360,49 +360,9 @@ async fn run_executor(
         &svids,
         &config.facade_spiffe_id,
     )?);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .map_err(|source| RunError::Io {
-            what: "binding the loopback proxy".into(),
-            source,
-        })?;
-    let local = listener.local_addr().map_err(|source| RunError::Io {
-        what: "reading the proxy address".into(),
-        source,
-    })?;
-    let proxy_url = format!("http://{local}");
-    let relay = Relay::new(
-        config.assignment_id.as_str(),
-        &config.facade_url,
-        &client_config,
-        config.report_outage_tolerance,
-    )?;
-    let credentials =
-        crate::proxy::RunnerCredentials::new(config.assignment_id.as_str(), &config.capability)?;
     // Stops the proxy on every way out, the early error returns included.
-    let (stop_proxy, proxy_stopped) = gdr_shutdown::shutdown_channel();
-    let stop_proxy = stop_proxy.into_guard();
-    let proxy = tokio::spawn(crate::proxy::serve_loopback_proxy(
-        listener,
-        relay.clone(),
-        credentials,
-        proxy_stopped,
-    ));
-
-    let mut cleanup = Cleanup {
-        runner_file: None,
-        temp_dir: None,
-    };
-    let work_dir = match &config.work_dir {
-        Some(dir) => dir.clone(),
-        None => {
-            let temp = tempdir()?;
-            cleanup.temp_dir = Some(temp.clone());
-            temp
-        }
-    };
-    cleanup.runner_file = Some(work_dir.join(RUNNER_FILE));
-    write_runner_file(&work_dir, &config, &proxy_url)?;
+    let proxy = LoopbackProxy::start(&config, &client_config).await?;
+    let (work_dir, cleanup) = prepare_work_dir(&config, &proxy.url)?;
     // No probe of the facade first: the runner's first call proves the channel (the relay
     // holds it through a facade outage), and a facade that never answers ends the run at
     // the ready timeout below.
@@ -419,18 +379,19 @@ async fn run_executor(
         .into_iter()
         .collect();
     let docker_host = dockerd.as_ref().map(Dockerd::docker_host);
+    let relay = &proxy.relay;
     let ran = tokio::select! {
         ran = run_runner(
             &config,
             &work_dir,
-            &proxy_url,
+            &proxy.url,
             docker_host.as_deref(),
             &keep,
-            &relay,
+            relay,
             &mut signals,
         ) => ran,
         // Dropping the runner's future kills the runner (`kill_on_drop`).
-        () = unanswered(&relay, config.ready_timeout) => {
+        () = unanswered(relay, config.ready_timeout) => {
             Err(RunError::FacadeUnreachable(config.facade_url.clone()))
         }
     };
@@ -446,10 +407,101 @@ async fn run_executor(
     };
     // Invariant 19: the runner may have been answered by the relay; nothing leaves
     // before the facade has it — unless the executor is being terminated.
-    let (settled, ()) = tokio::join!(settle(&relay, &mut signals, terminating), stopping);
-    drop(stop_proxy);
-    let _ = proxy.await;
+    let (settled, ()) = tokio::join!(settle(relay, &mut signals, terminating), stopping);
+    proxy.stop().await;
     drop(cleanup);
+    outcome(settled, status, config.report_outage_tolerance)
+}
+
+/// The loopback proxy the runner talks to, relaying to the facade. Dropped (an early error
+/// return), it is told to stop and left to finish on its own.
+struct LoopbackProxy {
+    /// `http://127.0.0.1:<port>`, the runner's Gitea address.
+    url: String,
+    relay: Arc<Relay>,
+    stop: gdr_shutdown::ShutdownGuard,
+    task: tokio::task::JoinHandle<Result<(), crate::proxy::ProxyError>>,
+}
+
+impl LoopbackProxy {
+    /// Binds a loopback port and serves the proxy on it.
+    async fn start(
+        config: &ExecutorConfig,
+        client_config: &rustls::ClientConfig,
+    ) -> Result<Self, RunError> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|source| RunError::Io {
+                what: "binding the loopback proxy".into(),
+                source,
+            })?;
+        let local = listener.local_addr().map_err(|source| RunError::Io {
+            what: "reading the proxy address".into(),
+            source,
+        })?;
+        let relay = Relay::new(
+            config.assignment_id.as_str(),
+            &config.facade_url,
+            client_config,
+            config.report_outage_tolerance,
+        )?;
+        let credentials = crate::proxy::RunnerCredentials::new(
+            config.assignment_id.as_str(),
+            &config.capability,
+        )?;
+        let (stop, stopped) = gdr_shutdown::shutdown_channel();
+        let stop = stop.into_guard();
+        let task = tokio::spawn(crate::proxy::serve_loopback_proxy(
+            listener,
+            relay.clone(),
+            credentials,
+            stopped,
+        ));
+        Ok(LoopbackProxy {
+            url: format!("http://{local}"),
+            relay,
+            stop,
+            task,
+        })
+    }
+
+    /// Stops the proxy and waits until it has.
+    async fn stop(self) {
+        drop(self.stop);
+        let _ = self.task.await;
+    }
+}
+
+/// The directory the runner works in (`CI_RUNNER_WORKDIR` or a new temporary one) with the
+/// one-shot `.runner` written into it; the returned [`Cleanup`] removes what was created.
+fn prepare_work_dir(
+    config: &ExecutorConfig,
+    proxy_url: &str,
+) -> Result<(PathBuf, Cleanup), RunError> {
+    let mut cleanup = Cleanup {
+        runner_file: None,
+        temp_dir: None,
+    };
+    let work_dir = match &config.work_dir {
+        Some(dir) => dir.clone(),
+        None => {
+            let temp = tempdir()?;
+            cleanup.temp_dir = Some(temp.clone());
+            temp
+        }
+    };
+    cleanup.runner_file = Some(work_dir.join(RUNNER_FILE));
+    write_runner_file(&work_dir, config, proxy_url)?;
+    Ok((work_dir, cleanup))
+}
+
+/// The executor's result once the reports are settled: the runner's status if the facade
+/// has everything it reported.
+fn outcome(
+    settled: Settled,
+    status: ExitStatus,
+    tolerance: Duration,
+) -> Result<ExitStatus, RunError> {
     match settled {
         Settled::Delivered => Ok(status),
         Settled::Refused { rows, result } => Err(RunError::ReportsRefused { rows, result }),
@@ -459,7 +511,7 @@ async fn run_executor(
             result,
         } => Err(RunError::ReportsUndelivered {
             waited,
-            tolerance: config.report_outage_tolerance,
+            tolerance,
             rows,
             result,
         }),

@@ -765,34 +765,13 @@ async fn connection(
     tracker: Arc<Tracker>,
     shutdown: Shutdown,
 ) {
-    let limits = tracker.limits;
     let stats = tracker.stats.clone();
-    let handshake = tokio::select! {
-        _ = slot.evict.notified() => return,
-        _ = shutdown.wait() => return,
-        done = tokio::time::timeout(limits.tls_handshake_timeout, acceptor.accept(stream)) => done,
-    };
-    let tls = match handshake {
-        Ok(Ok(tls)) => tls,
-        Ok(Err(e)) => {
-            stats.close(CloseReason::Handshake);
-            tracing::debug!(peer = %remote, error = %e, "facade TLS handshake failed");
-            return;
-        }
-        Err(_) => {
-            stats.close(CloseReason::Handshake);
-            tracing::debug!(peer = %remote, timeout = ?limits.tls_handshake_timeout, "facade TLS handshake timed out");
-            return;
-        }
-    };
-    let (_, session) = tls.get_ref();
-    let certs = session
-        .peer_certificates()
-        .map(|chain| PeerCerts(chain.iter().map(|c| c.clone().into_owned()).collect()));
-    let identity: Option<String> = certs.as_ref().and_then(|c| peer_spiffe_id(&c.0[..]));
-    let Some(identity) = identity else {
-        stats.close(CloseReason::Handshake);
-        tracing::debug!(peer = %remote, "facade peer without a SPIFFE ID closed");
+    let Some(Handshaken {
+        tls,
+        identity,
+        certs,
+    }) = handshake(stream, remote, &slot, &acceptor, &tracker, &shutdown).await
+    else {
         return;
     };
     let Some(standing) = tracker.established(&slot, &identity) else {
@@ -829,29 +808,7 @@ async fn connection(
                 Admitted::Serve => Some(app.clone().oneshot(req.map(axum::body::Body::new))),
                 Admitted::Refuse(..) | Admitted::Close => None,
             };
-            let conn_state = conn_state.clone();
-            async move {
-                let response = match (admitted, response) {
-                    (_, Some(response)) => response.await?,
-                    (Admitted::Refuse(status, text), _) => {
-                        conn_state.refused.notify_one();
-                        (status, text).into_response()
-                    }
-                    // The connection task drops the connection; nothing is answered.
-                    _ => std::future::pending::<axum::response::Response>().await,
-                };
-                // A bound connection keeps nothing once its assignment's credentials are
-                // refused; an unbound one is bounded by its identity's share already.
-                if conn_state.bound.get().is_some()
-                    && response.extensions().get::<Refused>().is_some()
-                {
-                    conn_state.refused.notify_one();
-                }
-                Ok::<_, std::convert::Infallible>(response.map(|inner| Tracked {
-                    inner,
-                    _in_flight: in_flight,
-                }))
-            }
+            respond(admitted, response, conn_state.clone(), in_flight)
         })
     };
     let conn = builder.serve_connection(TokioIo::new(tls), service);
@@ -890,20 +847,7 @@ async fn connection(
                     }
                     continue;
                 }
-                // Until it is bound to an assignment (or, where nothing binds, until its
-                // first request) a connection gets the header timeout: a peer that connects
-                // and sends nothing useful holds nothing for long.
-                let unbound = if tracker.capabilities.is_some() {
-                    conn_state.bound.get().is_none()
-                } else {
-                    activity.requests.load(Ordering::Relaxed) == 0
-                };
-                let bound = if unbound {
-                    limits.header_read_timeout
-                } else {
-                    limits.idle_timeout
-                };
-                if activity.idle_for().is_some_and(|idle| idle >= bound) {
+                if idle_too_long(&tracker, &conn_state, &activity) {
                     stats.close(CloseReason::Idle);
                     tracing::debug!(peer = %remote, %identity, "closing an idle facade connection");
                     conn.as_mut().graceful_shutdown();
@@ -912,6 +856,109 @@ async fn connection(
             }
         }
     }
+}
+
+/// A connection whose TLS handshake completed with a SPIFFE ID.
+struct Handshaken {
+    tls: tokio_rustls::server::TlsStream<TcpStream>,
+    /// The peer's SPIFFE ID.
+    identity: String,
+    certs: Option<PeerCerts>,
+}
+
+/// The TLS handshake, bounded by its timeout; `None` (counted and logged) when it fails,
+/// the peer shows no SPIFFE ID, or the slot is evicted or the facade stops meanwhile.
+async fn handshake(
+    stream: TcpStream,
+    remote: SocketAddr,
+    slot: &Slot,
+    acceptor: &tokio_rustls::TlsAcceptor,
+    tracker: &Tracker,
+    shutdown: &Shutdown,
+) -> Option<Handshaken> {
+    let limits = tracker.limits;
+    let stats = &tracker.stats;
+    let handshake = tokio::select! {
+        _ = slot.evict.notified() => return None,
+        _ = shutdown.wait() => return None,
+        done = tokio::time::timeout(limits.tls_handshake_timeout, acceptor.accept(stream)) => done,
+    };
+    let tls = match handshake {
+        Ok(Ok(tls)) => tls,
+        Ok(Err(e)) => {
+            stats.close(CloseReason::Handshake);
+            tracing::debug!(peer = %remote, error = %e, "facade TLS handshake failed");
+            return None;
+        }
+        Err(_) => {
+            stats.close(CloseReason::Handshake);
+            tracing::debug!(peer = %remote, timeout = ?limits.tls_handshake_timeout, "facade TLS handshake timed out");
+            return None;
+        }
+    };
+    let (_, session) = tls.get_ref();
+    let certs = session
+        .peer_certificates()
+        .map(|chain| PeerCerts(chain.iter().map(|c| c.clone().into_owned()).collect()));
+    let identity: Option<String> = certs.as_ref().and_then(|c| peer_spiffe_id(&c.0[..]));
+    let Some(identity) = identity else {
+        stats.close(CloseReason::Handshake);
+        tracing::debug!(peer = %remote, "facade peer without a SPIFFE ID closed");
+        return None;
+    };
+    Some(Handshaken {
+        tls,
+        identity,
+        certs,
+    })
+}
+
+/// One request's answer: the application's (`response`), a refusal, or none at all (the
+/// connection task drops a connection closed unanswered). Its [`InFlight`] travels with
+/// the body.
+async fn respond(
+    admitted: Admitted,
+    response: Option<
+        impl Future<Output = Result<axum::response::Response, std::convert::Infallible>>,
+    >,
+    conn_state: Arc<ConnectionState>,
+    in_flight: InFlight,
+) -> Result<hyper::Response<Tracked>, std::convert::Infallible> {
+    let response = match (admitted, response) {
+        (_, Some(response)) => response.await?,
+        (Admitted::Refuse(status, text), _) => {
+            conn_state.refused.notify_one();
+            (status, text).into_response()
+        }
+        // The connection task drops the connection; nothing is answered.
+        _ => std::future::pending::<axum::response::Response>().await,
+    };
+    // A bound connection keeps nothing once its assignment's credentials are
+    // refused; an unbound one is bounded by its identity's share already.
+    if conn_state.bound.get().is_some() && response.extensions().get::<Refused>().is_some() {
+        conn_state.refused.notify_one();
+    }
+    Ok(response.map(|inner| Tracked {
+        inner,
+        _in_flight: in_flight,
+    }))
+}
+
+/// Whether the connection has been idle past its bound. Until it is bound to an assignment
+/// (or, where nothing binds, until its first request) a connection gets the header
+/// timeout: a peer that connects and sends nothing useful holds nothing for long.
+fn idle_too_long(tracker: &Tracker, conn_state: &ConnectionState, activity: &Activity) -> bool {
+    let unbound = if tracker.capabilities.is_some() {
+        conn_state.bound.get().is_none()
+    } else {
+        activity.requests.load(Ordering::Relaxed) == 0
+    };
+    let bound = if unbound {
+        tracker.limits.header_read_timeout
+    } else {
+        tracker.limits.idle_timeout
+    };
+    activity.idle_for().is_some_and(|idle| idle >= bound)
 }
 
 /// One established connection's standing, shared by its requests.

@@ -172,13 +172,17 @@ async fn run_controller(
 ) -> Result<(), RuntimeError> {
     // The enabled backends' labels and the labels the Pod profiles add.
     let labels = settings.declared_labels();
+    let single_host = settings.single_host();
+    let open_files = open_files();
+    let (capability_key, prepared) = prepare(&settings, labels.clone()).await?;
     let Settings {
         gitea,
         runner,
         policy,
         codec,
-        capability_key_file,
-        task_keys,
+        // Read by `prepare`.
+        capability_key_file: _,
+        task_keys: _,
         nats,
         state_dir,
         // Bound by the caller (`listeners.health`).
@@ -191,42 +195,14 @@ async fn run_controller(
         leader,
         secrets,
     } = settings;
-    let open_files = open_files();
-    let single_host = matches!(nats.server, NatsServer::Embedded { .. });
-    first_start::ensure_registered(&gitea, &runner, labels.clone())
-        .await
-        .map_err(setup("registering the runner"))?;
-    let (gitea_client, extra_ca) = gitea_client(&gitea, secrets)?;
-    let writes_envelopes = scheduler.is_some();
-    let (capability_key, envelope_id_key, keyring) = keys(
-        &capability_key_file,
-        task_keys,
-        &state_dir,
-        (single_host, writes_envelopes),
-        secrets,
-    )?;
-    warn_about_compatibility(&nats, &policy, keyring.is_some());
-    if uses_state_dir(&nats, &identity, pod.as_ref(), vm.as_ref()) {
-        private_dir(&state_dir).map_err(|e| step("state_dir")(e.into()))?;
-    }
 
-    // The components that register their own metrics exist before the registry is shared.
-    let stats = Arc::new(SchedulerStats::new());
-    let facade_stats = Arc::new(FacadeStats::default());
-    let jobs = Arc::new(JobMetrics::default());
-    let health_state = Health::with_metrics(metrics::registry(&stats, &facade_stats, &jobs));
-    let (metrics, readiness) = (health_state.metrics.clone(), health_state.readiness.clone());
-    let (stop_health, health_shutdown) = shutdown_channel();
-    let health = tokio::spawn(crate::health::serve(
-        listeners.health,
-        health_state.clone(),
-        health_shutdown.clone(),
-    ));
+    let health = HealthServer::start(listeners.health);
+    let metrics = health.state.metrics.clone();
     let queue = Queue::connect(&nats, &state_dir, secrets).await?;
-    tokio::spawn(watch_nats(metrics.clone(), &queue, health_shutdown));
-    let (mut leadership, elector) = campaign(leader, &stop_health).await?;
-    if !lead(&mut leadership, &shutdown, &stop_health).await? {
-        let _ = health.await;
+    tokio::spawn(watch_nats(metrics.clone(), &queue, health.stopped.clone()));
+    let (mut leadership, elector) = campaign(leader, &health.stop).await?;
+    if !lead(&mut leadership, &shutdown, &health.stop).await? {
+        let _ = health.task.await;
         return Ok(());
     }
     metrics.leader.set(1);
@@ -235,96 +211,275 @@ async fn run_controller(
     // not re-serve or re-adopt what the leader owns.
     let local = local_identity(&identity, &state_dir, &policy)?;
     let vm_terminal_grace = vm.as_ref().and_then(terminal_grace);
-    #[rustfmt::skip] // Within run_controller's length bound.
-    let wiring = Wiring::new(&state_dir, &policy, &codec, &identity, local.as_ref(), secrets);
+    let wiring = Wiring::new(
+        &state_dir,
+        &policy,
+        &codec,
+        &identity,
+        local.as_ref(),
+        secrets,
+    );
     let finished = queue.finished(&nats).await?;
     let (dispatch, capacities, extras) = adopt(pod, vm, &wiring, capability_key, &finished).await?;
-    for backend in capacities.keys() {
-        metrics.init_backend(*backend);
-        jobs.init_backend(*backend);
-    }
+    health.init_backends(capacities.keys());
 
     // Components. Stopping the scheduler first lets an in-flight fetch publish (4).
     let (stop_scheduler, scheduler_shutdown) = scheduler_stop(&leadership);
     let (stop_work, work_shutdown) = shutdown_channel();
-    let mut tasks: JoinSet<(&'static str, Result<(), Source>)> = JoinSet::new();
-    let facade_settings = scheduler.as_ref().map(|s| s.facade.clone());
-    let facade_url = facade_url(facade_settings.as_ref(), &listeners.facade)?;
-    // Workers poke it when an assignment leaves the stream, so the backlog gate lets the
-    // next fetch through at once.
-    let backlog_changed = Arc::new(tokio::sync::Notify::new());
-    let observations = Arc::new(Observations::new(Some(jobs.clone())));
-    let backend_wiring = BackendWiring {
-        dispatch: &dispatch,
-        gitea: &gitea_client,
+    let components = Components {
+        prepared: &prepared,
+        health: &health,
         queue: &queue,
+        leadership: &leadership,
+        dispatch: &dispatch,
+        capacities: &capacities,
+        finished: &finished,
+        local: local.as_ref(),
+        gitea: &gitea,
+        capabilities: &runner.capabilities,
+        labels,
         nats: &nats,
         executors: &executors,
         policy: &policy,
         codec: &codec,
-        keyring: keyring.as_ref(),
-        facade: facade_settings.as_ref(),
-        facade_url: &facade_url,
-        metrics: &jobs,
-        observations: &observations,
-        backlog_changed: &backlog_changed,
+        identity: &identity,
+        state_dir: &state_dir,
+        open_files: &open_files,
         vm_terminal_grace,
-        leadership: &leadership,
-        envelope_id_key: &envelope_id_key,
     };
-    if let Some(scheduler) = scheduler {
-        still_leading(&leadership)?;
-        spawn_front(
-            &mut tasks,
-            &scheduler,
-            FrontWiring {
-                shared: &backend_wiring,
-                labels,
-                capabilities: runner.capabilities.clone(),
-                capacities: &capacities,
-                gitea_url: gitea.url.as_str(),
-                extra_ca: extra_ca.as_deref(),
-                finished: &finished,
-                stats: &stats,
-                facade_stats: &facade_stats,
-                identity: &identity,
-                local: local.as_ref(),
-                state_dir: &state_dir,
-                open_files: &open_files,
-            },
-            listeners.facade,
-            (&scheduler_shutdown, &work_shutdown),
-        )
-        .await?;
-    }
-    let depth = spawn_workers(
-        &mut tasks,
-        &backend_wiring,
-        &capacities,
+    // Without a scheduler nothing serves the facade's listener; it stays bound until the end.
+    let (mut tasks, _unserved_facade) = spawn_components(
+        components,
+        scheduler,
+        listeners.facade,
         extras,
-        &metrics,
-        &work_shutdown,
+        (&scheduler_shutdown, &work_shutdown),
     )
     .await?;
-    health_state.status.set(Arc::new(Observed::new(
-        dispatch.clone(),
-        observations,
-        depth,
-        capacities.keys().copied().collect(),
-    )));
-    readiness.set(true);
     if single_host {
         tracing::info!("single-host mode: embedded NATS, local executors");
     }
 
     let outcome = run_until_stopped(&mut tasks, &shutdown, &mut leadership).await;
-    readiness.set(false);
-    metrics.leader.set(0);
-    health_state.status.clear();
-    wind_down(tasks, [stop_scheduler, stop_work, stop_health], elector).await;
-    let _ = health.await;
+    health.not_ready();
+    wind_down(tasks, [stop_scheduler, stop_work, health.stop], elector).await;
+    let _ = health.task.await;
     drop(queue);
     outcome
+}
+
+/// What the start-up steps before serving health establish for the components: the Gitea
+/// client and the keys (the capability key itself goes to the dispatch).
+struct Prepared {
+    gitea: GiteaClient,
+    /// `gitea_ca_file`'s contents (the facade's upstream trusts them too).
+    extra_ca: Option<Vec<u8>>,
+    envelope_id_key: EnvelopeIdKey,
+    /// `None`: plaintext envelopes.
+    keyring: Option<TaskKeyring>,
+}
+
+/// Registers the runner (first start) with `labels`, reads the credentials and the keys,
+/// warns about weakening compatibility settings and makes the state directory private
+/// where something keeps state there. Returns the capability key and the rest.
+async fn prepare(
+    settings: &Settings,
+    labels: Vec<String>,
+) -> Result<(CapabilityKey, Prepared), RuntimeError> {
+    let secrets = settings.secrets;
+    first_start::ensure_registered(&settings.gitea, &settings.runner, labels)
+        .await
+        .map_err(setup("registering the runner"))?;
+    let (gitea, extra_ca) = gitea_client(&settings.gitea, secrets)?;
+    let writes_envelopes = settings.scheduler.is_some();
+    let (capability_key, envelope_id_key, keyring) = keys(
+        &settings.capability_key_file,
+        settings.task_keys.as_ref(),
+        &settings.state_dir,
+        (settings.single_host(), writes_envelopes),
+        secrets,
+    )?;
+    warn_about_compatibility(&settings.nats, &settings.policy, keyring.is_some());
+    let (pod, vm) = (settings.pod.as_ref(), settings.vm.as_ref());
+    if uses_state_dir(&settings.nats, &settings.identity, pod, vm) {
+        private_dir(&settings.state_dir).map_err(|e| step("state_dir")(e.into()))?;
+    }
+    let prepared = Prepared {
+        gitea,
+        extra_ca,
+        envelope_id_key,
+        keyring,
+    };
+    Ok((capability_key, prepared))
+}
+
+/// The health listener (`/healthz`, `/readyz`, `/metrics`, `/status`), served from start-up
+/// on, a standby's included, with the metrics the components register themselves.
+struct HealthServer {
+    state: Health,
+    /// The scheduler's, the facade's and the job steps' metrics, in `state`'s registry.
+    stats: Arc<SchedulerStats>,
+    facade_stats: Arc<FacadeStats>,
+    jobs: Arc<JobMetrics>,
+    /// Stops the listener (last, in [`wind_down`]).
+    stop: ShutdownTrigger,
+    /// Resolves once `stop` fired: what watches for the listener ends with it.
+    stopped: Shutdown,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl HealthServer {
+    fn start(listener: tokio::net::TcpListener) -> Self {
+        // The components that register their own metrics exist before the registry is
+        // shared.
+        let stats = Arc::new(SchedulerStats::new());
+        let facade_stats = Arc::new(FacadeStats::default());
+        let jobs = Arc::new(JobMetrics::default());
+        let state = Health::with_metrics(metrics::registry(&stats, &facade_stats, &jobs));
+        let (stop, stopped) = shutdown_channel();
+        let task = tokio::spawn(crate::health::serve(
+            listener,
+            state.clone(),
+            stopped.clone(),
+        ));
+        HealthServer {
+            state,
+            stats,
+            facade_stats,
+            jobs,
+            stop,
+            stopped,
+            task,
+        }
+    }
+
+    /// Every backend's series exist from the start, at zero.
+    fn init_backends<'a>(&self, backends: impl Iterator<Item = &'a Backend>) {
+        for backend in backends {
+            self.state.metrics.init_backend(*backend);
+            self.jobs.init_backend(*backend);
+        }
+    }
+
+    /// Every component runs: `/status` reports `observed`, `/readyz` says ready.
+    fn ready(&self, observed: Observed) {
+        self.state.status.set(Arc::new(observed));
+        self.state.readiness.set(true);
+    }
+
+    /// Leading ended: not ready, not the leader, nothing observed.
+    fn not_ready(&self) {
+        self.state.readiness.set(false);
+        self.state.metrics.leader.set(0);
+        self.state.status.clear();
+    }
+}
+
+/// What the leader's components are built from: the settings start-up left and what it
+/// established, once the backends are adopted.
+struct Components<'a> {
+    prepared: &'a Prepared,
+    health: &'a HealthServer,
+    queue: &'a Queue,
+    leadership: &'a Leadership,
+    dispatch: &'a Arc<Dispatch>,
+    capacities: &'a BTreeMap<Backend, usize>,
+    finished: &'a FinishedAssignments,
+    local: Option<&'a Arc<LocalIdentity>>,
+    gitea: &'a GiteaSettings,
+    /// The runner's declared capabilities.
+    capabilities: &'a [String],
+    /// The labels the runner declares (see [`Settings::declared_labels`]).
+    labels: Vec<String>,
+    nats: &'a NatsSettings,
+    executors: &'a ExecutorTimings,
+    policy: &'a DerivationPolicy,
+    codec: &'a MetadataCodec,
+    identity: &'a IdentitySource,
+    state_dir: &'a Path,
+    open_files: &'a crate::limits::OpenFiles,
+    vm_terminal_grace: Option<Duration>,
+}
+
+/// Starts the scheduler and the facade (where this controller schedules) and every
+/// backend's workers, then reports ready. Returns the components' tasks, and the facade's
+/// listener where nothing serves it: it stays bound until the controller stops.
+async fn spawn_components(
+    c: Components<'_>,
+    scheduler: Option<settings::SchedulerSettings>,
+    facade_listener: tokio::net::TcpListener,
+    extras: BTreeMap<Backend, Extras>,
+    (scheduler_shutdown, work_shutdown): (&Shutdown, &Shutdown),
+) -> Result<
+    (
+        JoinSet<(&'static str, Result<(), Source>)>,
+        Option<tokio::net::TcpListener>,
+    ),
+    RuntimeError,
+> {
+    let mut tasks: JoinSet<(&'static str, Result<(), Source>)> = JoinSet::new();
+    let facade_settings = scheduler.as_ref().map(|s| s.facade.clone());
+    let facade_url = facade_url(facade_settings.as_ref(), &facade_listener)?;
+    // Workers poke it when an assignment leaves the stream, so the backlog gate lets the
+    // next fetch through at once.
+    let backlog_changed = Arc::new(tokio::sync::Notify::new());
+    let observations = Arc::new(Observations::new(Some(c.health.jobs.clone())));
+    let shared = BackendWiring {
+        dispatch: c.dispatch,
+        gitea: &c.prepared.gitea,
+        queue: c.queue,
+        nats: c.nats,
+        executors: c.executors,
+        policy: c.policy,
+        codec: c.codec,
+        keyring: c.prepared.keyring.as_ref(),
+        facade: facade_settings.as_ref(),
+        facade_url: &facade_url,
+        metrics: &c.health.jobs,
+        observations: &observations,
+        backlog_changed: &backlog_changed,
+        vm_terminal_grace: c.vm_terminal_grace,
+        leadership: c.leadership,
+        envelope_id_key: &c.prepared.envelope_id_key,
+    };
+    let unserved = match scheduler {
+        Some(scheduler) => {
+            still_leading(c.leadership)?;
+            let front = FrontWiring {
+                shared: &shared,
+                labels: c.labels,
+                capabilities: c.capabilities.to_vec(),
+                capacities: c.capacities,
+                gitea_url: c.gitea.url.as_str(),
+                extra_ca: c.prepared.extra_ca.as_deref(),
+                finished: c.finished,
+                stats: &c.health.stats,
+                facade_stats: &c.health.facade_stats,
+                identity: c.identity,
+                local: c.local,
+                state_dir: c.state_dir,
+                open_files: c.open_files,
+            };
+            let shutdowns = (scheduler_shutdown, work_shutdown);
+            spawn_front(&mut tasks, &scheduler, front, facade_listener, shutdowns).await?;
+            None
+        }
+        None => Some(facade_listener),
+    };
+    let metrics = &c.health.state.metrics;
+    let depth = spawn_workers(
+        &mut tasks,
+        &shared,
+        c.capacities,
+        extras,
+        metrics,
+        work_shutdown,
+    )
+    .await?;
+    let backends = c.capacities.keys().copied().collect();
+    let observed = Observed::new(c.dispatch.clone(), observations, depth, backends);
+    c.health.ready(observed);
+    Ok((tasks, unserved))
 }
 
 /// Invariant 4: stops fetching first (an in-flight fetch still publishes, bounded by the
@@ -436,7 +591,7 @@ async fn adopt(
 /// (21), derived from it, and the task keyring (`None`: plaintext envelopes).
 fn keys(
     capability_key_file: &KeyFile,
-    task_keys: Option<TaskKeyFiles>,
+    task_keys: Option<&TaskKeyFiles>,
     state_dir: &Path,
     (single_host, writes_envelopes): (bool, bool),
     secrets: SecretPermissions,
@@ -647,7 +802,7 @@ pub const GENERATED_TASK_KEY_FILE: &str = "task-encryption.key";
 /// under `state_dir` on first start (mode 0600; also kept for opening older envelopes once
 /// a key is configured). A scheduler that would write plaintext v1 envelopes says so.
 fn keyring(
-    files: Option<TaskKeyFiles>,
+    files: Option<&TaskKeyFiles>,
     state_dir: &Path,
     single_host: bool,
     writes_envelopes: bool,
@@ -685,7 +840,7 @@ fn keyring(
         // Envelopes sealed before a key was configured still open.
         previous.push(load(&generated)?);
     }
-    Ok(Some(TaskKeyring::new(load(&current)?, previous)))
+    Ok(Some(TaskKeyring::new(load(current)?, previous)))
 }
 
 /// Reads the generated key at `path`, or creates it (0600) on first start.
@@ -1352,14 +1507,12 @@ mod tests {
         let configured = state.path().join("configured.key");
         std::fs::write(&configured, "ab".repeat(32)).unwrap();
         std::fs::set_permissions(&configured, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let files = || {
-            Some(TaskKeyFiles {
-                current: configured.clone(),
-                previous: Vec::new(),
-            })
+        let files = TaskKeyFiles {
+            current: configured.clone(),
+            previous: Vec::new(),
         };
         let rotated = keyring(
-            files(),
+            Some(&files),
             state.path(),
             true,
             true,

@@ -5,6 +5,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use gdr_core::assignment::EnvelopeError;
 use gdr_core::executor::{ExecutorRecord, Phase};
 
 use crate::job_metrics::FailureReason;
@@ -45,6 +46,42 @@ pub(super) fn settlement(outcome: Outcome, retry_hint: Option<Duration>, d: &Del
             Settle::Nak(Some(d.error))
         }
         Outcome::Interrupted => Settle::Nak(None),
+    }
+}
+
+/// What becomes of a delivery whose envelope did not open.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Unopened {
+    /// Sealed with a task key this process lacks: a configuration fault (e.g. a rotation
+    /// rolled out in the wrong order) or a stranger's message, not a job this backend can
+    /// start. Set aside on the held subject, so it holds no admission slot (invariant 21).
+    Hold,
+    /// Never retried: settled with this outcome; `why` is the log line's message.
+    Terminate { outcome: Outcome, why: &'static str },
+}
+
+/// Invariant 21 and the queue's trust rules: which envelopes wait for their key, and why
+/// every other one is terminated.
+pub(super) fn unopened(error: &EnvelopeError) -> Unopened {
+    let terminate = |outcome, why| Unopened::Terminate { outcome, why };
+    match error {
+        EnvelopeError::UnknownKey(_) | EnvelopeError::NoKeyring => Unopened::Hold,
+        EnvelopeError::Plaintext => terminate(
+            Outcome::Plaintext,
+            "terminating a plaintext assignment: anyone able to publish could have written it",
+        ),
+        EnvelopeError::Expired { .. } | EnvelopeError::FromTheFuture { .. } => terminate(
+            Outcome::Expired,
+            "terminating an assignment outside its lifetime (stale or replayed)",
+        ),
+        EnvelopeError::Undated => terminate(
+            Outcome::Expired,
+            "terminating an assignment without a fetch time: its age cannot be checked, so it could be a replay (Gitea fails its task at its zombie timeout)",
+        ),
+        _ => terminate(
+            Outcome::Poison,
+            "terminating an undecodable or tampered assignment: it is never retried, and Gitea fails its task at its zombie timeout",
+        ),
     }
 }
 
@@ -266,6 +303,54 @@ mod tests {
             settlement(Outcome::Full, Some(s(30)), &d),
             Settle::Nak(Some(s(30)))
         );
+    }
+
+    /// Invariant 21: only a missing task key holds an envelope (it waits on the held
+    /// subject for its key, holding no slot); a plaintext one where a key is configured,
+    /// one outside its lifetime and an undecodable or tampered one are terminated.
+    #[test]
+    fn only_a_missing_task_key_holds_an_envelope_every_other_refusal_terminates_it() {
+        let d = delays();
+        for e in [
+            EnvelopeError::UnknownKey("0123456789abcdef".into()),
+            EnvelopeError::NoKeyring,
+        ] {
+            assert_eq!(unopened(&e), Unopened::Hold, "{e}");
+        }
+        // Set aside: acked once the held subject has it; put back while it cannot be stored.
+        assert_eq!(settlement(Outcome::Held, None, &d), Settle::Ack);
+        assert_eq!(
+            settlement(Outcome::MissingKey, None, &d),
+            Settle::Nak(Some(d.error))
+        );
+
+        let terminated = [
+            (EnvelopeError::Plaintext, Outcome::Plaintext),
+            (
+                EnvelopeError::Expired {
+                    age: 90_000,
+                    max_age: 86_400,
+                },
+                Outcome::Expired,
+            ),
+            (
+                EnvelopeError::FromTheFuture { ahead: 600 },
+                Outcome::Expired,
+            ),
+            (EnvelopeError::Undated, Outcome::Expired),
+            (EnvelopeError::Malformed("not JSON".into()), Outcome::Poison),
+            (EnvelopeError::UnsupportedVersion(3), Outcome::Poison),
+            (EnvelopeError::Decrypt, Outcome::Poison),
+            (EnvelopeError::Tampered { field: "id" }, Outcome::Poison),
+        ];
+        for (e, expected) in terminated {
+            let Unopened::Terminate { outcome, .. } = unopened(&e) else {
+                panic!("{e}: held");
+            };
+            assert_eq!(outcome, expected, "{e}");
+            // Never redelivered.
+            assert_eq!(settlement(outcome, None, &d), Settle::Term, "{e}");
+        }
     }
 
     /// DESIGN invariants 12 and 20: a new job is admitted; a finished one with nothing

@@ -32,8 +32,8 @@ use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use gdr_core::assignment::{
-    Assignment, AssignmentId, DerivationPolicy, EnvelopeError, EnvelopeRules, TaskKeyring,
-    decode_with, envelope_id,
+    Assignment, AssignmentId, DerivationPolicy, Envelope, EnvelopeRules, TaskKeyring, decode_with,
+    envelope_id,
 };
 use gdr_core::backend::Backend;
 use gdr_core::capacity::Admission;
@@ -49,7 +49,7 @@ use crate::shutdown::Shutdown;
 use crate::wake::Wake;
 
 mod decide;
-use decide::{AfterCreateError, Observed, Settle, Start};
+use decide::{AfterCreateError, Observed, Settle, Start, Unopened};
 
 /// Re-subscribing after a stream error: quick at first, never a spin.
 const RESUBSCRIBE: Backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
@@ -453,8 +453,10 @@ impl Worker {
 
     async fn process(&self, message: &jetstream::Message, shutdown: Shutdown) -> (String, Outcome) {
         let backend = self.settings.backend;
+        // Parsed once: the log's ID, the held copy's and the opening read the same parse.
+        let envelope = Envelope::parse(&message.payload);
         let label = || {
-            envelope_id(&message.payload).map_or_else(
+            envelope.id().map_or_else(
                 || {
                     let sequence = message
                         .info()
@@ -462,47 +464,28 @@ impl Worker {
                         .unwrap_or_default();
                     format!("stream-sequence-{sequence}")
                 },
-                |id| id.to_string(),
+                ToString::to_string,
             )
         };
         let rules = self.settings.envelopes.rules((self.clock)());
-        let decoded = decode_with(
-            &message.payload,
-            &self.policy,
-            self.keyring.as_ref(),
-            &rules,
-        );
+        let decoded = envelope.open(&self.policy, self.keyring.as_ref(), &rules);
         let assignment = match decoded {
             Ok(a) => a,
-            Err(e @ (EnvelopeError::UnknownKey(_) | EnvelopeError::NoKeyring)) => {
-                // A key this process lacks is a configuration fault (e.g. a rotation
-                // rolled out in the wrong order) or a stranger's message, not a job this
-                // backend can start: set it aside so it holds no admission slot. The
-                // heartbeater keeps it alive in Gitea meanwhile (it reads only the ID); the
-                // held reconciler releases it once the key is configured, or fails it.
-                let label = label();
-                tracing::error!(%backend, assignment_id = %label, error = %e, "cannot decrypt an assignment: setting it aside until its task key is configured");
-                return (label, self.hold(message).await);
-            }
-            Err(e @ EnvelopeError::Plaintext) => {
-                let label = label();
-                tracing::error!(%backend, assignment_id = %label, error = %e, "terminating a plaintext assignment: anyone able to publish could have written it");
-                return (label, Outcome::Plaintext);
-            }
-            Err(e @ (EnvelopeError::Expired { .. } | EnvelopeError::FromTheFuture { .. })) => {
-                let label = label();
-                tracing::error!(%backend, assignment_id = %label, error = %e, "terminating an assignment outside its lifetime (stale or replayed)");
-                return (label, Outcome::Expired);
-            }
-            Err(e @ EnvelopeError::Undated) => {
-                let label = label();
-                tracing::error!(%backend, assignment_id = %label, error = %e, "terminating an assignment without a fetch time: its age cannot be checked, so it could be a replay (Gitea fails its task at its zombie timeout)");
-                return (label, Outcome::Expired);
-            }
             Err(e) => {
                 let label = label();
-                tracing::error!(%backend, assignment_id = %label, error = %e, "terminating an undecodable or tampered assignment: it is never retried, and Gitea fails its task at its zombie timeout");
-                return (label, Outcome::Poison);
+                return match decide::unopened(&e) {
+                    // The heartbeater keeps a held assignment alive in Gitea meanwhile (it
+                    // reads only the ID); the held reconciler releases it once the key is
+                    // configured, or fails it.
+                    Unopened::Hold => {
+                        tracing::error!(%backend, assignment_id = %label, error = %e, "cannot decrypt an assignment: setting it aside until its task key is configured");
+                        (label, self.hold(message, envelope.id()).await)
+                    }
+                    Unopened::Terminate { outcome, why } => {
+                        tracing::error!(%backend, assignment_id = %label, error = %e, "{why}");
+                        (label, outcome)
+                    }
+                };
             }
         };
         let label = assignment.id().as_str().to_owned();
@@ -517,15 +500,16 @@ impl Worker {
         (label, self.reconcile(assignment, message, shutdown).await)
     }
 
-    /// Moves an undecryptable delivery to the held subject, then lets the caller ack it.
-    async fn hold(&self, message: &jetstream::Message) -> Outcome {
+    /// Moves an undecryptable delivery (naming `id`) to the held subject, then lets the
+    /// caller ack it.
+    async fn hold(&self, message: &jetstream::Message, id: Option<&AssignmentId>) -> Outcome {
         let backend = self.settings.backend;
         let mut publish =
             jetstream::message::PublishMessage::build().payload(message.payload.clone());
         // A redelivery of a message held already is dropped by JetStream as a duplicate.
         // Keyed by the stream sequence too: the ID is unauthenticated, and a forged message
         // naming it must not make the real one a duplicate.
-        if let (Some(id), Ok(info)) = (envelope_id(&message.payload), message.info()) {
+        if let (Some(id), Ok(info)) = (id, message.info()) {
             publish = publish.message_id(format!("held-{id}-{}", info.stream_sequence));
         }
         let stored = async {

@@ -742,6 +742,46 @@ fn the_envelope_id_is_readable_without_the_key_in_both_versions() {
     assert_eq!(envelope_id(b"not json"), None);
 }
 
+/// `Envelope` parses once what `envelope_id` and `decode_with` each read: the same ID, the
+/// same assignment or refusal, for good, refused, malformed and foreign bytes alike.
+#[test]
+fn an_envelope_parsed_once_names_the_id_and_opens_as_the_bytes_decode() {
+    let assignment = pod_assignment();
+    let v2 = encode_v2(&assignment, &keyring()).unwrap();
+    let v1 = encode_v1(&assignment).unwrap();
+    let cases: Vec<Vec<u8>> = vec![
+        v2.clone(),
+        v1.clone(),
+        // Readable ID, unknown field: malformed, yet named in the log.
+        edit(&v2, |v| v["extra"] = 1.into()),
+        edit(&v1, |v| v["task"] = "%%%".into()),
+        edit(&v2, |v| v["version"] = 3.into()),
+        br#"{"id":"gitea-task-007"}"#.to_vec(),
+        b"not json".to_vec(),
+    ];
+    let stale = rules(SystemTime::now() + Duration::from_secs(24 * 3600));
+    for bytes in &cases {
+        let envelope = Envelope::parse(bytes);
+        let text = String::from_utf8_lossy(bytes);
+        assert_eq!(envelope.id(), envelope_id(bytes).as_ref(), "{text}");
+        for (keys, rules) in [
+            (Some(keyring()), EnvelopeRules::permissive()),
+            (None, EnvelopeRules::permissive()),
+            (Some(TaskKeyring::new(key(9), Vec::new())), stale),
+            (Some(keyring()), stale),
+        ] {
+            assert_eq!(
+                envelope.open(&policy(), keys.as_ref(), &rules),
+                decode_with(bytes, &policy(), keys.as_ref(), &rules),
+                "{text}"
+            );
+        }
+    }
+    let opened =
+        Envelope::parse(&v2).open(&policy(), Some(&keyring()), &EnvelopeRules::permissive());
+    assert_eq!(opened.unwrap().id(), assignment.id());
+}
+
 // === trust rules (invariants 20, 21) ===
 
 fn rules(now: SystemTime) -> EnvelopeRules {
