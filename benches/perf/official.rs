@@ -204,6 +204,17 @@ impl Controller {
         let home = dir.display().to_string();
         let capacity = K.to_string();
         let log = dir.join("controller.log");
+        // As in the chain part: another build of the executor, if named.
+        let program = std::env::var("PERF_EXECUTOR_PROGRAM").unwrap_or_default();
+        let mut env = vec![
+            ("PATH", path.as_str()),
+            ("STATE_DIRECTORY", state.as_str()),
+            ("HOME", home.as_str()),
+            ("POD_CAPACITY", capacity.as_str()),
+        ];
+        if !program.is_empty() {
+            env.push(("EXECUTOR_PROGRAM", program.as_str()));
+        }
         let mut child = spawn_activated(
             BIN.as_ref(),
             &[
@@ -214,12 +225,7 @@ impl Controller {
                 &token.display().to_string(),
             ],
             &[("facade", &facade), ("health", &health)],
-            &[
-                ("PATH", path.as_str()),
-                ("STATE_DIRECTORY", state.as_str()),
-                ("HOME", home.as_str()),
-                ("POD_CAPACITY", capacity.as_str()),
-            ],
+            &env,
             &log,
         );
         let ready = format!("http://{}/readyz", health.local_addr().expect("addr"));
