@@ -20,7 +20,7 @@ use gdr_proto::runner::v1 as pb;
 use gdr_testkit::mock_gitea::{
     JobId, MockConfig, MockGitea, RpcMethod, RunningMock, Status, Trigger,
 };
-use gdr_testkit::nats_server::NatsServer;
+use gdr_testkit::nats_server::{AckDropper, NatsServer};
 use gdr_testkit::until;
 use tokio::task::JoinHandle;
 
@@ -1177,108 +1177,13 @@ async fn racing_pollers_never_queue_more_than_each_backends_backlog_limit() {
     assert_eq!(worst, (3, 2), "both backlogs reached their limit");
 }
 
-/// A TCP proxy between a NATS client and nats-server that can drop JetStream's publish
-/// acknowledgements (the `{"stream":…}` replies) on their way back and passes everything
-/// else: a publish still reaches the server and is stored, the stream stays readable (the
-/// backlog gate stays open), but the client never hears the ack.
-struct AckDropper {
-    url: String,
-    dropping: tokio::sync::watch::Sender<bool>,
-    dropped: Arc<AtomicU64>,
-}
-
-impl AckDropper {
-    async fn start(server_url: &str) -> AckDropper {
-        let target = server_url
-            .strip_prefix("nats://")
-            .expect("a nats:// URL")
-            .to_string();
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let url = format!("nats://{}", listener.local_addr().expect("addr"));
-        let (dropping, watched) = tokio::sync::watch::channel(false);
-        let dropped = Arc::new(AtomicU64::new(0));
-        let counted = dropped.clone();
-        tokio::spawn(async move {
-            while let Ok((inbound, _)) = listener.accept().await {
-                let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
-                    continue;
-                };
-                let (mut client_read, client_write) = inbound.into_split();
-                let (server_read, mut server_write) = outbound.into_split();
-                tokio::spawn(async move {
-                    let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
-                });
-                let (watched, counted) = (watched.clone(), counted.clone());
-                tokio::spawn(Self::replies(server_read, client_write, watched, counted));
-            }
-        });
-        AckDropper {
-            url,
-            dropping,
-            dropped,
-        }
-    }
-
-    /// Forwards the server's protocol lines and messages, leaving out the publish acks
-    /// while dropping.
-    async fn replies(
-        server: tokio::net::tcp::OwnedReadHalf,
-        mut client: tokio::net::tcp::OwnedWriteHalf,
-        dropping: tokio::sync::watch::Receiver<bool>,
-        dropped: Arc<AtomicU64>,
-    ) {
-        use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
-        let mut server = tokio::io::BufReader::new(server);
-        loop {
-            let mut line = Vec::new();
-            match server.read_until(b'\n', &mut line).await {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-            let text = String::from_utf8_lossy(&line).to_string();
-            let mut body = Vec::new();
-            // `MSG <subject> <sid> [reply] <bytes>` and `HMSG … <header bytes> <total bytes>`:
-            // the last field is the size of what follows, then CRLF.
-            if text.starts_with("MSG ") || text.starts_with("HMSG ") {
-                let size: usize = text
-                    .split_whitespace()
-                    .last()
-                    .and_then(|s| s.parse().ok())
-                    .expect("a message size");
-                body.resize(size + 2, 0);
-                if server.read_exact(&mut body).await.is_err() {
-                    return;
-                }
-                if *dropping.borrow() && body.starts_with(b"{\"stream\":") {
-                    dropped.fetch_add(1, Ordering::SeqCst);
-                    continue;
-                }
-            }
-            line.extend_from_slice(&body);
-            if client.write_all(&line).await.is_err() {
-                return;
-            }
-        }
-    }
-
-    fn drop_acks(&self, drop: bool) {
-        self.dropping.send_replace(drop);
-    }
-
-    fn dropped(&self) -> u64 {
-        self.dropped.load(Ordering::SeqCst)
-    }
-
-    /// A JetStream context through this proxy whose publishes give up on an ack after a
-    /// second (production: 5 s), so a dropped ack is retried soon.
-    async fn jetstream(&self) -> jetstream::Context {
-        let client = async_nats::connect(&self.url).await.expect("connect");
-        jetstream::ContextBuilder::new()
-            .timeout(Duration::from_secs(1))
-            .build(client)
-    }
+/// A JetStream context through `proxy` whose publishes give up on an ack after a second
+/// (production: 5 s), so a dropped ack is retried soon.
+async fn jetstream_via(proxy: &AckDropper) -> jetstream::Context {
+    let client = async_nats::connect(proxy.url()).await.expect("connect");
+    jetstream::ContextBuilder::new()
+        .timeout(Duration::from_secs(1))
+        .build(client)
 }
 
 /// One poller with a publish window of `window`, publishing through an [`AckDropper`] that
@@ -1291,7 +1196,7 @@ async fn pipelined_with_acks_dropped(env: &Env, window: usize) -> (AckDropper, R
     settings.publish_window = window;
     let scheduler = Scheduler::new(
         env.gitea.clone(),
-        proxy.jetstream().await,
+        jetstream_via(&proxy).await,
         stream_settings(),
         policy(),
         settings,

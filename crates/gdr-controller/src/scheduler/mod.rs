@@ -824,6 +824,7 @@ async fn publish_until_stored(
             None => "publish timed out at shutdown".to_string(),
         };
         shared.stats.publish_retries.inc();
+        crate::failpoint::hit(crate::failpoint::points::PUBLISH_UNACKNOWLEDGED);
         tracing::warn!(
             task_id,
             assignment_id = id,
