@@ -541,12 +541,11 @@ async fn fetch_until_stopped(
     shutdown: &Shutdown,
     in_flight: &mut InFlight,
 ) -> Report {
-    let shutdown = shutdown.clone();
     let mut report = Report::default();
     let mut errors = 0u32;
     if let Some(mut waker) = parked {
         SchedulerStats::inc(&shared.stats.pollers_parked);
-        let woken = shared.idle.wait(&mut waker, &shutdown).await;
+        let woken = shared.idle.wait(&mut waker, shutdown).await;
         SchedulerStats::dec(&shared.stats.pollers_parked);
         if woken == Parked::Stopped {
             return report;
@@ -554,7 +553,7 @@ async fn fetch_until_stopped(
     }
     loop {
         let waiting = &shared.stats.pollers_waiting_for_backlog;
-        let Some(slot) = shared.gate.admit(&shutdown, waiting).await else {
+        let Some(slot) = shared.gate.admit(shutdown, waiting).await else {
             break;
         };
         // Before the version is read: a reset or new labels from here on wake this poller.
@@ -574,13 +573,8 @@ async fn fetch_until_stopped(
                     shared.stats.tasks_fetched.inc();
                     report.tasks_fetched += 1;
                     crate::failpoint::hit(crate::failpoint::points::AFTER_FETCH);
-                    let (shared, shutdown) = (shared.clone(), shutdown.clone());
                     in_flight
-                        .start(async move {
-                            let mut handed_off = Report::default();
-                            hand_off(&shared, task, slot, &shutdown, &mut handed_off).await;
-                            handed_off
-                        })
+                        .start(hand_off_owned(shared.clone(), task, slot, shutdown.clone()))
                         .await;
                     continue;
                 }
@@ -612,12 +606,12 @@ async fn fetch_until_stopped(
             }
         };
         SchedulerStats::inc(&shared.stats.pollers_parked);
-        let parked = shared.idle.park(&mut waker, &shutdown).await;
+        let parked = shared.idle.park(&mut waker, shutdown).await;
         SchedulerStats::dec(&shared.stats.pollers_parked);
         let resumed = match (parked, pause) {
             (Parked::IdlePoller, Pause::Idle) => {
                 let until = started + shared.settings.idle_interval;
-                shared.idle.pause(&mut waker, until, &shutdown).await
+                shared.idle.pause(&mut waker, until, shutdown).await
             }
             // A failing Gitea is backed off whatever happens meanwhile.
             (Parked::IdlePoller, Pause::Error(delay)) => {
@@ -642,6 +636,18 @@ enum Pause {
     Idle,
     /// The call failed: back off this long.
     Error(Duration),
+}
+
+/// [`hand_off`] as a task of its own (a poller's [`InFlight`] runs it), with its report.
+async fn hand_off_owned(
+    shared: Arc<Shared>,
+    task: pb::Task,
+    slot: Slot,
+    shutdown: Shutdown,
+) -> Report {
+    let mut report = Report::default();
+    hand_off(&shared, task, slot, &shutdown, &mut report).await;
+    report
 }
 
 /// Turns a fetched task into a stored assignment, or fails it in Gitea.
