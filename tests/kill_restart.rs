@@ -12,7 +12,7 @@ use gdr_testkit::local_controller::{
     LocalController, Stop, executor_logs, killed_at_its_fail_point, started_in_a_runner, stop,
 };
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, Status};
-use gdr_testkit::nats_server::{NatsServer, servers_on};
+use gdr_testkit::nats_server::{AckDropper, NatsServer, servers_on};
 use gdr_testkit::service::{ReadyService, is_ready};
 use gdr_testkit::standin_runner::GAVE_UP;
 use gdr_testkit::until;
@@ -103,6 +103,24 @@ impl Setup {
         self.spawn(&env)
     }
 
+    /// The message IDs (assignment IDs) of the assignments in the controller's stream,
+    /// read from the test's own NATS server.
+    async fn stored_message_ids(&self) -> Vec<String> {
+        let nats = self.nats.as_ref().expect("an external NATS server");
+        let client = async_nats::connect(nats.url()).await.expect("connect");
+        let js = async_nats::jetstream::new(client);
+        let mut stream = js.get_stream("CI_RUNNER").await.expect("the stream");
+        let last = stream.info().await.expect("info").state.last_sequence;
+        let mut ids = Vec::new();
+        for sequence in 1..=last {
+            if let Ok(message) = stream.get_raw_message(sequence).await {
+                let id = message.headers.get("Nats-Msg-Id").expect("a message ID");
+                ids.push(id.as_str().to_owned());
+            }
+        }
+        ids
+    }
+
     /// A runner that waits at `<gate>/go` before it starts (so the test can stop the
     /// controller right before the runner's first `Declare`), then runs the stand-in
     /// with `env`. Returns the gate directory and the script.
@@ -136,6 +154,68 @@ async fn killed_after_a_fetch_the_task_is_lost_in_the_documented_window_and_fail
     // Gitea handed the task out and nobody stored it: its zombie clean-up fails it.
     s.status(job, Status::Failure).await;
     assert_eq!(s.runs_of(job), 0, "the lost task never ran");
+    s.no_executor_left().await;
+    let _ = second.start_kill();
+}
+
+/// DESIGN invariants 2 and 4: killed right after a publish is handed to the NATS client
+/// (its acknowledgement outstanding, the bytes usually not yet on the wire), the controller
+/// loses only what had not reached the stream: each task the stream holds runs exactly once
+/// after the restart, a task fetched but not stored is the documented fetch→store window
+/// (Gitea fails it at its zombie timeout, it never runs), and a job not yet fetched runs
+/// once. The stored case is made certain by the next test.
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_with_a_publish_ack_outstanding_every_stored_task_runs_once_and_only_unstored_ones_are_lost()
+ {
+    let s = Setup::new().await;
+    let jobs = [s.queue("standin:success"), s.queue("standin:success")];
+    let mut first = s.controller(Some("publish-sent"));
+    killed_at_its_fail_point(&mut first).await;
+    let stored = s.stored_message_ids().await;
+    // Read before the restart, whose controller fetches what is still waiting.
+    let fetched: Vec<Option<i64>> = jobs
+        .iter()
+        .map(|j| s.mock.handle.job(*j).expect("job").task_id)
+        .collect();
+    eprintln!("killed with an ack outstanding: tasks fetched {fetched:?}, stored {stored:?}");
+    let mut second = s.controller(None);
+    for (job, task_id) in jobs.into_iter().zip(fetched) {
+        let lost = task_id.is_some_and(|t| !stored.contains(&format!("gitea-task-{t}")));
+        if lost {
+            s.status(job, Status::Failure).await;
+            assert_eq!(s.runs_of(job), 0, "the unstored task never ran");
+        } else {
+            s.status(job, Status::Success).await;
+            assert_eq!(s.runs_of(job), 1, "a stored or unfetched task runs once");
+        }
+    }
+    s.no_executor_left().await;
+    let _ = second.start_kill();
+}
+
+/// DESIGN invariants 2 and 4: killed while a stored assignment's acknowledgement is
+/// outstanding (a proxy drops JetStream's publish acks on their way back, so the controller
+/// never counted the task handed off and was about to publish it again), the job still runs
+/// exactly once: what reached the stream is not lost with the controller.
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_while_a_stored_assignments_ack_is_outstanding_the_job_still_runs_once() {
+    let mut s = Setup::new().await;
+    let direct = s.nats.as_ref().expect("an external NATS server").url();
+    let proxy = AckDropper::start(&direct).await;
+    proxy.drop_acks(true);
+    s.fixture.replace("nats_url", proxy.url());
+    let job = s.queue("standin:success");
+    let mut first = s.controller(Some("publish-unacknowledged"));
+    killed_at_its_fail_point(&mut first).await;
+    assert!(
+        proxy.dropped() >= 1,
+        "the server stored the assignment and acknowledged it; the ack was lost"
+    );
+
+    s.fixture.replace("nats_url", direct);
+    let mut second = s.controller(None);
+    s.status(job, Status::Success).await;
+    assert_eq!(s.runs_of(job), 1);
     s.no_executor_left().await;
     let _ = second.start_kill();
 }

@@ -20,7 +20,7 @@ use gdr_proto::runner::v1 as pb;
 use gdr_testkit::mock_gitea::{
     JobId, MockConfig, MockGitea, RpcMethod, RunningMock, Status, Trigger,
 };
-use gdr_testkit::nats_server::NatsServer;
+use gdr_testkit::nats_server::{AckDropper, NatsServer};
 use gdr_testkit::until;
 use tokio::task::JoinHandle;
 
@@ -1175,4 +1175,134 @@ async fn racing_pollers_never_queue_more_than_each_backends_backlog_limit() {
     running.stop().await;
     assert!(drained >= 3, "the backlog filled only {drained} times");
     assert_eq!(worst, (3, 2), "both backlogs reached their limit");
+}
+
+/// A JetStream context through `proxy` whose publishes give up on an ack after a second
+/// (production: 5 s), so a dropped ack is retried soon.
+async fn jetstream_via(proxy: &AckDropper) -> jetstream::Context {
+    let client = async_nats::connect(proxy.url()).await.expect("connect");
+    jetstream::ContextBuilder::new()
+        .timeout(Duration::from_secs(1))
+        .build(client)
+}
+
+/// One poller with a publish window of `window`, publishing through an [`AckDropper`] that
+/// drops every publish ack from the start; returns once `window` tasks are stored in the
+/// stream and a retried publish's ack was dropped too.
+async fn pipelined_with_acks_dropped(env: &Env, window: usize) -> (AckDropper, Running) {
+    let proxy = AckDropper::start(&env.nats.url()).await;
+    proxy.drop_acks(true);
+    let mut settings = env.settings(1, 100);
+    settings.publish_window = window;
+    let scheduler = Scheduler::new(
+        env.gitea.clone(),
+        jetstream_via(&proxy).await,
+        stream_settings(),
+        policy(),
+        settings,
+    );
+    let running = Running::start(scheduler);
+    let stats = running.stats.clone();
+    until(
+        WAIT,
+        "the window's tasks are stored and a retried publish lost its ack too",
+        || async {
+            env.unclaimed().await == window as u64
+                && stats.publish_retries.get() >= 1
+                && proxy.dropped() > window as u64
+        },
+    )
+    .await;
+    (proxy, running)
+}
+
+/// DESIGN invariants 2, 3: a poller fetches again while its publishes await their acks, up
+/// to its publish window and no further, and a publish whose ack never comes is retried
+/// under the assignment's message ID until one does: with every ack dropped and then let
+/// through, each fetched task is stored exactly once and none is lost (invariant 2).
+#[tokio::test]
+async fn a_dropped_publish_ack_is_retried_under_its_message_id_and_every_task_is_stored_exactly_once()
+ {
+    let env = Env::start(MockConfig::default()).await;
+    env.queue_jobs(6);
+    let (proxy, running) = pipelined_with_acks_dropped(&env, 4).await;
+    let stats = running.stats.clone();
+    assert_eq!(
+        count(&stats.tasks_published),
+        0,
+        "no ack reached the controller"
+    );
+    assert_eq!(
+        env.jobs_with(Status::Running),
+        4,
+        "the poller fetched its window of unacknowledged tasks and nothing more"
+    );
+
+    proxy.drop_acks(false);
+    until(WAIT, "every job is fetched and stored", || async {
+        env.jobs_with(Status::Waiting) == 0 && count(&stats.tasks_published) == 6
+    })
+    .await;
+    let report = running.stop().await;
+    assert_eq!(report.tasks_fetched, 6);
+    assert_eq!(report.tasks_published, 6);
+    assert!(report.lost_task_ids.is_empty());
+    assert!(
+        count(&stats.publish_duplicates) >= 4,
+        "the retries of the stored tasks were de-duplicated"
+    );
+    let stored = env.stream_ids().await;
+    let unique: BTreeSet<String> = stored.iter().cloned().collect();
+    assert_eq!(stored.len(), 6, "each assignment stored exactly once");
+    assert_eq!(unique, env.assignment_ids_of_claimed_jobs());
+}
+
+/// DESIGN invariant 4 (with invariant 2's publish window): stopping fetches nothing more but
+/// waits for every publish still awaiting its ack; acks let through before the shutdown
+/// bound count every outstanding task as handed off, none lost.
+#[tokio::test]
+async fn shutdown_waits_for_every_publish_still_awaiting_its_ack() {
+    let env = Env::start(MockConfig::default()).await;
+    env.queue_jobs(6);
+    let (proxy, running) = pipelined_with_acks_dropped(&env, 3).await;
+    let stats = running.stats.clone();
+    let Running { trigger, join, .. } = running;
+    trigger.trigger();
+    proxy.drop_acks(false);
+    let report = join.await.expect("join").expect("scheduler run");
+
+    assert_eq!(report.tasks_fetched, 3, "nothing fetched after shutdown");
+    assert_eq!(report.tasks_published, 3);
+    assert!(report.lost_task_ids.is_empty());
+    assert_eq!(count(&stats.tasks_published), 3);
+    assert_eq!(env.jobs_with(Status::Waiting), 3);
+    let stored = env.stream_ids().await;
+    let unique: BTreeSet<String> = stored.iter().cloned().collect();
+    assert_eq!(stored.len(), 3, "each assignment stored exactly once");
+    assert_eq!(unique, env.assignment_ids_of_claimed_jobs());
+}
+
+/// DESIGN invariants 2, 3: a burst fetched by pollers that keep several publishes
+/// outstanding stores every task exactly once under its assignment ID, and every publish
+/// is counted as handed off.
+#[tokio::test]
+async fn a_burst_fetched_with_publishes_outstanding_stores_every_task_exactly_once() {
+    let env = Env::start(MockConfig::default()).await;
+    env.queue_jobs(40);
+    let mut settings = env.settings(3, 1000);
+    settings.publish_window = 5;
+    let running = Running::start(env.scheduler_with(settings));
+    let stats = running.stats.clone();
+    until(WAIT, "every job is fetched and stored", || async {
+        env.jobs_with(Status::Waiting) == 0 && count(&stats.tasks_published) == 40
+    })
+    .await;
+    let report = running.stop().await;
+    assert_eq!(report.tasks_fetched, 40);
+    assert_eq!(report.tasks_published, 40);
+    assert!(report.lost_task_ids.is_empty());
+    let stored = env.stream_ids().await;
+    let unique: BTreeSet<String> = stored.iter().cloned().collect();
+    assert_eq!(stored.len(), 40, "each assignment stored exactly once");
+    assert_eq!(unique, env.assignment_ids_of_claimed_jobs());
 }

@@ -10,6 +10,12 @@
 pub mod points {
     /// The scheduler holds a fetched task that is not yet in JetStream.
     pub const AFTER_FETCH: &str = "after-fetch";
+    /// The scheduler sent an assignment's publish; JetStream's acknowledgement is
+    /// outstanding (the publish may or may not have reached the server).
+    pub const PUBLISH_SENT: &str = "publish-sent";
+    /// A publish attempt ended without JetStream's acknowledgement and is to be retried:
+    /// the assignment may be stored already.
+    pub const PUBLISH_UNACKNOWLEDGED: &str = "publish-unacknowledged";
     /// JetStream acknowledged the assignment.
     pub const AFTER_PUBLISH: &str = "after-publish";
     /// The worker created the executor.

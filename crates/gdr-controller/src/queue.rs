@@ -231,9 +231,9 @@ pub async fn publish(
                 source: e.into(),
             },
             _ => err(e.into()),
-        })?
-        .await
-        .map_err(|e| err(e.into()))?;
+        })?;
+    crate::failpoint::hit(crate::failpoint::points::PUBLISH_SENT);
+    let ack = ack.await.map_err(|e| err(e.into()))?;
     Ok(Published {
         sequence: ack.sequence,
         duplicate: ack.duplicate,

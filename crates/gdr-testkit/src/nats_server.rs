@@ -211,3 +211,110 @@ pub fn servers_on(store: &Path) -> Vec<u32> {
     pids.sort_unstable();
     pids
 }
+
+/// A TCP proxy between NATS clients and a nats-server that can drop JetStream's publish
+/// acknowledgements (the `{"stream":…}` replies) on their way back and passes everything
+/// else: a publish still reaches the server and is stored, the stream stays readable, but
+/// the publisher never hears the ack (DESIGN invariant 2's lost acknowledgement).
+pub struct AckDropper {
+    url: String,
+    dropping: tokio::sync::watch::Sender<bool>,
+    dropped: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl AckDropper {
+    /// A proxy to the server at `server_url` (`nats://host:port`), passing everything.
+    pub async fn start(server_url: &str) -> AckDropper {
+        let target = server_url
+            .strip_prefix("nats://")
+            .unwrap_or_else(|| panic!("not a nats:// URL: {server_url}"))
+            .to_string();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("cannot bind the NATS proxy: {e}"));
+        let addr = listener
+            .local_addr()
+            .unwrap_or_else(|e| panic!("the NATS proxy has no address: {e}"));
+        let (dropping, watched) = tokio::sync::watch::channel(false);
+        let dropped = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counted = dropped.clone();
+        tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let Ok(outbound) = tokio::net::TcpStream::connect(&target).await else {
+                    continue;
+                };
+                let (mut client_read, client_write) = inbound.into_split();
+                let (server_read, mut server_write) = outbound.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+                });
+                let (watched, counted) = (watched.clone(), counted.clone());
+                tokio::spawn(Self::replies(server_read, client_write, watched, counted));
+            }
+        });
+        AckDropper {
+            url: format!("nats://{addr}"),
+            dropping,
+            dropped,
+        }
+    }
+
+    /// The URL clients connect to.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Drops the publish acks from now on (`true`) or passes them again.
+    pub fn drop_acks(&self, drop: bool) {
+        self.dropping.send_replace(drop);
+    }
+
+    /// The publish acks dropped so far.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Forwards the server's protocol lines and messages, leaving out the publish acks
+    /// while dropping.
+    async fn replies(
+        server: tokio::net::tcp::OwnedReadHalf,
+        mut client: tokio::net::tcp::OwnedWriteHalf,
+        dropping: tokio::sync::watch::Receiver<bool>,
+        dropped: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    ) {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+        let mut server = tokio::io::BufReader::new(server);
+        loop {
+            let mut line = Vec::new();
+            match server.read_until(b'\n', &mut line).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            let text = String::from_utf8_lossy(&line).to_string();
+            let mut body = Vec::new();
+            // `MSG <subject> <sid> [reply] <bytes>` and `HMSG … <header bytes> <total bytes>`:
+            // the last field is the size of what follows, then CRLF.
+            if text.starts_with("MSG ") || text.starts_with("HMSG ") {
+                let Some(size) = text
+                    .split_whitespace()
+                    .last()
+                    .and_then(|s| s.parse::<usize>().ok())
+                else {
+                    return;
+                };
+                body.resize(size + 2, 0);
+                if server.read_exact(&mut body).await.is_err() {
+                    return;
+                }
+                if *dropping.borrow() && body.starts_with(b"{\"stream\":") {
+                    dropped.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    continue;
+                }
+            }
+            line.extend_from_slice(&body);
+            if client.write_all(&line).await.is_err() {
+                return;
+            }
+        }
+    }
+}

@@ -36,7 +36,8 @@ struct GateState {
     /// Messages per backend subject as last read, plus our publishes since; `None`:
     /// unknown.
     in_stream: Option<BTreeMap<Backend, u64>>,
-    /// Pollers between admission and a stored publish (or an empty answer).
+    /// Reservations between admission and a stored publish (or a failed task or an empty
+    /// answer): several per poller while its publishes await their acks.
     reserved: u64,
     /// The backends whose labels Gitea has now (`None` before the first Declare).
     declared: Option<BTreeSet<Backend>>,

@@ -10,9 +10,11 @@
 //!   poller's pause included): a backend whose full backlog drained is offered its jobs
 //!   again, and its free slots must not wait out the idle interval. A FetchTask Gitea holds open (long polling) that
 //!   runs into the client deadline is an empty answer, not an error: no backoff.
-//! - A poller holding a task publishes that assignment until JetStream acknowledges
-//!   it and fetches nothing else meanwhile (invariant 2); the message ID is the
-//!   assignment ID (invariant 3).
+//! - Every fetched task's assignment is published until JetStream acknowledges it
+//!   (invariant 2); the message ID is the assignment ID (invariant 3), so a retry after
+//!   a lost acknowledgement is de-duplicated. A poller fetches again while its earlier
+//!   publishes await their acks, with at most `publish_window` unacknowledged at once
+//!   ([`in_flight`]): the fetch and publish round trips overlap.
 //! - [`Shutdown`] stops new fetches; an in-flight fetch finishes and its task is
 //!   published for a bounded time (invariant 4). A task fetched and not stored within
 //!   that time is logged at ERROR with its task ID: the documented loss window.
@@ -30,6 +32,7 @@
 mod gate;
 mod heartbeat;
 mod idle;
+mod in_flight;
 mod stats;
 mod version;
 
@@ -47,6 +50,7 @@ use gdr_core::capability::EnvelopeIdKey;
 use gdr_proto::runner::v1 as pb;
 pub use heartbeat::{FetchedTasks, HeartbeatRound, Heartbeater};
 use idle::{IdleControl, Parked, Waker};
+use in_flight::InFlight;
 pub use stats::{ERROR_KINDS, SchedulerStats};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -66,6 +70,11 @@ pub const INVALID_TASK_LOG_PREFIX: &str = "gitea-dynamic-runner: cannot run this
 /// The idle poller's pace: the official runner's default `fetch_interval`, so an idle
 /// controller costs Gitea what one idle runner does.
 pub const IDLE_INTERVAL: Duration = Duration::from_secs(2);
+
+/// Default [`SchedulerSettings::publish_window`]: enough for a poller's next FetchTask to
+/// overlap several publish round trips, few enough that a NATS outage holds only a handful
+/// of fetched tasks per poller (the backlog gate bounds them further).
+pub const PUBLISH_WINDOW: usize = 8;
 
 /// Tunables of the pollers.
 #[derive(Debug, Clone)]
@@ -92,12 +101,16 @@ pub struct SchedulerSettings {
     pub publish_backoff: Backoff,
     /// After shutdown is requested, how long a fetched task's publish is still retried.
     pub shutdown_publish_timeout: Duration,
+    /// The most fetched tasks one poller keeps unacknowledged by JetStream at once (≥ 1;
+    /// 1: it fetches nothing else until its task is stored).
+    pub publish_window: usize,
 }
 
 impl SchedulerSettings {
     /// Settings with production defaults: a 2 s idle interval (the official runner's
     /// `fetch_interval`), 1–30 s error backoff,
-    /// 100 ms–5 s publish backoff, 500 ms backlog refresh, 30 s publish bound at shutdown.
+    /// 100 ms–5 s publish backoff, 500 ms backlog refresh, 30 s publish bound at shutdown,
+    /// [`PUBLISH_WINDOW`] unacknowledged publishes per poller.
     pub fn new(
         labels: Vec<String>,
         capabilities: Vec<String>,
@@ -115,6 +128,7 @@ impl SchedulerSettings {
             error_backoff: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
             publish_backoff: Backoff::new(Duration::from_millis(100), Duration::from_secs(5)),
             shutdown_publish_timeout: Duration::from_secs(30),
+            publish_window: PUBLISH_WINDOW,
         }
     }
 }
@@ -128,7 +142,7 @@ pub enum SchedulerError {
     /// The settings cannot work.
     #[error("scheduler settings: {0}")]
     Settings(String),
-    /// A poller task panicked or was aborted.
+    /// A poller task (or one of its handoffs) panicked or was aborted.
     #[error("poller stopped abnormally: {0}")]
     Poller(#[source] tokio::task::JoinError),
 }
@@ -320,7 +334,11 @@ impl Scheduler {
         let mut failure = None;
         while let Some(joined) = pollers.join_next().await {
             match joined {
-                Ok(r) => report.merge(r),
+                Ok((r, None)) => report.merge(r),
+                Ok((r, Some(e))) => {
+                    report.merge(r);
+                    failure = Some(SchedulerError::Poller(e));
+                }
                 Err(e) => failure = Some(SchedulerError::Poller(e)),
             }
         }
@@ -499,19 +517,35 @@ async fn keep_declared(shared: Arc<Shared>, stop: Shutdown) {
     }
 }
 
-/// One poller: gate, fetch, hand off; until shutdown. After an empty answer it parks
-/// unless it is the idle poller, which waits out the idle interval instead.
+/// One poller: gate, fetch, hand off; until shutdown, then waits for its handoffs still
+/// unacknowledged (and the first of them that stopped abnormally).
 async fn poll(
     shared: Arc<Shared>,
     index: usize,
     parked: Option<Waker>,
     shutdown: Shutdown,
+) -> (Report, Option<tokio::task::JoinError>) {
+    let mut in_flight = InFlight::new(shared.settings.publish_window);
+    let mut report = fetch_until_stopped(&shared, index, parked, &shutdown, &mut in_flight).await;
+    let (handed_off, failure) = in_flight.finish().await;
+    report.merge(handed_off);
+    (report, failure)
+}
+
+/// The poller's loop: gate, fetch, start the handoff. After an empty answer it parks
+/// unless it is the idle poller, which waits out the idle interval instead.
+async fn fetch_until_stopped(
+    shared: &Arc<Shared>,
+    index: usize,
+    parked: Option<Waker>,
+    shutdown: &Shutdown,
+    in_flight: &mut InFlight,
 ) -> Report {
     let mut report = Report::default();
     let mut errors = 0u32;
     if let Some(mut waker) = parked {
         SchedulerStats::inc(&shared.stats.pollers_parked);
-        let woken = shared.idle.wait(&mut waker, &shutdown).await;
+        let woken = shared.idle.wait(&mut waker, shutdown).await;
         SchedulerStats::dec(&shared.stats.pollers_parked);
         if woken == Parked::Stopped {
             return report;
@@ -519,7 +553,7 @@ async fn poll(
     }
     loop {
         let waiting = &shared.stats.pollers_waiting_for_backlog;
-        let Some(slot) = shared.gate.admit(&shutdown, waiting).await else {
+        let Some(slot) = shared.gate.admit(shutdown, waiting).await else {
             break;
         };
         // Before the version is read: a reset or new labels from here on wake this poller.
@@ -539,7 +573,9 @@ async fn poll(
                     shared.stats.tasks_fetched.inc();
                     report.tasks_fetched += 1;
                     crate::failpoint::hit(crate::failpoint::points::AFTER_FETCH);
-                    hand_off(&shared, task, slot, &shutdown, &mut report).await;
+                    in_flight
+                        .start(hand_off_owned(shared.clone(), task, slot, shutdown.clone()))
+                        .await;
                     continue;
                 }
                 None => {
@@ -570,12 +606,12 @@ async fn poll(
             }
         };
         SchedulerStats::inc(&shared.stats.pollers_parked);
-        let parked = shared.idle.park(&mut waker, &shutdown).await;
+        let parked = shared.idle.park(&mut waker, shutdown).await;
         SchedulerStats::dec(&shared.stats.pollers_parked);
         let resumed = match (parked, pause) {
             (Parked::IdlePoller, Pause::Idle) => {
                 let until = started + shared.settings.idle_interval;
-                shared.idle.pause(&mut waker, until, &shutdown).await
+                shared.idle.pause(&mut waker, until, shutdown).await
             }
             // A failing Gitea is backed off whatever happens meanwhile.
             (Parked::IdlePoller, Pause::Error(delay)) => {
@@ -600,6 +636,18 @@ enum Pause {
     Idle,
     /// The call failed: back off this long.
     Error(Duration),
+}
+
+/// [`hand_off`] as a task of its own (a poller's [`InFlight`] runs it), with its report.
+async fn hand_off_owned(
+    shared: Arc<Shared>,
+    task: pb::Task,
+    slot: Slot,
+    shutdown: Shutdown,
+) -> Report {
+    let mut report = Report::default();
+    hand_off(&shared, task, slot, &shutdown, &mut report).await;
+    report
 }
 
 /// Turns a fetched task into a stored assignment, or fails it in Gitea.
@@ -782,6 +830,7 @@ async fn publish_until_stored(
             None => "publish timed out at shutdown".to_string(),
         };
         shared.stats.publish_retries.inc();
+        crate::failpoint::hit(crate::failpoint::points::PUBLISH_UNACKNOWLEDGED);
         tracing::warn!(
             task_id,
             assignment_id = id,
