@@ -56,14 +56,29 @@ pub async fn run(table: &mut Table) {
         controller.stop().await;
         table.ratio(
             &format!(
-                "official runner, real Gitea: {jobs} jobs of `{step}` queued at once, capacity {K}: makespan"
+                "official runner, real Gitea: {jobs} jobs of `{step}` queued at once, capacity {K}: makespan from the push"
             ),
-            (ours.as_secs_f64(), secs(ours)),
+            (ours.from_push.as_secs_f64(), secs(ours.from_push)),
             (
-                reference.as_secs_f64(),
-                format!("{} on {K} plain official runners (`daemon --once` per job)", secs(reference)),
+                reference.from_push.as_secs_f64(),
+                format!(
+                    "{} on {K} plain official runners (`daemon --once` per job)",
+                    secs(reference.from_push)
+                ),
             ),
             "≤ 1.1×",
+        );
+        table.ratio(
+            "  the same, from the first job running (without the idle pickup)",
+            (
+                ours.from_first_start.as_secs_f64(),
+                secs(ours.from_first_start),
+            ),
+            (
+                reference.from_first_start.as_secs_f64(),
+                secs(reference.from_first_start),
+            ),
+            "–",
         );
     }
 }
@@ -78,23 +93,43 @@ fn workflow(jobs: usize, step: &str) -> String {
     yaml
 }
 
+/// What one side took: from the push, and from the first job Gitea showed running (the
+/// idle pickup left out: one FetchTask every 2 s for the controller, one per runner for
+/// the plain side) to the last job completed.
+#[derive(Clone, Copy)]
+struct Makespan {
+    from_push: Duration,
+    from_first_start: Duration,
+}
+
 /// Pushes `jobs` jobs of `step` to a new repository and waits until Gitea shows each of
-/// them completed successfully; the time from the push to that.
-async fn burst(gitea: &RealGitea, repo: &str, jobs: usize, step: &str) -> Duration {
+/// them completed successfully.
+async fn burst(gitea: &RealGitea, repo: &str, jobs: usize, step: &str) -> Makespan {
     gitea.create_repo(repo).await;
     let start = Instant::now();
     gitea
         .push_workflows(repo, &[("burst.yaml", &workflow(jobs, step))])
         .await;
+    let mut first_start = None;
     loop {
         let seen = gitea.jobs(repo).await;
+        if first_start.is_none()
+            && seen
+                .iter()
+                .any(|j| j.status != "waiting" && j.status != "queued")
+        {
+            first_start = Some(Instant::now());
+        }
         if seen.len() == jobs && seen.iter().all(|j| j.is_completed()) {
-            let elapsed = start.elapsed();
+            let end = Instant::now();
             assert!(
                 seen.iter().all(|j| j.conclusion == "success"),
                 "{repo}: not every job succeeded: {seen:#?}"
             );
-            return elapsed;
+            return Makespan {
+                from_push: end - start,
+                from_first_start: end - first_start.unwrap_or(start),
+            };
         }
         assert!(
             start.elapsed() < WAIT,
