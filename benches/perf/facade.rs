@@ -70,6 +70,27 @@ async fn update_log(client: &Runner, task_id: i64, index: i64) -> i64 {
         .ack_index
 }
 
+/// CPU time this process has used so far: every live thread's time on a CPU
+/// (`/proc/self/task/*/schedstat`, nanoseconds), so the checkout's cost can be told
+/// apart from the machine's other load.
+fn process_cpu() -> Duration {
+    let mut total = 0u64;
+    for task in std::fs::read_dir("/proc/self/task")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if let Ok(stat) = std::fs::read_to_string(task.path().join("schedstat")) {
+            total += stat
+                .split_whitespace()
+                .next()
+                .and_then(|ns| ns.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    Duration::from_nanos(total)
+}
+
 /// Streams a GET body and counts it; returns bytes and elapsed time.
 async fn download(url: &str) -> (u64, Duration) {
     let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
@@ -217,11 +238,16 @@ pub async fn run(table: &mut Table) {
     let blob = |base: &str| format!("{base}/_mock/blob/{CHECKOUT}");
     let _ = download(&format!("{}/_mock/blob/1024", proxy_url)).await;
     let (mut via_rates, mut direct_rates) = (Vec::new(), Vec::new());
+    let (mut via_cpu, mut direct_cpu) = (Vec::new(), Vec::new());
     for _ in 0..CHECKOUT_RUNS {
+        let cpu = process_cpu();
         let (n, d) = download(&blob(&proxy_url)).await;
+        via_cpu.push(process_cpu().saturating_sub(cpu));
         assert_eq!(n, CHECKOUT, "the proxied checkout is incomplete");
         via_rates.push(n as f64 / d.as_secs_f64() / (1024.0 * 1024.0));
+        let cpu = process_cpu();
         let (n, d) = download(&blob(&mock.url)).await;
+        direct_cpu.push(process_cpu().saturating_sub(cpu));
         assert_eq!(n, CHECKOUT, "the direct checkout is incomplete");
         direct_rates.push(n as f64 / d.as_secs_f64() / (1024.0 * 1024.0));
     }
@@ -236,6 +262,20 @@ pub async fn run(table: &mut Table) {
             direct_rate,
             format!("{direct_rate:.0} MiB/s direct over loopback"),
         ),
-        "≥ 0.7×",
+        "≥ 0.9×",
+    );
+    // Both sides run in this process, the mock Gitea included, so their CPU time is
+    // comparable whatever else the machine runs; throughput is not when the machine lends
+    // this process less than its two cores.
+    let least = |v: &[Duration]| v.iter().min().copied().unwrap_or_default();
+    let (via_cpu, direct_cpu) = (least(&via_cpu), least(&direct_cpu));
+    table.ratio(
+        "  50 MiB checkout: CPU time of this process (both ends, mock Gitea included), least of 3",
+        (via_cpu.as_secs_f64(), millis(via_cpu, 0)),
+        (
+            direct_cpu.as_secs_f64(),
+            format!("{} direct", millis(direct_cpu, 0)),
+        ),
+        "–",
     );
 }
