@@ -14,7 +14,7 @@
 //!   (invariant 2); the message ID is the assignment ID (invariant 3), so a retry after
 //!   a lost acknowledgement is de-duplicated. A poller fetches again while its earlier
 //!   publishes await their acks, with at most `publish_window` unacknowledged at once
-//!   ([`in_flight`]): the fetch and publish round trips overlap.
+//!   (the module `in_flight`): the fetch and publish round trips overlap.
 //! - [`Shutdown`] stops new fetches; an in-flight fetch finishes and its task is
 //!   published for a bounded time (invariant 4). A task fetched and not stored within
 //!   that time is logged at ERROR with its task ID: the documented loss window.
