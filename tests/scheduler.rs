@@ -175,6 +175,15 @@ impl Env {
         }
     }
 
+    /// The stream holds `n` messages, one per task Gitea handed out, each under its
+    /// assignment ID.
+    async fn assert_each_task_stored_once(&self, n: usize) {
+        let stored = self.stream_ids().await;
+        let unique: BTreeSet<String> = stored.iter().cloned().collect();
+        assert_eq!(stored.len(), n, "each assignment stored exactly once");
+        assert_eq!(unique, self.assignment_ids_of_claimed_jobs());
+    }
+
     fn assignment_ids_of_claimed_jobs(&self) -> BTreeSet<String> {
         self.gitea_mock()
             .jobs()
@@ -1251,10 +1260,7 @@ async fn a_dropped_publish_ack_is_retried_under_its_message_id_and_every_task_is
         count(&stats.publish_duplicates) >= 4,
         "the retries of the stored tasks were de-duplicated"
     );
-    let stored = env.stream_ids().await;
-    let unique: BTreeSet<String> = stored.iter().cloned().collect();
-    assert_eq!(stored.len(), 6, "each assignment stored exactly once");
-    assert_eq!(unique, env.assignment_ids_of_claimed_jobs());
+    env.assert_each_task_stored_once(6).await;
 }
 
 /// DESIGN invariant 4 (with invariant 2's publish window): stopping fetches nothing more but
@@ -1276,10 +1282,7 @@ async fn shutdown_waits_for_every_publish_still_awaiting_its_ack() {
     assert!(report.lost_task_ids.is_empty());
     assert_eq!(count(&stats.tasks_published), 3);
     assert_eq!(env.jobs_with(Status::Waiting), 3);
-    let stored = env.stream_ids().await;
-    let unique: BTreeSet<String> = stored.iter().cloned().collect();
-    assert_eq!(stored.len(), 3, "each assignment stored exactly once");
-    assert_eq!(unique, env.assignment_ids_of_claimed_jobs());
+    env.assert_each_task_stored_once(3).await;
 }
 
 /// DESIGN invariants 2, 3: a burst fetched by pollers that keep several publishes
@@ -1301,8 +1304,5 @@ async fn a_burst_fetched_with_publishes_outstanding_stores_every_task_exactly_on
     assert_eq!(report.tasks_fetched, 40);
     assert_eq!(report.tasks_published, 40);
     assert!(report.lost_task_ids.is_empty());
-    let stored = env.stream_ids().await;
-    let unique: BTreeSet<String> = stored.iter().cloned().collect();
-    assert_eq!(stored.len(), 40, "each assignment stored exactly once");
-    assert_eq!(unique, env.assignment_ids_of_claimed_jobs());
+    env.assert_each_task_stored_once(40).await;
 }

@@ -46,7 +46,8 @@ struct Side {
     burst_tasks: Vec<i64>,
 }
 
-fn workflow(jobs: usize, step: &str) -> String {
+/// `jobs` jobs of one `run:` step each on `[self-hosted, pod]`, as one workflow.
+pub fn workflow(jobs: usize, step: &str) -> String {
     let mut yaml = String::from("on: push\njobs:\n");
     for i in 0..jobs {
         yaml.push_str(&format!(

@@ -18,6 +18,7 @@ use gdr_testkit::controller::{listener, spawn_activated, terminate};
 use gdr_testkit::nats_server::NatsServer;
 use gdr_testkit::real_gitea::{GiteaOptions, Peers, RealGitea};
 
+use crate::chain::workflow;
 use crate::table::{Table, secs};
 
 const BIN: &str = env!("CARGO_BIN_EXE_gitea-dynamic-runner");
@@ -81,16 +82,6 @@ pub async fn run(table: &mut Table) {
             "–",
         );
     }
-}
-
-fn workflow(jobs: usize, step: &str) -> String {
-    let mut yaml = String::from("on: push\njobs:\n");
-    for i in 0..jobs {
-        yaml.push_str(&format!(
-            "  job_{i}:\n    runs-on: [self-hosted, pod]\n    steps:\n      - run: {step}\n"
-        ));
-    }
-    yaml
 }
 
 /// What one side took: from the push, and from the first job Gitea showed running (the
