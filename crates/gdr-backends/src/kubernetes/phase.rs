@@ -80,10 +80,23 @@ fn end_reason(pod: &Pod) -> Option<String> {
     Some(format!("{what} (exit code {})", t.exit_code))
 }
 
+/// The executor's container is running (the kubelet's last word).
+fn executor_running(pod: &Pod) -> bool {
+    executor_status(pod)
+        .and_then(|c| c.state.as_ref())
+        .is_some_and(|s| s.running.is_some())
+}
+
 /// The phase of the executor in `pod`.
 pub fn phase(pod: &Pod) -> Phase {
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    let terminating = pod.metadata.deletion_timestamp.is_some();
+    // A Pod deleted with a grace period keeps its executor running until the kubelet's
+    // SIGTERM has had its effect: the executor passes it to its runner, which cancels the
+    // job and reports that (DESIGN invariant 16). Calling it finished while it still runs
+    // would fail the job in Gitea before the runner's own, truer report. If the node never
+    // acts, the Pod is removed at the grace period's end (gone), or the runner's silence
+    // fails the job.
+    let terminating = pod.metadata.deletion_timestamp.is_some() && !executor_running(pod);
     match phase {
         Some("Succeeded") => Phase::Finished {
             success: true,
@@ -141,6 +154,39 @@ mod tests {
                 reason: Some("ImagePullBackOff: Back-off pulling image \"x\"".into())
             }
         );
+    }
+
+    /// DESIGN invariants 12, 16: a Pod being deleted is finished once its executor no longer
+    /// runs; while the executor's container still runs (the grace period, the runner
+    /// reporting its cancellation) it is running.
+    #[test]
+    fn a_pod_being_deleted_is_finished_only_once_its_executor_stopped_running() {
+        let deleting = |status: serde_json::Value| -> Pod {
+            serde_json::from_value(json!({
+                "metadata": { "name": "p", "deletionTimestamp": "2026-12-06T00:00:00Z" },
+                "status": status,
+            }))
+            .unwrap()
+        };
+        let running = deleting(
+            json!({ "phase": "Running", "containerStatuses": [{ "name": "executor", "image": "i", "imageID": "", "ready": true, "restartCount": 0, "state": { "running": { "startedAt": "2026-12-06T00:00:00Z" } } }] }),
+        );
+        assert_eq!(phase(&running), Phase::Running);
+        let stopped = deleting(
+            json!({ "phase": "Running", "containerStatuses": [{ "name": "executor", "image": "i", "imageID": "", "ready": false, "restartCount": 0, "state": { "terminated": { "reason": "Error", "exitCode": 143 } } }] }),
+        );
+        assert_eq!(
+            phase(&stopped),
+            Phase::Finished {
+                success: false,
+                reason: Some("the Pod is being deleted".into())
+            }
+        );
+        let unscheduled = deleting(json!({ "phase": "Pending" }));
+        assert!(matches!(
+            phase(&unscheduled),
+            Phase::Finished { success: false, .. }
+        ));
     }
 
     #[test]
