@@ -19,14 +19,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::StreamExt as _;
 use gdr_testkit::controller::{ControllerFixture, FACADE_SPIFFE_ID, Value, listener};
 use gdr_testkit::eventually;
 use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
 use gdr_testkit::fake_spire::FakeSpireAgent;
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;
-use gdr_testkit::real_kube::{NODE, RealKube, ServiceAccount};
+use gdr_testkit::real_kube::{NODE, PodWatch, RealKube, ServiceAccount};
 use gdr_testkit::spiffe::{FakeWorkloadApi, RunningWorkloadApi, TestCa};
 use gdr_testkit::standin_dockerd::{Readiness, StandinDockerd, recording_runner, runner_start};
 use k8s_openapi::api::core::v1::{Pod, Secret};
@@ -49,12 +48,13 @@ const IMAGE: &str = crate::real_kube::IMAGE;
 /// The cluster, NATS, Gitea and a controller configuration; the controller process is
 /// started (and killed) by the test.
 struct Chain {
+    /// First, so that it stops before the API server it watches.
+    _recorder: PodWatch,
     mock: RunningMock,
     _cluster: RealKube,
     admin: kube::Client,
     /// The UIDs of every Pod the API server ever held in [`NS`] (a watch from the start).
     created: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
-    _recorder: tokio::task::JoinHandle<()>,
     _kubelet: FakeKubelet,
     fixture: ControllerFixture,
     /// The stand-in dockerd every privileged Pod's `dockerd` sidecar runs.
@@ -310,25 +310,16 @@ fn record_pods(
     admin: &kube::Client,
 ) -> (
     Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
-    tokio::task::JoinHandle<()>,
+    PodWatch,
 ) {
     let created = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
-    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
     let seen = created.clone();
-    let recorder = tokio::spawn(async move {
-        let mut events = kube::runtime::watcher(pods, Default::default()).boxed();
-        while let Some(event) = events.next().await {
-            if let Ok(
-                kube::runtime::watcher::Event::Apply(pod)
-                | kube::runtime::watcher::Event::InitApply(pod),
-            ) = event
-                && let Some(uid) = pod.metadata.uid
-            {
-                seen.lock().unwrap().insert(uid);
-            }
+    let watch = PodWatch::start(Api::namespaced(admin.clone(), NS), move |pod| {
+        if let Some(uid) = pod.metadata.uid {
+            seen.lock().unwrap().insert(uid);
         }
     });
-    (created, recorder)
+    (created, watch)
 }
 
 /// DESIGN invariants 8–11 and 13: success, failure, a checkout (3 MB streamed through the

@@ -1396,16 +1396,10 @@ async fn a_pod_job_runs_through_the_real_api_server_on_the_node_stand_in_and_suc
     // pass the real server's validation of the status subresource.
     let phases = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let recorder = {
-        let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
         let phases = phases.clone();
-        tokio::spawn(async move {
-            let mut events = kube::runtime::watcher(pods, Default::default()).boxed();
-            while let Some(event) = events.next().await {
-                if let Ok(kube::runtime::watcher::Event::Apply(pod)) = event
-                    && let Some(phase) = pod.status.and_then(|s| s.phase)
-                {
-                    phases.lock().unwrap().push(phase);
-                }
+        gdr_testkit::real_kube::PodWatch::start(Api::namespaced(admin.clone(), NS), move |pod| {
+            if let Some(phase) = pod.status.and_then(|s| s.phase) {
+                phases.lock().unwrap().push(phase);
             }
         })
     };
@@ -1443,7 +1437,7 @@ async fn a_pod_job_runs_through_the_real_api_server_on_the_node_stand_in_and_suc
         seen.iter().any(|p| p == "Running"),
         "the real server stored no Running phase: {seen:?}"
     );
-    recorder.abort();
+    drop(recorder);
     let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
     let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
     let entries: Api<DynamicObject> = Api::all_with(admin.clone(), &entry_resource());

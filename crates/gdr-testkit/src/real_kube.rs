@@ -705,3 +705,38 @@ fn start_apiserver(
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {}: {e}", peers.apiserver.display()))
 }
+
+/// A watch of the Pods of one namespace that hands every Pod it sees (listed or applied)
+/// to a callback, for a test that records what the API server held. It backs off between
+/// failed attempts and stops when dropped: a watch that outlives its API server retries
+/// without pause, and a task that never yields keeps the test's runtime from shutting
+/// down (the test then hangs until the harness's timeout instead of ending).
+pub struct PodWatch(tokio::task::JoinHandle<()>);
+
+impl PodWatch {
+    /// Watches `pods`, calling `seen` with every Pod applied or listed.
+    pub fn start(
+        pods: Api<k8s_openapi::api::core::v1::Pod>,
+        mut seen: impl FnMut(k8s_openapi::api::core::v1::Pod) + Send + 'static,
+    ) -> Self {
+        use futures::StreamExt;
+        use kube::runtime::WatchStreamExt;
+        use kube::runtime::watcher::{self, Event};
+        Self(tokio::spawn(async move {
+            let mut events = kube::runtime::watcher(pods, watcher::Config::default())
+                .default_backoff()
+                .boxed();
+            while let Some(event) = events.next().await {
+                if let Ok(Event::Apply(pod) | Event::InitApply(pod)) = event {
+                    seen(pod);
+                }
+            }
+        }))
+    }
+}
+
+impl Drop for PodWatch {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
