@@ -35,10 +35,10 @@ use gdr_proto::runner::v1::{
 };
 
 use crate::dispatch::{AuthError, Authorized, ClaimError, Dispatch, Fetched};
-use crate::gitea::{
+use crate::shutdown::Shutdown;
+use gdr_gitea::{
     CAPABILITIES_HEADER, ErrorKind, GiteaClient, GiteaError, TOKEN_HEADER, UUID_HEADER,
 };
-use crate::shutdown::Shutdown;
 
 /// The facade service.
 pub struct Facade {

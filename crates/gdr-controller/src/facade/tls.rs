@@ -60,10 +60,10 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
-use crate::gitea::{TOKEN_HEADER, UUID_HEADER};
 use crate::metrics::Registrar;
 use crate::settings::FacadeLimits;
 use crate::shutdown::Shutdown;
+use gdr_gitea::{TOKEN_HEADER, UUID_HEADER};
 
 /// How often a connection looks at its own idleness.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
