@@ -33,9 +33,6 @@ use tokio::task::JoinSet;
 use self::backends::{Extras, Wiring, backends, restore, terminal_grace};
 use self::nats::{Queue, queue_depth, watch_nats};
 use crate::dispatch::Dispatch;
-use crate::facade::Facade;
-use crate::facade::proxy::ReverseProxy;
-use crate::facade::tls::FacadeStats;
 use crate::health::Health;
 use crate::held::HeldAssignments;
 use crate::job_metrics::{JobMetrics, OutcomeLabels};
@@ -53,6 +50,9 @@ use crate::settings::{
 use crate::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use crate::status::{Observations, Observed, QueueDepth};
 use crate::worker::{EnvelopeTrust, Worker, WorkerSettings};
+use gdr_facade::Facade;
+use gdr_facade::proxy::ReverseProxy;
+use gdr_facade::tls::FacadeStats;
 use gdr_gitea::{ClientOptions, Credentials, GiteaClient};
 
 /// How long a fetched task's publish is still retried after shutdown is requested: long
