@@ -133,3 +133,47 @@ pub(crate) fn register_stats(stats: &FacadeStats, r: &mut Registrar<'_>) {
         &stats.accept_errors,
     );
 }
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use gdr_core::executor::ExecutorError;
+
+    use super::*;
+
+    /// The facade logs and answers a refusal by its kind and its text: the translation keeps
+    /// both, and the backend's cause stays attached as the source.
+    #[test]
+    fn a_refusal_keeps_its_kind_text_and_cause_across_the_boundary() {
+        let unreadable = || dispatch::Unreadable::Backend {
+            backend: Backend::Pod,
+            source: ExecutorError::unavailable("the API is down"),
+        };
+        let text = dispatch::AuthError::Unavailable(unreadable()).to_string();
+        let translated = AuthError::from(dispatch::AuthError::Unavailable(unreadable()));
+        assert_eq!(translated.to_string(), text);
+        let cause = translated.source().and_then(|s| s.source());
+        assert!(
+            cause.is_some_and(|c| c.to_string().contains("the API is down")),
+            "{translated:?}"
+        );
+        for (from, to) in [
+            (
+                dispatch::AuthError::UnknownAssignment,
+                AuthError::UnknownAssignment,
+            ),
+            (dispatch::AuthError::BadCapability, AuthError::BadCapability),
+            (dispatch::AuthError::WrongIdentity, AuthError::WrongIdentity),
+            (dispatch::AuthError::Finished, AuthError::Finished),
+        ] {
+            let text = from.to_string();
+            let translated = AuthError::from(from);
+            assert_eq!(translated.to_string(), text);
+            assert_eq!(
+                std::mem::discriminant(&translated),
+                std::mem::discriminant(&to)
+            );
+        }
+    }
+}
