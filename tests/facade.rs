@@ -6,10 +6,6 @@ use std::time::Duration;
 
 use connectrpc::client::{ClientConfig, HttpClient};
 use gdr_controller::dispatch::{ClaimState, Dispatch};
-use gdr_controller::facade::Facade;
-use gdr_controller::facade::proxy::{ReverseProxy, UpstreamTimeouts};
-use gdr_controller::facade::tls::FacadeStats;
-use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::settings::FacadeLimits;
 use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
 use gdr_core::assignment::{Assignment, DerivationPolicy};
@@ -19,6 +15,10 @@ use gdr_core::executor::{ExecutorBackend, ExecutorSpec};
 use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
 use gdr_executor::oneshot::{ExecutorConfig, Forward, TERMINATION_DELIVERY, run};
+use gdr_facade::Facade;
+use gdr_facade::proxy::{ReverseProxy, UpstreamTimeouts};
+use gdr_facade::tls::FacadeStats;
+use gdr_gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_identity::tls;
 use gdr_proto::runner::v1::{
     DeclareRequest, FetchTaskRequest, LogRow, RegisterRequest, RunnerServiceClient,

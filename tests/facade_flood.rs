@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt as _;
-use gdr_controller::facade::tls::FACADE_CLOSE_REASONS;
+use gdr_facade::tls::FACADE_CLOSE_REASONS;
 use gdr_testkit::controller::{ControllerFixture, listener};
 use gdr_testkit::mock_gitea::{JobId, MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;

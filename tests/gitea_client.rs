@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use gdr_controller::gitea::{ClientOptions, Credentials, ErrorKind, GiteaClient};
+use gdr_gitea::{ClientOptions, Credentials, ErrorKind, GiteaClient};
 use gdr_proto::runner::v1::{
     LogRow, RegisterRequest, TaskResult, TaskState, UpdateLogRequest, UpdateTaskRequest,
 };
@@ -309,7 +309,7 @@ async fn large_gzipped_answers_are_decoded() {
 /// reported as too large with the limit, not as "Gitea is unavailable".
 #[tokio::test]
 async fn fetch_task_answers_above_4_mib_are_read_and_larger_ones_are_reported_as_too_large() {
-    use gdr_controller::gitea::FETCH_TASK_MESSAGE_LIMIT;
+    use gdr_gitea::FETCH_TASK_MESSAGE_LIMIT;
     let mock = mock().await;
     let (uuid, token) = mock
         .handle

@@ -5,11 +5,11 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use futures::StreamExt;
-use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::queue::{self, ConsumerSettings};
 use gdr_core::assignment::{Assignment, EnvelopeError, TaskKey, TaskKeyring, decode, encode_v2};
 use gdr_core::backend::Backend;
 use gdr_core::identity::IdentityScheme;
+use gdr_gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea, Trigger};
 use gdr_testkit::nats_server::NatsServer;
 

@@ -4,7 +4,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use gdr_controller::dispatch::Dispatch;
-use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::lifecycle::{Lifecycle, Pass};
 use gdr_controller::queue::{self, StreamQueue};
 use gdr_core::assignment::{Assignment, DerivationPolicy, encode_v1};
@@ -13,6 +12,7 @@ use gdr_core::capability::CapabilityKey;
 use gdr_core::executor::{ExecutorBackend, ExecutorSpec};
 use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
+use gdr_gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_testkit::memory_backend::MemoryBackend;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock, Status};
 use gdr_testkit::nats_server::NatsServer;

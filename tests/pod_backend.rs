@@ -470,7 +470,7 @@ async fn facade(c: &Cluster) -> Facade {
     let stop = stop.into_guard();
     tokio::spawn(async move {
         let _source = source;
-        gdr_controller::facade::tls::serve_tls(inner, tls, app, stopped).await
+        gdr_facade::tls::serve_tls(inner, tls, app, stopped).await
     });
     Facade {
         url: format!("https://{addr}"),

@@ -11,7 +11,6 @@ use gdr_backends::process::{
     IdentityProvider, LOG_FILE, LOGS_DIR, LogRetention, METADATA_FILE, ProcessBackend,
     ProcessBackendSettings, Provisioned,
 };
-use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_core::assignment::{Assignment, AssignmentId, DerivationPolicy};
 use gdr_core::backend::{Backend, BackendLabels};
 use gdr_core::capability::CapabilityKey;
@@ -20,6 +19,7 @@ use gdr_core::executor::{
 };
 use gdr_core::identity::{IdentityScheme, TrustDomain};
 use gdr_core::metadata::MetadataCodec;
+use gdr_gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_testkit::eventually;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea, RunningMock};
 use tempfile::TempDir;

@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use futures::StreamExt as _;
-use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::queue;
 use gdr_core::assignment::{
     Assignment, EnvelopeError, EnvelopeRules, TaskKey, TaskKeyring, decode_with, encode_v2,
@@ -19,6 +18,7 @@ use gdr_core::assignment::{
 };
 use gdr_core::backend::Backend;
 use gdr_core::capability::CapabilityKey;
+use gdr_gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_testkit::controller::{CAPABILITY_KEY, ControllerFixture};
 use gdr_testkit::local_controller::{LocalController, Stop, stop};
 use gdr_testkit::mock_gitea::{JobId, MockConfig, RpcMethod, Status};

@@ -463,7 +463,7 @@ impl PollRecorder {
         let addr = listener.local_addr().expect("addr");
         tokio::spawn(async move {
             let _source = source;
-            gdr_controller::facade::tls::serve_tls(
+            gdr_facade::tls::serve_tls(
                 listener,
                 config,
                 app,

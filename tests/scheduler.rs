@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use async_nats::jetstream::stream::LastRawMessageErrorKind;
-use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::queue;
 use gdr_controller::scheduler::{
     Backoff, Heartbeater, INVALID_TASK_LOG_PREFIX, Report, Scheduler, SchedulerSettings,
@@ -16,6 +15,7 @@ use gdr_controller::scheduler::{
 };
 use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
 use gdr_core::assignment::AssignmentId;
+use gdr_gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_proto::runner::v1 as pb;
 use gdr_testkit::mock_gitea::{
     JobId, MockConfig, MockGitea, RpcMethod, RunningMock, Status, Trigger,

@@ -11,12 +11,12 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream;
 use connectrpc::{ConnectError, RequestContext, Response, ServiceRequest, ServiceResult};
-use gdr_controller::gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_controller::queue::{self, StreamSettings};
 use gdr_controller::scheduler::{Scheduler, SchedulerSettings, SchedulerStats};
 use gdr_controller::shutdown::shutdown_channel;
 use gdr_core::assignment::{TaskKey, TaskKeyring};
 use gdr_core::backend::Backend;
+use gdr_gitea::{ClientOptions, Credentials, GiteaClient};
 use gdr_proto::runner::v1 as pb;
 use gdr_testkit::mock_gitea::{MockConfig, MockGitea};
 use gdr_testkit::nats_server::NatsServer;

@@ -26,6 +26,8 @@ use gdr_proto::runner::v1::Task;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+pub use gdr_facade::ports::{Authorized, ClaimError, Fetched, Finished};
+
 use crate::ports::{FinishedLog, QueueError};
 use crate::shutdown::Shutdown;
 
@@ -52,19 +54,6 @@ enum ClaimOutcome {
     Failed(Arc<ExecutorError>),
     /// The assignment was forgotten meanwhile (its executor failed or was deleted).
     Forgotten,
-}
-
-/// What a FetchTask gets ([`Dispatch::take_task`]).
-#[derive(Debug, Clone, PartialEq)]
-pub enum Fetched {
-    /// The task, the claim durable: handed out for the first time, or again to a runner
-    /// that has not reported on it yet.
-    Task(Box<Task>),
-    /// Nothing to hand out: not offered here (yet), or the job is being failed.
-    Nothing,
-    /// The runner has reported on its task already, or its claim was recorded before a
-    /// restart (the task is not in memory): it is never handed out again.
-    HandedOut,
 }
 
 struct Entry {
@@ -99,15 +88,6 @@ impl Drop for ClaimInFlight<'_> {
     }
 }
 
-/// What one [`Dispatch::finish`] call did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Finished {
-    /// This call ended the assignment (no earlier one had): count its result once.
-    pub first: bool,
-    /// How long the task ran since this process handed it out, when it did (first call).
-    pub ran: Option<std::time::Duration>,
-}
-
 /// Takes an assignment out of its pool's line however its wait ends.
 struct InLine<'a> {
     dispatch: &'a Dispatch,
@@ -125,17 +105,6 @@ impl Drop for InLine<'_> {
             .pools_changed
             .send_modify(|v| *v = v.wrapping_add(1));
     }
-}
-
-/// An assignment the facade has authenticated.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Authorized {
-    /// Assignment ID.
-    pub id: AssignmentId,
-    /// The Gitea task ID; updates must name it.
-    pub task_id: i64,
-    /// Backend of the executor.
-    pub backend: Backend,
 }
 
 /// Why the facade refuses a caller.
@@ -175,28 +144,6 @@ pub enum Unreadable {
     /// The finished-assignments log could not be read.
     #[error("reading the finished-assignments log: {0}")]
     FinishedLog(#[source] QueueError),
-}
-
-/// Why handing out a task (or finishing it) failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ClaimError {
-    /// The backend could not record the claim (or the terminal marker); the runner
-    /// should retry. Shared: every FetchTask that waited for one claim write gets it.
-    #[error("the backend failed: {0}")]
-    Backend(#[source] Arc<ExecutorError>),
-    /// The claim write ended without an outcome (the controller is stopping); the runner
-    /// should retry.
-    #[error("recording the claim was interrupted")]
-    Interrupted,
-    /// The backend for the assignment is not configured here.
-    #[error("no {0} backend in this controller")]
-    NoBackend(Backend),
-}
-
-impl From<ExecutorError> for ClaimError {
-    fn from(e: ExecutorError) -> Self {
-        ClaimError::Backend(Arc::new(e))
-    }
 }
 
 /// How waiting for a slot ended ([`Dispatch::admit_when_free`]).

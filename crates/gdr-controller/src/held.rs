@@ -36,9 +36,9 @@ use gdr_core::capability::EnvelopeIdKey;
 
 use crate::backoff::Backoff;
 use crate::dispatch::Dispatch;
-use crate::gitea::{GiteaClient, Reported};
 use crate::queue::{self, QueueError, QueueErrorSource, StreamSettings};
 use crate::shutdown::Shutdown;
+use gdr_gitea::{GiteaClient, Reported};
 
 /// Durable name of the held consumer.
 pub const CONSUMER: &str = "held";

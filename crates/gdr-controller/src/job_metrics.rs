@@ -96,17 +96,8 @@ impl FailureReason {
 /// The results a runner reports, as label values.
 pub const RESULTS: [&str; 4] = ["success", "failure", "cancelled", "skipped"];
 
-/// The label value of a runner's terminal result.
-pub fn result_label(result: gdr_proto::runner::v1::TaskResult) -> &'static str {
-    use gdr_proto::runner::v1::TaskResult;
-    match result {
-        TaskResult::RESULT_SUCCESS => "success",
-        TaskResult::RESULT_FAILURE => "failure",
-        TaskResult::RESULT_CANCELLED => "cancelled",
-        TaskResult::RESULT_SKIPPED => "skipped",
-        TaskResult::RESULT_UNSPECIFIED => "unspecified",
-    }
-}
+/// The label value of a runner's terminal result (the facade counts by it).
+pub use gdr_facade::result_label;
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 

@@ -1,11 +1,12 @@
 //! The controller: claims Gitea Actions jobs, queues them in JetStream and runs each one
 //! through an executor backend, serving the RunnerService facade its runners talk to.
 //!
-//! - Adapters: [`gitea`] (Connect client for Gitea's RunnerService), [`queue`] (JetStream),
-//!   [`lease`] (Kubernetes Lease leader election), `kube_client` (the Kubernetes API
-//!   client of the Lease and the Pod backend).
+//! - Adapters: [`queue`] (JetStream), [`lease`] (Kubernetes Lease leader election), `kube_client` (the Kubernetes API
+//!   client of the Lease and the Pod backend); the Gitea client is the crate
+//!   [`gdr_gitea`].
 //! - Components: [`scheduler`] (FetchTask pollers, heartbeats), [`worker`] (one per
-//!   backend), [`dispatch`] (admission and claims shared by workers and facade), [`facade`],
+//!   backend), [`dispatch`] (admission and claims shared by workers and facade), `facade`
+//!   (the controller's side of the facade's ports; the facade is the crate [`gdr_facade`]),
 //!   [`lifecycle`] (clean-up and failure reports), `held` (assignments sealed with an
 //!   unknown task key).
 //! - Wiring: [`settings`], [`cli`], `register`, [`runtime`], [`logging`], [`limits`] (the
@@ -16,11 +17,9 @@
 
 pub(crate) mod backoff;
 pub mod cli;
-pub(crate) mod client_tls;
 pub mod dispatch;
-pub mod facade;
+pub(crate) mod facade;
 pub(crate) mod failpoint;
-pub mod gitea;
 pub(crate) mod health;
 pub(crate) mod held;
 pub mod job_metrics;

@@ -35,12 +35,12 @@ use tokio::time::Instant;
 
 use crate::backoff::Backoff;
 use crate::dispatch::Dispatch;
-use crate::gitea::{GiteaClient, Reported};
 use crate::job_metrics::FailureReason;
 pub use crate::ports::QueuedAssignments;
 use crate::shutdown::Shutdown;
 use crate::status::Observations;
 use crate::wake::Wake;
+use gdr_gitea::{GiteaClient, Reported};
 
 /// One report per executor per pass; the next pass is the retry.
 const REPORT_BACKOFF: Backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(1));
@@ -91,7 +91,7 @@ pub struct Pass {
 #[derive(Debug, thiserror::Error)]
 enum StepError {
     #[error("reporting the failure to Gitea: {0}")]
-    Report(#[source] crate::gitea::GiteaError),
+    Report(#[source] gdr_gitea::GiteaError),
     #[error("{0}")]
     Backend(#[source] ExecutorError),
     #[error("recording the finished assignment: {0}")]

@@ -5,7 +5,7 @@
 use gdr_core::executor::ExecutorRecord;
 use serde::{Deserialize, Serialize};
 
-use crate::gitea::ErrorKind;
+use gdr_gitea::ErrorKind;
 
 /// Every error kind, in a stable order (for metrics export).
 pub const ERROR_KINDS: [ErrorKind; 6] = [

@@ -143,7 +143,7 @@ const WORKER_USER: &str = "gdr-worker";
 /// The server's configuration file (credentials, payload limit) in the store.
 const CONFIG_FILE: &str = "auth.conf";
 /// Largest message the embedded server takes (its default is 1 MiB): a task Gitea hands
-/// out can be as large as `gitea::FETCH_TASK_MESSAGE_LIMIT` (32 MiB), and its envelope is
+/// out can be as large as `gdr_gitea::FETCH_TASK_MESSAGE_LIMIT` (32 MiB), and its envelope is
 /// base64 of it, a third larger. 64 MB is nats-server's own upper bound.
 const MAX_PAYLOAD: &str = "64MB";
 

@@ -4,17 +4,17 @@
 //! (`gitea-dynamic-runner metrics`, docs/metrics.md) is generated from this same
 //! composition.
 
-use crate::facade::tls::FacadeStats;
 use crate::job_metrics::JobMetrics;
 use crate::metrics::{Metrics, ReferenceFormat};
 use crate::scheduler::SchedulerStats;
+use gdr_facade::tls::FacadeStats;
 
 /// The registry `/metrics` serves, with the metrics of the components in it.
 pub fn registry(scheduler: &SchedulerStats, facade: &FacadeStats, jobs: &JobMetrics) -> Metrics {
     let mut metrics = Metrics::new();
     jobs.register(&mut metrics.registrar());
     scheduler.register(&mut metrics.registrar());
-    facade.register(&mut metrics.registrar());
+    crate::facade::register_stats(facade, &mut metrics.registrar());
     metrics
 }
 

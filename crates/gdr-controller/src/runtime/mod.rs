@@ -33,10 +33,6 @@ use tokio::task::JoinSet;
 use self::backends::{Extras, Wiring, backends, restore, terminal_grace};
 use self::nats::{Queue, queue_depth, watch_nats};
 use crate::dispatch::Dispatch;
-use crate::facade::Facade;
-use crate::facade::proxy::ReverseProxy;
-use crate::facade::tls::FacadeStats;
-use crate::gitea::{ClientOptions, Credentials, GiteaClient};
 use crate::health::Health;
 use crate::held::HeldAssignments;
 use crate::job_metrics::{JobMetrics, OutcomeLabels};
@@ -54,6 +50,10 @@ use crate::settings::{
 use crate::shutdown::{Shutdown, ShutdownTrigger, shutdown_channel};
 use crate::status::{Observations, Observed, QueueDepth};
 use crate::worker::{EnvelopeTrust, Worker, WorkerSettings};
+use gdr_facade::Facade;
+use gdr_facade::proxy::ReverseProxy;
+use gdr_facade::tls::FacadeStats;
+use gdr_gitea::{ClientOptions, Credentials, GiteaClient};
 
 /// How long a fetched task's publish is still retried after shutdown is requested: long
 /// enough to ride out a NATS restart, short enough for a rolling upgrade.
@@ -759,11 +759,25 @@ pub(crate) fn private_dir(dir: &Path) -> Result<(), PrivateDirError> {
     Ok(())
 }
 
+/// Reads the UUID and token files written by `register`, refusing files whose mode
+/// `permissions` does not allow.
+fn credentials_from_files(
+    uuid_file: &Path,
+    token_file: &Path,
+    permissions: SecretPermissions,
+) -> Result<Credentials, crate::settings::SecretFileError> {
+    use crate::settings::read_secret_file_with as read;
+    Ok(Credentials::new(
+        read("gitea_runner_uuid_file", uuid_file, permissions)?,
+        read("gitea_runner_token_file", token_file, permissions)?,
+    ))
+}
+
 fn gitea_client(
     gitea: &GiteaSettings,
     secrets: SecretPermissions,
 ) -> Result<(GiteaClient, Option<Vec<u8>>), RuntimeError> {
-    let credentials = Credentials::from_files(&gitea.uuid_file, &gitea.token_file, secrets)
+    let credentials = credentials_from_files(&gitea.uuid_file, &gitea.token_file, secrets)
         .map_err(setup("reading the runner credentials"))?;
     let extra_ca = match &gitea.ca_file {
         Some(p) => Some(std::fs::read(p).map_err(|e| {

@@ -36,10 +36,10 @@ use gdr_core::capability::EnvelopeIdKey;
 use gdr_proto::runner::v1 as pb;
 
 use super::stats::SchedulerStats;
-use crate::gitea::GiteaClient;
 use crate::ports::{FinishedLog, QueueError};
 use crate::queue::{self, QueuedReader, ReadLimits, StreamSettings};
 use crate::shutdown::Shutdown;
+use gdr_gitea::GiteaClient;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Plain data updated in single steps: a poisoned lock holds consistent data.

@@ -57,9 +57,9 @@ use tokio::time::Instant;
 pub use version::TasksVersion;
 
 pub use crate::backoff::Backoff;
-use crate::gitea::{ErrorKind, GiteaClient, GiteaError};
 use crate::queue::{self, QueueError, StreamSettings};
 use crate::shutdown::{Shutdown, shutdown_channel};
+use gdr_gitea::{ErrorKind, GiteaClient, GiteaError};
 
 /// How the reason of a task that cannot run begins.
 const INVALID_TASK_REASON: &str = "cannot run this job: ";
@@ -185,7 +185,7 @@ struct Shared {
     /// Poked when the stream's count may have dropped (a worker settled a delivery), so
     /// the gate re-reads it at once instead of at the next refresh.
     backlog_changed: Arc<tokio::sync::Notify>,
-    declared: tokio::sync::watch::Sender<Option<crate::gitea::Declared>>,
+    declared: tokio::sync::watch::Sender<Option<gdr_gitea::Declared>>,
 }
 
 /// The FetchTask pollers of one controller (one runner registration).
@@ -278,7 +278,7 @@ impl Scheduler {
 
     /// What the controller's one `Declare` answered, once it has (the facade passes
     /// Gitea's capabilities header on to executors).
-    pub fn declared(&self) -> tokio::sync::watch::Receiver<Option<crate::gitea::Declared>> {
+    pub fn declared(&self) -> tokio::sync::watch::Receiver<Option<gdr_gitea::Declared>> {
         self.shared.declared.subscribe()
     }
 

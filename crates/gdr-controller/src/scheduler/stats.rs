@@ -10,13 +10,13 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
-use crate::gitea::ErrorKind;
 use crate::metrics::Registrar;
+use gdr_gitea::ErrorKind;
 
 /// Label: kind of a Gitea error.
 #[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorKindLabel {
-    /// See `gitea::ErrorKind`.
+    /// See `gdr_gitea::ErrorKind`.
     pub kind: String,
 }
 

@@ -495,28 +495,9 @@ pub struct FacadeSettings {
     pub limits: FacadeLimits,
 }
 
-/// Connection limits and timeouts of the facade (DESIGN invariant 21).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FacadeLimits {
-    /// Open connections, handshakes included.
-    pub max_connections: usize,
-    /// Open connections from one peer address.
-    pub max_connections_per_peer: usize,
-    /// Established connections of one SPIFFE ID not bound to an assignment yet.
-    pub max_connections_per_identity: usize,
-    /// Connections bound to one assignment.
-    pub max_connections_per_assignment: usize,
-    /// Bound of the TLS handshake.
-    pub tls_handshake_timeout: Duration,
-    /// Bound of the first bytes and of each HTTP/1.1 request head.
-    pub header_read_timeout: Duration,
-    /// A connection without a request in flight this long is closed.
-    pub idle_timeout: Duration,
-    /// HTTP/2 keep-alive: a ping every interval…
-    pub h2_ping_interval: Duration,
-    /// …and a peer that does not answer one within this is dropped.
-    pub h2_ping_timeout: Duration,
-}
+/// Connection limits and timeouts of the facade (DESIGN invariant 21): the facade's own
+/// settings type, which the `runner_facade_…` keys fill.
+pub use gdr_facade::FacadeLimits;
 
 /// One enabled backend.
 #[derive(Debug, Clone)]
@@ -1503,16 +1484,6 @@ fn executor_timings(check: &mut Check, timings: ExecutorTimings) -> ExecutorTimi
 }
 
 // === Facade limits and queue security (docs/security.md) ===
-
-impl Default for FacadeLimits {
-    /// The limits the keys default to (for tests that run a facade without settings).
-    fn default() -> Self {
-        facade_limit_settings(
-            &mut Check::default(),
-            Sections::from(Raw::default()).facade_limits,
-        )
-    }
-}
 
 /// A count key as the `usize` its component counts with (saturating: a bound beyond the
 /// address space is no bound).

@@ -1192,3 +1192,12 @@ pub(super) fn fake_env(
             .map(|(_, v)| std::ffi::OsString::from(v))
     }
 }
+
+/// The facade's own default limits (for a facade run without settings, as its tests do) are
+/// the defaults of the `runner_facade_…` keys, which the reference documents.
+#[test]
+fn the_facades_default_limits_are_the_defaults_of_its_keys() {
+    let mut check = Check::default();
+    let from_keys = facade_limit_settings(&mut check, Sections::from(Raw::default()).facade_limits);
+    assert_eq!(FacadeLimits::default(), from_keys);
+}

@@ -42,11 +42,11 @@ use gdr_core::metadata::MetadataCodec;
 
 use crate::backoff::Backoff;
 use crate::dispatch::{ClaimState, Dispatch, Waited};
-use crate::gitea::{GiteaClient, Reported};
 use crate::job_metrics::{FailureReason, JobMetrics};
 use crate::metrics::BackendLabel;
 use crate::shutdown::Shutdown;
 use crate::wake::Wake;
+use gdr_gitea::{GiteaClient, Reported};
 
 mod decide;
 use decide::{AfterCreateError, Observed, Settle, Start, Unopened};

@@ -252,7 +252,7 @@ fn opensandbox_backend(
         })?),
         None => None,
     };
-    let tls = crate::client_tls::client_config(
+    let tls = gdr_gitea::tls::client_config(
         "opensandbox_ca_file",
         extra_ca.as_deref(),
         backend.api.base_url.scheme() == "https",

@@ -60,10 +60,8 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
-use crate::gitea::{TOKEN_HEADER, UUID_HEADER};
-use crate::metrics::Registrar;
-use crate::settings::FacadeLimits;
-use crate::shutdown::Shutdown;
+use gdr_gitea::{TOKEN_HEADER, UUID_HEADER};
+use gdr_shutdown::Shutdown;
 
 /// How often a connection looks at its own idleness.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
@@ -79,6 +77,49 @@ const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(20);
 const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// Refusals, evictions and accept errors are logged at most once per this interval.
 pub const LOG_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Connection limits and timeouts of the facade (DESIGN invariant 21). The controller's
+/// settings declare them (the `runner_facade_…` keys); [`Default`] holds those keys'
+/// defaults, for a facade run without settings (a unit test in the controller's settings
+/// holds the two together).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FacadeLimits {
+    /// Open connections, handshakes included.
+    pub max_connections: usize,
+    /// Open connections from one peer address.
+    pub max_connections_per_peer: usize,
+    /// Established connections of one SPIFFE ID not bound to an assignment yet.
+    pub max_connections_per_identity: usize,
+    /// Connections bound to one assignment.
+    pub max_connections_per_assignment: usize,
+    /// Bound of the TLS handshake.
+    pub tls_handshake_timeout: Duration,
+    /// Bound of the first bytes and of each HTTP/1.1 request head.
+    pub header_read_timeout: Duration,
+    /// A connection without a request in flight this long is closed.
+    pub idle_timeout: Duration,
+    /// HTTP/2 keep-alive: a ping every interval…
+    pub h2_ping_interval: Duration,
+    /// …and a peer that does not answer one within this is dropped.
+    pub h2_ping_timeout: Duration,
+}
+
+impl Default for FacadeLimits {
+    /// The defaults of the `runner_facade_…` keys.
+    fn default() -> Self {
+        FacadeLimits {
+            max_connections: 1024,
+            max_connections_per_peer: 512,
+            max_connections_per_identity: 16,
+            max_connections_per_assignment: 16,
+            tls_handshake_timeout: Duration::from_secs(10),
+            header_read_timeout: Duration::from_secs(15),
+            idle_timeout: Duration::from_secs(90),
+            h2_ping_interval: Duration::from_secs(30),
+            h2_ping_timeout: Duration::from_secs(10),
+        }
+    }
+}
 
 /// Whether an assignment may still have connections bound to it (the application's
 /// answer, from memory: no look-up per request).
@@ -148,8 +189,8 @@ pub struct CloseReasonLabel {
     pub reason: String,
 }
 
-/// Counters of the facade's connection handling; the exported ones are the Prometheus
-/// metrics the facade registers ([`FacadeStats::register`]).
+/// Counters of the facade's connection handling; the exported ones are Prometheus metrics,
+/// which the controller registers (`facade_…`).
 #[derive(Debug)]
 pub struct FacadeStats {
     /// Connections open now.
@@ -184,25 +225,10 @@ impl Default for FacadeStats {
 }
 
 impl FacadeStats {
-    /// Registers the facade's metrics (`facade_…`; the same values these counters hold).
-    pub fn register(&self, r: &mut Registrar<'_>) {
-        let mut r = r.sub("facade");
-        r.add(
-            "connections",
-            "Connections the facade holds open",
-            &self.open,
-        );
-        r.family(
-            "connections_closed",
-            "Facade connections refused or closed early, by reason (limit, evicted, handshake, identity_limit, idle)",
-            &self.closed,
-        )
-        .values("reason", &FACADE_CLOSE_REASONS);
-        r.add(
-            "accept_errors",
-            "Failed accept calls of the facade (for example, no file descriptors left)",
-            &self.accept_errors,
-        );
+    /// Connections closed early, by reason: the family the controller registers (every
+    /// reason of [`FACADE_CLOSE_REASONS`] present from the start).
+    pub fn closed_by_reason(&self) -> &Family<CloseReasonLabel, Counter> {
+        &self.closed
     }
 
     /// Counts a connection closed early.

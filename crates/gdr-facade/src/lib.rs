@@ -17,9 +17,14 @@
 //! Everything else is reverse-proxied to Gitea ([`proxy`]), for the executor of a live
 //! assignment only: the same credentials and peer identity are checked first, before the
 //! body is read, and a finished assignment's executor is refused.
+//!
+//! The facade is a crate of its own: what it needs of the controller (who may call, the
+//! claims, where outcomes are counted) are the traits of [`ports`], which the controller's
+//! dispatch and metrics implement.
 
 #![allow(refining_impl_trait)]
 
+pub mod ports;
 pub mod proxy;
 pub mod tls;
 
@@ -34,36 +39,50 @@ use gdr_proto::runner::v1::{
     UpdateTaskRequest, UpdateTaskResponse,
 };
 
-use crate::dispatch::{AuthError, Authorized, ClaimError, Dispatch, Fetched};
-use crate::gitea::{
+use gdr_gitea::{
     CAPABILITIES_HEADER, ErrorKind, GiteaClient, GiteaError, TOKEN_HEADER, UUID_HEADER,
 };
-use crate::shutdown::Shutdown;
+use gdr_shutdown::Shutdown;
+use ports::{Admission, AuthError, Authorized, ClaimError, Claims, Fetched, Liveness, Outcomes};
+pub use tls::FacadeLimits;
+
+/// The label value of a runner's terminal result (the `result` of the job metrics).
+pub fn result_label(result: TaskResult) -> &'static str {
+    match result {
+        TaskResult::RESULT_SUCCESS => "success",
+        TaskResult::RESULT_FAILURE => "failure",
+        TaskResult::RESULT_CANCELLED => "cancelled",
+        TaskResult::RESULT_SKIPPED => "skipped",
+        TaskResult::RESULT_UNSPECIFIED => "unspecified",
+    }
+}
 
 /// The facade service.
 pub struct Facade {
-    dispatch: Arc<Dispatch>,
+    admission: Arc<dyn Admission>,
+    claims: Arc<dyn Claims>,
     gitea: GiteaClient,
     /// `X-Gitea-Actions-Capabilities` from the controller's own Declare, once known.
     server_capabilities: std::sync::RwLock<Option<String>>,
     /// Label of each backend as declared to the runner.
     labels: BackendLabels,
-    metrics: Option<Arc<crate::job_metrics::JobMetrics>>,
+    metrics: Option<Arc<dyn Outcomes>>,
     /// Pass-through requests without runner credentials, logged once per interval.
     uncredentialed: std::sync::Mutex<tls::Throttle>,
 }
 
 impl Facade {
-    /// A facade over `dispatch`, forwarding to Gitea with `gitea` (the controller's
-    /// credential).
-    pub fn new(
-        dispatch: Arc<Dispatch>,
+    /// A facade over `dispatch` (who may call, and the claims), forwarding to Gitea with
+    /// `gitea` (the controller's credential).
+    pub fn new<D: Admission + Claims + 'static>(
+        dispatch: Arc<D>,
         gitea: GiteaClient,
         server_capabilities: Option<String>,
         labels: BackendLabels,
     ) -> Self {
         Facade {
-            dispatch,
+            admission: dispatch.clone(),
+            claims: dispatch,
             gitea,
             server_capabilities: std::sync::RwLock::new(server_capabilities),
             labels,
@@ -74,7 +93,7 @@ impl Facade {
 
     /// Observes run times and the results runners report into `metrics`.
     #[must_use]
-    pub fn with_metrics(mut self, metrics: Arc<crate::job_metrics::JobMetrics>) -> Self {
+    pub fn with_metrics(mut self, metrics: Arc<dyn Outcomes>) -> Self {
         self.metrics = Some(metrics);
         self
     }
@@ -129,7 +148,7 @@ impl Facade {
             listener,
             tls,
             proxy,
-            crate::settings::FacadeLimits::default(),
+            FacadeLimits::default(),
             Arc::new(tls::FacadeStats::default()),
             shutdown,
         )
@@ -144,14 +163,14 @@ impl Facade {
         listener: tokio::net::TcpListener,
         tls: Arc<rustls::ServerConfig>,
         proxy: proxy::ReverseProxy,
-        limits: crate::settings::FacadeLimits,
+        limits: FacadeLimits,
         stats: Arc<tls::FacadeStats>,
         shutdown: Shutdown,
     ) -> std::io::Result<()> {
-        let dispatch = self.dispatch.clone();
+        let admission = self.admission.clone();
         let binder = tls::Binder {
-            key: self.dispatch.capability_key().clone(),
-            may_bind: Arc::new(move |id: &str| dispatch.may_bind(id)),
+            key: self.admission.capability_key().clone(),
+            may_bind: Arc::new(move |id: &str| admission.may_bind(id)),
         };
         tls::serve_tls_limited(
             listener,
@@ -181,7 +200,7 @@ impl Facade {
                 };
                 let uuid = header(headers, UUID_HEADER);
                 match self
-                    .dispatch
+                    .admission
                     .authorize_from_backend(uuid, header(headers, TOKEN_HEADER), peer)
                     .await
                 {
@@ -233,12 +252,12 @@ impl Facade {
                 "a SPIFFE mTLS client certificate is required",
             ));
         };
-        match self.dispatch.authorize(uuid, token, peer) {
+        match self.admission.authorize(uuid, token, peer) {
             Ok(auth) => {
                 // Only the runner's own calls show it is alive (invariant 12): an executor
                 // that only fetches artifacts or git objects must still fall silent.
                 if method != PASS_THROUGH {
-                    self.dispatch.heard_from(&auth.id);
+                    self.admission.heard_from(&auth.id);
                 }
                 Ok(auth)
             }
@@ -381,11 +400,11 @@ fn refusal(mut response: axum::response::Response, refused: bool) -> axum::respo
 /// forwards only its allow-listed headers).
 /// Why an assignment in `state` is no longer live for the pass-through, if it is not: its
 /// result is in Gitea, or its start deadline expired it and it is being failed there.
-fn not_live(state: Option<crate::dispatch::ClaimState>) -> Option<&'static str> {
+fn not_live(state: Option<Liveness>) -> Option<&'static str> {
     match state? {
-        crate::dispatch::ClaimState::Terminal => Some("has finished"),
-        crate::dispatch::ClaimState::Expired => Some("expired before its runner claimed it"),
-        crate::dispatch::ClaimState::Pending | crate::dispatch::ClaimState::Claimed => None,
+        Liveness::Finished => Some("has finished"),
+        Liveness::Expired => Some("expired before its runner claimed it"),
+        Liveness::Live => None,
     }
 }
 
@@ -438,7 +457,7 @@ async fn authenticate_pass_through(
             return refusal((status, format!("{WHO}: {why}\n")).into_response(), refused);
         }
     };
-    if let Some(why) = not_live(facade.dispatch.claim_state(&auth.id)) {
+    if let Some(why) = not_live(facade.admission.liveness(&auth.id)) {
         tracing::warn!(assignment_id = %auth.id, path = request.uri().path(), why, "pass-through request of an assignment that is not live refused");
         let answer = (
             http::StatusCode::FORBIDDEN,
@@ -523,7 +542,7 @@ impl RunnerService for Facade {
         // The claim runs detached from this call: if the runner's deadline drops this
         // future, the claim still completes (or is rolled back) and the next FetchTask
         // gets the task.
-        match self.dispatch.take_task(&auth).await {
+        match self.claims.clone().take_task(&auth).await {
             Ok(Fetched::Task(task)) => {
                 tracing::debug!(assignment_id = %auth.id, task_id = auth.task_id, "task handed to its runner");
                 Response::ok(FetchTaskResponse {
@@ -571,7 +590,7 @@ impl RunnerService for Facade {
                 (s.id, s.result)
             });
         Self::check_task(&auth, task_id, "UpdateTask")?;
-        self.dispatch.received(&auth.id);
+        self.claims.received(&auth.id);
         let response = self
             .gitea
             .update_task(request)
@@ -580,15 +599,12 @@ impl RunnerService for Facade {
         if result != buffa::EnumValue::from(TaskResult::RESULT_UNSPECIFIED) {
             // Invariant 10: the terminal marker is durable before the runner hears back;
             // if it is not, the runner retries and Gitea ignores the repeated result.
-            crate::failpoint::hit(crate::failpoint::points::AFTER_TERMINAL_ACCEPTED);
-            let finished = self.dispatch.finish(&auth).await.map_err(|e| {
+            let finished = self.claims.finish(&auth).await.map_err(|e| {
                 tracing::warn!(assignment_id = %auth.id, error = %e, "persisting the terminal marker failed; the runner retries its final report (Gitea keeps the first result)");
                 ConnectError::unavailable("persisting the terminal state failed; retry")
             })?;
-            let label = |r: buffa::EnumValue<TaskResult>| {
-                r.as_known()
-                    .map_or("unknown", crate::job_metrics::result_label)
-            };
+            let label =
+                |r: buffa::EnumValue<TaskResult>| r.as_known().map_or("unknown", result_label);
             let reported = label(result);
             // Gitea keeps the first result of a task (a cancel, an earlier report): what it
             // answers is what the job ended with.
@@ -598,18 +614,7 @@ impl RunnerService for Facade {
                 .map_or(reported, |s| label(s.result));
             if finished.first {
                 if let Some(m) = &self.metrics {
-                    let backend = auth.backend.as_str().to_owned();
-                    m.jobs_completed
-                        .get_or_create(&crate::job_metrics::ResultLabels {
-                            backend: backend.clone(),
-                            result: kept.to_owned(),
-                        })
-                        .inc();
-                    if let Some(ran) = finished.ran {
-                        m.run_time
-                            .get_or_create(&crate::metrics::BackendLabel { backend })
-                            .observe(ran.as_secs_f64());
-                    }
+                    m.completed(auth.backend, kept, finished.ran);
                 }
                 tracing::info!(assignment_id = %auth.id, event = "terminal", backend = %auth.backend, task_id, result = kept, reported, run_time = finished.ran.map(tracing::field::debug), "task finished: Gitea accepted its result");
             } else {
@@ -627,7 +632,7 @@ impl RunnerService for Facade {
         let auth = authorized(&ctx)?;
         let request = request.to_owned_message();
         Self::check_task(&auth, request.task_id, "UpdateLog")?;
-        self.dispatch.received(&auth.id);
+        self.claims.received(&auth.id);
         let response = self
             .gitea
             .update_log(request)

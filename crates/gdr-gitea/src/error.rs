@@ -24,7 +24,7 @@ pub enum ErrorKind {
     /// retrying later may succeed.
     Unavailable,
     /// Gitea's answer is larger than this client reads (see
-    /// [`crate::gitea::FETCH_TASK_MESSAGE_LIMIT`]): not an outage, and retrying does not
+    /// [`crate::FETCH_TASK_MESSAGE_LIMIT`]): not an outage, and retrying does not
     /// help.
     TooLarge,
     /// Anything else, including Gitea internal errors.
@@ -115,7 +115,8 @@ impl GiteaError {
         }
     }
 
-    pub(crate) fn config(message: String) -> Self {
+    /// A client (or the facade's reverse proxy to Gitea) that could not be built.
+    pub fn config(message: String) -> Self {
         GiteaError {
             kind: ErrorKind::Other,
             method: None,

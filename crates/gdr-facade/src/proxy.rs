@@ -31,7 +31,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use tokio::time::Instant;
 
-use crate::gitea::GiteaError;
+use gdr_gitea::GiteaError;
 
 /// The request headers sent on to Gitea, each with why a client of the pass-through
 /// needs it; every other header is dropped. Among the dropped ones, always: Gitea's
@@ -164,7 +164,7 @@ impl ReverseProxy {
     ) -> Result<Self, GiteaError> {
         let base = url::Url::parse(base)
             .map_err(|e| GiteaError::config(format!("upstream URL {base:?} is invalid: {e}")))?;
-        let tls = crate::gitea::tls_config(extra_ca_pem)?;
+        let tls = gdr_gitea::tls_config(extra_ca_pem)?;
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
@@ -430,8 +430,8 @@ mod tests {
                 "x-forwarded-host",
                 "x-forwarded-proto",
                 "x-real-ip",
-                crate::gitea::UUID_HEADER,
-                crate::gitea::TOKEN_HEADER,
+                gdr_gitea::UUID_HEADER,
+                gdr_gitea::TOKEN_HEADER,
             ])
             .collect();
         for (name, why) in FORWARDED_REQUEST_HEADERS {

@@ -1,13 +1,17 @@
-//! Adapter: the Connect client for Gitea's `runner.v1.RunnerService`.
+//! The Gitea client: the Connect client for Gitea's `runner.v1.RunnerService`, runner
+//! registration ([`register`]) and the mapping of Gitea's errors ([`GiteaError`]).
 //!
 //! Wire types stay at this boundary's edge: callers get typed errors
 //! ([`GiteaError`]) instead of Connect codes, and the controller's credential is
-//! held in a [`Credentials`] value whose `Debug` never shows the token.
+//! held in a [`Credentials`] value whose `Debug` never shows the token. The crate knows
+//! nothing of the controller (no settings, NATS or Kubernetes): the controller builds its
+//! [`ClientOptions`] and [`Credentials`] from its configuration.
 
 mod error;
+pub mod register;
+pub mod tls;
 
 use std::fmt;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,6 +25,9 @@ use gdr_proto::runner::v1::{
 };
 use http::HeaderValue;
 
+/// The version reported to Gitea (Declare, Register): the workspace's, which is the
+/// controller's.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Header carrying the runner UUID on every call but Register/Ping.
 pub const UUID_HEADER: &str = "x-runner-uuid";
 /// Header carrying the runner token on every call but Register/Ping.
@@ -50,20 +57,6 @@ impl Credentials {
             uuid: uuid.into(),
             token: token.into(),
         }
-    }
-
-    /// Reads the UUID and token files written by `register`, refusing files whose mode
-    /// `permissions` does not allow.
-    pub fn from_files(
-        uuid_file: &Path,
-        token_file: &Path,
-        permissions: crate::settings::SecretPermissions,
-    ) -> Result<Self, crate::settings::SecretFileError> {
-        use crate::settings::read_secret_file_with as read;
-        Ok(Credentials {
-            uuid: read("gitea_runner_uuid_file", uuid_file, permissions)?,
-            token: read("gitea_runner_token_file", token_file, permissions)?,
-        })
     }
 }
 
@@ -217,7 +210,7 @@ impl GiteaClient {
         capabilities: Vec<String>,
     ) -> Result<Declared, GiteaError> {
         let request = DeclareRequest {
-            version: crate::VERSION.to_string(),
+            version: VERSION.to_string(),
             labels,
             capabilities,
             ..Default::default()
@@ -352,7 +345,7 @@ impl GiteaClient {
         &self,
         task_id: i64,
         reason: &str,
-        backoff: &crate::backoff::Backoff,
+        backoff: &gdr_core::backoff::Backoff,
         attempts: u32,
     ) -> Result<Reported, GiteaError> {
         let mut attempt = 0;
@@ -386,7 +379,7 @@ impl GiteaClient {
 }
 
 /// rustls configuration for an https Gitea: system roots plus optional extra CAs.
-pub(crate) fn tls_config(extra_ca_pem: Option<&[u8]>) -> Result<rustls::ClientConfig, GiteaError> {
-    crate::client_tls::client_config("gitea_ca_file", extra_ca_pem, true)
+pub fn tls_config(extra_ca_pem: Option<&[u8]>) -> Result<rustls::ClientConfig, GiteaError> {
+    tls::client_config("gitea_ca_file", extra_ca_pem, true)
         .map_err(|e| GiteaError::config(e.to_string()))
 }

@@ -4,6 +4,25 @@ use gdr_testkit::log_capture::Capture;
 
 use super::*;
 
+/// The controller's log format (`gdr_controller::logging::subscriber`): JSON lines, the
+/// event's fields flattened.
+fn json_subscriber<W>(
+    filter: tracing_subscriber::EnvFilter,
+    writer: W,
+) -> impl tracing::Subscriber + Send + Sync
+where
+    W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
+{
+    use tracing_subscriber::layer::SubscriberExt;
+    tracing_subscriber::registry().with(filter).with(
+        tracing_subscriber::fmt::layer()
+            .json()
+            .flatten_event(true)
+            .with_current_span(true)
+            .with_writer(writer),
+    )
+}
+
 fn limits(total: usize, per_peer: usize, per_identity: usize) -> FacadeLimits {
     FacadeLimits {
         max_connections: total,
@@ -288,8 +307,7 @@ fn server_config() -> Arc<rustls::ServerConfig> {
 #[test]
 fn accept_errors_back_off_and_are_logged_once_per_interval_with_a_count() {
     let capture = Capture::default();
-    let subscriber =
-        crate::logging::subscriber(tracing_subscriber::EnvFilter::new("info"), capture.clone());
+    let subscriber = json_subscriber(tracing_subscriber::EnvFilter::new("info"), capture.clone());
     let calls = Arc::new(AtomicU64::new(0));
     let config = server_config();
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -300,7 +318,7 @@ fn accept_errors_back_off_and_are_logged_once_per_interval_with_a_count() {
     let stats = Arc::new(FacadeStats::default());
     tracing::subscriber::with_default(subscriber, || {
         runtime.block_on(async {
-            let (trigger, shutdown) = crate::shutdown::shutdown_channel();
+            let (trigger, shutdown) = gdr_shutdown::shutdown_channel();
             let server = tokio::spawn(serve_with(
                 Exhausted {
                     calls: calls.clone(),

@@ -48,7 +48,7 @@ pub enum TlsConfigError {
 /// A client configuration trusting the system roots and the certificates of `extra_ca_pem`
 /// (the contents of the file named by `key`). With `require_roots` false (a plain-http
 /// peer, whose connections never use it) an empty trust store is no error.
-pub(crate) fn client_config(
+pub fn client_config(
     key: &'static str,
     extra_ca_pem: Option<&[u8]>,
     require_roots: bool,
