@@ -259,7 +259,7 @@ in
   executor_start_deadline = mkOption {
     type = types.nullOr (types.either types.str types.ints.unsigned);
     default = null;
-    description = "An executor whose runner has not claimed its task this long after the executor was created is failed (counted from its creation, across controller restarts). Default: `10m`.";
+    description = "An executor whose runner has not claimed its task this long after the executor was created is failed (counted from its creation, across controller restarts); a warm Pod (`pod_warm_pool`) not running this long after its creation is replaced. Default: `10m`.";
   };
   executor_idle_timeout = mkOption {
     type = types.nullOr (types.either types.str types.ints.unsigned);
@@ -389,7 +389,7 @@ in
   pod_profiles = mkOption {
     type = types.nullOr (types.attrsOf types.anything);
     default = null;
-    description = "Per-label Pod profiles, `[pod_profiles.<label>]`: a job whose `runs-on` has the extra label gets `requests`, `limits`, `node_selector`, `tolerations`, `runtime_class_name`, `volumes` (`{ name, mount_path, read_only }` from `pod_volume_allow_list`) and `image`. Each label is declared to Gitea. A job with an unknown extra label, or two profiles, is failed with a log row naming them. Default: `{}`.";
+    description = "Per-label Pod profiles, `[pod_profiles.<label>]`: a job whose `runs-on` has the extra label gets `requests`, `limits`, `node_selector`, `tolerations`, `runtime_class_name`, `volumes` (`{ name, mount_path, read_only }` from `pod_volume_allow_list`), `image` and `warm_pool` (warm Pods of the profile to keep, as `pod_warm_pool`). Each label is declared to Gitea. A job with an unknown extra label, or two profiles, is failed with a log row naming them. Default: `{}`.";
   };
   pod_profile_max = mkOption {
     type = types.nullOr (types.attrsOf types.anything);
@@ -410,6 +410,11 @@ in
     type = types.nullOr (types.either types.str types.ints.unsigned);
     default = null;
     description = "How long an executor Pod waits for its SVID (its ClusterStaticEntry bound by SPIRE) and the facade before it gives up; the job is then failed with the executor's error as the reason. Default: `2m`.";
+  };
+  pod_warm_pool = mkOption {
+    type = types.nullOr (types.ints.unsigned);
+    default = null;
+    description = "Warm Pods without a profile to keep ready (0, the default: none, every job's Pod is created for it). A warm Pod is created before any job, holds no identity and no capability, and is claimed by exactly one job, which then gets its identity bound and its capability; it is deleted after that job like any Pod and replaced. A profile's own count is its `warm_pool` field in `pod_profiles`. The VM backend has no such key: its OpenSandbox Pool (`opensandbox_pool`) is its warm pool. Default: `0`.";
   };
   spire_cluster = mkOption {
     type = types.nullOr (types.str);

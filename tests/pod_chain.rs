@@ -53,8 +53,8 @@ struct Chain {
     mock: RunningMock,
     _cluster: RealKube,
     admin: kube::Client,
-    /// The UIDs of every Pod the API server ever held in [`NS`] (a watch from the start).
-    created: Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+    /// Every Pod the API server ever held in [`NS`] (a watch from the start), by UID.
+    created: Arc<std::sync::Mutex<BTreeMap<String, Seen>>>,
     _kubelet: FakeKubelet,
     fixture: ControllerFixture,
     /// The stand-in dockerd every privileged Pod's `dockerd` sidecar runs.
@@ -294,6 +294,71 @@ impl Chain {
         self.created.lock().unwrap().len()
     }
 
+    /// Every Pod the API server ever held in [`NS`], and the assignments each carried.
+    fn seen(&self) -> Vec<Seen> {
+        self.created.lock().unwrap().values().cloned().collect()
+    }
+
+    /// Waits until `n` unclaimed warm Pods run (their executors wait for a job).
+    async fn warm_ready(&self, n: usize) {
+        gdr_testkit::until(WAIT, &format!("{n} warm Pods ready"), || async {
+            let warm: Vec<Pod> = self
+                .pod_list()
+                .await
+                .into_iter()
+                .filter(|p| {
+                    p.metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(WARM))
+                        .map(String::as_str)
+                        == Some("true")
+                })
+                .collect();
+            warm.len() == n
+                && warm.iter().all(|p| {
+                    p.metadata.deletion_timestamp.is_none()
+                        && p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                })
+        })
+        .await;
+    }
+
+    /// Waits until no executor is left: no capability Secret, no identity entry, and no
+    /// Pod but the `n` unclaimed warm ones.
+    async fn only_the_pool_left(&self, n: usize) {
+        let secrets: Api<Secret> = Api::namespaced(self.admin.clone(), NS);
+        let entries: Api<DynamicObject> =
+            Api::all_with(self.admin.clone(), &crate::real_kube::entry_resource());
+        gdr_testkit::until(WAIT, "nothing but the warm pool left", || async {
+            let lp = Default::default();
+            let pods = self.pod_list().await;
+            pods.len() == n
+                && pods.iter().all(|p| {
+                    p.metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(WARM))
+                        .map(String::as_str)
+                        == Some("true")
+                })
+                && secrets.list(&lp).await.unwrap().items.is_empty()
+                && entries.list(&lp).await.unwrap().items.is_empty()
+        })
+        .await;
+    }
+
+    /// The assignment ID of `job`'s task.
+    fn assignment(&self, job: JobId) -> String {
+        let task = self
+            .mock
+            .handle
+            .job(job)
+            .and_then(|j| j.task_id)
+            .expect("fetched");
+        format!("gitea-task-{task}")
+    }
+
     async fn pod(&self, job: JobId) -> Option<serde_json::Value> {
         let task = self.mock.handle.job(job)?.task_id?;
         let pod = self
@@ -305,18 +370,34 @@ impl Chain {
     }
 }
 
-/// Records the UID of every Pod the API server holds in [`NS`] from now on.
-fn record_pods(
-    admin: &kube::Client,
-) -> (
-    Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
-    PodWatch,
-) {
-    let created = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
+/// The label of warm Pods (`true` until a job claims one).
+const WARM: &str = "ci.ddupan.top/warm";
+
+/// One Pod as the watch saw it over its life.
+#[derive(Debug, Clone, Default)]
+struct Seen {
+    name: String,
+    /// Every assignment ID its labels ever carried.
+    assignments: std::collections::BTreeSet<String>,
+}
+
+/// Records every Pod the API server holds in [`NS`] from now on, by UID.
+fn record_pods(admin: &kube::Client) -> (Arc<std::sync::Mutex<BTreeMap<String, Seen>>>, PodWatch) {
+    let created = Arc::new(std::sync::Mutex::new(BTreeMap::new()));
     let seen = created.clone();
     let watch = PodWatch::start(Api::namespaced(admin.clone(), NS), move |pod| {
-        if let Some(uid) = pod.metadata.uid {
-            seen.lock().unwrap().insert(uid);
+        if let Some(uid) = pod.metadata.uid.clone() {
+            let mut seen = seen.lock().unwrap();
+            let entry: &mut Seen = seen.entry(uid).or_default();
+            entry.name = pod.metadata.name.clone().unwrap_or_default();
+            if let Some(id) = pod
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get("ci.ddupan.top/assignment-id"))
+            {
+                entry.assignments.insert(id.clone());
+            }
         }
     });
     (created, watch)
@@ -355,6 +436,11 @@ async fn jobs_run_in_fresh_pods_with_their_profile_and_every_result_reaches_gite
     c.status(hang, Status::Cancelled).await;
     c.nothing_left().await;
     assert_eq!(c.pod_creations(), 4, "one Pod per job");
+    assert!(
+        c.seen().iter().all(|p| p.name.starts_with("gitea-task-")),
+        "with no warm pool (the default) every Pod is created for its job: {:?}",
+        c.seen()
+    );
     let uuid = std::fs::read_to_string(c.fixture.path().join("secrets/uuid")).unwrap();
     let runner = c.mock.handle.runner(uuid.trim()).unwrap();
     assert_eq!(
@@ -714,5 +800,222 @@ async fn a_privileged_pods_job_runs_with_the_docker_daemon_of_its_dockerd_sideca
         !c.dockerd.running()
     })
     .await;
+    let _ = controller.start_kill();
+}
+
+/// DESIGN invariant 8 (issue 39 item 5): with a warm pool, jobs are run by pool members
+/// (no Pod is created on a job's path), each member serves one job only — claimed by
+/// exactly one assignment, deleted after it like any Pod, with its identity entry and
+/// capability Secret — and the pool refills to its count, its new members serving later
+/// jobs the same way.
+#[tokio::test(flavor = "multi_thread")]
+async fn with_a_warm_pool_jobs_run_in_pool_members_each_serving_one_job_and_the_pool_refills() {
+    let c = Chain::new(|f| f.set("pod_warm_pool", 2u32)).await;
+    let mut controller = c.controller(None);
+    c.warm_ready(2).await;
+    assert_eq!(c.pod_creations(), 2, "the pool, before any job");
+    let ok = c.queue("ok", "[self-hosted, pod]", "standin:success");
+    let bad = c.queue("bad", "[self-hosted, pod]", "standin:failure");
+    c.status(ok, Status::Success).await;
+    c.status(bad, Status::Failure).await;
+    c.only_the_pool_left(2).await;
+    c.warm_ready(2).await;
+    let later = c.queue("later", "[self-hosted, pod]", "standin:success");
+    c.status(later, Status::Success).await;
+    c.only_the_pool_left(2).await;
+    let seen = c.seen();
+    for job in [ok, bad, later] {
+        let id = c.assignment(job);
+        let pods: Vec<&Seen> = seen
+            .iter()
+            .filter(|p| p.assignments.contains(&id))
+            .collect();
+        assert_eq!(pods.len(), 1, "{id} ran in one Pod: {seen:?}");
+        assert!(
+            pods[0].name.starts_with("gitea-warm-"),
+            "{id} ran in a pool member: {seen:?}"
+        );
+        assert_eq!(c.runs_of(job), 1);
+    }
+    assert!(
+        seen.iter().all(|p| p.assignments.len() <= 1),
+        "no Pod served two jobs: {seen:?}"
+    );
+    assert!(
+        !seen.iter().any(|p| p.name.starts_with("gitea-task-")),
+        "no Pod was created on a job's path: {seen:?}"
+    );
+    // Two at the start, one refill per job.
+    assert_eq!(c.pod_creations(), 5, "{seen:?}");
+    let _ = controller.start_kill();
+}
+
+/// DESIGN invariants 12 and 13 (issue 39 item 5): a pool member whose identity cannot be
+/// bound (its entry's parent is not the agent of its node) gives its job no SVID; the job
+/// is failed after `pod_identity_bind_deadline`, counted from the claim, with the
+/// executor's own error, and the member is discarded (deleted, never back in the pool),
+/// which refills with a new one.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pool_member_whose_identity_cannot_be_bound_is_discarded_and_its_job_failed() {
+    let c = Chain::new(|f| {
+        f.set(
+            "spire_agent_id",
+            format!(
+                "spiffe://{TRUST_DOMAIN}/spire/agent/k8s_psat/{CLUSTER}/00000000-0000-4000-8000-0000000000aa"
+            ),
+        )
+        .set("pod_identity_bind_deadline", "3s")
+        .set("pod_warm_pool", 1u32)
+    })
+    .await;
+    let mut controller = c.controller(None);
+    c.warm_ready(1).await;
+    let job = c.queue("unbound", "[self-hosted, pod]", "standin:success");
+    c.status(job, Status::Failure).await;
+    let rows = c.log_rows(job);
+    assert!(
+        rows.iter()
+            .any(|r| r.contains("ended before its runner fetched the task")
+                && r.contains("gave no X.509-SVID")),
+        "{rows:?}"
+    );
+    assert_eq!(c.runs_of(job), 0);
+    c.only_the_pool_left(1).await;
+    c.warm_ready(1).await;
+    let id = c.assignment(job);
+    let seen = c.seen();
+    let served: Vec<&Seen> = seen
+        .iter()
+        .filter(|p| p.assignments.contains(&id))
+        .collect();
+    assert_eq!(served.len(), 1, "{seen:?}");
+    assert!(served[0].name.starts_with("gitea-warm-"), "{seen:?}");
+    let left: Vec<String> = c
+        .pod_list()
+        .await
+        .iter()
+        .map(|p| p.metadata.name.clone().unwrap_or_default())
+        .collect();
+    assert!(
+        !left.contains(&served[0].name),
+        "the member that could not be bound is gone: {left:?}"
+    );
+    let _ = controller.start_kill();
+}
+
+/// DESIGN invariant 7 (issue 39 item 5): the warm pool is rebuilt from the Pods the cluster
+/// holds, not from memory: a killed controller's successor finds the members and creates
+/// none beside them, and its jobs are run by them.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_restarted_controller_finds_the_warm_pool_on_the_cluster_and_creates_no_second_one() {
+    let c = Chain::new(|f| f.set("pod_warm_pool", 2u32)).await;
+    let mut first = c.controller(None);
+    c.warm_ready(2).await;
+    first.start_kill().unwrap();
+    first.wait().await.unwrap();
+    let mut second = c.controller(None);
+    let job = c.queue("after", "[self-hosted, pod]", "standin:success");
+    c.status(job, Status::Success).await;
+    c.only_the_pool_left(2).await;
+    let id = c.assignment(job);
+    let seen = c.seen();
+    let served: Vec<&Seen> = seen
+        .iter()
+        .filter(|p| p.assignments.contains(&id))
+        .collect();
+    assert_eq!(served.len(), 1, "{seen:?}");
+    assert!(served[0].name.starts_with("gitea-warm-"), "{seen:?}");
+    // The two members of the first controller, one refill after the job.
+    assert_eq!(c.pod_creations(), 3, "{seen:?}");
+    let _ = second.start_kill();
+}
+
+/// DESIGN invariant 8 (issue 39 item 5): a member made under earlier settings never runs a
+/// job. After a change of the Pod template (here the executors' resources) the next
+/// controller deletes the old member before any job and makes a new one, which runs the
+/// job.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_member_made_under_earlier_settings_is_replaced_and_never_claimed() {
+    let mut c = Chain::new(|f| f.set("pod_warm_pool", 1u32)).await;
+    let mut first = c.controller(None);
+    c.warm_ready(1).await;
+    let old: Vec<String> = c
+        .pod_list()
+        .await
+        .iter()
+        .map(|p| p.metadata.name.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(old.len(), 1, "{old:?}");
+    first.start_kill().unwrap();
+    first.wait().await.unwrap();
+    c.fixture = c.fixture.set(
+        "pod_resources",
+        Value::Inline(r#"{ requests = { cpu = "100m" } }"#.into()),
+    );
+    let mut second = c.controller(None);
+    gdr_testkit::until(WAIT, "the old member replaced", || async {
+        let pods = c.pod_list().await;
+        pods.len() == 1 && pods[0].metadata.name.as_ref() != Some(&old[0])
+    })
+    .await;
+    c.warm_ready(1).await;
+    // The operator sees it: one member discarded as outdated, one ready.
+    let health = c.health.local_addr().unwrap();
+    let metric = |series: &'static str| gdr_testkit::local_controller::metric(health, series);
+    gdr_testkit::until(WAIT, "the metrics show the replacement", || async {
+        metric(r#"gitea_dynamic_runner_warm_environments_discarded_total{backend="pod",reason="outdated"}"#).await
+            == Some(1)
+            && metric(r#"gitea_dynamic_runner_warm_environments{backend="pod",profile="",state="ready"}"#).await
+                == Some(1)
+    })
+    .await;
+    let job = c.queue("after", "[self-hosted, pod]", "standin:success");
+    c.status(job, Status::Success).await;
+    c.only_the_pool_left(1).await;
+    let id = c.assignment(job);
+    let seen = c.seen();
+    let served: Vec<&Seen> = seen
+        .iter()
+        .filter(|p| p.assignments.contains(&id))
+        .collect();
+    assert_eq!(served.len(), 1, "{seen:?}");
+    assert!(served[0].name.starts_with("gitea-warm-"), "{seen:?}");
+    assert_ne!(
+        served[0].name, old[0],
+        "the outdated member ran the job: {seen:?}"
+    );
+    assert!(
+        c.fixture
+            .log()
+            .contains("made from an earlier Pod template"),
+        "the deletion says why"
+    );
+    let _ = second.start_kill();
+}
+
+/// DESIGN invariant 8 (issue 39 item 5): a member that never runs (its image cannot be
+/// pulled) holds no place in the pool for good: past `executor_start_deadline` it is
+/// deleted and replaced, and the log says why.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_member_that_never_runs_is_replaced_after_the_start_deadline() {
+    let c = Chain::new(|f| {
+        f.set("executor_start_deadline", "2s")
+            .set("pod_warm_pool", 1u32)
+            .set("pod_executor_image", "registry.example/missing:latest")
+    })
+    .await;
+    let mut controller = c.controller(None);
+    // At most one lifecycle interval (30 s) after the deadline: a Pod waiting on its
+    // image changes no more, so no watch event wakes the pass.
+    gdr_testkit::until(WAIT, "the stalled member replaced", || async {
+        c.pod_creations() >= 2
+    })
+    .await;
+    assert!(
+        c.fixture
+            .log()
+            .contains("not running within executor_start_deadline"),
+        "the deletion says why"
+    );
     let _ = controller.start_kill();
 }

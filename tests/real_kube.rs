@@ -1685,3 +1685,168 @@ fn json_patch_merge(value: &mut serde_json::Value, extra: serde_json::Value) {
         (slot, v) => *slot = v,
     }
 }
+
+/// DESIGN invariants 8 and 14 (issue 39 item 5), under the shipped RBAC: a warm Pod holds
+/// no assignment, identity entry or capability Secret before a claim; of two jobs racing
+/// for the one ready member, exactly one claims it (its Secret, then a patch under the
+/// member's `resourceVersion`) and the other gets a fresh Pod named after its assignment;
+/// the member carries only its job's assignment and capability Secret, and is found,
+/// marked and deleted by that assignment like any executor.
+#[tokio::test(flavor = "multi_thread")]
+async fn of_two_jobs_racing_for_one_warm_pod_exactly_one_claims_it_and_the_other_gets_a_fresh_pod()
+{
+    let kube = cluster().await;
+    let mut settings = KubernetesSettings::new(
+        IMAGE,
+        backend_contract::trust_domain(),
+        "test-cluster",
+        "spire-mgmt",
+    );
+    settings.namespace = NS.into();
+    settings.warm_pool = 1;
+    let backend = KubernetesBackend::new(
+        kube.client_as(&ServiceAccount::controller()).await,
+        settings,
+    )
+    .unwrap();
+    let pass = backend.reconcile_warm_pool().await.unwrap();
+    assert_eq!(pass.created, 1);
+    assert_eq!(
+        backend.reconcile_warm_pool().await.unwrap().created,
+        0,
+        "idempotent"
+    );
+    let admin = kube.admin().await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), NS);
+    let secrets: Api<Secret> = Api::namespaced(admin.clone(), NS);
+    let entries: Api<DynamicObject> = Api::all_with(admin.clone(), &entry_resource());
+    let warm = pods
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .remove(0);
+    let name = warm.metadata.name.clone().unwrap();
+    assert!(name.starts_with("gitea-warm-"), "{name}");
+    let labels = warm.metadata.labels.clone().unwrap_or_default();
+    assert!(
+        !labels
+            .keys()
+            .any(|k| k.ends_with("assignment-id") || k.ends_with("runner")),
+        "no assignment before a claim: {labels:?}"
+    );
+    assert!(backend.list().await.unwrap().is_empty(), "not an executor");
+    assert!(
+        secrets
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+    assert!(
+        entries
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .items
+            .is_empty()
+    );
+    // Running, as its kubelet would report it: claimable.
+    schedule(&kube, &name).await;
+    pods.patch_status(
+        &name,
+        &Default::default(),
+        &Patch::Merge(json!({ "status": { "phase": "Running" } })),
+    )
+    .await
+    .unwrap();
+
+    // A claim under way (another job's Secret for the member, its patch not yet made)
+    // holds the member: a third job does not take it, it gets a fresh Pod.
+    let held: Secret = serde_json::from_value(json!({
+        "metadata": { "name": format!("{name}-capability"), "labels": {
+            "app.kubernetes.io/name": "gitea-dynamic-runner",
+            "app.kubernetes.io/component": "executor-capability",
+            "ci.ddupan.top/assignment-id": "gitea-task-99",
+        } },
+        "stringData": { "capability": "another job's" },
+    }))
+    .unwrap();
+    secrets.create(&PostParams::default(), &held).await.unwrap();
+    let third = task_spec(23, "[self-hosted, pod]", "https://127.0.0.1:9");
+    let fresh = backend.create(&third).await.unwrap();
+    assert_eq!(
+        fresh.name,
+        third.assignment.id().as_str(),
+        "not the held member"
+    );
+    backend.delete(third.assignment.id()).await.unwrap();
+    secrets
+        .delete(&format!("{name}-capability"), &Default::default())
+        .await
+        .unwrap();
+
+    let (a, b) = (
+        task_spec(21, "[self-hosted, pod]", "https://127.0.0.1:9"),
+        task_spec(22, "[self-hosted, pod]", "https://127.0.0.1:9"),
+    );
+    let (ra, rb) = tokio::join!(backend.create(&a), backend.create(&b));
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    let names = [ra.name.clone(), rb.name.clone()];
+    assert_eq!(
+        names.iter().filter(|n| **n == name).count(),
+        1,
+        "exactly one job claimed the warm Pod: {names:?}"
+    );
+    let (winner, loser, loser_record) = if ra.name == name {
+        (&a, &b, &rb)
+    } else {
+        (&b, &a, &ra)
+    };
+    assert_eq!(
+        loser_record.name,
+        loser.assignment.id().as_str(),
+        "a fresh Pod"
+    );
+    let claimed = pods.get(&name).await.unwrap();
+    let claimed_labels = claimed.metadata.labels.clone().unwrap_or_default();
+    assert_eq!(
+        claimed_labels
+            .get("ci.ddupan.top/assignment-id")
+            .map(String::as_str),
+        Some(winner.assignment.id().as_str())
+    );
+    assert_eq!(claimed_labels["ci.ddupan.top/warm"], "claimed");
+    let capability: Vec<String> = secrets
+        .list(&Default::default())
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter_map(|s| s.metadata.name.clone())
+        .collect();
+    assert!(
+        capability.contains(&format!("{name}-capability")),
+        "the member's Secret: {capability:?}"
+    );
+    assert_eq!(capability.len(), 2, "one Secret per job: {capability:?}");
+    let id = winner.assignment.id();
+    let found = backend
+        .find(id)
+        .await
+        .unwrap()
+        .expect("found by its assignment");
+    assert_eq!(found.name, name);
+    backend.record_claimed(id).await.unwrap();
+    assert!(backend.find(id).await.unwrap().unwrap().claimed);
+    assert_eq!(backend.list().await.unwrap().len(), 2);
+    // The pool refills without touching the claimed member.
+    assert_eq!(backend.reconcile_warm_pool().await.unwrap().created, 1);
+    backend.delete(id).await.unwrap();
+    let gone = pods.get_opt(&name).await.unwrap();
+    assert!(
+        gone.is_none_or(|p| p.metadata.deletion_timestamp.is_some()),
+        "the claimed member is deleted after its job"
+    );
+}

@@ -2,6 +2,16 @@
 //! table (its `pod_*`, `opensandbox_*` and `vm_*` keys) both read them. Not behind the
 //! backends' features, because the key table documents every key in every build.
 
+/// Every backend's executors.
+pub mod executor {
+    use std::time::Duration;
+
+    /// How long an executor may take to start (`executor_start_deadline`): one whose
+    /// runner has not claimed its task this long after its creation is failed, and a warm
+    /// Pod not running this long after its creation is replaced.
+    pub const START_DEADLINE: Duration = Duration::from_secs(600);
+}
+
 /// The Pod backend's defaults ([`crate::kubernetes::KubernetesSettings::new`]).
 pub mod kubernetes {
     use std::time::Duration;

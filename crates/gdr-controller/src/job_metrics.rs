@@ -47,6 +47,33 @@ pub struct PhaseLabels {
     pub phase: String,
 }
 
+/// Labels: backend, profile and state of unclaimed warm environments.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WarmLabels {
+    /// `pod`.
+    pub backend: String,
+    /// The profile the environments are kept for (empty: none).
+    pub profile: String,
+    /// One of [`WARM_STATES`].
+    pub state: String,
+}
+
+/// Labels: backend and why warm environments were discarded.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DiscardLabels {
+    /// `pod`.
+    pub backend: String,
+    /// One of [`WARM_DISCARD_REASONS`].
+    pub reason: String,
+}
+
+/// States of an unclaimed warm environment: claimable, or not running yet.
+pub const WARM_STATES: [&str; 2] = ["ready", "starting"];
+/// Why a warm environment is deleted unclaimed: its executor ended, it was made under
+/// earlier settings, it did not run within `executor_start_deadline`, or the count is
+/// lower than the pool.
+pub const WARM_DISCARD_REASONS: [&str; 4] = ["ended", "outdated", "stalled", "surplus"];
+
 /// Why the controller itself failed a job in Gitea (the runner never reported a result).
 /// Low-cardinality label values; the log line of each failure carries the full reason.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -148,6 +175,10 @@ pub struct JobMetrics {
     pub idle_executors_failed: Family<BackendLabel, Counter>,
     /// Assignments held because they are sealed with a task key this controller lacks.
     pub held_assignments: Family<BackendLabel, Gauge>,
+    /// Unclaimed warm environments, as the last lifecycle pass left them.
+    pub warm_environments: Family<WarmLabels, Gauge>,
+    /// Warm environments deleted unclaimed, by reason.
+    pub warm_discarded: Family<DiscardLabels, Counter>,
 }
 
 impl Default for JobMetrics {
@@ -163,6 +194,8 @@ impl Default for JobMetrics {
             lifecycle_errors: Family::default(),
             idle_executors_failed: Family::default(),
             held_assignments: Family::default(),
+            warm_environments: Family::default(),
+            warm_discarded: Family::default(),
         }
     }
 }
@@ -230,6 +263,50 @@ impl JobMetrics {
             "Assignments set aside because they are sealed with a task key this controller lacks, by backend",
             &self.held_assignments,
         );
+        r.family(
+            "warm_environments",
+            "Unclaimed warm environments (pod_warm_pool) by backend, profile (empty: none) and state (ready: claimable; starting: not running yet), as the last lifecycle pass left them",
+            &self.warm_environments,
+        )
+        .values("state", &WARM_STATES);
+        r.family(
+            "warm_environments_discarded",
+            "Warm environments deleted unclaimed, by backend and reason (ended; outdated: made under earlier settings; stalled: not running within executor_start_deadline; surplus: above the count)",
+            &self.warm_discarded,
+        )
+        .values("reason", &WARM_DISCARD_REASONS);
+    }
+
+    /// Records what a lifecycle pass left of `backend`'s warm pool (`warm`: by profile
+    /// and state; `None`: it keeps none) and what it discarded, by reason.
+    pub fn record_warm(
+        &self,
+        backend: gdr_core::backend::Backend,
+        warm: Option<&std::collections::BTreeMap<(String, &'static str), usize>>,
+        discarded: &std::collections::BTreeMap<&'static str, usize>,
+    ) {
+        let name = BackendLabel::of(backend).backend;
+        if let Some(warm) = warm {
+            // A profile no longer pooled loses its series: only the pass's are current.
+            self.warm_environments.clear();
+            for ((profile, state), n) in warm {
+                self.warm_environments
+                    .get_or_create(&WarmLabels {
+                        backend: name.clone(),
+                        profile: profile.clone(),
+                        state: (*state).to_owned(),
+                    })
+                    .set(i64::try_from(*n).unwrap_or(i64::MAX));
+            }
+        }
+        for (reason, n) in discarded {
+            self.warm_discarded
+                .get_or_create(&DiscardLabels {
+                    backend: name.clone(),
+                    reason: (*reason).to_owned(),
+                })
+                .inc_by(u64::try_from(*n).unwrap_or(u64::MAX));
+        }
     }
 
     /// Creates every per-backend series of `backend` at zero, so dashboards and alerts see

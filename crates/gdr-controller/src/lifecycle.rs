@@ -24,7 +24,7 @@
 //! The backend's [`Housekeeping`] (the Pod backend's sweep of identity entries and
 //! capability Secrets whose Pod is gone) runs at most once per timer interval.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
@@ -55,6 +55,25 @@ pub trait Housekeeping: Send + Sync {
     /// Removes what is left over (identity entries, Secrets of gone Pods); returns how
     /// many objects were removed.
     async fn sweep(&self) -> Result<usize, ExecutorError>;
+
+    /// What the backend keeps up on every pass, not only every interval (the Pod
+    /// backend's warm pool, refilled as soon as a job claimed a member).
+    async fn every_pass(&self) -> Result<Upkeep, ExecutorError> {
+        Ok(Upkeep::default())
+    }
+}
+
+/// What a backend's per-pass upkeep did, and the warm environments it left.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Upkeep {
+    /// Objects created or removed.
+    pub changed: usize,
+    /// Unclaimed warm environments, by profile (empty: none) and state (`ready`,
+    /// `starting`); `None`: the backend keeps no warm pool.
+    pub warm: Option<BTreeMap<(String, &'static str), usize>>,
+    /// Warm environments this pass discarded, by reason (`ended`, `outdated`, `stalled`,
+    /// `surplus`).
+    pub discarded: BTreeMap<&'static str, usize>,
 }
 
 /// Failing unclaimed executors whose assignment left the queue.
@@ -599,6 +618,25 @@ impl Lifecycle {
         }
     }
 
+    /// Runs the backend's per-pass upkeep, logging why it could not.
+    async fn upkeep(&self, housekeeping: &dyn Housekeeping) {
+        match housekeeping.every_pass().await {
+            Ok(upkeep) => {
+                if let Some(m) = &self.metrics {
+                    m.record_warm(
+                        self.backend.backend(),
+                        upkeep.warm.as_ref(),
+                        &upkeep.discarded,
+                    );
+                }
+            }
+            Err(e) => {
+                self.count(|m| &m.lifecycle_errors);
+                tracing::warn!(backend = %self.backend.backend(), error = %e, "keeping up the backend (its warm pool) failed; retrying next pass");
+            }
+        }
+    }
+
     /// Runs passes every `interval`, and after every wake, until `shutdown`.
     pub async fn run(self, interval: Duration, shutdown: Shutdown) {
         let mut wake = self.wake.fresh();
@@ -607,6 +645,9 @@ impl Lifecycle {
             if let Err(e) = self.reconcile_once().await {
                 self.count(|m| &m.lifecycle_errors);
                 tracing::warn!(backend = %self.backend.backend(), error = %e, "listing executors failed; nothing is cleaned up or failed until the next pass lists them");
+            }
+            if let Some(h) = &self.housekeeping {
+                self.upkeep(h.as_ref()).await;
             }
             if let Some(h) = &self.housekeeping
                 && last_housekeeping.is_none_or(|t| t.elapsed() >= interval)

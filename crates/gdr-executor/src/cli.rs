@@ -74,6 +74,10 @@ pub fn run() -> ExitCode {
         Ok(None) => {}
         Err(e) => return fail(e),
     }
+    // A warm Pod's executor has no assignment until a job claims its Pod.
+    if let Some(dir) = get(crate::standby::STANDBY_DIR) {
+        return fail(crate::standby::wait_then_exec(std::path::Path::new(&dir)));
+    }
     // The executor a root executor started takes the runner's identity first, while the
     // process has one thread.
     if let Err(e) = jobenv::take_identity(get) {

@@ -13,6 +13,8 @@
 //! - [`relay`]: the runner's RunnerService calls on their way to the facade: sent again
 //!   while the facade is unreachable, reports held and answered as Gitea would until the
 //!   facade has them ([`outbox`]).
+//! - [`standby`]: a warm Pod's executor waits, with no assignment, for the job that
+//!   claims its Pod.
 
 pub mod cli;
 mod descendants;
@@ -23,4 +25,5 @@ pub mod oneshot;
 pub mod outbox;
 pub mod proxy;
 pub mod relay;
+pub mod standby;
 mod upstream;

@@ -13,7 +13,9 @@
 //!   `metadata.name|namespace|uid` and `spec.nodeName`; nothing of the test's own
 //!   environment leaks in but `PATH`, `HOME` and `TMPDIR`.
 //! - **Volumes** map to directories under the kubelet's root: `emptyDir`, `secret` and
-//!   `projected` Secret sources written as files, and the SPIFFE CSI volume
+//!   `projected` Secret (an optional one may be missing) and downward API sources
+//!   written as files, and kept up to date while the Pod runs, as the kubelet updates them
+//!   on a change of the Pod's labels and annotations or of the Secret; the SPIFFE CSI volume
 //!   (`csi.spiffe.io`) or the agent's node directory ([`AGENT_HOST_DIR`], a `hostPath`)
 //!   mapped to the fake SPIRE agent's directory for that Pod. A process
 //!   cannot see the mount paths, so every mount path appearing in an env value or argument
@@ -42,7 +44,7 @@ use std::time::Duration;
 
 use base64::Engine;
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Container, Node, Pod, Secret, Volume};
+use k8s_openapi::api::core::v1::{Container, Node, Pod, ProjectedVolumeSource, Secret, Volume};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
@@ -56,6 +58,29 @@ use crate::fake_spire::FakeSpireAgent;
 /// with `hostPath` (`pod_spiffe_host_path`) instead of the SPIFFE CSI driver; any other
 /// `hostPath` fails the Pod's start as a missing `Directory` does on a real node.
 pub const AGENT_HOST_DIR: &str = "/run/spire/agent-sockets";
+
+/// A downward API field of `pod` (`metadata.labels['k']`, `metadata.annotations['k']`,
+/// `metadata.name`, `metadata.namespace`, `metadata.uid`); a missing key is empty.
+fn field_value(pod: &Pod, path: &str) -> String {
+    let keyed = |prefix: &str| {
+        path.strip_prefix(prefix)?
+            .strip_prefix("['")?
+            .strip_suffix("']")
+            .map(str::to_owned)
+    };
+    if let Some(key) = keyed("metadata.labels") {
+        return pod.labels().get(&key).cloned().unwrap_or_default();
+    }
+    if let Some(key) = keyed("metadata.annotations") {
+        return pod.annotations().get(&key).cloned().unwrap_or_default();
+    }
+    match path {
+        "metadata.name" => pod.name_any(),
+        "metadata.namespace" => pod.namespace().unwrap_or_default(),
+        "metadata.uid" => pod.uid().unwrap_or_default(),
+        _ => String::new(),
+    }
+}
 
 /// Whether `volume` carries the node's SPIRE agent socket: `None` for any other volume;
 /// else whether this node can mount it (`agent`: a fake SPIRE agent runs here), with the
@@ -504,6 +529,16 @@ impl Shared {
             .as_ref()
             .and_then(|s| s.phase.clone())
             .unwrap_or_default();
+        if phase == "Running"
+            && self.ours(pod)
+            && self
+                .running
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains_key(&uid)
+        {
+            self.refresh(pod, &uid).await;
+        }
         if phase != "Pending" {
             return Ok(());
         }
@@ -679,6 +714,73 @@ impl Shared {
         }
     }
 
+    /// Writes a projected volume's files into `dir`: Secret sources (a missing optional
+    /// one is left out, as the kubelet does, and written once it exists) and downward API
+    /// items (`metadata.labels['…']`, `metadata.annotations['…']`, `metadata.name|uid`;
+    /// a missing key is an empty file). Each file is replaced whole (the kubelet swaps a
+    /// symlink), so a reader never sees half of one.
+    async fn project(
+        &self,
+        pod: &Pod,
+        projected: &ProjectedVolumeSource,
+        dir: &Path,
+    ) -> Result<(), Waiting> {
+        let ns = pod.namespace().unwrap_or_default();
+        let io = |e: std::io::Error| Waiting("CreateContainerError", e.to_string());
+        std::fs::create_dir_all(dir).map_err(io)?;
+        let write = |name: &str, value: &[u8]| -> Result<(), Waiting> {
+            let tmp = dir.join(format!("..{name}.tmp"));
+            std::fs::write(&tmp, value).map_err(io)?;
+            std::fs::rename(&tmp, dir.join(name)).map_err(io)
+        };
+        for source in projected.sources.iter().flatten() {
+            if let Some(secret) = &source.secret {
+                let data = match self.secret(&ns, &secret.name).await {
+                    Ok(data) => data,
+                    Err(_) if secret.optional == Some(true) => continue,
+                    Err(e) => return Err(e),
+                };
+                match &secret.items {
+                    Some(items) => {
+                        for item in items {
+                            if let Some(value) = data.get(&item.key) {
+                                write(&item.path, value)?;
+                            }
+                        }
+                    }
+                    None => {
+                        for (key, value) in &data {
+                            write(key, value)?;
+                        }
+                    }
+                }
+            }
+            if let Some(downward) = &source.downward_api {
+                for item in downward.items.iter().flatten() {
+                    let Some(field) = &item.field_ref else {
+                        continue;
+                    };
+                    write(&item.path, field_value(pod, &field.field_path).as_bytes())?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Refreshes the projected volumes of a running Pod of this node, as the kubelet does
+    /// when the Pod (its labels, annotations) or a Secret it projects changes.
+    async fn refresh(&self, pod: &Pod, uid: &str) {
+        let pod_dir = self.config.root.join(&uid[..uid.len().min(8)]);
+        for volume in pod.spec.iter().flat_map(|s| s.volumes.iter().flatten()) {
+            if let Some(projected) = &volume.projected {
+                let dir = pod_dir.join("volumes").join(&volume.name);
+                if let Err(Waiting(_, e)) = self.project(pod, projected, &dir).await {
+                    tracing::debug!(pod = %pod.name_any(), error = %e, "fake kubelet could not refresh a projected volume");
+                }
+            }
+        }
+    }
+
     /// Resolves the environment and maps the volumes to directories.
     async fn prepare(
         &self,
@@ -729,12 +831,7 @@ impl Shared {
                     .await?;
                 write_secret(&data, &dir)?;
             } else if let Some(projected) = &volume.projected {
-                for source in projected.sources.iter().flatten() {
-                    if let Some(s) = &source.secret {
-                        let data = self.secret(&ns, &s.name).await?;
-                        write_secret(&data, &dir)?;
-                    }
-                }
+                self.project(pod, projected, &dir).await?;
             } else {
                 std::fs::create_dir_all(&dir).map_err(io)?;
             }

@@ -4,18 +4,22 @@
 use std::collections::BTreeMap;
 
 use gdr_core::assignment::AssignmentId;
+use gdr_core::backend::Backend;
 use gdr_core::executor::{ExecutorSpec, env};
 use gdr_core::metadata::keys;
 use k8s_openapi::api::core::v1::{
-    CSIVolumeSource, Capabilities, Container, EmptyDirVolumeSource, EnvVar, EnvVarSource,
-    HostPathVolumeSource, Pod, PodSpec, ResourceRequirements, SeccompProfile, Secret,
-    SecretKeySelector, SecurityContext, Volume, VolumeMount,
+    CSIVolumeSource, Capabilities, Container, DownwardAPIProjection, DownwardAPIVolumeFile,
+    EmptyDirVolumeSource, EnvVar, EnvVarSource, HostPathVolumeSource, KeyToPath,
+    ObjectFieldSelector, Pod, PodSpec, ProjectedVolumeSource, ResourceRequirements, SeccompProfile,
+    Secret, SecretKeySelector, SecretProjection, SecurityContext, Volume, VolumeMount,
+    VolumeProjection,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use serde_json::{Value, json};
 
 use super::settings::{KubernetesSettings, PodProfile, Resources, WorkloadApiVolume};
+use super::warm;
 
 /// `app.kubernetes.io/name` of everything the backend creates.
 pub const APP_NAME: &str = "gitea-dynamic-runner";
@@ -53,6 +57,13 @@ const DOCKER_EXTERNAL_ENV: &str = "CI_DOCKER_EXTERNAL";
 const DOCKERD_ONLY_ENV: &str = "CI_EXECUTOR_DOCKERD_ONLY";
 /// How long the executor waits for its SVID and the facade, in seconds.
 const READY_TIMEOUT_ENV: &str = "CI_EXECUTOR_READY_TIMEOUT";
+/// Where a warm Pod's executor waits for its assignment (`gdr_executor::standby`).
+const STANDBY_DIR_ENV: &str = "CI_EXECUTOR_STANDBY_DIR";
+/// The volume it waits on, and its mount path.
+pub const STANDBY_VOLUME: &str = "assignment";
+const STANDBY_PATH: &str = "/run/gitea-dynamic-runner/assignment";
+const STANDBY_ENVIRONMENT_FILE: &str = "environment";
+const STANDBY_CAPABILITY_FILE: &str = "capability";
 
 /// `app.kubernetes.io/name=…,app.kubernetes.io/component=<component>`.
 pub fn component_selector(component: &str) -> String {
@@ -71,7 +82,13 @@ fn app_labels(component: &str) -> BTreeMap<String, String> {
 
 /// Name of the capability Secret of an assignment's Pod.
 pub fn secret_name(id: &AssignmentId) -> String {
-    format!("{id}-{CAPABILITY_KEY}")
+    secret_name_of(id.as_str())
+}
+
+/// Name of the capability Secret of the Pod named `pod` (a warm Pod's is not named after
+/// its assignment).
+pub fn secret_name_of(pod: &str) -> String {
+    format!("{pod}-{CAPABILITY_KEY}")
 }
 
 fn quantities(map: &BTreeMap<String, String>) -> Option<BTreeMap<String, Quantity>> {
@@ -157,10 +174,23 @@ fn security_context(s: &KubernetesSettings) -> SecurityContext {
 /// The executor environment. The capability is not a value in the Pod spec: it comes from
 /// the Pod's own Secret (see [`capability_secret`]).
 fn environment(s: &KubernetesSettings, spec: &ExecutorSpec) -> Vec<EnvVar> {
+    let assignment: BTreeMap<String, String> = spec
+        .environment()
+        .into_iter()
+        .map(|(name, value)| (name.to_owned(), value))
+        .collect();
+    env_vars(s, assignment, &secret_name(spec.assignment.id()))
+}
+
+/// `assignment`'s variables with the settings' own (the extra environment, the agent's
+/// socket, the Docker daemon's, the ready timeout), the capability read from `secret`.
+fn env_vars(
+    s: &KubernetesSettings,
+    assignment: BTreeMap<String, String>,
+    secret: &str,
+) -> Vec<EnvVar> {
     let mut plain: BTreeMap<String, String> = s.extra_env.clone();
-    for (name, value) in spec.environment() {
-        plain.insert(name.to_owned(), value);
-    }
+    plain.extend(assignment);
     plain.insert(env::SPIFFE_ENDPOINT_SOCKET.to_owned(), s.endpoint_socket());
     if s.privileged {
         plain.insert(RUNNER_UID_ENV.to_owned(), s.executor_uid.to_string());
@@ -173,7 +203,6 @@ fn environment(s: &KubernetesSettings, spec: &ExecutorSpec) -> Vec<EnvVar> {
         READY_TIMEOUT_ENV.to_owned(),
         s.identity_deadline.as_secs().max(1).to_string(),
     );
-    let secret = secret_name(spec.assignment.id());
     plain
         .into_iter()
         .map(|(name, value)| {
@@ -182,7 +211,7 @@ fn environment(s: &KubernetesSettings, spec: &ExecutorSpec) -> Vec<EnvVar> {
                     name,
                     value_from: Some(EnvVarSource {
                         secret_key_ref: Some(SecretKeySelector {
-                            name: secret.clone(),
+                            name: secret.to_owned(),
                             key: CAPABILITY_KEY.into(),
                             optional: Some(false),
                         }),
@@ -342,7 +371,33 @@ fn volumes_and_mounts(
 pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProfile>) -> Pod {
     let mut labels = spec.metadata.labels.clone();
     labels.extend(app_labels(COMPONENT_EXECUTOR));
-    let (volumes, mounts) = volumes_and_mounts(s, profile);
+    let mut pod = executor_pod(s, profile, environment(s, spec), None);
+    pod.metadata.name = Some(spec.assignment.id().as_str().to_owned());
+    pod.metadata.labels = Some(labels);
+    pod.metadata.annotations = Some(spec.metadata.annotations.clone());
+    if let Some(spec) = pod.spec.as_mut() {
+        spec.active_deadline_seconds = Some(active_deadline_seconds(s.active_deadline));
+    }
+    pod
+}
+
+fn active_deadline_seconds(deadline: std::time::Duration) -> i64 {
+    i64::try_from(deadline.as_secs()).unwrap_or(i64::MAX).max(1)
+}
+
+/// An executor Pod without name, metadata or active deadline; `extra` is one more volume
+/// and its mount in the executor's container.
+fn executor_pod(
+    s: &KubernetesSettings,
+    profile: Option<&PodProfile>,
+    env: Vec<EnvVar>,
+    extra: Option<(Volume, VolumeMount)>,
+) -> Pod {
+    let (mut volumes, mut mounts) = volumes_and_mounts(s, profile);
+    if let Some((volume, mount)) = extra {
+        volumes.push(volume);
+        mounts.push(mount);
+    }
     let image = profile
         .and_then(|p| p.image.clone())
         .unwrap_or_else(|| s.image.clone());
@@ -352,21 +407,13 @@ pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProf
         .then(|| vec![dockerd_container(s, &image, resources.clone())]);
     Pod {
         metadata: ObjectMeta {
-            name: Some(spec.assignment.id().as_str().to_owned()),
             namespace: Some(s.namespace.clone()),
-            labels: Some(labels),
-            annotations: Some(spec.metadata.annotations.clone()),
             ..ObjectMeta::default()
         },
         spec: Some(PodSpec {
             restart_policy: Some("Never".into()),
             service_account_name: Some(s.service_account.clone()),
             automount_service_account_token: Some(s.automount_service_account_token),
-            active_deadline_seconds: Some(
-                i64::try_from(s.active_deadline.as_secs())
-                    .unwrap_or(i64::MAX)
-                    .max(1),
-            ),
             // Service links would put every Service of the namespace into the job's env.
             enable_service_links: Some(false),
             node_selector: profile
@@ -380,7 +427,7 @@ pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProf
                 name: CONTAINER.into(),
                 image: Some(image),
                 args: Some(s.executor_args.clone()),
-                env: Some(environment(s, spec)),
+                env: Some(env),
                 volume_mounts: Some(mounts),
                 resources,
                 security_context: Some(security_context(s)),
@@ -397,6 +444,143 @@ pub fn pod(s: &KubernetesSettings, spec: &ExecutorSpec, profile: Option<&PodProf
         }),
         ..Pod::default()
     }
+}
+
+/// A warm Pod named `name` for `profile_label`'s jobs: no assignment metadata, no
+/// identity, no capability. Its executor waits in standby on a projected volume that
+/// fills in only once a job claimed the Pod: the claim's environment annotation (the
+/// downward API) and the Pod's capability Secret, optional until it exists. No active
+/// deadline yet: the claim sets one counted from the claim. Annotated with the
+/// fingerprint of its template ([`warm_template_fingerprint`]).
+pub fn warm_pod(
+    s: &KubernetesSettings,
+    name: &str,
+    profile_label: Option<&str>,
+    profile: Option<&PodProfile>,
+) -> Pod {
+    let mut pod = warm_template(s, name, profile_label, profile);
+    pod.metadata
+        .annotations
+        .get_or_insert_with(BTreeMap::new)
+        .insert(
+            s.codec.key(warm::TEMPLATE_KEY),
+            warm_template_fingerprint(s, profile_label, profile),
+        );
+    pod
+}
+
+/// The fingerprint of the warm Pod these settings make for `profile_label`: what a
+/// member's own must equal for it to be claimed (a member made under other settings is
+/// replaced). Taken of the Pod under one fixed name, since its name shows in its
+/// variables and volumes.
+pub fn warm_template_fingerprint(
+    s: &KubernetesSettings,
+    profile_label: Option<&str>,
+    profile: Option<&PodProfile>,
+) -> String {
+    let pod = warm_template(s, warm::NAME_PREFIX, profile_label, profile);
+    warm::template_fingerprint(&serde_json::to_vec(&pod).unwrap_or_default())
+}
+
+/// [`warm_pod`] without its fingerprint.
+fn warm_template(
+    s: &KubernetesSettings,
+    name: &str,
+    profile_label: Option<&str>,
+    profile: Option<&PodProfile>,
+) -> Pod {
+    let mut standby = BTreeMap::new();
+    standby.insert(STANDBY_DIR_ENV.to_owned(), STANDBY_PATH.to_owned());
+    let env = env_vars(s, standby, &secret_name_of(name));
+    let volume = Volume {
+        name: STANDBY_VOLUME.into(),
+        projected: Some(ProjectedVolumeSource {
+            sources: Some(vec![
+                VolumeProjection {
+                    downward_api: Some(DownwardAPIProjection {
+                        items: Some(vec![DownwardAPIVolumeFile {
+                            path: STANDBY_ENVIRONMENT_FILE.into(),
+                            field_ref: Some(ObjectFieldSelector {
+                                field_path: format!(
+                                    "metadata.annotations['{}']",
+                                    s.codec.key(warm::ENVIRONMENT_KEY)
+                                ),
+                                ..ObjectFieldSelector::default()
+                            }),
+                            ..DownwardAPIVolumeFile::default()
+                        }]),
+                    }),
+                    ..VolumeProjection::default()
+                },
+                VolumeProjection {
+                    secret: Some(SecretProjection {
+                        name: secret_name_of(name),
+                        optional: Some(true),
+                        items: Some(vec![KeyToPath {
+                            key: CAPABILITY_KEY.into(),
+                            path: STANDBY_CAPABILITY_FILE.into(),
+                            ..KeyToPath::default()
+                        }]),
+                    }),
+                    ..VolumeProjection::default()
+                },
+            ]),
+            ..ProjectedVolumeSource::default()
+        }),
+        ..Volume::default()
+    };
+    let mount = VolumeMount {
+        name: STANDBY_VOLUME.into(),
+        mount_path: STANDBY_PATH.into(),
+        read_only: Some(true),
+        ..VolumeMount::default()
+    };
+    let mut pod = executor_pod(s, profile, env, Some((volume, mount)));
+    let mut labels = app_labels(COMPONENT_EXECUTOR);
+    labels.insert(s.codec.key(keys::BACKEND), Backend::Pod.as_str().to_owned());
+    labels.insert(s.codec.key(warm::WARM_KEY), warm::UNCLAIMED.to_owned());
+    pod.metadata.name = Some(name.to_owned());
+    pod.metadata.labels = Some(labels);
+    pod.metadata.annotations = profile_label
+        .map(|label| BTreeMap::from([(s.codec.key(warm::PROFILE_KEY), label.to_owned())]));
+    pod
+}
+
+/// The merge patch by which `spec`'s job claims the warm Pod seen at `resource_version`
+/// (the precondition: a Pod changed since, claimed or being deleted, is not claimed), at
+/// `now` (Unix seconds) when the Pod started `age` seconds ago: the assignment's metadata,
+/// `<prefix>warm=claimed`, the environment its executor waits for, and the active deadline
+/// counted from the claim.
+pub fn claim_patch(
+    s: &KubernetesSettings,
+    spec: &ExecutorSpec,
+    resource_version: &str,
+    now: u64,
+    age: u64,
+) -> Value {
+    let mut labels = spec.metadata.labels.clone();
+    labels.insert(s.codec.key(warm::WARM_KEY), warm::CLAIMED.to_owned());
+    let environment: BTreeMap<&str, String> = spec
+        .environment()
+        .into_iter()
+        .filter(|(name, _)| *name != env::CAPABILITY)
+        .collect();
+    let mut annotations = spec.metadata.annotations.clone();
+    annotations.insert(
+        s.codec.key(warm::ENVIRONMENT_KEY),
+        serde_json::to_string(&environment).unwrap_or_default(),
+    );
+    annotations.insert(s.codec.key(warm::CLAIMED_AT_KEY), now.to_string());
+    let deadline = active_deadline_seconds(s.active_deadline)
+        .saturating_add(i64::try_from(age).unwrap_or(i64::MAX));
+    json!({
+        "metadata": {
+            "resourceVersion": resource_version,
+            "labels": labels,
+            "annotations": annotations,
+        },
+        "spec": { "activeDeadlineSeconds": deadline },
+    })
 }
 
 /// The capability Secret: created before its Pod (so the Pod never waits in
@@ -422,6 +606,31 @@ pub fn capability_secret(s: &KubernetesSettings, spec: &ExecutorSpec) -> Secret 
             spec.capability.expose().to_owned(),
         )])),
         ..Secret::default()
+    }
+}
+
+/// The capability Secret of the warm Pod `pod_name` a job claimed: named after the Pod,
+/// whose projected volume waits for it, and owned by it from the start (the Pod exists).
+pub fn claimed_capability_secret(
+    s: &KubernetesSettings,
+    spec: &ExecutorSpec,
+    pod_name: &str,
+    pod_uid: &str,
+) -> Secret {
+    let mut secret = capability_secret(s, spec);
+    secret.metadata.name = Some(secret_name_of(pod_name));
+    secret.metadata.owner_references = Some(vec![owner(pod_name, pod_uid)]);
+    secret
+}
+
+fn owner(pod_name: &str, pod_uid: &str) -> OwnerReference {
+    OwnerReference {
+        api_version: "v1".into(),
+        kind: "Pod".into(),
+        name: pod_name.to_owned(),
+        uid: pod_uid.to_owned(),
+        controller: Some(true),
+        block_owner_deletion: None,
     }
 }
 
@@ -458,4 +667,122 @@ pub fn entry_labels(s: &KubernetesSettings, id: &AssignmentId) -> BTreeMap<Strin
     let mut labels = app_labels(COMPONENT_IDENTITY);
     labels.insert(s.codec.key(keys::ASSIGNMENT_ID), id.as_str().to_owned());
     labels
+}
+
+#[cfg(test)]
+mod tests {
+    use gdr_core::identity::TrustDomain;
+    use gdr_testkit::backend_contract::task_spec;
+
+    use super::*;
+
+    fn settings() -> KubernetesSettings {
+        KubernetesSettings::new(
+            "executor@sha256:00",
+            TrustDomain::new("example.org").unwrap(),
+            "c",
+            "k",
+        )
+    }
+
+    /// DESIGN invariant 14 (issue 39 item 5): a warm Pod holds nothing of a job — no
+    /// assignment variable, no capability reference, no assignment label — and waits on
+    /// its own Secret, optional until a claim creates it.
+    #[test]
+    fn a_warm_pod_carries_no_assignment_and_no_capability_invariant_14() {
+        let s = settings();
+        let pod = warm_pod(&s, "gitea-warm-1", None, None);
+        let container = &pod.spec.as_ref().unwrap().containers[0];
+        let env: Vec<&EnvVar> = container.env.iter().flatten().collect();
+        assert!(
+            env.iter()
+                .all(|v| !env::ASSIGNMENT.contains(&v.name.as_str())),
+            "{env:?}"
+        );
+        assert!(env.iter().all(|v| v.value_from.is_none()), "{env:?}");
+        let labels = pod.metadata.labels.clone().unwrap();
+        assert_eq!(labels[&s.codec.key(warm::WARM_KEY)], warm::UNCLAIMED);
+        assert!(!labels.contains_key(&s.codec.key(keys::RUNNER)));
+        assert!(!labels.contains_key(&s.codec.key(keys::ASSIGNMENT_ID)));
+        assert!(pod.spec.as_ref().unwrap().active_deadline_seconds.is_none());
+        let volume = pod
+            .spec
+            .as_ref()
+            .unwrap()
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name == STANDBY_VOLUME)
+            .unwrap();
+        let secret = volume
+            .projected
+            .as_ref()
+            .unwrap()
+            .sources
+            .iter()
+            .flatten()
+            .find_map(|p| p.secret.clone())
+            .unwrap();
+        assert_eq!(secret.name, "gitea-warm-1-capability");
+        assert_eq!(secret.optional, Some(true));
+    }
+
+    /// DESIGN invariant 8 (issue 39 item 5): a member carries the fingerprint of its
+    /// template, the same for every member of one profile under one configuration, and
+    /// another one once the image, the profile or the resources change.
+    #[test]
+    fn a_warm_pods_fingerprint_follows_its_template_not_its_name_invariant_8() {
+        let s = settings();
+        let key = s.codec.key(warm::TEMPLATE_KEY);
+        let of = |pod: &Pod| pod.metadata.annotations.as_ref().unwrap()[&key].clone();
+        let a = of(&warm_pod(&s, "gitea-warm-1", None, None));
+        assert_eq!(a, of(&warm_pod(&s, "gitea-warm-2", None, None)));
+        assert_eq!(a, warm_template_fingerprint(&s, None, None));
+        let mut upgraded = settings();
+        upgraded.image = "executor@sha256:01".into();
+        assert_ne!(a, of(&warm_pod(&upgraded, "gitea-warm-1", None, None)));
+        let large = PodProfile {
+            warm_pool: 1,
+            ..PodProfile::default()
+        };
+        let profiled = of(&warm_pod(&s, "gitea-warm-1", Some("large"), Some(&large)));
+        assert_ne!(a, profiled);
+        assert_eq!(
+            profiled,
+            warm_template_fingerprint(&s, Some("large"), Some(&large))
+        );
+    }
+
+    /// DESIGN invariants 8 and 14: the claim is conditional on the member as seen, writes
+    /// the assignment's metadata and `warm=claimed`, hands over the `CI_*` variables but
+    /// never the capability, and counts the active deadline from the claim.
+    #[test]
+    fn a_claim_is_conditional_on_the_members_version_and_never_carries_the_capability_invariant_8()
+    {
+        let s = settings();
+        let spec = task_spec(7, "[self-hosted, pod]", "https://facade:8443");
+        let patch = claim_patch(&s, &spec, "42", 1000, 30);
+        assert_eq!(patch["metadata"]["resourceVersion"], "42");
+        assert_eq!(
+            patch["metadata"]["labels"][s.codec.key(warm::WARM_KEY)],
+            warm::CLAIMED
+        );
+        assert_eq!(
+            patch["metadata"]["labels"][s.codec.key(keys::ASSIGNMENT_ID)],
+            "gitea-task-7"
+        );
+        let environment: BTreeMap<String, String> = serde_json::from_str(
+            patch["metadata"]["annotations"][s.codec.key(warm::ENVIRONMENT_KEY)]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(environment[env::ASSIGNMENT_ID], "gitea-task-7");
+        assert!(!environment.contains_key(env::CAPABILITY));
+        assert!(!patch.to_string().contains(spec.capability.expose()));
+        assert_eq!(
+            patch["spec"]["activeDeadlineSeconds"],
+            active_deadline_seconds(s.active_deadline) + 30
+        );
+    }
 }

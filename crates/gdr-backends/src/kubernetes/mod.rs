@@ -24,6 +24,9 @@
 //!   re-pointed. Entries are cluster-scoped and cannot be owned by a Pod: `delete` removes
 //!   the entry before the Pod, and [`KubernetesBackend::sweep`] (run by the controller's
 //!   lifecycle pass) removes entries whose Pod is gone.
+//! - **Warm Pods** (`pod_warm_pool`, off by default): Pods created before any job, with no
+//!   assignment, identity or capability, each claimed by exactly one job through a
+//!   patch with a `resourceVersion` precondition; see [`warm`].
 //! - **Errors** map onto the contract: 409/429/5xx/transport → retry, 403 → permanent,
 //!   naming the RBAC verb and resource to grant, 422 → permanent with the server's message.
 //!   Every call the backend makes is listed in [`API_CALLS`].
@@ -31,7 +34,9 @@
 mod error;
 mod manifest;
 mod phase;
+mod pool;
 mod settings;
+pub mod warm;
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
@@ -56,6 +61,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Api, ResourceExt};
 pub use manifest::{APP_NAME, CAPABILITY_KEY, CONTAINER, secret_name};
 pub use phase::phase;
+pub use pool::WarmPass;
 use serde_json::{Value, json};
 pub use settings::{
     KubernetesSettings, PodProfile, ProfileVolume, Resources, SettingsError, WorkloadApiVolume,
@@ -129,7 +135,14 @@ impl KubernetesBackend {
             settings,
         });
         let (tx, changes) = watch::channel(0u64);
-        let watch_task = tokio::spawn(watch_pods(inner.pods.clone(), inner.selector(), tx));
+        // Every Pod of the backend, so that a warm Pod's changes wake the pass refilling
+        // the pool too.
+        let watch_selector = format!(
+            "{}={}",
+            inner.settings.codec.key(keys::BACKEND),
+            Backend::Pod.as_str()
+        );
+        let watch_task = tokio::spawn(watch_pods(inner.pods.clone(), watch_selector, tx));
         Ok(KubernetesBackend {
             inner,
             changes,
@@ -153,6 +166,18 @@ impl KubernetesBackend {
     /// The settings in force.
     pub fn settings(&self) -> &KubernetesSettings {
         &self.inner.settings
+    }
+
+    /// Brings the warm pool to the configured counts (`pod_warm_pool`, profiles'
+    /// `warm_pool`) from the Pods the cluster holds: ended members are deleted, missing
+    /// ones created, a surplus (a count lowered, the pool turned off) deleted.
+    pub async fn reconcile_warm_pool(&self) -> Result<WarmPass, ExecutorError> {
+        self.inner.reconcile_warm().await
+    }
+
+    /// Whether any warm pool is configured.
+    pub fn warm_pool_configured(&self) -> bool {
+        !self.inner.settings.warm_pools().is_empty()
     }
 
     /// Removes identity entries whose Pod is gone (or is another Pod of the same name) and
@@ -236,7 +261,9 @@ impl Inner {
                 pod: name.clone(),
                 source,
             })?;
-        if assignment.id().as_str() != name || assignment.backend() != Backend::Pod {
+        // A claimed warm Pod keeps the name it was created with.
+        let named_right = assignment.id().as_str() == name || self.is_claimed_warm(pod);
+        if !named_right || assignment.backend() != Backend::Pod {
             return Err(KubernetesError::NotOurs {
                 found: format!(
                     "assignment {} of backend {}",
@@ -267,7 +294,8 @@ impl Inner {
             identity_bound: entry
                 .is_some_and(|e| entry_pod_uid(e).is_some() && entry_pod_uid(e) == uid),
             identity_target: uid.map(IdentityTarget::PodUid),
-            created_at: created_at(pod),
+            // A claimed warm Pod starts as the job's executor at its claim.
+            created_at: self.claimed_at(pod).unwrap_or_else(|| created_at(pod)),
         }
     }
 
@@ -304,18 +332,38 @@ impl Inner {
             .items)
     }
 
+    /// The Pod of `id`: the one named after it, or the warm Pod its job claimed.
+    async fn pod_of(&self, id: &AssignmentId) -> Result<Option<Pod>, ExecutorError> {
+        match self.get_pod(id.as_str()).await? {
+            Some(pod) => Ok(Some(pod)),
+            None => self.claimed_warm(id).await,
+        }
+    }
+
     /// The existing executor of `id`, validated.
     async fn find(&self, id: &AssignmentId) -> Result<Option<ExecutorRecord>, ExecutorError> {
-        let Some(pod) = self.get_pod(id.as_str()).await? else {
+        Ok(self.find_pod(id).await?.map(|(_, record)| record))
+    }
+
+    /// [`Inner::find`] with the Pod.
+    async fn find_pod(
+        &self,
+        id: &AssignmentId,
+    ) -> Result<Option<(Pod, ExecutorRecord)>, ExecutorError> {
+        let Some(pod) = self.pod_of(id).await? else {
             return Ok(None);
         };
         let assignment = self.decode(&pod)?;
         let entry = self.get_entry(id.as_str()).await?;
-        Ok(Some(self.record(&pod, assignment, entry.as_ref())))
+        let record = self.record(&pod, assignment, entry.as_ref());
+        Ok(Some((pod, record)))
     }
 
     /// Profile chosen by the job's extra `runs-on` labels (none, or exactly one).
-    fn profile(&self, spec: &ExecutorSpec) -> Result<Option<&PodProfile>, KubernetesError> {
+    fn profile<'s>(
+        &'s self,
+        spec: &'s ExecutorSpec,
+    ) -> Result<Option<(&'s str, &'s PodProfile)>, KubernetesError> {
         let base = [
             "self-hosted",
             spec.runner_label.as_str(),
@@ -345,7 +393,7 @@ impl Inner {
                 chosen = Some((label, profile));
             }
         }
-        Ok(chosen.map(|(_, p)| p))
+        Ok(chosen)
     }
 
     /// Creates the capability Secret, or makes sure an existing one holds this capability.
@@ -386,10 +434,18 @@ impl Inner {
             }
             .into());
         }
-        let profile = self.profile(spec)?;
-        if let Some(existing) = self.find(id).await? {
+        let chosen = self.profile(spec)?;
+        if let Some((pod, existing)) = self.find_pod(id).await? {
+            // Its Secret is created before the claim; made sure of, as the fresh path does.
+            if self.is_claimed_warm(&pod) {
+                self.ensure_claimed_secret(spec, &pod).await?;
+            }
             return Ok(existing);
         }
+        if let Some(claimed) = self.claim(spec, chosen.map(|(label, _)| label)).await? {
+            return Ok(claimed);
+        }
+        let profile = chosen.map(|(_, p)| p);
         self.ensure_secret(spec).await?;
         let pod = manifest::pod(&self.settings, spec, profile);
         let created = match self.pods.create(&PostParams::default(), &pod).await {
@@ -437,7 +493,7 @@ impl Inner {
     async fn bind(&self, record: &ExecutorRecord) -> Result<Binding, ExecutorError> {
         let id = record.assignment.id();
         let name = id.as_str();
-        let Some(pod) = self.get_pod(name).await? else {
+        let Some(pod) = self.pod_of(id).await? else {
             return Err(KubernetesError::NoExecutor {
                 name: name.to_owned(),
             }
@@ -486,14 +542,24 @@ impl Inner {
     async fn set_marker(&self, id: &AssignmentId, marker: Marker) -> Result<bool, ExecutorError> {
         let (key, value) = self.settings.codec.marker(marker);
         let patch = json!({ "metadata": { "labels": { key: value } } });
-        match self
-            .pods
-            .patch(id.as_str(), &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(_) => Ok(true),
-            Err(e) if is_not_found(&e) => Ok(false),
-            Err(e) => Err(self.err(PATCH_POD, id.as_str(), e)),
+        let mut name = id.as_str().to_owned();
+        loop {
+            match self
+                .pods
+                .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+            {
+                Ok(_) => return Ok(true),
+                Err(e) if is_not_found(&e) && name == id.as_str() => {
+                    // Not named after it: the warm Pod its job claimed, if any.
+                    match self.claimed_warm(id).await? {
+                        Some(pod) => name = pod.name_any(),
+                        None => return Ok(false),
+                    }
+                }
+                Err(e) if is_not_found(&e) => return Ok(false),
+                Err(e) => return Err(self.err(PATCH_POD, &name, e)),
+            }
         }
     }
 
@@ -520,12 +586,25 @@ impl Inner {
         // The entry first: no SVID may be issued for a Pod the controller is deleting.
         self.delete_named(&self.entries, DELETE_ENTRY, name, &background)
             .await?;
-        self.delete_named(&self.pods, DELETE_POD, name, &background)
-            .await?;
+        let pod = match self.pods.delete(name, &background).await {
+            Ok(_) => name.to_owned(),
+            // Not named after it: the warm Pod its job claimed, if any (its Secret is
+            // named after it).
+            Err(e) if is_not_found(&e) => match self.claimed_warm(id).await? {
+                Some(warm) => {
+                    let warm = warm.name_any();
+                    self.delete_named(&self.pods, DELETE_POD, &warm, &background)
+                        .await?;
+                    warm
+                }
+                None => name.to_owned(),
+            },
+            Err(e) => return Err(self.err(DELETE_POD, name, e)),
+        };
         self.delete_named(
             &self.secrets,
             DELETE_SECRET,
-            &manifest::secret_name(id),
+            &manifest::secret_name_of(&pod),
             &background,
         )
         .await?;

@@ -83,6 +83,15 @@ pub struct KubernetesSettings {
     /// `spire_cluster` or `spire_class`, SPIRE down) thus fails the job with the executor's
     /// error instead of waiting for the start deadline.
     pub identity_deadline: Duration,
+    /// How many warm Pods without a profile to keep (`pod_warm_pool`, default 0: none);
+    /// a profile's own count is [`PodProfile::warm_pool`]. A warm Pod is created without
+    /// an assignment, identity or capability and is claimed by exactly one job
+    /// ([`super::warm`]).
+    pub warm_pool: u32,
+    /// How long a warm Pod may take to run (`executor_start_deadline`, default 10 min): a
+    /// member still not running then (an image that cannot be pulled, a Pod that cannot be
+    /// scheduled) is deleted and replaced instead of holding its place in the pool.
+    pub warm_start_deadline: Duration,
 }
 
 /// The source of the volume that carries the SPIRE agent's Workload API socket into an
@@ -143,6 +152,8 @@ impl KubernetesSettings {
             volume_allow_list: BTreeMap::new(),
             orphan_secret_grace: default::ORPHAN_SECRET_GRACE,
             identity_deadline: default::IDENTITY_DEADLINE,
+            warm_pool: 0,
+            warm_start_deadline: crate::defaults::executor::START_DEADLINE,
         }
     }
 
@@ -153,6 +164,19 @@ impl KubernetesSettings {
             self.agent_socket_dir.trim_end_matches('/'),
             self.agent_socket_name
         )
+    }
+
+    /// The warm Pods to keep, by profile (`None`: the Pods without one); only counts
+    /// above 0.
+    pub fn warm_pools(&self) -> BTreeMap<Option<String>, u32> {
+        std::iter::once((None, self.warm_pool))
+            .chain(
+                self.profiles
+                    .iter()
+                    .map(|(label, p)| (Some(label.clone()), p.warm_pool)),
+            )
+            .filter(|(_, n)| *n > 0)
+            .collect()
     }
 
     /// Checks what a Pod created from these settings needs; run once at start so that a
@@ -356,6 +380,9 @@ pub struct PodProfile {
     /// Another executor image.
     #[serde(default)]
     pub image: Option<String>,
+    /// How many warm Pods of this profile to keep (default 0: none).
+    #[serde(default)]
+    pub warm_pool: u32,
 }
 
 /// One allow-listed volume a profile mounts.

@@ -78,6 +78,12 @@ mod tests {
         jobs.init_backend(gdr_core::backend::Backend::Pod);
         jobs.assignments
             .get_or_create_owned(&OutcomeLabels::default());
+        // The warm families have series only once a pool's pass has counted its members.
+        jobs.record_warm(
+            gdr_core::backend::Backend::Pod,
+            Some(&[((String::new(), "ready"), 1)].into()),
+            &[("outdated", 1)].into(),
+        );
         m.nats_connected
             .get_or_create_owned(&ConnectionLabel::default());
         let text = m.encode();

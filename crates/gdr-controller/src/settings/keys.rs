@@ -9,7 +9,9 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use gdr_backends::defaults::{kubernetes as pod_default, opensandbox as vm_default};
+use gdr_backends::defaults::{
+    executor as executor_default, kubernetes as pod_default, opensandbox as vm_default,
+};
 use gdr_sandbox_identity::defaults as sandbox_identity_default;
 
 use super::values::{Components, List, Secs, Table};
@@ -366,8 +368,9 @@ keys! {
     runner_binary: Option<PathBuf> = None,
         shown concat!(gitea_runner!(), " or ", act_runner!(), " on PATH");
     /// An executor whose runner has not claimed its task this long after the executor was
-    /// created is failed (counted from its creation, across controller restarts).
-    executor_start_deadline: Secs = Secs::from_secs(600);
+    /// created is failed (counted from its creation, across controller restarts); a warm
+    /// Pod (`pod_warm_pool`) not running this long after its creation is replaced.
+    executor_start_deadline: Secs = Secs(executor_default::START_DEADLINE);
     /// A claimed executor the facade has not heard from for this long is failed in Gitea
     /// (its runner died while its environment stayed up). The official runner reports
     /// every 5s.
@@ -456,7 +459,8 @@ keys! {
     /// Per-label Pod profiles, `[pod_profiles.<label>]`: a job whose `runs-on` has the
     /// extra label gets `requests`, `limits`, `node_selector`, `tolerations`,
     /// `runtime_class_name`, `volumes` (`{ name, mount_path, read_only }` from
-    /// `pod_volume_allow_list`) and `image`. Each label is declared to Gitea. A job with an
+    /// `pod_volume_allow_list`), `image` and `warm_pool` (warm Pods of the profile to keep,
+    /// as `pod_warm_pool`). Each label is declared to Gitea. A job with an
     /// unknown extra label, or two profiles, is failed with a log row naming them.
     pod_profiles: Table = Table::default();
     /// Upper bounds of any profile's (and `pod_resources`') requests and limits, per
@@ -473,6 +477,13 @@ keys! {
     /// and the facade before it gives up; the job is then failed with the executor's
     /// error as the reason.
     pod_identity_bind_deadline: Secs = Secs(pod_default::IDENTITY_DEADLINE);
+    /// Warm Pods without a profile to keep ready (0, the default: none, every job's Pod
+    /// is created for it). A warm Pod is created before any job, holds no identity and no
+    /// capability, and is claimed by exactly one job, which then gets its identity bound
+    /// and its capability; it is deleted after that job like any Pod and replaced. A
+    /// profile's own count is its `warm_pool` field in `pod_profiles`. The VM backend has
+    /// no such key: its OpenSandbox Pool (`opensandbox_pool`) is its warm pool.
+    pod_warm_pool: u32 = 0;
     /// SPIRE k8s_psat cluster name of the Pod cluster (the `<cluster>` in agent IDs
     /// `spiffe://<trust_domain>/spire/agent/k8s_psat/<cluster>/<Node UID>`).
     spire_cluster: String = "homelab".into();

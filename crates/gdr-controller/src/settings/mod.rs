@@ -165,6 +165,12 @@ pub enum SettingsError {
     /// Values parsed but break rules; every problem is listed.
     #[error("{}", Problems(.0))]
     Invalid(Vec<Problem>),
+    /// `vm_warm_pool` was set (issue 39 item 5): the VM backend's warm pool is its
+    /// OpenSandbox Pool's buffer, not a key of ours.
+    #[error(
+        "vm_warm_pool (VM_WARM_POOL) is not a setting: the VM backend's sandboxes come from the OpenSandbox Pool named by opensandbox_pool, whose own buffer of pre-started sandboxes (its bufferMin and bufferMax) is the VM warm pool; size that Pool instead"
+    )]
+    NoVmWarmPool,
 }
 
 struct Problems<'a>(&'a [Problem]);
@@ -929,7 +935,8 @@ fn workers(
     };
     let pod_kind = pod_backend.unwrap_or_else(|| default_pod_backend(single_host).to_owned());
     let vm_kind = vm_backend.unwrap_or_else(|| default_vm_backend(single_host).to_owned());
-    let pod = pod_backend_settings(check, &pod_kind, pod_on, pod, &process, derivation)
+    let context = derivation.pod_context(timings.start_deadline);
+    let pod = pod_backend_settings(check, &pod_kind, pod_on, pod, &process, &context)
         .filter(|_| pod_on)
         .map(|kind| BackendSettings {
             capacity: pod_capacity,
@@ -1027,11 +1034,12 @@ impl Derivation {
     }
 
     /// What the Pod backend is converted with.
-    fn pod_context(&self) -> pod::Context<'_> {
+    fn pod_context(&self, start_deadline: Duration) -> pod::Context<'_> {
         pod::Context {
             trust_domain: self.trust_domain.as_ref(),
             codec: self.codec.as_ref(),
             labels: self.labels.as_ref(),
+            start_deadline,
         }
     }
 
@@ -1279,13 +1287,14 @@ fn pod_backend_settings(
     on: bool,
     keys: section::Pod,
     process: &ProcessSettings,
-    derivation: &Derivation,
+    context: &pod::Context<'_>,
 ) -> Option<PodBackend> {
     use backend_kinds::{KUBERNETES, PROCESS};
     match kind {
         PROCESS => Some(PodBackend::Process(process.clone())),
-        KUBERNETES if on => pod::kubernetes(check, keys, &derivation.pod_context())
-            .map(|k| PodBackend::Kubernetes(Box::new(k))),
+        KUBERNETES if on => {
+            pod::kubernetes(check, keys, context).map(|k| PodBackend::Kubernetes(Box::new(k)))
+        }
         KUBERNETES => None,
         other => {
             check.problem(

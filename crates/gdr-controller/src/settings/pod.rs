@@ -32,6 +32,8 @@ pub(super) struct Context<'a> {
     pub trust_domain: Option<&'a TrustDomain>,
     pub codec: Option<&'a MetadataCodec>,
     pub labels: Option<&'a BackendLabels>,
+    /// `executor_start_deadline`: also how long a warm Pod may take to run.
+    pub start_deadline: std::time::Duration,
 }
 
 /// The typed Pod backend settings, or `None` with every problem recorded in `check`.
@@ -67,6 +69,7 @@ pub(super) fn kubernetes(
         pod_volume_allow_list: volume_allow_list,
         pod_orphan_secret_grace: Secs(orphan_secret_grace),
         pod_identity_bind_deadline: Secs(identity_deadline),
+        pod_warm_pool: warm_pool,
         spire_cluster,
         spire_class,
         spire_agent_id,
@@ -129,6 +132,8 @@ pub(super) fn kubernetes(
     s.volume_allow_list = volumes;
     s.orphan_secret_grace = orphan_secret_grace;
     s.identity_deadline = identity_deadline;
+    s.warm_pool = warm_pool;
+    s.warm_start_deadline = context.start_deadline;
     if let Err(e) = s.validate() {
         report(check, &e.field, e.problem);
         return None;

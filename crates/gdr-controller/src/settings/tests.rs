@@ -782,6 +782,35 @@ node_selector = { gpu = "true" }
         );
     }
 
+    /// Issue 39 item 5: warm Pods are off unless counted, per profile or for Pods without
+    /// one; the VM backend has no such key, its OpenSandbox Pool being its warm pool.
+    #[test]
+    fn warm_pools_are_off_by_default_counted_per_profile_and_refused_for_vms() {
+        let s = cluster("").unwrap();
+        assert!(kubernetes(&s).warm_pools().is_empty(), "off by default");
+        let s =
+            cluster("pod_warm_pool = 2\npod_profiles = { large = { warm_pool = 1 }, gpu = {} }\n")
+                .unwrap();
+        let pools: Vec<(Option<String>, u32)> = kubernetes(&s).warm_pools().into_iter().collect();
+        assert_eq!(pools, [(None, 2), (Some("large".to_owned()), 1)]);
+        assert_eq!(
+            kubernetes(&s).warm_start_deadline,
+            Duration::from_secs(600),
+            "a member may take executor_start_deadline to run"
+        );
+        let s = cluster("pod_warm_pool = 1\nexecutor_start_deadline = \"3m\"\n").unwrap();
+        assert_eq!(kubernetes(&s).warm_start_deadline, Duration::from_secs(180));
+        let e = cluster("vm_warm_pool = 1\n").unwrap_err().to_string();
+        assert!(
+            e.contains("opensandbox_pool") && e.contains("buffer"),
+            "{e}"
+        );
+        let e = Sources::overrides(["vm_warm_pool=1"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("OpenSandbox Pool"), "{e}");
+    }
+
     /// A cluster without the SPIFFE CSI driver gets the agent's socket directory from the
     /// node (`pod_spiffe_host_path`); a path that is not an absolute node directory is
     /// refused naming the key.

@@ -1,16 +1,16 @@
 //! Wiring of the Kubernetes Pod backend (`pod_backend = "kubernetes"`): the API client from
 //! the environment, the backend, its watch as the workers' and lifecycle's wake signal,
-//! and its sweep as the lifecycle's housekeeping.
+//! and its sweep and warm pool as the lifecycle's housekeeping.
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use gdr_backends::kubernetes::{KubernetesBackend, RESYNC};
+use gdr_backends::kubernetes::{KubernetesBackend, RESYNC, WarmPass};
 use gdr_core::executor::ExecutorError;
 
 use super::Extras;
 use crate::kube_client::{self, Retries};
-use crate::lifecycle::Housekeeping;
+use crate::lifecycle::{Housekeeping, Upkeep};
 use crate::runtime::{RuntimeError, setup};
 use crate::settings::KubernetesSettings;
 
@@ -18,7 +18,42 @@ use crate::settings::KubernetesSettings;
 impl Housekeeping for KubernetesBackend {
     async fn sweep(&self) -> Result<usize, ExecutorError> {
         let swept = KubernetesBackend::sweep(self).await?;
-        Ok(swept.entries + swept.secrets)
+        // With no pool configured, only every interval: warm Pods left from an earlier
+        // configuration are deleted.
+        let warm = if self.warm_pool_configured() {
+            0
+        } else {
+            self.reconcile_warm_pool().await?.deleted
+        };
+        Ok(swept.entries + swept.secrets + warm)
+    }
+
+    async fn every_pass(&self) -> Result<Upkeep, ExecutorError> {
+        if !self.warm_pool_configured() {
+            return Ok(Upkeep::default());
+        }
+        let pass = self.reconcile_warm_pool().await?;
+        Ok(upkeep(pass))
+    }
+}
+
+/// A pass over the warm pool as the lifecycle's metrics take it.
+fn upkeep(pass: WarmPass) -> Upkeep {
+    let WarmPass {
+        created,
+        deleted,
+        deleted_by,
+        members,
+    } = pass;
+    Upkeep {
+        changed: created + deleted,
+        warm: Some(
+            members
+                .into_iter()
+                .map(|((profile, state), n)| ((profile.unwrap_or_default(), state), n))
+                .collect(),
+        ),
+        discarded: deleted_by,
     }
 }
 
@@ -41,6 +76,7 @@ pub(super) async fn pod_backend(
         namespace = %s.namespace,
         image = %s.image,
         profiles = ?backend.profile_labels(),
+        warm_pools = ?s.warm_pools(),
         spire_cluster = %s.spire_cluster,
         spire_class = %s.spire_class,
         "pod backend: Kubernetes Pods"
@@ -51,4 +87,17 @@ pub(super) async fn pod_backend(
         resync: RESYNC,
     };
     Ok((backend, extras))
+}
+
+#[cfg(test)]
+mod tests {
+    /// The reasons the backend deletes a warm Pod for are the label values the metric's
+    /// reference documents.
+    #[test]
+    fn the_backends_discard_reasons_are_the_metrics_documented_values() {
+        assert_eq!(
+            gdr_backends::kubernetes::warm::DELETION_KINDS,
+            crate::job_metrics::WARM_DISCARD_REASONS
+        );
+    }
 }
