@@ -847,6 +847,16 @@ async fn with_a_warm_pool_jobs_run_in_pool_members_each_serving_one_job_and_the_
     );
     // Two at the start, one refill per job.
     assert_eq!(c.pod_creations(), 5, "{seen:?}");
+    // The operator sees it: three jobs served by the pool, none missed it.
+    let health = c.health.local_addr().unwrap();
+    let metric = |series: &'static str| gdr_testkit::local_controller::metric(health, series);
+    gdr_testkit::until(WAIT, "the metrics count the claims", || async {
+        metric(r#"gitea_dynamic_runner_warm_environment_claims_total{backend="pod",outcome="claimed"}"#).await
+            == Some(3)
+            && metric(r#"gitea_dynamic_runner_warm_environment_claims_total{backend="pod",outcome="missed"}"#).await
+                == Some(0)
+    })
+    .await;
     let _ = controller.start_kill();
 }
 
@@ -995,7 +1005,8 @@ async fn a_member_made_under_earlier_settings_is_replaced_and_never_claimed() {
 
 /// DESIGN invariant 8 (issue 39 item 5): a member that never runs (its image cannot be
 /// pulled) holds no place in the pool for good: past `executor_start_deadline` it is
-/// deleted and replaced, and the log says why.
+/// deleted and replaced, and the log says why. A job arriving meanwhile finds no ready
+/// member and gets a Pod of its own, counted as a missed claim.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_member_that_never_runs_is_replaced_after_the_start_deadline() {
     let c = Chain::new(|f| {
@@ -1016,6 +1027,22 @@ async fn a_member_that_never_runs_is_replaced_after_the_start_deadline() {
             .log()
             .contains("not running within executor_start_deadline"),
         "the deletion says why"
+    );
+    // Its own Pod has the same image: the job fails, after missing the pool.
+    let job = c.queue("missed", "[self-hosted, pod]", "standin:success");
+    c.status(job, Status::Failure).await;
+    let health = c.health.local_addr().unwrap();
+    let metric = |series: &'static str| gdr_testkit::local_controller::metric(health, series);
+    gdr_testkit::until(WAIT, "the metrics count the missed claim", || async {
+        metric(r#"gitea_dynamic_runner_warm_environment_claims_total{backend="pod",outcome="missed"}"#).await
+            == Some(1)
+            && metric(r#"gitea_dynamic_runner_warm_environment_claims_total{backend="pod",outcome="claimed"}"#).await
+                == Some(0)
+    })
+    .await;
+    assert!(
+        c.fixture.log().contains("no warm Pod ready for the job"),
+        "the job's own Pod says why"
     );
     let _ = controller.start_kill();
 }

@@ -67,6 +67,18 @@ pub struct DiscardLabels {
     pub reason: String,
 }
 
+/// Labels: backend and what a job's claim of a warm environment found.
+#[derive(Clone, Debug, Default, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClaimLabels {
+    /// `pod`.
+    pub backend: String,
+    /// One of [`WARM_CLAIM_OUTCOMES`].
+    pub outcome: String,
+}
+
+/// What a job whose profile is pooled found: a ready warm environment that served it, or
+/// none, and one created for it.
+pub const WARM_CLAIM_OUTCOMES: [&str; 2] = ["claimed", "missed"];
 /// States of an unclaimed warm environment: claimable, or not running yet.
 pub const WARM_STATES: [&str; 2] = ["ready", "starting"];
 /// Why a warm environment is deleted unclaimed: its executor ended, it was made under
@@ -179,6 +191,8 @@ pub struct JobMetrics {
     pub warm_environments: Family<WarmLabels, Gauge>,
     /// Warm environments deleted unclaimed, by reason.
     pub warm_discarded: Family<DiscardLabels, Counter>,
+    /// Jobs of pooled profiles, by whether a warm environment served them.
+    pub warm_claims: Family<ClaimLabels, Counter>,
 }
 
 impl Default for JobMetrics {
@@ -196,6 +210,7 @@ impl Default for JobMetrics {
             held_assignments: Family::default(),
             warm_environments: Family::default(),
             warm_discarded: Family::default(),
+            warm_claims: Family::default(),
         }
     }
 }
@@ -275,15 +290,23 @@ impl JobMetrics {
             &self.warm_discarded,
         )
         .values("reason", &WARM_DISCARD_REASONS);
+        r.family(
+            "warm_environment_claims",
+            "Jobs of profiles with a warm pool, by backend and outcome (claimed: a ready warm environment served the job; missed: none was ready and one was created for the job)",
+            &self.warm_claims,
+        )
+        .values("outcome", &WARM_CLAIM_OUTCOMES);
     }
 
     /// Records what a lifecycle pass left of `backend`'s warm pool (`warm`: by profile
-    /// and state; `None`: it keeps none) and what it discarded, by reason.
+    /// and state; `None`: it keeps none), what it discarded, by reason, and the jobs'
+    /// claims since the previous pass, by outcome.
     pub fn record_warm(
         &self,
         backend: gdr_core::backend::Backend,
         warm: Option<&std::collections::BTreeMap<(String, &'static str), usize>>,
         discarded: &std::collections::BTreeMap<&'static str, usize>,
+        claims: &std::collections::BTreeMap<&'static str, usize>,
     ) {
         let name = BackendLabel::of(backend).backend;
         if let Some(warm) = warm {
@@ -304,6 +327,14 @@ impl JobMetrics {
                 .get_or_create(&DiscardLabels {
                     backend: name.clone(),
                     reason: (*reason).to_owned(),
+                })
+                .inc_by(u64::try_from(*n).unwrap_or(u64::MAX));
+        }
+        for (outcome, n) in claims {
+            self.warm_claims
+                .get_or_create(&ClaimLabels {
+                    backend: name.clone(),
+                    outcome: (*outcome).to_owned(),
                 })
                 .inc_by(u64::try_from(*n).unwrap_or(u64::MAX));
         }

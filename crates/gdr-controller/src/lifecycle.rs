@@ -74,6 +74,9 @@ pub struct Upkeep {
     /// Warm environments this pass discarded, by reason (`ended`, `outdated`, `stalled`,
     /// `surplus`).
     pub discarded: BTreeMap<&'static str, usize>,
+    /// Jobs' claims of warm environments since the previous pass, by outcome (`claimed`:
+    /// a ready one served the job; `missed`: none was ready, one was created for it).
+    pub claims: BTreeMap<&'static str, usize>,
 }
 
 /// Failing unclaimed executors whose assignment left the queue.
@@ -627,6 +630,7 @@ impl Lifecycle {
                         self.backend.backend(),
                         upkeep.warm.as_ref(),
                         &upkeep.discarded,
+                        &upkeep.claims,
                     );
                 }
             }

@@ -86,6 +86,8 @@ struct Inner {
     nodes: Api<Node>,
     entries: Api<DynamicObject>,
     entry_resource: ApiResource,
+    /// Jobs' claims of warm Pods since the last pass reported them.
+    claims: warm::ClaimCounts,
 }
 
 /// Executors as Kubernetes Pods. Dropping it stops the watch (the Pods keep running).
@@ -133,6 +135,7 @@ impl KubernetesBackend {
             entries: Api::all_with(client, &entry_resource),
             entry_resource,
             settings,
+            claims: warm::ClaimCounts::default(),
         });
         let (tx, changes) = watch::channel(0u64);
         // Every Pod of the backend, so that a warm Pod's changes wake the pass refilling

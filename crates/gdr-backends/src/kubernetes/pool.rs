@@ -28,6 +28,8 @@ pub struct WarmPass {
     /// Unclaimed members left, by profile (`None`: without one): running (`ready`) or
     /// not yet (`starting`, the ones this pass created included).
     pub members: BTreeMap<(Option<String>, &'static str), usize>,
+    /// Jobs' claims since the previous pass, by [`warm::CLAIM_OUTCOMES`].
+    pub claims: BTreeMap<&'static str, usize>,
 }
 
 impl WarmPass {
@@ -240,6 +242,7 @@ impl Inner {
         let plan = warm::plan(&wanted, &members);
         let mut pass = WarmPass {
             members: WarmPass::left(&wanted, &members, &plan),
+            claims: self.claims.take(),
             ..WarmPass::default()
         };
         for name in &plan.delete {
@@ -358,9 +361,12 @@ impl Inner {
                 continue;
             }
             if let Some(claimed) = self.patch_claim(spec, pod.clone()).await? {
+                self.claims.count(true);
                 return self.claimed(spec, claimed).await.map(Some);
             }
         }
+        self.claims.count(false);
+        tracing::info!(assignment_id = %spec.assignment.id(), profile = ?profile, "no warm Pod ready for the job; creating its own");
         Ok(None)
     }
 

@@ -16,6 +16,7 @@
 //! since nothing is remembered between passes.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
 /// `<prefix>warm` of a Pod created for the pool and not claimed.
@@ -142,6 +143,33 @@ impl State {
 
 /// Every [`State::deletion_kind`].
 pub const DELETION_KINDS: [&str; 4] = ["ended", "outdated", "stalled", "surplus"];
+
+/// What a job's claim found, as counted between two passes: a ready member of its pool
+/// served it (`claimed`), or none was ready and a Pod was created for it (`missed`).
+pub const CLAIM_OUTCOMES: [&str; 2] = ["claimed", "missed"];
+
+/// The claims of jobs whose profile is pooled since the last pass took them.
+#[derive(Debug, Default)]
+pub struct ClaimCounts {
+    claimed: AtomicU64,
+    missed: AtomicU64,
+}
+
+impl ClaimCounts {
+    /// Counts one claim: `served` when a member served the job.
+    pub fn count(&self, served: bool) {
+        let n = if served { &self.claimed } else { &self.missed };
+        n.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The counts since the last take, by [`CLAIM_OUTCOMES`] (both, at zero too), reset.
+    pub fn take(&self) -> BTreeMap<&'static str, usize> {
+        let [claimed, missed] = CLAIM_OUTCOMES;
+        let take =
+            |n: &AtomicU64| usize::try_from(n.swap(0, Ordering::Relaxed)).unwrap_or(usize::MAX);
+        BTreeMap::from([(claimed, take(&self.claimed)), (missed, take(&self.missed))])
+    }
+}
 
 /// A fingerprint of a Pod template's JSON: 64-bit FNV-1a, as 16 hex digits. Only told
 /// apart from another template's, never trusted: a collision keeps an outdated member,
@@ -286,5 +314,25 @@ mod tests {
         assert_eq!(names(None), vec!["old", "new"]);
         assert_eq!(names(Some("large")), vec!["large"]);
         assert!(names(Some("gpu")).is_empty());
+    }
+
+    #[test]
+    fn claims_are_counted_by_outcome_once_each_and_reset_when_taken_invariant_8() {
+        let counts = ClaimCounts::default();
+        assert_eq!(
+            counts.take(),
+            BTreeMap::from([("claimed", 0), ("missed", 0)])
+        );
+        counts.count(true);
+        counts.count(true);
+        counts.count(false);
+        assert_eq!(
+            counts.take(),
+            BTreeMap::from([("claimed", 2), ("missed", 1)])
+        );
+        assert_eq!(
+            counts.take(),
+            BTreeMap::from([("claimed", 0), ("missed", 0)])
+        );
     }
 }

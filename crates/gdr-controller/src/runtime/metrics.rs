@@ -83,6 +83,7 @@ mod tests {
             gdr_core::backend::Backend::Pod,
             Some(&[((String::new(), "ready"), 1)].into()),
             &[("outdated", 1)].into(),
+            &[("claimed", 1)].into(),
         );
         m.nats_connected
             .get_or_create_owned(&ConnectionLabel::default());

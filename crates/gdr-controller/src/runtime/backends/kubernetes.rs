@@ -44,6 +44,7 @@ fn upkeep(pass: WarmPass) -> Upkeep {
         deleted,
         deleted_by,
         members,
+        claims,
     } = pass;
     Upkeep {
         changed: created + deleted,
@@ -54,6 +55,7 @@ fn upkeep(pass: WarmPass) -> Upkeep {
                 .collect(),
         ),
         discarded: deleted_by,
+        claims,
     }
 }
 
@@ -98,6 +100,16 @@ mod tests {
         assert_eq!(
             gdr_backends::kubernetes::warm::DELETION_KINDS,
             crate::job_metrics::WARM_DISCARD_REASONS
+        );
+    }
+
+    /// The outcomes the backend counts a job's claim by are the label values the metric's
+    /// reference documents.
+    #[test]
+    fn the_backends_claim_outcomes_are_the_metrics_documented_values() {
+        assert_eq!(
+            gdr_backends::kubernetes::warm::CLAIM_OUTCOMES,
+            crate::job_metrics::WARM_CLAIM_OUTCOMES
         );
     }
 }
