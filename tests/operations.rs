@@ -371,7 +371,7 @@ async fn status_json_command_and_page_show_the_running_and_the_queued_job() {
     let cells: Vec<&str> = pod_row.split_whitespace().collect();
     assert_eq!(
         cells,
-        ["pod", "1", "1", "0", "1", "0", "1", "unknown"],
+        ["pod", "1", "1", "0", "1", "0", "1", "unknown", "none"],
         "{table}"
     );
     let job_row = table
@@ -396,7 +396,7 @@ async fn status_json_command_and_page_show_the_running_and_the_queued_job() {
     assert_eq!(backends[0].0, "pod");
     assert_eq!(
         backends[0].1,
-        ["pod", "1", "1", "0", "1", "0", "1", "unknown"],
+        ["pod", "1", "1", "0", "1", "0", "1", "unknown", "none"],
         "{dom}"
     );
     let jobs = rows(&dom, "assignments", "data-assignment-id");

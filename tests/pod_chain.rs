@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use gdr_controller::status::{StatusReport, WarmStatus};
 use gdr_testkit::controller::{ControllerFixture, FACADE_SPIFFE_ID, Value, listener};
 use gdr_testkit::eventually;
 use gdr_testkit::fake_kubelet::{FakeKubelet, KubeletConfig};
@@ -855,6 +856,21 @@ async fn with_a_warm_pool_jobs_run_in_pool_members_each_serving_one_job_and_the_
             == Some(3)
             && metric(r#"gitea_dynamic_runner_warm_environment_claims_total{backend="pod",outcome="missed"}"#).await
                 == Some(0)
+    })
+    .await;
+    // And /status shows the refilled pool.
+    let refilled = Some(vec![WarmStatus {
+        profile: String::new(),
+        ready: 2,
+        starting: 0,
+    }]);
+    gdr_testkit::until(WAIT, "/status shows the refilled pool", || async {
+        let Ok(answer) = reqwest::get(format!("http://{health}/status")).await else {
+            return false;
+        };
+        let body = answer.text().await.unwrap_or_default();
+        serde_json::from_str::<StatusReport>(&body)
+            .is_ok_and(|r| r.backends.first().and_then(|b| b.warm.clone()) == refilled)
     })
     .await;
     let _ = controller.start_kill();

@@ -202,6 +202,7 @@ mod tests {
                 unclaimed_jetstream: Some(1),
                 queued_gitea: None,
                 listed_seconds_ago: Some(0),
+                warm: None,
                 problems: Vec::new(),
             });
             report

@@ -625,6 +625,9 @@ impl Lifecycle {
     async fn upkeep(&self, housekeeping: &dyn Housekeeping) {
         match housekeeping.every_pass().await {
             Ok(upkeep) => {
+                if let Some(o) = &self.observations {
+                    o.warm_left(self.backend.backend(), upkeep.warm.as_ref());
+                }
                 if let Some(m) = &self.metrics {
                     m.record_warm(
                         self.backend.backend(),

@@ -74,8 +74,23 @@ pub struct BackendStatus {
     pub queued_gitea: Option<u64>,
     /// How old the backend listing is, in seconds (`None`: never listed yet).
     pub listed_seconds_ago: Option<u64>,
+    /// Its unclaimed warm environments by profile, as the last lifecycle pass left them;
+    /// `None`: it keeps no warm pool.
+    #[serde(default)]
+    pub warm: Option<Vec<WarmStatus>>,
     /// Why a number above is missing or stale.
     pub problems: Vec<String>,
+}
+
+/// The unclaimed warm environments of one profile.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WarmStatus {
+    /// The profile they are kept for (empty: none).
+    pub profile: String,
+    /// Running, claimable by the next job of the profile.
+    pub ready: usize,
+    /// Created, not running yet.
+    pub starting: usize,
 }
 
 /// One executor and its job.
@@ -135,9 +150,11 @@ struct Snapshot {
     error: Option<String>,
 }
 
-/// The latest backend listing of each backend, as the lifecycle reconciler saw it.
+/// The latest backend listing of each backend, as the lifecycle reconciler saw it, and
+/// the warm pool its last upkeep left.
 pub struct Observations {
     snapshots: Mutex<BTreeMap<Backend, Snapshot>>,
+    warm: Mutex<BTreeMap<Backend, Vec<WarmStatus>>>,
     metrics: Option<Arc<JobMetrics>>,
 }
 
@@ -146,6 +163,7 @@ impl Observations {
     pub fn new(metrics: Option<Arc<JobMetrics>>) -> Self {
         Observations {
             snapshots: Mutex::new(BTreeMap::new()),
+            warm: Mutex::new(BTreeMap::new()),
             metrics,
         }
     }
@@ -176,6 +194,38 @@ impl Observations {
                 error: None,
             },
         );
+    }
+
+    /// A pass's upkeep of `backend` left `warm` (by profile and state, `ready` or
+    /// `starting`); `None` or no profile pooled: it keeps no warm pool.
+    pub fn warm_left(
+        &self,
+        backend: Backend,
+        warm: Option<&BTreeMap<(String, &'static str), usize>>,
+    ) {
+        let mut profiles: BTreeMap<&str, WarmStatus> = BTreeMap::new();
+        for ((profile, state), n) in warm.into_iter().flatten() {
+            let entry = profiles.entry(profile).or_insert_with(|| WarmStatus {
+                profile: profile.clone(),
+                ready: 0,
+                starting: 0,
+            });
+            match *state {
+                "ready" => entry.ready += n,
+                _ => entry.starting += n,
+            }
+        }
+        let mut all = self.warm.lock().unwrap_or_else(|p| p.into_inner());
+        if profiles.is_empty() {
+            all.remove(&backend);
+        } else {
+            all.insert(backend, profiles.into_values().collect());
+        }
+    }
+
+    fn warm_of(&self, backend: Backend) -> Option<Vec<WarmStatus>> {
+        let all = self.warm.lock().unwrap_or_else(|p| p.into_inner());
+        all.get(&backend).cloned()
     }
 
     /// A pass could not list `backend`; the last listing stays, marked stale.
@@ -249,6 +299,7 @@ impl StatusSource for Observed {
                 unclaimed_jetstream: None,
                 queued_gitea: None,
                 listed_seconds_ago: None,
+                warm: self.observations.warm_of(*backend),
                 problems: Vec::new(),
             };
             let mut unacknowledged = 0u64;
@@ -331,7 +382,7 @@ impl Observed {
 }
 
 /// Column headings of the backend table (CLI and page).
-pub const BACKEND_COLUMNS: [&str; 8] = [
+pub const BACKEND_COLUMNS: [&str; 9] = [
     "backend",
     "capacity",
     "in use",
@@ -340,6 +391,7 @@ pub const BACKEND_COLUMNS: [&str; 8] = [
     "finishing",
     "queued (JetStream)",
     "queued (Gitea)",
+    "warm (ready/starting)",
 ];
 
 /// Column headings of the assignment table (CLI and page).
@@ -369,7 +421,7 @@ pub fn age(seconds: u64) -> String {
 
 impl BackendStatus {
     /// The cells of its row, as [`BACKEND_COLUMNS`] names them.
-    pub fn cells(&self) -> [String; 8] {
+    pub fn cells(&self) -> [String; 9] {
         [
             self.backend.clone(),
             self.capacity.to_string(),
@@ -379,6 +431,15 @@ impl BackendStatus {
             self.finishing.to_string(),
             known(self.queued_jetstream),
             known(self.queued_gitea),
+            self.warm.as_ref().map_or_else(
+                || "none".to_owned(),
+                |w| {
+                    let (ready, starting) = w
+                        .iter()
+                        .fold((0, 0), |(r, s), p| (r + p.ready, s + p.starting));
+                    format!("{ready}/{starting}")
+                },
+            ),
         ]
     }
 }
@@ -575,6 +636,37 @@ mod tests {
             pod.problems.iter().any(|p| p.contains("no responders")),
             "{pod:?}"
         );
+    }
+
+    /// DESIGN invariant 24 (issue 39 item 5): the status shows the warm pool as the last
+    /// upkeep left it, by profile, and no pool once none is kept.
+    #[tokio::test]
+    async fn status_shows_the_warm_pool_the_last_upkeep_left_by_profile() {
+        let backend = Arc::new(MemoryBackend::new(Backend::Pod));
+        let d = Arc::new(Dispatch::new(
+            [(backend as Arc<dyn ExecutorBackend>, 1)],
+            CapabilityKey::new(b"0123456789abcdef0123456789abcdef").unwrap(),
+        ));
+        let observations = Arc::new(Observations::new(None));
+        let observed = Observed::new(d, observations.clone(), None, vec![Backend::Pod]);
+        let left = BTreeMap::from([
+            ((String::new(), "ready"), 2),
+            ((String::new(), "starting"), 1),
+            (("large".to_owned(), "ready"), 0),
+            (("large".to_owned(), "starting"), 1),
+        ]);
+        observations.warm_left(Backend::Pod, Some(&left));
+        let pod = observed.report().await.backends.remove(0);
+        let warm = |profile: &str, ready, starting| WarmStatus {
+            profile: profile.into(),
+            ready,
+            starting,
+        };
+        assert_eq!(pod.warm, Some(vec![warm("", 2, 1), warm("large", 0, 1)]));
+        assert_eq!(pod.cells()[8], "2/2");
+        observations.warm_left(Backend::Pod, Some(&BTreeMap::new()));
+        let pod = observed.report().await.backends.remove(0);
+        assert_eq!((pod.cells()[8].as_str(), pod.warm), ("none", None));
     }
 
     #[test]

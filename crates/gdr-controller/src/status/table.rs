@@ -75,6 +75,7 @@ mod tests {
             unclaimed_jetstream: Some(12),
             queued_gitea: None,
             listed_seconds_ago: Some(1),
+            warm: None,
             problems: vec!["the last listing of the backend failed: timeout".into()],
         });
         report.assignments.push(AssignmentStatus {
@@ -93,7 +94,8 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert!(lines[2].starts_with("BACKEND  CAPACITY  IN USE"), "{text}");
         assert!(lines[3].starts_with("pod      3         1"), "{text}");
-        assert!(lines[3].ends_with("12                  unknown"), "{text}");
+        assert!(lines[3].contains("12                  unknown"), "{text}");
+        assert!(lines[3].ends_with("none"), "no warm pool: {text}");
         assert!(
             lines[4].contains("pod: the last listing of the backend failed"),
             "{text}"
