@@ -349,6 +349,38 @@ impl Chain {
         .await;
     }
 
+    /// The one Pod that served `job`, asserted to be a pool member.
+    fn pool_member_of(&self, job: JobId) -> Seen {
+        let id = self.assignment(job);
+        let seen = self.seen();
+        let served: Vec<&Seen> = seen
+            .iter()
+            .filter(|p| p.assignments.contains(&id))
+            .collect();
+        assert_eq!(served.len(), 1, "{id} ran in one Pod: {seen:?}");
+        assert!(
+            served[0].name.starts_with("gitea-warm-"),
+            "{id} ran in a pool member: {seen:?}"
+        );
+        served[0].clone()
+    }
+
+    /// Queues a job whose identity is never bound and waits until it is failed with the
+    /// executor's own error, its runner never started.
+    async fn fails_unbound(&self) -> JobId {
+        let job = self.queue("unbound", "[self-hosted, pod]", "standin:success");
+        self.status(job, Status::Failure).await;
+        let rows = self.log_rows(job);
+        assert!(
+            rows.iter()
+                .any(|r| r.contains("ended before its runner fetched the task")
+                    && r.contains("gave no X.509-SVID")),
+            "{rows:?}"
+        );
+        assert_eq!(self.runs_of(job), 0);
+        job
+    }
+
     /// The assignment ID of `job`'s task.
     fn assignment(&self, job: JobId) -> String {
         let task = self
@@ -716,33 +748,26 @@ async fn a_killed_controller_adopts_its_pods_on_restart_and_runs_nothing_twice()
     let _ = third.start_kill();
 }
 
+/// Settings under which no executor's identity binds: the entries' parent is a well-formed
+/// agent ID of a node that is not the Pod's; the bind deadline short.
+fn unbindable(f: ControllerFixture) -> ControllerFixture {
+    f.set(
+        "spire_agent_id",
+        format!(
+            "spiffe://{TRUST_DOMAIN}/spire/agent/k8s_psat/{CLUSTER}/00000000-0000-4000-8000-0000000000aa"
+        ),
+    )
+    .set("pod_identity_bind_deadline", "3s")
+}
+
 /// DESIGN invariant 13: a job whose identity entry never binds (its parent is not the
 /// agent of the Pod's node) gets no SVID, reaches nothing, and is failed after
 /// `pod_identity_bind_deadline` with the executor's own error as the reason.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_job_whose_identity_is_never_bound_is_failed_with_the_executors_error() {
-    let c = Chain::new(|f| {
-        f.set(
-            "spire_agent_id",
-            // A well-formed agent ID of a node that is not the Pod's.
-            format!(
-                "spiffe://{TRUST_DOMAIN}/spire/agent/k8s_psat/{CLUSTER}/00000000-0000-4000-8000-0000000000aa"
-            ),
-        )
-        .set("pod_identity_bind_deadline", "3s")
-    })
-    .await;
+    let c = Chain::new(unbindable).await;
     let mut controller = c.controller(None);
-    let job = c.queue("unbound", "[self-hosted, pod]", "standin:success");
-    c.status(job, Status::Failure).await;
-    let rows = c.log_rows(job);
-    assert!(
-        rows.iter()
-            .any(|r| r.contains("ended before its runner fetched the task")
-                && r.contains("gave no X.509-SVID")),
-        "{rows:?}"
-    );
-    assert_eq!(c.runs_of(job), 0);
+    c.fails_unbound().await;
     c.nothing_left().await;
     let _ = controller.start_kill();
 }
@@ -826,16 +851,7 @@ async fn with_a_warm_pool_jobs_run_in_pool_members_each_serving_one_job_and_the_
     c.only_the_pool_left(2).await;
     let seen = c.seen();
     for job in [ok, bad, later] {
-        let id = c.assignment(job);
-        let pods: Vec<&Seen> = seen
-            .iter()
-            .filter(|p| p.assignments.contains(&id))
-            .collect();
-        assert_eq!(pods.len(), 1, "{id} ran in one Pod: {seen:?}");
-        assert!(
-            pods[0].name.starts_with("gitea-warm-"),
-            "{id} ran in a pool member: {seen:?}"
-        );
+        c.pool_member_of(job);
         assert_eq!(c.runs_of(job), 1);
     }
     assert!(
@@ -883,39 +899,13 @@ async fn with_a_warm_pool_jobs_run_in_pool_members_each_serving_one_job_and_the_
 /// which refills with a new one.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_pool_member_whose_identity_cannot_be_bound_is_discarded_and_its_job_failed() {
-    let c = Chain::new(|f| {
-        f.set(
-            "spire_agent_id",
-            format!(
-                "spiffe://{TRUST_DOMAIN}/spire/agent/k8s_psat/{CLUSTER}/00000000-0000-4000-8000-0000000000aa"
-            ),
-        )
-        .set("pod_identity_bind_deadline", "3s")
-        .set("pod_warm_pool", 1u32)
-    })
-    .await;
+    let c = Chain::new(|f| unbindable(f).set("pod_warm_pool", 1u32)).await;
     let mut controller = c.controller(None);
     c.warm_ready(1).await;
-    let job = c.queue("unbound", "[self-hosted, pod]", "standin:success");
-    c.status(job, Status::Failure).await;
-    let rows = c.log_rows(job);
-    assert!(
-        rows.iter()
-            .any(|r| r.contains("ended before its runner fetched the task")
-                && r.contains("gave no X.509-SVID")),
-        "{rows:?}"
-    );
-    assert_eq!(c.runs_of(job), 0);
+    let job = c.fails_unbound().await;
     c.only_the_pool_left(1).await;
     c.warm_ready(1).await;
-    let id = c.assignment(job);
-    let seen = c.seen();
-    let served: Vec<&Seen> = seen
-        .iter()
-        .filter(|p| p.assignments.contains(&id))
-        .collect();
-    assert_eq!(served.len(), 1, "{seen:?}");
-    assert!(served[0].name.starts_with("gitea-warm-"), "{seen:?}");
+    let member = c.pool_member_of(job);
     let left: Vec<String> = c
         .pod_list()
         .await
@@ -923,7 +913,7 @@ async fn a_pool_member_whose_identity_cannot_be_bound_is_discarded_and_its_job_f
         .map(|p| p.metadata.name.clone().unwrap_or_default())
         .collect();
     assert!(
-        !left.contains(&served[0].name),
+        !left.contains(&member.name),
         "the member that could not be bound is gone: {left:?}"
     );
     let _ = controller.start_kill();
@@ -943,16 +933,9 @@ async fn a_restarted_controller_finds_the_warm_pool_on_the_cluster_and_creates_n
     let job = c.queue("after", "[self-hosted, pod]", "standin:success");
     c.status(job, Status::Success).await;
     c.only_the_pool_left(2).await;
-    let id = c.assignment(job);
-    let seen = c.seen();
-    let served: Vec<&Seen> = seen
-        .iter()
-        .filter(|p| p.assignments.contains(&id))
-        .collect();
-    assert_eq!(served.len(), 1, "{seen:?}");
-    assert!(served[0].name.starts_with("gitea-warm-"), "{seen:?}");
+    c.pool_member_of(job);
     // The two members of the first controller, one refill after the job.
-    assert_eq!(c.pod_creations(), 3, "{seen:?}");
+    assert_eq!(c.pod_creations(), 3, "{:?}", c.seen());
     let _ = second.start_kill();
 }
 
@@ -998,18 +981,8 @@ async fn a_member_made_under_earlier_settings_is_replaced_and_never_claimed() {
     let job = c.queue("after", "[self-hosted, pod]", "standin:success");
     c.status(job, Status::Success).await;
     c.only_the_pool_left(1).await;
-    let id = c.assignment(job);
-    let seen = c.seen();
-    let served: Vec<&Seen> = seen
-        .iter()
-        .filter(|p| p.assignments.contains(&id))
-        .collect();
-    assert_eq!(served.len(), 1, "{seen:?}");
-    assert!(served[0].name.starts_with("gitea-warm-"), "{seen:?}");
-    assert_ne!(
-        served[0].name, old[0],
-        "the outdated member ran the job: {seen:?}"
-    );
+    let member = c.pool_member_of(job);
+    assert_ne!(member.name, old[0], "the outdated member ran the job");
     assert!(
         c.fixture
             .log()

@@ -165,6 +165,21 @@ fn run_time_histogram() -> Histogram {
     Histogram::new(RUN_TIME_BUCKETS)
 }
 
+/// Adds each of `counts` to its series of `family`, labelled by `labels` of its key.
+fn add_counts<L>(
+    family: &Family<L, Counter>,
+    counts: &std::collections::BTreeMap<&'static str, usize>,
+    labels: impl Fn(&str) -> L,
+) where
+    L: Clone + std::hash::Hash + Eq,
+{
+    for (key, n) in counts {
+        family
+            .get_or_create(&labels(key))
+            .inc_by(u64::try_from(*n).unwrap_or(u64::MAX));
+    }
+}
+
 /// The metrics of jobs, shared by the components that see a job's steps.
 pub struct JobMetrics {
     /// Worker deliveries by outcome.
@@ -322,22 +337,14 @@ impl JobMetrics {
                     .set(i64::try_from(*n).unwrap_or(i64::MAX));
             }
         }
-        for (reason, n) in discarded {
-            self.warm_discarded
-                .get_or_create(&DiscardLabels {
-                    backend: name.clone(),
-                    reason: (*reason).to_owned(),
-                })
-                .inc_by(u64::try_from(*n).unwrap_or(u64::MAX));
-        }
-        for (outcome, n) in claims {
-            self.warm_claims
-                .get_or_create(&ClaimLabels {
-                    backend: name.clone(),
-                    outcome: (*outcome).to_owned(),
-                })
-                .inc_by(u64::try_from(*n).unwrap_or(u64::MAX));
-        }
+        add_counts(&self.warm_discarded, discarded, |reason| DiscardLabels {
+            backend: name.clone(),
+            reason: reason.to_owned(),
+        });
+        add_counts(&self.warm_claims, claims, |outcome| ClaimLabels {
+            backend: name.clone(),
+            outcome: outcome.to_owned(),
+        });
     }
 
     /// Creates every per-backend series of `backend` at zero, so dashboards and alerts see
