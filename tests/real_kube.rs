@@ -72,7 +72,8 @@ fn pool_resource() -> ApiResource {
     )
 }
 
-pub(crate) fn backend(client: Client) -> KubernetesBackend {
+/// The Pod backend's settings of these tests: its image, trust domain and namespace.
+fn settings() -> KubernetesSettings {
     let mut settings = KubernetesSettings::new(
         IMAGE,
         backend_contract::trust_domain(),
@@ -80,7 +81,11 @@ pub(crate) fn backend(client: Client) -> KubernetesBackend {
         "spire-mgmt",
     );
     settings.namespace = NS.into();
-    KubernetesBackend::new(client, settings).unwrap()
+    settings
+}
+
+pub(crate) fn backend(client: Client) -> KubernetesBackend {
+    KubernetesBackend::new(client, settings()).unwrap()
 }
 
 /// A Node, and the executor Pod `name` bound to it as a scheduler binds it (the `binding`
@@ -1696,13 +1701,7 @@ fn json_patch_merge(value: &mut serde_json::Value, extra: serde_json::Value) {
 async fn of_two_jobs_racing_for_one_warm_pod_exactly_one_claims_it_and_the_other_gets_a_fresh_pod()
 {
     let kube = cluster().await;
-    let mut settings = KubernetesSettings::new(
-        IMAGE,
-        backend_contract::trust_domain(),
-        "test-cluster",
-        "spire-mgmt",
-    );
-    settings.namespace = NS.into();
+    let mut settings = settings();
     settings.warm_pool = 1;
     let backend = KubernetesBackend::new(
         kube.client_as(&ServiceAccount::controller()).await,

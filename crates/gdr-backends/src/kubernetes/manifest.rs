@@ -636,15 +636,7 @@ fn owner(pod_name: &str, pod_uid: &str) -> OwnerReference {
 
 /// The merge patch making `pod` the owner of its Secret.
 pub fn owner_patch(pod_name: &str, pod_uid: &str) -> Value {
-    let owner = OwnerReference {
-        api_version: "v1".into(),
-        kind: "Pod".into(),
-        name: pod_name.to_owned(),
-        uid: pod_uid.to_owned(),
-        controller: Some(true),
-        block_owner_deletion: None,
-    };
-    json!({ "metadata": { "ownerReferences": [owner] } })
+    json!({ "metadata": { "ownerReferences": [owner(pod_name, pod_uid)] } })
 }
 
 /// The spec of the identity entry binding `spiffe_id` to one Pod UID under `parent_id`.
