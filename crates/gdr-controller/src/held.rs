@@ -138,7 +138,7 @@ impl HeldAssignments {
             source: e,
         };
         if !create {
-            return stream.get_consumer(CONSUMER).await.map_err(&err);
+            return stream.get_consumer(CONSUMER).await.map_err(err);
         }
         let config = pull::Config {
             durable_name: Some(CONSUMER.into()),
@@ -220,7 +220,7 @@ impl HeldAssignments {
             .await
             .map_err(|e| consumer_err(e.into()))?;
         while let Some(message) = batch.next().await {
-            let message = message.map_err(&consumer_err)?;
+            let message = message.map_err(consumer_err)?;
             let settle = self.settle(&message, interval, &mut round).await;
             if let Err(e) = message.ack_with(settle).await {
                 tracing::warn!(error = %e, "settling a held assignment failed; it comes back");

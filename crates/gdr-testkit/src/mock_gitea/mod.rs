@@ -9,7 +9,7 @@ mod server;
 mod state;
 mod workflow;
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
@@ -484,12 +484,7 @@ impl MockGitea {
 
     /// Makes the next call of `method` fail (or stall) as `fault` says; faults queue up.
     pub fn fail_next(&self, method: RpcMethod, fault: MockFault) {
-        self.mutate(|s| {
-            s.faults
-                .entry(method)
-                .or_insert_with(VecDeque::new)
-                .push_back(fault)
-        });
+        self.mutate(|s| s.faults.entry(method).or_default().push_back(fault));
     }
 
     /// How many calls of `method` arrived (including faulted ones).
