@@ -484,3 +484,34 @@ fn the_package_is_built_with_the_dist_profile_cargo_toml_declares() {
         );
     }
 }
+
+/// The value of the first `key = "value"` line of a TOML text.
+fn toml_value(text: &str, key: &str) -> String {
+    text.lines()
+        .find_map(|l| {
+            let rest = l.trim().strip_prefix(key)?.trim_start().strip_prefix('=')?;
+            Some(rest.trim().trim_matches('"').to_owned())
+        })
+        .unwrap_or_else(|| panic!("no `{key} = …` line"))
+}
+
+/// Issue 41 item 7: the compiler rustup selects for every build and CI run
+/// (rust-toolchain.toml) is the oldest the workspace declares (Cargo.toml's `rust-version`),
+/// so a newer API or a lint of a newer clippy cannot slip in; the Nix build's nixpkgs rustc
+/// may be newer, as `rust-version` allows.
+#[test]
+fn the_pinned_toolchain_is_the_workspaces_rust_version() {
+    let major_minor = |v: &str| v.split('.').take(2).collect::<Vec<_>>().join(".");
+    let channel = toml_value(&read("rust-toolchain.toml"), "channel");
+    let rust_version = toml_value(&read("Cargo.toml"), "rust-version");
+    assert_eq!(
+        major_minor(&channel),
+        major_minor(&rust_version),
+        "rust-toolchain.toml's channel {channel} is not Cargo.toml's rust-version {rust_version}"
+    );
+    assert_eq!(
+        channel.split('.').count(),
+        3,
+        "a release, not a moving channel: {channel}"
+    );
+}
