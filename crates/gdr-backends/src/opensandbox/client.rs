@@ -197,6 +197,22 @@ pub enum ClientError {
     /// The client cannot be set up as configured.
     #[error("OpenSandbox client configuration: {0}")]
     Config(String),
+    /// A request cannot be built from what the settings give (its URL or a header).
+    #[error("OpenSandbox client configuration: cannot build a request to {url}: {source}")]
+    Request {
+        /// The URL the request was for.
+        url: String,
+        /// The cause.
+        #[source]
+        source: http::Error,
+    },
+    /// An expiry that RFC 3339 cannot express (before year -9999 or after 9999).
+    #[error("OpenSandbox client configuration: expiry out of range: {source}")]
+    Expiry {
+        /// The cause.
+        #[source]
+        source: jiff::Error,
+    },
     /// The server could not be reached or the connection broke.
     #[error("OpenSandbox {op}: request failed: {source}")]
     Transport {
@@ -314,6 +330,8 @@ impl ClientError {
         matches!(
             self,
             ClientError::Config(_)
+                | ClientError::Request { .. }
+                | ClientError::Expiry { .. }
                 | ClientError::Unauthorized { .. }
                 | ClientError::PoolNotFound { .. }
         )
@@ -428,6 +446,11 @@ pub struct Pagination {
 struct RenewBody {
     #[serde(with = "rfc3339")]
     expires_at: SystemTime,
+}
+
+/// `at` as the server takes an expiry (RFC 3339).
+fn expiry_text(at: SystemTime) -> Result<String, ClientError> {
+    rfc3339::format(at).map_err(|source| ClientError::Expiry { source })
 }
 
 mod rfc3339 {
@@ -569,7 +592,10 @@ impl LifecycleClient {
         }
         let request = builder
             .body(Full::new(Bytes::from(body.unwrap_or_default())))
-            .map_err(|e| ClientError::Config(format!("cannot build a request to {url}: {e}")))?;
+            .map_err(|source| ClientError::Request {
+                url: url.to_string(),
+                source,
+            })?;
         let exchange = async {
             let response = self
                 .http
@@ -785,8 +811,7 @@ impl LifecycleClient {
         expires_at: SystemTime,
     ) -> Result<SystemTime, ClientError> {
         const OP: &str = "renew expiration";
-        let at = rfc3339::format(expires_at)
-            .map_err(|e| ClientError::Config(format!("expiry out of range: {e}")))?;
+        let at = expiry_text(expires_at)?;
         let body = serde_json::to_vec(&serde_json::json!({ "expiresAt": at }))
             .map_err(|source| ClientError::Decode { op: OP, source })?;
         let url = self.url(&["sandboxes", id, "renew-expiration"], &[])?;
@@ -855,6 +880,20 @@ mod tests {
         ] {
             assert!(rfc3339::parse(text).is_ok(), "{text}");
         }
+    }
+
+    /// Issue 41 item 3: an expiry RFC 3339 cannot express is a configuration error that
+    /// keeps jiff's cause, not a string made of it.
+    #[test]
+    fn an_expiry_out_of_range_is_a_configuration_error_keeping_its_cause() {
+        let far = SystemTime::UNIX_EPOCH + Duration::from_secs(1 << 40);
+        let e = expiry_text(far).unwrap_err();
+        assert!(e.is_configuration(), "{e}");
+        assert!(
+            std::error::Error::source(&e).is_some(),
+            "the cause is kept: {e:?}"
+        );
+        assert!(expiry_text(SystemTime::UNIX_EPOCH).is_ok());
     }
 
     #[test]
