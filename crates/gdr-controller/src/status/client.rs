@@ -14,6 +14,15 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 /// Why the status could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum StatusClientError {
+    /// The URL cannot be parsed.
+    #[error("{url} is not a usable http:// URL of the health listener: {source}")]
+    Unparsable {
+        /// What was given.
+        url: String,
+        /// Why.
+        #[source]
+        source: http::uri::InvalidUri,
+    },
     /// The URL is not an `http://` URL.
     #[error("{url} is not a usable http:// URL of the health listener: {reason}")]
     Url {
@@ -82,15 +91,17 @@ fn chain(error: &dyn std::error::Error) -> String {
 /// The `/status` URL under a health listener's base URL.
 pub fn status_url(base: &str) -> Result<http::Uri, StatusClientError> {
     let url = format!("{}/status", base.trim_end_matches('/'));
-    let bad = |reason: String| StatusClientError::Url {
-        url: base.to_owned(),
-        reason,
-    };
     let uri: http::Uri = url
         .parse()
-        .map_err(|e: http::uri::InvalidUri| bad(e.to_string()))?;
+        .map_err(|source| StatusClientError::Unparsable {
+            url: base.to_owned(),
+            source,
+        })?;
     if uri.scheme_str() != Some("http") {
-        return Err(bad("the health listener speaks plain http".into()));
+        return Err(StatusClientError::Url {
+            url: base.to_owned(),
+            reason: "the health listener speaks plain http".into(),
+        });
     }
     Ok(uri)
 }
@@ -149,6 +160,14 @@ mod tests {
             status_url("https://127.0.0.1:9090"),
             Err(StatusClientError::Url { .. })
         ));
-        assert!(status_url("not a url").is_err());
+        // Issue 41 item 3: the parser's error stays the cause, not a string of it.
+        let e = status_url("not a url").unwrap_err();
+        assert!(matches!(e, StatusClientError::Unparsable { .. }), "{e:?}");
+        assert!(std::error::Error::source(&e).is_some(), "{e:?}");
+        assert!(
+            e.to_string()
+                .starts_with("not a url is not a usable http:// URL"),
+            "{e}"
+        );
     }
 }
