@@ -6,6 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::Arc;
 
 use serde::de::{self, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::{Deserialize, Deserializer};
@@ -48,10 +49,11 @@ pub enum WorkflowError {
     /// Not valid YAML, wrong shape (e.g. `runs-on: {}` of the wrong kind), or over the parse
     /// budget (alias bombs and the like).
     // serde-saphyr's message already ends with "at line L, column C".
-    #[error("workflow YAML: {message}")]
+    #[error("workflow YAML: {source}")]
     Yaml {
-        /// What the parser objected to (without a source snippet).
-        message: String,
+        /// What the parser objected to (built without a source snippet).
+        #[source]
+        source: YamlError,
         /// 1-based line, when known.
         line: Option<u64>,
         /// 1-based column, when known.
@@ -81,6 +83,42 @@ pub enum WorkflowError {
         key: String,
     },
 }
+
+/// The YAML parser's own error, kept as the cause of [`WorkflowError::Yaml`].
+///
+/// Shared rather than owned so that [`WorkflowError`] stays `Clone` (assignments and
+/// identities carry it); two are equal when they say the same thing, which is what a
+/// caller comparing outcomes means.
+#[derive(Debug, Clone)]
+pub struct YamlError(Arc<serde_saphyr::Error>);
+
+impl fmt::Display for YamlError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+// Transparent: this wrapper's text is the parser's, so its cause is the parser's cause.
+impl std::error::Error for YamlError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl YamlError {
+    /// The parser's error itself.
+    pub fn parser_error(&self) -> &serde_saphyr::Error {
+        &self.0
+    }
+}
+
+impl PartialEq for YamlError {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for YamlError {}
 
 #[derive(Deserialize)]
 struct RawWorkflow {
@@ -215,7 +253,7 @@ impl From<serde_saphyr::Error> for WorkflowError {
     fn from(err: serde_saphyr::Error) -> Self {
         let location = err.location();
         Self::Yaml {
-            message: err.to_string(),
+            source: YamlError(Arc::new(err)),
             line: location.map(|l| l.line()),
             column: location.map(|l| l.column()),
         }
@@ -392,6 +430,18 @@ mod tests {
         assert!(line.is_some() && column.is_some(), "{err}");
         assert!(err.to_string().contains("line 4"), "{err}");
         assert!(!err.to_string().contains("value"), "{err}");
+    }
+
+    #[test]
+    fn a_yaml_error_keeps_the_parsers_error_as_its_cause() {
+        let err = parse_single_job(b"jobs:\n  a:\n    runs-on: [self-hosted\n").unwrap_err();
+        let WorkflowError::Yaml { source, line, .. } = &err else {
+            panic!("{err}")
+        };
+        let parser = source.parser_error();
+        assert_eq!(parser.location().map(|l| l.line()), *line, "{err}");
+        assert_eq!(err.to_string(), format!("workflow YAML: {parser}"));
+        assert_eq!(err.clone(), err, "a cloned error equals its original");
     }
 
     #[test]

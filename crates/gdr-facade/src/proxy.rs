@@ -162,8 +162,9 @@ impl ReverseProxy {
         extra_ca_pem: Option<&[u8]>,
         timeouts: UpstreamTimeouts,
     ) -> Result<Self, GiteaError> {
-        let base = url::Url::parse(base)
-            .map_err(|e| GiteaError::config(format!("upstream URL {base:?} is invalid: {e}")))?;
+        let base = url::Url::parse(base).map_err(|e| {
+            GiteaError::config_caused(format!("upstream URL {base:?} is invalid"), e)
+        })?;
         let tls = gdr_gitea::tls_config(extra_ca_pem)?;
         let mut http = HttpConnector::new();
         http.enforce_http(false);

@@ -8,7 +8,7 @@
 
 use std::fmt;
 
-use connectrpc::{ConnectError, ErrorCode};
+use connectrpc::{ConnectError, ErrorCode, SharedSource};
 
 /// What kind of failure a Gitea call met.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,15 +46,27 @@ impl ErrorKind {
 }
 
 /// A failed call to Gitea (or a client that could not be built).
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone)]
 pub struct GiteaError {
     kind: ErrorKind,
     /// The RPC, e.g. `FetchTask`; `None` for configuration errors.
     method: Option<&'static str>,
-    /// Gitea's own text (the gRPC `desc`), or the transport's.
+    /// Gitea's own text (the gRPC `desc`), or the transport's; for a configuration error
+    /// what could not be built.
     message: String,
     /// The code Gitea's message carried (`Unauthenticated`), or the Connect code.
     code: String,
+    /// The cause under it (the transport's error, an unparsable URL, a bad CA file),
+    /// shared so that the error stays `Clone`.
+    source: Option<SharedSource>,
+}
+
+impl std::error::Error for GiteaError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
 }
 
 impl fmt::Display for GiteaError {
@@ -67,9 +79,12 @@ impl fmt::Display for GiteaError {
             ErrorKind::TooLarge => "Gitea's answer is larger than the client accepts",
             ErrorKind::Other => "Gitea call failed",
         };
-        match self.method {
-            Some(m) => write!(f, "{m}: {what} ({}): {}", self.code, self.message),
-            None => write!(f, "{}", self.message),
+        // A call's message already holds its transport cause's text (connectrpc writes it
+        // there); a configuration error's does not.
+        match (self.method, &self.source) {
+            (Some(m), _) => write!(f, "{m}: {what} ({}): {}", self.code, self.message),
+            (None, Some(cause)) => write!(f, "{}: {cause}", self.message),
+            (None, None) => write!(f, "{}", self.message),
         }
     }
 }
@@ -115,13 +130,27 @@ impl GiteaError {
         }
     }
 
-    /// A client (or the facade's reverse proxy to Gitea) that could not be built.
+    /// A client (or the facade's reverse proxy to Gitea) that could not be built, for a
+    /// reason of our own.
     pub fn config(message: String) -> Self {
         GiteaError {
             kind: ErrorKind::Other,
             method: None,
             message,
             code: "config".into(),
+            source: None,
+        }
+    }
+
+    /// A client (or the facade's reverse proxy to Gitea) that could not be built because
+    /// of `cause`; `context` says what was being built from what.
+    pub fn config_caused(
+        context: String,
+        cause: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        GiteaError {
+            source: Some(SharedSource::from(cause.into())),
+            ..Self::config(context)
         }
     }
 
@@ -131,18 +160,21 @@ impl GiteaError {
             method: Some(method),
             message: message.to_string(),
             code: "protocol".into(),
+            source: None,
         }
     }
 
     /// Classifies a Connect error, decoding Gitea's `rpc error: …` text.
     pub fn from_connect(method: &'static str, error: ConnectError) -> Self {
         let raw = error.message.clone().unwrap_or_default();
+        let source = error.source_arc();
         if let Some((grpc_code, desc)) = parse_grpc_status_text(&raw) {
             return GiteaError {
                 kind: kind_of_grpc_name(grpc_code),
                 method: Some(method),
                 message: desc.to_string(),
                 code: grpc_code.to_string(),
+                source,
             };
         }
         // The client's own bound on a response (`message size N exceeds limit M`): the
@@ -153,6 +185,7 @@ impl GiteaError {
                 method: Some(method),
                 message: raw,
                 code: error.code.as_str().to_string(),
+                source,
             };
         }
         let kind = match error.code {
@@ -182,6 +215,7 @@ impl GiteaError {
             method: Some(method),
             message,
             code: error.code.as_str().to_string(),
+            source,
         }
     }
 }
@@ -227,6 +261,35 @@ mod tests {
             e.to_string(),
             "FetchTask: Gitea refused the credentials (Unauthenticated): unregistered runner"
         );
+    }
+
+    #[test]
+    fn a_transport_failure_keeps_its_cause_under_the_classified_error() {
+        let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        let e = GiteaError::from_connect(
+            "FetchTask",
+            ConnectError::unavailable_from_transport("connect", refused),
+        );
+        assert_eq!(e.kind(), ErrorKind::Unavailable);
+        let cause = std::error::Error::source(&e).expect("the transport's error is the cause");
+        let io = cause
+            .downcast_ref::<std::io::Error>()
+            .expect("an io::Error");
+        assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused);
+        assert_eq!(e.clone().to_string(), e.to_string());
+    }
+
+    #[test]
+    fn a_configuration_error_keeps_its_cause_and_names_it() {
+        let bad = "http://[::1".parse::<url::Url>().unwrap_err();
+        let e = GiteaError::config_caused("Gitea URL \"http://[::1\" is invalid".into(), bad);
+        let cause = std::error::Error::source(&e).expect("the parser's error is the cause");
+        assert_eq!(cause.downcast_ref::<url::ParseError>(), Some(&bad));
+        assert_eq!(
+            e.to_string(),
+            format!("Gitea URL \"http://[::1\" is invalid: {bad}")
+        );
+        assert!(std::error::Error::source(&GiteaError::config("no cause".into())).is_none());
     }
 
     #[test]

@@ -142,10 +142,10 @@ impl GiteaClient {
     ) -> Result<Self, GiteaError> {
         let base = options.base_url.trim_end_matches('/');
         let url = url::Url::parse(base)
-            .map_err(|e| GiteaError::config(format!("Gitea URL {base:?} is invalid: {e}")))?;
+            .map_err(|e| GiteaError::config_caused(format!("Gitea URL {base:?} is invalid"), e))?;
         let api: http::Uri = format!("{base}/api/actions")
             .parse()
-            .map_err(|e| GiteaError::config(format!("Gitea URL {base:?} is invalid: {e}")))?;
+            .map_err(|e| GiteaError::config_caused(format!("Gitea URL {base:?} is invalid"), e))?;
         let builder = HttpClient::builder().connect_timeout(options.connect_timeout);
         let http = match url.scheme() {
             "http" => builder.plaintext(),
@@ -166,11 +166,11 @@ impl GiteaClient {
                 )),
             );
         if let Some(creds) = credentials {
-            let uuid = HeaderValue::from_str(&creds.uuid).map_err(|_| {
-                GiteaError::config("runner UUID is not a valid header value".into())
+            let uuid = HeaderValue::from_str(&creds.uuid).map_err(|e| {
+                GiteaError::config_caused("runner UUID is not a valid header value".into(), e)
             })?;
-            let mut token = HeaderValue::from_str(&creds.token).map_err(|_| {
-                GiteaError::config("runner token is not a valid header value".into())
+            let mut token = HeaderValue::from_str(&creds.token).map_err(|e| {
+                GiteaError::config_caused("runner token is not a valid header value".into(), e)
             })?;
             // hyper keeps sensitive values out of HPACK tables and Debug output.
             token.set_sensitive(true);
@@ -381,5 +381,5 @@ impl GiteaClient {
 /// rustls configuration for an https Gitea: system roots plus optional extra CAs.
 pub fn tls_config(extra_ca_pem: Option<&[u8]>) -> Result<rustls::ClientConfig, GiteaError> {
     tls::client_config("gitea_ca_file", extra_ca_pem, true)
-        .map_err(|e| GiteaError::config(e.to_string()))
+        .map_err(|e| GiteaError::config_caused("cannot build the TLS client for Gitea".into(), e))
 }
