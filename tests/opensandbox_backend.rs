@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use gdr_backends::opensandbox::client::CreateSandbox;
+use gdr_backends::opensandbox::client::{ClientError, CreateSandbox};
 use gdr_backends::opensandbox::{OpenSandboxBackend, OpenSandboxSettings};
 use gdr_core::backend::Backend;
 use gdr_core::executor::{ExecutorBackend, ExecutorError, ExecutorSpec, Phase, env};
@@ -86,10 +86,17 @@ async fn a_full_pool_is_full_with_retry_after_and_room_lets_the_create_through()
     match backend.create(&waiting).await {
         Err(ExecutorError::Full {
             retry_after,
-            reason,
+            source,
         }) => {
             assert_eq!(retry_after, Some(POOL_ACQUISITION_TIMEOUT));
-            assert!(reason.contains("POOL_CAPACITY_EXHAUSTED"), "{reason}");
+            // The client's own error, kept as the cause, not a string made of it.
+            let client = source
+                .downcast_ref::<ClientError>()
+                .expect("the OpenSandbox client's error is the cause");
+            assert!(
+                client.to_string().contains("POOL_CAPACITY_EXHAUSTED"),
+                "{client}"
+            );
         }
         other => panic!("expected Full, got {other:?}"),
     }

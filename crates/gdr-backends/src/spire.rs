@@ -97,7 +97,7 @@ impl From<SpireError> for ExecutorError {
         match e {
             SpireError::Pool(PoolError::Exhausted { retry_after, .. }) => ExecutorError::Full {
                 retry_after,
-                reason: e.to_string(),
+                source: Box::new(e),
             },
             e => ExecutorError::unavailable(e),
         }

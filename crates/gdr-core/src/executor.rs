@@ -214,12 +214,13 @@ pub type Source = Box<dyn StdError + Send + Sync + 'static>;
 pub enum ExecutorError {
     /// The backend refused for lack of room (OpenSandbox 429): leave the assignment queued
     /// and retry after `retry_after` (the backend's hint) or a default delay.
-    #[error("backend full: {reason}")]
+    #[error("backend full: {source}")]
     Full {
         /// The backend's `Retry-After`, when it gave one.
         retry_after: Option<Duration>,
         /// What the backend said.
-        reason: String,
+        #[source]
+        source: Source,
     },
     /// A transient failure (API unreachable, conflict, timeout): retry with backoff.
     #[error("backend unavailable: {0}")]

@@ -118,6 +118,15 @@ pub enum RunError {
         /// What is wrong.
         problem: String,
     },
+    /// The assignment ID variable is not an assignment ID.
+    #[error("{name}: {source}")]
+    AssignmentId {
+        /// Variable.
+        name: &'static str,
+        /// Why it is not one.
+        #[source]
+        source: gdr_core::assignment_id::AssignmentIdError,
+    },
     /// SPIFFE setup failed.
     #[error(transparent)]
     Spiffe(#[from] gdr_identity::svid_stream::SvidStreamError),
@@ -205,10 +214,11 @@ impl ExecutorConfig {
                 })
         };
         let id_text = required(env::ASSIGNMENT_ID)?;
-        let assignment_id = AssignmentId::parse(&id_text).map_err(|e| RunError::Env {
-            name: env::ASSIGNMENT_ID,
-            problem: e.to_string(),
-        })?;
+        let assignment_id =
+            AssignmentId::parse(&id_text).map_err(|source| RunError::AssignmentId {
+                name: env::ASSIGNMENT_ID,
+                source,
+            })?;
         let backend_text = required(env::BACKEND)?;
         let backend: Backend = backend_text.parse().map_err(|_| RunError::Env {
             name: env::BACKEND,

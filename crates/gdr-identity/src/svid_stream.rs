@@ -57,8 +57,12 @@ pub enum SvidStreamError {
         #[source]
         source: rustls::Error,
     },
-    #[error("{value:?} is not a valid facade SPIFFE ID: {reason}")]
-    InvalidId { value: String, reason: String },
+    #[error("{value:?} is not a valid facade SPIFFE ID: {source}")]
+    InvalidId {
+        value: String,
+        #[source]
+        source: spiffe::SpiffeIdError,
+    },
     #[error("building the executor's mTLS configuration: {source}")]
     Config {
         #[source]
@@ -263,9 +267,9 @@ pub fn executor_client_config(
     svids: &SvidStream,
     facade_spiffe_id: &str,
 ) -> Result<rustls::ClientConfig, SvidStreamError> {
-    let id = SpiffeId::new(facade_spiffe_id).map_err(|e| SvidStreamError::InvalidId {
+    let id = SpiffeId::new(facade_spiffe_id).map_err(|source| SvidStreamError::InvalidId {
         value: facade_spiffe_id.to_string(),
-        reason: e.to_string(),
+        source,
     })?;
     let provider = provider();
     let verifier = FacadeVerifier {

@@ -33,11 +33,12 @@ pub enum SpiffeError {
         #[source]
         source: spiffe::x509_source::X509SourceError,
     },
-    #[error("{value:?} is not a valid {what}: {reason}")]
+    #[error("{value:?} is not a valid {what}: {source}")]
     Invalid {
         what: &'static str,
         value: String,
-        reason: String,
+        #[source]
+        source: spiffe::SpiffeIdError,
     },
     #[error("building the {side} mTLS configuration: {source}")]
     Config {
@@ -78,10 +79,10 @@ pub async fn x509_source_with_timeout(
 }
 
 fn trust_domain_of(value: &str) -> Result<TrustDomain, SpiffeError> {
-    TrustDomain::new(value).map_err(|e| SpiffeError::Invalid {
+    TrustDomain::new(value).map_err(|source| SpiffeError::Invalid {
         what: "trust domain",
         value: value.to_string(),
-        reason: e.to_string(),
+        source,
     })
 }
 

@@ -78,15 +78,28 @@ pub enum WorkloadApiError {
     NoIdentity { socket: PathBuf },
     #[error("CA files in {dir}: {message}")]
     CaFiles { dir: PathBuf, message: String },
+    #[error("CA files in {dir}: {what}: {source}")]
+    CaFile {
+        dir: PathBuf,
+        /// What was being done to which file.
+        what: String,
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error(
-        "the CA key of trust domain {trust_domain:?} cannot sign JWT-SVIDs (ES256 needs a P-256 key): {reason}"
+        "the CA key of trust domain {trust_domain:?} cannot sign JWT-SVIDs (ES256 needs a P-256 key): {source}"
     )]
     JwtKey {
         trust_domain: String,
-        reason: String,
+        #[source]
+        source: aws_lc_rs::error::KeyRejected,
     },
-    #[error("signing a JWT-SVID for {spiffe_id:?}: {reason}")]
-    JwtSign { spiffe_id: String, reason: String },
+    #[error("signing a JWT-SVID for {spiffe_id:?}: {source}")]
+    JwtSign {
+        spiffe_id: String,
+        #[source]
+        source: aws_lc_rs::error::Unspecified,
+    },
     #[error("binding the Workload API socket {path}: {source}")]
     Bind {
         path: PathBuf,
@@ -175,14 +188,22 @@ impl LocalCa {
             dir: dir.to_path_buf(),
             message,
         };
+        let failed = |what: String, source: Box<dyn std::error::Error + Send + Sync>| {
+            WorkloadApiError::CaFile {
+                dir: dir.to_path_buf(),
+                what,
+                source,
+            }
+        };
         let key_path = dir.join("ca-key.pem");
         let meta_path = dir.join("ca.json");
         if key_path.exists() {
             let meta: serde_json::Value = std::fs::read(&meta_path)
-                .map_err(|e| files(format!("reading {}: {e}", meta_path.display())))
+                .map_err(|e| failed(format!("reading {}", meta_path.display()), e.into()))
                 .and_then(|b| {
-                    serde_json::from_slice(&b)
-                        .map_err(|e| files(format!("{} is not JSON: {e}", meta_path.display())))
+                    serde_json::from_slice(&b).map_err(|e| {
+                        failed(format!("{} is not JSON", meta_path.display()), e.into())
+                    })
                 })?;
             let recorded = meta
                 .get("trust_domain")
@@ -198,12 +219,13 @@ impl LocalCa {
                 .and_then(serde_json::Value::as_u64)
                 .unwrap_or_default();
             let pem = std::fs::read_to_string(&key_path)
-                .map_err(|e| files(format!("reading {}: {e}", key_path.display())))?;
+                .map_err(|e| failed(format!("reading {}", key_path.display()), e.into()))?;
             let key = KeyPair::from_pem(&pem)
-                .map_err(|e| files(format!("{} is not a key: {e}", key_path.display())))?;
+                .map_err(|e| failed(format!("{} is not a key", key_path.display()), e.into()))?;
             return Self::with_key(trust_domain, key, UNIX_EPOCH + Duration::from_secs(created));
         }
-        std::fs::create_dir_all(dir).map_err(|e| files(format!("creating the directory: {e}")))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| failed("creating the directory".into(), e.into()))?;
         let key = KeyPair::generate().map_err(|source| WorkloadApiError::Ca {
             trust_domain: trust_domain.to_string(),
             source,
@@ -216,12 +238,12 @@ impl LocalCa {
         std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
         let mut file = options
             .open(&key_path)
-            .map_err(|e| files(format!("writing {}: {e}", key_path.display())))?;
+            .map_err(|e| failed(format!("writing {}", key_path.display()), e.into()))?;
         std::io::Write::write_all(&mut file, key.serialize_pem().as_bytes())
-            .map_err(|e| files(format!("writing {}: {e}", key_path.display())))?;
+            .map_err(|e| failed(format!("writing {}", key_path.display()), e.into()))?;
         let meta = serde_json::json!({ "trust_domain": trust_domain, "created_unix": created });
         std::fs::write(&meta_path, meta.to_string())
-            .map_err(|e| files(format!("writing {}: {e}", meta_path.display())))?;
+            .map_err(|e| failed(format!("writing {}", meta_path.display()), e.into()))?;
         Self::with_key(trust_domain, key, UNIX_EPOCH + Duration::from_secs(created))
     }
 
@@ -262,9 +284,9 @@ impl LocalCa {
             &aws_lc_rs::signature::ECDSA_P256_SHA256_FIXED_SIGNING,
             &key.serialize_der(),
         )
-        .map_err(|e| WorkloadApiError::JwtKey {
+        .map_err(|source| WorkloadApiError::JwtKey {
             trust_domain: trust_domain.to_string(),
-            reason: e.to_string(),
+            source,
         })?;
         let jwt_kid = URL_SAFE_NO_PAD.encode(
             &aws_lc_rs::digest::digest(
@@ -351,9 +373,9 @@ impl LocalCa {
             .inner
             .jwt_key
             .sign(&rng, signing_input.as_bytes())
-            .map_err(|e| WorkloadApiError::JwtSign {
+            .map_err(|source| WorkloadApiError::JwtSign {
                 spiffe_id: spiffe_id.to_string(),
-                reason: e.to_string(),
+                source,
             })?;
         Ok(format!(
             "{signing_input}.{}",

@@ -36,7 +36,7 @@ impl Failure {
         match self {
             Failure::Full(retry_after) => ExecutorError::Full {
                 retry_after: *retry_after,
-                reason: "injected: pool full".into(),
+                source: Box::new(Injected("injected: pool full".into())),
             },
             Failure::Unavailable => {
                 ExecutorError::unavailable(Injected("injected: backend unavailable".into()))

@@ -195,7 +195,7 @@ fn api_error(error: ClientError) -> ExecutorError {
     match error {
         ClientError::PoolFull { retry_after, .. } => ExecutorError::Full {
             retry_after,
-            reason: error.to_string(),
+            source: Box::new(error),
         },
         ClientError::Invalid { .. } => ExecutorError::permanent(OpenSandboxError::Api(error)),
         other => ExecutorError::unavailable(OpenSandboxError::Api(other)),

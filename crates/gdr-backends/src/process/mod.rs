@@ -569,7 +569,7 @@ impl ExecutorBackend for ProcessBackend {
                     keep_log(&root, &log_name, &log_dir, retention)
                 })
                 .await
-                .map_err(|e| io::Error::other(e.to_string()))
+                .map_err(io::Error::other)
                 .and_then(|r| r);
                 // The executor goes anyway: a log that cannot be kept must not leak it.
                 if let Err(e) = kept {

@@ -114,7 +114,7 @@ impl Inner {
         let target = dir.clone();
         tokio::task::spawn_blocking(move || write_metadata_sync(&target, &meta, durability))
             .await
-            .map_err(|e| io::Error::other(e.to_string()))
+            .map_err(io::Error::other)
             .and_then(|r| r)
             .map_err(|e| unavailable("write", &dir.join(METADATA_FILE), e))
     }

@@ -626,7 +626,7 @@ pub fn exec_bound_to_parent(parent: u32, program: &[OsString]) -> std::io::Error
         return std::io::Error::other("no program to run");
     };
     if let Err(e) = rustix::process::set_parent_process_death_signal(Some(Signal::TERM)) {
-        return std::io::Error::other(format!("arming the parent-death signal: {e}"));
+        return std::io::Error::other(super::in_context("arming the parent-death signal", e));
     }
     let current = rustix::process::getppid().map(|p| p.as_raw_nonzero().get());
     if current.and_then(|p| u32::try_from(p).ok()) != Some(parent) {

@@ -781,7 +781,7 @@ fn gitea_client(
         .map_err(setup("reading the runner credentials"))?;
     let extra_ca = match &gitea.ca_file {
         Some(p) => Some(std::fs::read(p).map_err(|e| {
-            step("gitea_ca_file")(format!("cannot read {}: {e}", p.display()).into())
+            step("gitea_ca_file")(in_context(format_args!("cannot read {}", p.display()), e))
         })?),
         None => None,
     };

@@ -986,9 +986,9 @@ impl Worker {
         Err(match error {
             ExecutorError::Full {
                 retry_after,
-                reason,
+                source,
             } => {
-                tracing::info!(%backend, assignment_id = %id, event = "queued", %reason, ?retry_after, "the backend is full: the job stays queued in JetStream and is offered again later");
+                tracing::info!(%backend, assignment_id = %id, event = "queued", reason = %source, ?retry_after, "the backend is full: the job stays queued in JetStream and is offered again later");
                 if let Some(after) = retry_after {
                     self.retry_hints
                         .lock()

@@ -171,3 +171,24 @@ fn only_a_spiffe_id_with_a_trust_domain_and_a_path_is_one() {
         assert!(!is_spiffe_id(not), "{not:?}");
     }
 }
+
+#[test]
+fn a_ca_file_that_cannot_be_read_is_named_and_keeps_its_cause() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("ca-key.pem"), "not a key").unwrap();
+    std::fs::write(dir.path().join("ca.json"), "{not json").unwrap();
+    let err = LocalCa::load_or_create(dir.path(), "example.org").unwrap_err();
+    let WorkloadApiError::CaFile { what, source, .. } = &err else {
+        panic!("{err}")
+    };
+    assert!(what.ends_with("ca.json is not JSON"), "{err}");
+    assert!(
+        source.downcast_ref::<serde_json::Error>().is_some(),
+        "{err}"
+    );
+    let cause = std::error::Error::source(&err).expect("the parser's error is the cause");
+    assert_eq!(
+        err.to_string(),
+        format!("CA files in {}: {what}: {cause}", dir.path().display())
+    );
+}

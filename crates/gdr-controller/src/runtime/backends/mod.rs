@@ -248,7 +248,7 @@ fn opensandbox_backend(
         .map_err(|e| step("opensandbox_api_key_file")(in_context(api_key_file.display(), e)))?;
     let extra_ca = match &ca_file {
         Some(p) => Some(std::fs::read(p).map_err(|e| {
-            step("opensandbox_ca_file")(format!("cannot read {}: {e}", p.display()).into())
+            step("opensandbox_ca_file")(in_context(format_args!("cannot read {}", p.display()), e))
         })?),
         None => None,
     };

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use gdr_backends::spire::{SpireIdentity, SpireIdentitySettings, SpireServerCli};
 
-use super::super::{RuntimeError, step};
+use super::super::{RuntimeError, in_context, step};
 use crate::settings::SpireExecutorSettings;
 
 /// What the controller does to executors of other uids: chown their work directory
@@ -32,7 +32,7 @@ pub(super) fn spire_identity(
         step(STEP)("needs spiffe_endpoint_socket (the SPIRE agent's Workload API)".into())
     })?;
     let status = std::fs::read_to_string("/proc/self/status")
-        .map_err(|e| step(STEP)(format!("cannot read /proc/self/status: {e}").into()))?;
+        .map_err(|e| step(STEP)(in_context("cannot read /proc/self/status", e)))?;
     let missing = missing_capabilities(&status);
     if !missing.is_empty() {
         return Err(step(STEP)(
@@ -80,9 +80,10 @@ pub(super) fn traversable(dirs: &[&Path]) -> Result<(), RuntimeError> {
     use std::os::unix::fs::PermissionsExt;
     for dir in dirs {
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).map_err(|e| {
-            step("executor_identity = \"spire\"")(
-                format!("cannot make {} traversable: {e}", dir.display()).into(),
-            )
+            step("executor_identity = \"spire\"")(in_context(
+                format_args!("cannot make {} traversable", dir.display()),
+                e,
+            ))
         })?;
     }
     Ok(())
