@@ -358,6 +358,7 @@ fn sandbox_identity_runs_leader_elected_with_its_own_least_privilege_and_no_secr
         .map(|v| t("sandbox.opensandbox.io", "batchsandboxes", v))
         .collect();
     want.insert(t("", "pods", "get"));
+    want.insert(t("sandbox.opensandbox.io", "pools", "get"));
     for v in ["get", "create", "update"] {
         want.insert(t("coordination.k8s.io", "leases", v));
     }

@@ -12,7 +12,9 @@ use gdr_backends::kubernetes::{KubernetesBackend, KubernetesSettings};
 use gdr_controller::lease::{LeaderElector, Leadership, LeaseSettings};
 use gdr_controller::shutdown::shutdown_channel;
 use gdr_core::executor::{Binding, ExecutorBackend};
-use gdr_sandbox_identity::{Metrics, Reconciler, Settings, batchsandbox_resource, entry_resource};
+use gdr_sandbox_identity::{
+    Metrics, Reconciler, Settings, batchsandbox_resource, entry_resource, pool_resource,
+};
 use gdr_testkit::backend_contract::{self, task_spec};
 use gdr_testkit::eventually;
 use gdr_testkit::fake_kube::{self, ResourceType, RunningFakeKube, ServiceAccount};
@@ -125,10 +127,18 @@ async fn pod_backend_calls(fake: &RunningFakeKube) {
     .await;
 }
 
-/// Everything sandbox-identity calls: its watches, a pass creating an entry for a sandbox's
-/// Pod, repairing a changed entry and deleting the entry of a released Pod.
+/// Everything sandbox-identity calls: its watches, a pass reading a sandbox's Pool and
+/// creating an entry for its Pod, repairing a changed entry and deleting the entry of a
+/// released Pod.
 async fn sandbox_identity_calls(fake: &RunningFakeKube) {
     let admin = admin(fake);
+    let pool = DynamicObject::new("ci-vm", &pool_resource()).data(json!({"spec": {
+        "capacitySpec": {"bufferMax": 1, "bufferMin": 1, "poolMax": 2, "poolMin": 1},
+    }}));
+    Api::<DynamicObject>::namespaced_with(admin.clone(), SANDBOX_NS, &pool_resource())
+        .create(&PostParams::default(), &pool)
+        .await
+        .unwrap();
     let pods: Api<Pod> = Api::namespaced(admin.clone(), SANDBOX_NS);
     let pod = pods
         .create(

@@ -19,6 +19,7 @@ use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
 use gdr_core::executor::{Binding, ExecutorBackend};
 use gdr_sandbox_identity::{
     Metrics, Reconciler, Settings, batchsandbox_resource, entry_resource as sandbox_entry_resource,
+    pool_resource,
 };
 use gdr_testkit::backend_contract::{self, task_spec};
 use gdr_testkit::real_kube::{Options, Peers, RealKube, ServiceAccount};
@@ -61,14 +62,6 @@ pub(crate) fn entry_resource() -> ApiResource {
     ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk("spire.spiffe.io", "v1alpha1", "ClusterStaticEntry"),
         "clusterstaticentries",
-    )
-}
-
-/// OpenSandbox's Pool, as the vendored CRD declares it.
-fn pool_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("sandbox.opensandbox.io", "v1alpha1", "Pool"),
-        "pools",
     )
 }
 
@@ -1179,24 +1172,54 @@ async fn the_real_control_plane_is_the_pinned_version() {
 /// The namespace of the OpenSandbox pool's Pods in the sandbox-identity tests.
 pub(crate) const SANDBOX_NS: &str = "opensandbox";
 
-/// A VM sandbox `sb-a` of the pool, allocated the Pod `ci-vm-1` as the pool controller
+/// A VM sandbox `sb-a` of the Pool `ci-vm` (created here, deleting the Pods its sandboxes
+/// release: the CRD's default), allocated the Pod `ci-vm-1` as the pool controller
 /// allocates one (its `alloc-status`), asking for `spiffe_id`; returns the Pod.
 pub(crate) async fn allocated_sandbox(kube: &RealKube, spiffe_id: &str) -> Pod {
+    sandbox_pool(kube, "ci-vm", None).await;
+    allocated_sandbox_of(kube, "sb-a", "ci-vm", "ci-vm-1", spiffe_id).await
+}
+
+/// The Pool `name` of the sandbox namespace, with `recycle` as its
+/// `spec.recycleStrategy.type` (`None`: none given).
+async fn sandbox_pool(kube: &RealKube, name: &str, recycle: Option<&str>) {
+    let pools: Api<DynamicObject> =
+        Api::namespaced_with(kube.admin().await, SANDBOX_NS, &pool_resource());
+    let mut spec = json!({
+        "capacitySpec": { "bufferMax": 2, "bufferMin": 1, "poolMax": 4, "poolMin": 1 },
+        "template": {"spec": {"containers": [{"name": "sandbox", "image": "runner"}]}},
+    });
+    if let Some(recycle) = recycle {
+        spec["recycleStrategy"] = json!({ "type": recycle });
+    }
+    let pool = DynamicObject::new(name, &pool_resource()).data(json!({ "spec": spec }));
+    pools.create(&PostParams::default(), &pool).await.unwrap();
+}
+
+/// A VM sandbox `name` of `pool` allocated the Pod `pod` (created here), asking for
+/// `spiffe_id`; returns the Pod.
+async fn allocated_sandbox_of(
+    kube: &RealKube,
+    name: &str,
+    pool: &str,
+    pod: &str,
+    spiffe_id: &str,
+) -> Pod {
     let admin = kube.admin().await;
     let pods: Api<Pod> = Api::namespaced(admin.clone(), SANDBOX_NS);
-    let pod: Pod = serde_json::from_value(json!({
+    let object: Pod = serde_json::from_value(json!({
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "ci-vm-1"},
+        "metadata": {"name": pod},
         "spec": {"containers": [{"name": "sandbox", "image": "runner"}]},
     }))
     .unwrap();
-    let pod = pods.create(&PostParams::default(), &pod).await.unwrap();
+    let created = pods.create(&PostParams::default(), &object).await.unwrap();
     let sandboxes: Api<DynamicObject> =
         Api::namespaced_with(admin, SANDBOX_NS, &batchsandbox_resource());
-    let mut sandbox = DynamicObject::new("sb-a", &batchsandbox_resource()).data(json!({
+    let mut sandbox = DynamicObject::new(name, &batchsandbox_resource()).data(json!({
         "spec": {
             "replicas": 1,
-            "poolRef": "ci-vm",
+            "poolRef": pool,
             "taskTemplate": {"spec": {"process": {"command": ["/bin/sh"], "env": [
                 {"name": "CI_SPIFFE_ID", "value": spiffe_id}
             ]}}},
@@ -1208,13 +1231,13 @@ pub(crate) async fn allocated_sandbox(kube: &RealKube, spiffe_id: &str) -> Pod {
     )]));
     sandbox.metadata.annotations = Some(BTreeMap::from([(
         "sandbox.opensandbox.io/alloc-status".into(),
-        json!({"pods": ["ci-vm-1"], "poolRef": "ci-vm"}).to_string(),
+        json!({"pods": [pod], "poolRef": pool}).to_string(),
     )]));
     sandboxes
         .create(&PostParams::default(), &sandbox)
         .await
         .unwrap();
-    pod
+    created
 }
 
 /// `sandbox-identity`'s reconciler as its ServiceAccount, with its default settings; stopped
@@ -1287,6 +1310,80 @@ async fn sandbox_identity_binds_a_sandbox_pod_through_the_real_api_server_under_
             .is_none()
             .then_some(())
     })
+    .await;
+    stop.trigger();
+    run.await.unwrap();
+}
+
+/// DESIGN (a job's environment is brand-new and destroyed afterwards; issue 39 item 5, the
+/// one-job rule for VMs): against the real API server, `sandbox-identity` as its own
+/// ServiceAccount reads each sandbox's Pool under its shipped RBAC and gives an identity only
+/// to the sandboxes of a Pool that deletes the Pods they release (no `recycleStrategy`: the
+/// CRD's default), never to those of a Pool that restarts or keeps them for the next
+/// sandbox; a Pool switched to recycling takes the identity from its sandboxes at the next
+/// pass.
+#[tokio::test(flavor = "multi_thread")]
+async fn sandbox_identity_gives_no_identity_to_the_sandboxes_of_a_pool_that_hands_its_pods_on() {
+    let kube = cluster().await;
+    let admin = kube.admin().await;
+    let job = "spiffe://example.org/ci/octo-org/hello-world/build";
+    let pod = allocated_sandbox(&kube, job).await;
+    sandbox_pool(&kube, "kept", Some("Noop")).await;
+    allocated_sandbox_of(&kube, "sb-n", "kept", "kept-1", job).await;
+    sandbox_pool(&kube, "restarted", Some("Restart")).await;
+    allocated_sandbox_of(&kube, "sb-r", "restarted", "restarted-1", job).await;
+    let (stop, run) = run_sandbox_identity(&kube).await;
+    let entries: Api<DynamicObject> = Api::all_with(admin.clone(), &sandbox_entry_resource());
+    let listed = eventually(WAIT, "the pass writes the entries it wants", || async {
+        let items = entries.list(&Default::default()).await.unwrap().items;
+        (!items.is_empty()).then_some(items)
+    })
+    .await;
+    let parents: Vec<&str> = listed
+        .iter()
+        .map(|e| e.data["spec"]["parentID"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        parents.len(),
+        1,
+        "only sb-a's Pod has an entry: {parents:?}"
+    );
+    assert!(parents[0].ends_with(pod.metadata.uid.as_deref().unwrap()));
+
+    let pools: Api<DynamicObject> =
+        Api::namespaced_with(admin.clone(), SANDBOX_NS, &pool_resource());
+    pools
+        .patch(
+            "ci-vm",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"recycleStrategy": {"type": "Restart"}}})),
+        )
+        .await
+        .unwrap();
+    // A change of the sandbox starts a pass now (Pools are not watched; the resync would).
+    let sandboxes: Api<DynamicObject> =
+        Api::namespaced_with(admin, SANDBOX_NS, &batchsandbox_resource());
+    sandboxes
+        .patch(
+            "sb-a",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {"touched": "1"}}})),
+        )
+        .await
+        .unwrap();
+    eventually(
+        WAIT,
+        "the recycling Pool's sandbox loses its entry",
+        || async {
+            entries
+                .list(&Default::default())
+                .await
+                .unwrap()
+                .items
+                .is_empty()
+                .then_some(())
+        },
+    )
     .await;
     stop.trigger();
     run.await.unwrap();

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use gdr_core::backend::Backend;
 use gdr_core::metadata::MetadataCodec;
-use gdr_sandbox_identity::{Metrics, Reconciler, Settings, batchsandbox_resource, entry_resource};
+use gdr_sandbox_identity::{
+    Metrics, Reconciler, Settings, batchsandbox_resource, entry_resource, pool_resource,
+};
 use gdr_testkit::fake_kube::{self, RunningFakeKube, ServiceAccount};
 use gdr_testkit::{backend_contract, eventually};
 use http::{Method, StatusCode};
@@ -37,11 +39,33 @@ impl Cluster {
         fake.handle.enforce_shipped_rbac(&[]);
         let client = Client::try_from(kube::Config::new(fake.url.parse().unwrap())).unwrap();
         let identity = fake.client_as(&ServiceAccount::sandbox_identity()).unwrap();
-        Cluster {
+        let cluster = Cluster {
             fake,
             client,
             identity,
+        };
+        cluster.pool("ci-vm", None).await;
+        cluster
+    }
+
+    /// Creates the Pool `name`, whose `spec.recycleStrategy.type` is `recycle` (`None`:
+    /// none given, the CRD's default `Delete`).
+    async fn pool(&self, name: &str, recycle: Option<&str>) {
+        let mut spec = json!({
+            "capacitySpec": {"bufferMax": 2, "bufferMin": 1, "poolMax": 4, "poolMin": 1},
+        });
+        if let Some(recycle) = recycle {
+            spec["recycleStrategy"] = json!({ "type": recycle });
         }
+        let pool = DynamicObject::new(name, &pool_resource()).data(json!({ "spec": spec }));
+        self.pools()
+            .create(&PostParams::default(), &pool)
+            .await
+            .unwrap();
+    }
+
+    fn pools(&self) -> Api<DynamicObject> {
+        Api::namespaced_with(self.client.clone(), NS, &pool_resource())
     }
 
     fn settings() -> Settings {
@@ -104,6 +128,20 @@ impl Cluster {
         name: &str,
         pods: &[&str],
         spiffe_id: Option<&str>,
+        labels: BTreeMap<String, String>,
+    ) {
+        self.sandbox_of("ci-vm", name, pods, spiffe_id, labels)
+            .await;
+    }
+
+    /// Creates a runner BatchSandbox of the Pool `pool` holding `pods`, whose task asks for
+    /// `spiffe_id`, with `labels` besides the runner label.
+    async fn sandbox_of(
+        &self,
+        pool: &str,
+        name: &str,
+        pods: &[&str],
+        spiffe_id: Option<&str>,
         mut labels: BTreeMap<String, String>,
     ) {
         labels
@@ -117,14 +155,14 @@ impl Cluster {
         let mut object = DynamicObject::new(name, &batchsandbox_resource()).data(json!({
             "spec": {
                 "replicas": 1,
-                "poolRef": "ci-vm",
+                "poolRef": pool,
                 "taskTemplate": {"spec": {"process": {"command": ["/bin/sh"], "env": env}}},
             }
         }));
         object.metadata.labels = Some(labels);
         object.metadata.annotations = Some(BTreeMap::from([(
             "sandbox.opensandbox.io/alloc-status".into(),
-            json!({"pods": pods, "poolRef": "ci-vm"}).to_string(),
+            json!({"pods": pods, "poolRef": pool}).to_string(),
         )]));
         self.sandboxes()
             .create(&PostParams::default(), &object)
@@ -321,8 +359,9 @@ async fn a_pod_being_deleted_loses_its_entry_before_it_is_gone() {
 }
 
 /// The invariant this reconciler exists for: a Pod handed to the next job (the same Pod
-/// with its UID under `recycleStrategy: Noop`, or a new Pod of the same name) never keeps
-/// the previous job's identity, and gets the new job's.
+/// with its UID, as a Pool switched to `recycleStrategy: Noop` under a live sandbox would
+/// hand it on, or a new Pod of the same name) never keeps the previous job's identity, and
+/// gets the new job's.
 #[tokio::test]
 async fn a_recycled_pod_never_keeps_the_previous_jobs_identity() {
     let cluster = Cluster::start().await;
@@ -411,6 +450,65 @@ async fn invalid_identities_are_refused_and_counted_once() {
     assert_eq!(
         cluster.bindings().await,
         vec![(parent(&ok_uid), JOB_A.to_owned())]
+    );
+}
+
+/// DESIGN (a job's environment is brand-new and destroyed afterwards; issue 39 item 5, the
+/// one-job rule for VMs): the sandboxes of a Pool that hands released Pods to the next
+/// sandbox (`Restart`, `Noop`) or of a Pool that does not exist get no identity, so their
+/// executors never get an SVID and no job runs in another job's VM; each is refused,
+/// logged and counted once. A Pool switched to recycling takes the identity from its live
+/// sandboxes at the next pass.
+#[tokio::test]
+async fn sandboxes_of_a_pool_that_hands_its_pods_on_get_no_identity() {
+    let cluster = Cluster::start().await;
+    let ok_uid = cluster.pod("ci-vm-0").await;
+    for pod in ["kept-1", "restarted-1", "gone-1"] {
+        cluster.pod(pod).await;
+    }
+    cluster.pool("kept", Some("Noop")).await;
+    cluster.pool("restarted", Some("Restart")).await;
+    cluster.sandbox("good", &["ci-vm-0"], Some(JOB_A)).await;
+    for (pool, name, pod) in [
+        ("kept", "sb-kept", "kept-1"),
+        ("restarted", "sb-restarted", "restarted-1"),
+        ("gone", "sb-gone", "gone-1"),
+    ] {
+        cluster
+            .sandbox_of(pool, name, &[pod], Some(JOB_B), BTreeMap::new())
+            .await;
+    }
+    let metrics = Metrics::default();
+    let reconciler = cluster.reconciler_with(Cluster::settings(), metrics.clone());
+    let first = reconciler.reconcile_once().await.unwrap();
+    let second = reconciler.reconcile_once().await.unwrap();
+    assert_eq!((first.refused, second.refused), (3, 3));
+    assert_eq!(
+        metrics.refused.get(),
+        3,
+        "each refused sandbox is counted once"
+    );
+    assert_eq!(
+        cluster.bindings().await,
+        vec![(parent(&ok_uid), JOB_A.to_owned())]
+    );
+
+    cluster
+        .pools()
+        .patch(
+            "ci-vm",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"recycleStrategy": {"type": "Noop"}}})),
+        )
+        .await
+        .unwrap();
+    let pass = reconciler.reconcile_once().await.unwrap();
+    assert_eq!((pass.refused, pass.deleted), (4, 1));
+    assert!(cluster.bindings().await.is_empty());
+    assert!(
+        cluster.fake.handle.denied().is_empty(),
+        "the shipped RBAC lets it read Pools: {:?}",
+        cluster.fake.handle.denied()
     );
 }
 

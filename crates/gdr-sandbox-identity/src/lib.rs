@@ -8,8 +8,10 @@
 //!    `<prefix>runner=true` in the OpenSandbox namespace;
 //! 2. for each, the Pods of its `alloc-status` not named by `alloc-release`/`alloc-released`
 //!    ([`sandbox::live_pods`]), each Pod's current UID, and the SPIFFE ID it asks for,
-//!    re-validated ([`sandbox::EntryTemplate::spiffe_id`]); a sandbox whose identity does
-//!    not validate is refused (logged once, counted) and gets no entry;
+//!    re-validated ([`sandbox::EntryTemplate::spiffe_id`]), and its Pool (`spec.poolRef`);
+//!    a sandbox whose identity does not validate, or whose Pool hands released Pods to the
+//!    next sandbox instead of deleting them ([`sandbox::pool_refusal`]: the next job would
+//!    run in this job's VM), is refused (logged once, counted) and gets no entry;
 //! 3. the desired `ClusterStaticEntry`s: one per (sandbox, Pod UID), parent
 //!    `spiffe://<td>/spire/agent/k8s_psat/<cluster>/pod/<Pod UID>` (SPIRE ≥ 1.15.3 with
 //!    `use_pod_uid_for_agent_id`), selector `unix:uid:<runner uid>`, `className`;
@@ -17,7 +19,7 @@
 //!    UID never keeps an old job's identity), then create the missing and repair the
 //!    changed ones.
 //!
-//! A pass that cannot read the cluster completely (list or Pod read failing) changes
+//! A pass that cannot read the cluster completely (list, Pool or Pod read failing) changes
 //! nothing. [`Reconciler::run`] repeats passes on watch events (coalesced: events arriving
 //! during a pass cause one more pass) and on a resync interval, which alone suffices when
 //! watches fail.
@@ -146,7 +148,8 @@ pub struct Metrics {
     pub entries_created: Counter,
     /// Entries deleted.
     pub entries_deleted: Counter,
-    /// Sandboxes refused for an invalid identity (each sandbox once).
+    /// Sandboxes refused an identity (an invalid one, or a Pool that recycles Pods; each
+    /// sandbox once).
     pub refused: Counter,
     /// Entries that exist after the last pass.
     pub entries: Gauge,
@@ -174,7 +177,7 @@ impl Metrics {
         );
         r.register(
             "refused",
-            "Sandboxes refused for an invalid identity",
+            "Sandboxes refused an identity: an invalid one, or a Pool that hands its Pods on",
             self.refused.clone(),
         );
         r.register(
@@ -193,6 +196,14 @@ pub fn batchsandbox_resource() -> ApiResource {
     )
 }
 
+/// `sandbox.opensandbox.io/v1alpha1` Pool: read for its `recycleStrategy`.
+pub fn pool_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("sandbox.opensandbox.io", "v1alpha1", "Pool"),
+        "pools",
+    )
+}
+
 /// `spire.spiffe.io/v1alpha1` ClusterStaticEntry (cluster-scoped).
 pub fn entry_resource() -> ApiResource {
     ApiResource::from_gvk_with_plural(
@@ -206,6 +217,7 @@ pub struct Reconciler {
     settings: Settings,
     template: EntryTemplate,
     sandboxes: Api<DynamicObject>,
+    pools: Api<DynamicObject>,
     pods: Api<Pod>,
     entries: Api<DynamicObject>,
     metrics: Metrics,
@@ -229,6 +241,7 @@ impl Reconciler {
                 &settings.namespace,
                 &batchsandbox_resource(),
             ),
+            pools: Api::namespaced_with(client.clone(), &settings.namespace, &pool_resource()),
             pods: Api::namespaced(client.clone(), &settings.namespace),
             entries: Api::all_with(client, &entry_resource()),
             template,
@@ -263,6 +276,7 @@ impl Reconciler {
         };
         let mut desired = BTreeMap::new();
         let mut refused_now = HashSet::new();
+        let mut pools = BTreeMap::new();
         for object in &list.items {
             let name = object.metadata.name.clone().unwrap_or_default();
             let value = serde_json::to_value(object).unwrap_or_default();
@@ -270,7 +284,7 @@ impl Reconciler {
             if pods.is_empty() {
                 continue;
             }
-            let spiffe_id = match self.template.spiffe_id(&value) {
+            let spiffe_id = match self.identity_of(&name, &value, &mut pools).await? {
                 Ok(id) => id,
                 Err(refusal) => {
                     pass.refused += 1;
@@ -306,6 +320,41 @@ impl Reconciler {
         *self.refused() = refused_now;
         pass.desired = desired.len();
         Ok((desired, pass))
+    }
+
+    /// The identity the sandbox `value` asks for, or why it gets none: an identity that
+    /// does not validate, or a Pool that hands its Pods on ([`sandbox::pool_refusal`]).
+    /// `pools` holds the Pools this pass has read, so each is read once a pass.
+    async fn identity_of(
+        &self,
+        name: &str,
+        value: &serde_json::Value,
+        pools: &mut BTreeMap<String, Option<serde_json::Value>>,
+    ) -> Result<Result<String, Refusal>, ReconcileError> {
+        let spiffe_id = match self.template.spiffe_id(value) {
+            Ok(id) => id,
+            Err(refusal) => return Ok(Err(refusal)),
+        };
+        let Some(pool) = sandbox::pool_ref(value) else {
+            return Ok(Ok(spiffe_id));
+        };
+        if !pools.contains_key(&pool) {
+            let found = if sandbox::is_pool_name(&pool) {
+                self.pools
+                    .get_opt(&pool)
+                    .await
+                    .map_err(kube_error(format!("reading Pool {pool} of sandbox {name}")))?
+                    .map(|p| serde_json::to_value(p).unwrap_or_default())
+            } else {
+                None
+            };
+            pools.insert(pool.clone(), found);
+        }
+        let read = pools.get(&pool).and_then(Option::as_ref);
+        Ok(match sandbox::pool_refusal(&pool, read) {
+            Some(refusal) => Err(refusal),
+            None => Ok(spiffe_id),
+        })
     }
 
     fn refused(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {

@@ -59,6 +59,63 @@ pub enum Refusal {
         /// The ID the metadata derives.
         metadata: String,
     },
+    /// The sandbox's Pool hands its Pods to the next sandbox after this one (its
+    /// `recycleStrategy` is not `Delete`): the next job would run in this job's VM.
+    #[error(
+        "its Pool {pool} recycles Pods (recycleStrategy {strategy}), so the next sandbox would run in this one's VM; set the Pool's spec.recycleStrategy.type to Delete"
+    )]
+    RecyclingPool {
+        /// The Pool (`spec.poolRef`).
+        pool: String,
+        /// Its `spec.recycleStrategy.type` as found.
+        strategy: String,
+    },
+    /// The sandbox names a Pool that does not exist (or no valid name), so whether its Pods
+    /// are ever reused cannot be known.
+    #[error("its Pool {pool:?} does not exist, so whether it reuses Pods cannot be known")]
+    NoPool {
+        /// The Pool (`spec.poolRef`) as found.
+        pool: String,
+    },
+}
+
+/// The recycle strategy of a Pool under which a Pod serves one sandbox only (the CRD's
+/// default).
+pub const DELETE_STRATEGY: &str = "Delete";
+
+/// The Pool a sandbox's Pods come from (`spec.poolRef`); `None` for a sandbox of its own
+/// template, whose Pods the pool controller never hands on. A `poolRef` that is present but
+/// not a Pool name is returned as it is, and [`pool_refusal`] refuses it.
+pub fn pool_ref(sandbox: &Value) -> Option<String> {
+    match &sandbox["spec"]["poolRef"] {
+        Value::Null => None,
+        Value::String(name) => Some(name.clone()),
+        other => Some(other.to_string()),
+    }
+}
+
+/// Why the Pods of a sandbox of the Pool `name` (`pool`: the Pool as read, `None` when it
+/// does not exist) get no identity: the brand-new environment of every job (DESIGN: a job's
+/// environment is destroyed afterwards) holds for VMs only while the Pool deletes each Pod
+/// its sandbox releases. `Restart` keeps the VM and restarts its containers, `Noop` keeps
+/// it as it is; an unknown strategy is refused too (fail closed). A missing
+/// `recycleStrategy` is the CRD's default, `Delete`.
+pub fn pool_refusal(name: &str, pool: Option<&Value>) -> Option<Refusal> {
+    let Some(pool) = pool.filter(|_| is_pool_name(name)) else {
+        return Some(Refusal::NoPool {
+            pool: name.to_owned(),
+        });
+    };
+    let strategy = match &pool["spec"]["recycleStrategy"]["type"] {
+        Value::Null => return None,
+        Value::String(s) if s == DELETE_STRATEGY => return None,
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    Some(Refusal::RecyclingPool {
+        pool: name.to_owned(),
+        strategy,
+    })
 }
 
 /// What the reconciler needs to know about entries.
@@ -192,6 +249,12 @@ fn pod_names(raw: &str) -> Option<BTreeSet<String>> {
         .collect()
 }
 
+/// Whether `name` can name a Pool (a DNS subdomain, as every object name); only such a
+/// name is looked up.
+pub fn is_pool_name(name: &str) -> bool {
+    is_dns_subdomain(name)
+}
+
 fn is_dns_subdomain(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 253
@@ -292,6 +355,61 @@ mod tests {
         assert!(
             live_pods(&deleting).is_empty(),
             "a sandbox being deleted holds no Pod"
+        );
+    }
+
+    /// DESIGN (a job's environment is brand-new and destroyed afterwards; issue 39 item 5's
+    /// one-job rule for VMs): only a Pool that deletes every released Pod gives its
+    /// sandboxes an identity; one that restarts or keeps them, an unknown strategy, a
+    /// missing Pool or an invalid name are refused.
+    #[test]
+    fn only_a_pool_that_deletes_released_pods_lets_its_sandboxes_have_an_identity() {
+        let pool =
+            |strategy: Value| json!({"spec": {"capacitySpec": {}, "recycleStrategy": strategy}});
+        assert_eq!(
+            pool_refusal("ci-vm", Some(&json!({"spec": {}}))),
+            None,
+            "the CRD's default"
+        );
+        assert_eq!(pool_refusal("ci-vm", Some(&pool(json!({})))), None);
+        assert_eq!(
+            pool_refusal("ci-vm", Some(&pool(json!({"type": "Delete"})))),
+            None
+        );
+        for (strategy, shown) in [
+            (json!("Restart"), "Restart"),
+            (json!("Noop"), "Noop"),
+            (json!("delete"), "delete"),
+            (json!(7), "7"),
+        ] {
+            assert_eq!(
+                pool_refusal("ci-vm", Some(&pool(json!({ "type": strategy })))),
+                Some(Refusal::RecyclingPool {
+                    pool: "ci-vm".into(),
+                    strategy: shown.into()
+                }),
+            );
+        }
+        assert_eq!(
+            pool_refusal("ci-vm", None),
+            Some(Refusal::NoPool {
+                pool: "ci-vm".into()
+            })
+        );
+        assert_eq!(
+            pool_refusal("Not_A_Name", Some(&json!({"spec": {}}))),
+            Some(Refusal::NoPool {
+                pool: "Not_A_Name".into()
+            }),
+            "a name no Pool can have"
+        );
+        let of = |pool: Value| json!({"spec": {"poolRef": pool}});
+        assert_eq!(pool_ref(&of(json!("ci-vm"))).as_deref(), Some("ci-vm"));
+        assert_eq!(pool_ref(&of(json!(3))).as_deref(), Some("3"));
+        assert_eq!(
+            pool_ref(&json!({"spec": {}})),
+            None,
+            "a sandbox of its own template"
         );
     }
 
