@@ -1350,27 +1350,19 @@ async fn sandbox_identity_gives_no_identity_to_the_sandboxes_of_a_pool_that_hand
     );
     assert!(parents[0].ends_with(pod.metadata.uid.as_deref().unwrap()));
 
-    let pools: Api<DynamicObject> =
-        Api::namespaced_with(admin.clone(), SANDBOX_NS, &pool_resource());
-    pools
-        .patch(
-            "ci-vm",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"spec": {"recycleStrategy": {"type": "Restart"}}})),
-        )
-        .await
-        .unwrap();
+    let merge = |resource: ApiResource, name: &'static str, patch: serde_json::Value| {
+        let api: Api<DynamicObject> = Api::namespaced_with(admin.clone(), SANDBOX_NS, &resource);
+        async move {
+            api.patch(name, &PatchParams::default(), &Patch::Merge(patch))
+                .await
+                .unwrap();
+        }
+    };
+    let restart = json!({"spec": {"recycleStrategy": {"type": "Restart"}}});
+    merge(pool_resource(), "ci-vm", restart).await;
     // A change of the sandbox starts a pass now (Pools are not watched; the resync would).
-    let sandboxes: Api<DynamicObject> =
-        Api::namespaced_with(admin, SANDBOX_NS, &batchsandbox_resource());
-    sandboxes
-        .patch(
-            "sb-a",
-            &PatchParams::default(),
-            &Patch::Merge(json!({"metadata": {"annotations": {"touched": "1"}}})),
-        )
-        .await
-        .unwrap();
+    let touched = json!({"metadata": {"annotations": {"touched": "1"}}});
+    merge(batchsandbox_resource(), "sb-a", touched).await;
     eventually(
         WAIT,
         "the recycling Pool's sandbox loses its entry",

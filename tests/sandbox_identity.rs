@@ -404,6 +404,26 @@ async fn a_recycled_pod_never_keeps_the_previous_jobs_identity() {
     );
 }
 
+/// Two passes of a new reconciler: each refuses `refused` sandboxes, each of them counted
+/// once, and only the Pod `ok_uid` is bound (to `JOB_A`). Returns the reconciler.
+async fn two_passes_refusing(cluster: &Cluster, refused: usize, ok_uid: &str) -> Reconciler {
+    let metrics = Metrics::default();
+    let reconciler = cluster.reconciler_with(Cluster::settings(), metrics.clone());
+    let first = reconciler.reconcile_once().await.unwrap();
+    let second = reconciler.reconcile_once().await.unwrap();
+    assert_eq!((first.refused, second.refused), (refused, refused));
+    assert_eq!(
+        metrics.refused.get(),
+        refused as u64,
+        "each refused sandbox is counted once"
+    );
+    assert_eq!(
+        cluster.bindings().await,
+        vec![(parent(ok_uid), JOB_A.to_owned())]
+    );
+    reconciler
+}
+
 /// DESIGN invariant 13: an identity that does not validate (another trust domain, a
 /// metadata identity the task contradicts, none at all) is refused: no entry, logged and
 /// counted once per sandbox however many passes see it.
@@ -437,20 +457,7 @@ async fn invalid_identities_are_refused_and_counted_once() {
     cluster
         .sandbox_with("contradicted", &["ci-vm-3"], Some(JOB_B), labels)
         .await;
-    let metrics = Metrics::default();
-    let reconciler = cluster.reconciler_with(Cluster::settings(), metrics.clone());
-    let first = reconciler.reconcile_once().await.unwrap();
-    let second = reconciler.reconcile_once().await.unwrap();
-    assert_eq!((first.refused, second.refused), (3, 3));
-    assert_eq!(
-        metrics.refused.get(),
-        3,
-        "each refused sandbox is counted once"
-    );
-    assert_eq!(
-        cluster.bindings().await,
-        vec![(parent(&ok_uid), JOB_A.to_owned())]
-    );
+    two_passes_refusing(&cluster, 3, &ok_uid).await;
 }
 
 /// DESIGN (a job's environment is brand-new and destroyed afterwards; issue 39 item 5, the
@@ -478,20 +485,7 @@ async fn sandboxes_of_a_pool_that_hands_its_pods_on_get_no_identity() {
             .sandbox_of(pool, name, &[pod], Some(JOB_B), BTreeMap::new())
             .await;
     }
-    let metrics = Metrics::default();
-    let reconciler = cluster.reconciler_with(Cluster::settings(), metrics.clone());
-    let first = reconciler.reconcile_once().await.unwrap();
-    let second = reconciler.reconcile_once().await.unwrap();
-    assert_eq!((first.refused, second.refused), (3, 3));
-    assert_eq!(
-        metrics.refused.get(),
-        3,
-        "each refused sandbox is counted once"
-    );
-    assert_eq!(
-        cluster.bindings().await,
-        vec![(parent(&ok_uid), JOB_A.to_owned())]
-    );
+    let reconciler = two_passes_refusing(&cluster, 3, &ok_uid).await;
 
     cluster
         .pools()
