@@ -4,6 +4,7 @@
 #
 #   bash .ci/target-cache.sh restore   # before any cargo build: the cache into target/
 #   bash .ci/target-cache.sh save      # after a green run: target/ into the cache
+#   bash .ci/target-cache.sh selftest  # the staleness guard below, checked in a scratch repository
 #
 # One entry, keyed by what decides whether a dependency's artifacts can be reused: Cargo.lock,
 # rust-toolchain.toml and the compiler's own version. A new key replaces the old entry, so the
@@ -60,8 +61,44 @@ save)
   trap - EXIT
   echo "target cache: saved key $key ($(du -sh "$entry" | cut -f1)) in $((SECONDS - start)) s"
   ;;
+selftest)
+  # This script, run on a scratch repository with a cache of its own: a cache saved after
+  # the clone was made (outputs an hour old, sources two) is restored, and every tracked
+  # file must then be newer than every restored output; a changed Cargo.lock restores
+  # nothing. Fails if the restore stops making the sources newer.
+  scratch=$(mktemp -d)
+  trap 'rm -rf "$scratch"' EXIT
+  repo="$scratch/repo"
+  mkdir -p "$repo/.ci" "$repo/target/debug"
+  cp "$0" "$repo/.ci/target-cache.sh"
+  cp Cargo.lock rust-toolchain.toml "$repo/"
+  echo 'fn main() {}' >"$repo/main.rs"
+  git -C "$repo" init -q
+  git -C "$repo" add -A
+  git -C "$repo" -c user.name=selftest -c user.email=selftest@localhost commit -qm selftest
+  git -C "$repo" ls-files -z | (cd "$repo" && xargs -0 touch -h -d '-2 hours' --)
+  echo artefact >"$repo/target/debug/out"
+  touch -d '-1 hour' "$repo/target/debug/out"
+  run() { GDR_TARGET_CACHE="$scratch/cache" bash "$repo/.ci/target-cache.sh" "$1"; }
+  run save >/dev/null
+  rm -rf "$repo/target"
+  run restore >/dev/null
+  newest_output=$(find "$repo/target" -type f -printf '%T@\n' | sort -n | tail -n 1)
+  oldest_source=$(git -C "$repo" ls-files -z | (cd "$repo" && xargs -0 stat -c %Y --) | sort -n | head -n 1)
+  if [ -z "$newest_output" ] || ! awk -v s="$oldest_source" -v o="$newest_output" 'BEGIN { exit !(s > o) }'; then
+    echo "target cache selftest: after a restore a tracked file (mtime $oldest_source) is not newer than the restored outputs (${newest_output:-none restored}): a cache saved after the clone would pass for its build" >&2
+    exit 1
+  fi
+  echo "# changed" >>"$repo/Cargo.lock"
+  rm -rf "$repo/target"
+  if ! run restore | grep -q "nothing saved"; then
+    echo "target cache selftest: a changed Cargo.lock still restored the old entry" >&2
+    exit 1
+  fi
+  echo "target cache selftest: a restored cache never passes for the clone's sources; a new Cargo.lock misses it"
+  ;;
 *)
-  echo "usage: .ci/target-cache.sh restore|save" >&2
+  echo "usage: .ci/target-cache.sh restore|save|selftest" >&2
   exit 2
   ;;
 esac
