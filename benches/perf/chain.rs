@@ -767,14 +767,22 @@ fn report(
         ),
         "≤ 1.3×",
     );
-    let per_job = |side: &Side| side.makespan * K / N as u32;
-    let overhead = per_job(ours).saturating_sub(per_job(plain));
-    table.row(
+    // Per-job time of a makespan: each of the K slots ran N/K jobs one after another.
+    let per_job_row = |table: &mut Table, what: &str, ours: Duration, plain: Duration| {
+        let (ours, plain) = (ours * K / N as u32, plain * K / N as u32);
+        table.row(
+            what,
+            millis(ours, 0),
+            millis(plain, 0),
+            format!("+{} per job", millis(ours.saturating_sub(plain), 0)),
+            "–",
+        );
+    };
+    per_job_row(
+        table,
         "per-job time (makespan × K / N)",
-        millis(per_job(ours), 0),
-        millis(per_job(plain), 0),
-        format!("+{} per job", millis(overhead, 0)),
-        "–",
+        ours.makespan,
+        plain.makespan,
     );
     // The makespan above starts when the burst is queued: an idle controller's first
     // FetchTask comes at its idle poller's next turn (up to `fetch_interval`, 2 s), and
@@ -795,19 +803,11 @@ fn report(
         (working(plain).as_secs_f64(), secs(working(plain))),
         "≤ 1.5×",
     );
-    let per_working_job = |side: &Side| working(side) * K / N as u32;
-    table.row(
+    per_job_row(
+        table,
         "per-job time from the first pickup on (its makespan × K / N)",
-        millis(per_working_job(ours), 0),
-        millis(per_working_job(plain), 0),
-        format!(
-            "+{} per job",
-            millis(
-                per_working_job(ours).saturating_sub(per_working_job(plain)),
-                0
-            )
-        ),
-        "–",
+        working(ours),
+        working(plain),
     );
     for (what, d) in &parts.rows {
         table.row(
