@@ -40,6 +40,12 @@ pub mod env {
     /// How long (seconds) the executor holds its runner's reports while the facade is
     /// unreachable (`executor_report_outage_tolerance`).
     pub const REPORT_OUTAGE_TOLERANCE: &str = "CI_EXECUTOR_REPORT_OUTAGE_TOLERANCE";
+    /// The standby ID of a warm VM sandbox's executor (`vm_warm_pool`): a random name the
+    /// controller gave the sandbox at its creation, before any job, also written to the
+    /// sandbox's metadata (`<prefix>standby-id`). Once a job claimed the sandbox and its
+    /// SVID is issued, the executor asks the facade for its assignment with it
+    /// ([`super::standby`]). Not an assignment variable: a warm sandbox has no assignment.
+    pub const STANDBY_ID: &str = "CI_EXECUTOR_STANDBY_ID";
     /// The variables [`ExecutorSpec::environment`](super::ExecutorSpec::environment) sets
     /// from the assignment; configuration may not set them.
     pub const ASSIGNMENT: [&str; 7] = [
@@ -51,6 +57,26 @@ pub mod env {
         BACKEND,
         RUNNER_LABEL,
     ];
+}
+
+/// How a warm VM sandbox's executor learns its assignment from the facade (issue 39 item
+/// 5; OpenSandbox has no downward API, so nothing on the sandbox can tell the executor
+/// after its start). The executor calls `POST` [`PATH`](crate::executor::standby::PATH) over its mTLS
+/// channel with its SVID, naming its standby ID in [`ID_HEADER`](crate::executor::standby::ID_HEADER) and
+/// an empty body. The facade answers:
+/// - `200` with a JSON object of strings: the [`crate::executor::env::ASSIGNMENT`] variables of the job
+///   that claimed the sandbox, the capability included, and
+///   [`crate::executor::env::REPORT_OUTAGE_TOLERANCE`] when configured — what a fresh sandbox's executor
+///   gets in its environment;
+/// - `404` while no job has claimed the sandbox (or it is unknown): ask again later;
+/// - `403` when the peer's SPIFFE ID is not the claiming job's, or its runner has
+///   claimed the task already (the assignment is handed out once);
+/// - `503` when the backend cannot be read: ask again later.
+pub mod standby {
+    /// The facade's route.
+    pub const PATH: &str = "/gdr.executor.v1.StandbyService/Assignment";
+    /// The request header naming the standby ID ([`super::env::STANDBY_ID`]).
+    pub const ID_HEADER: &str = "x-gdr-standby-id";
 }
 
 /// Everything a backend needs to start one executor.
@@ -270,4 +296,15 @@ pub trait ExecutorBackend: Send + Sync + 'static {
 
     /// Deletes the executor and its identity binding (no-op when absent).
     async fn delete(&self, id: &AssignmentId) -> Result<(), ExecutorError>;
+
+    /// The executor a job made of the warm member with standby ID `standby_id`
+    /// ([`env::STANDBY_ID`]) by claiming it; `None` while it is unclaimed or unknown, and
+    /// on every backend without such members (the default).
+    async fn claimed_standby(
+        &self,
+        standby_id: &str,
+    ) -> Result<Option<ExecutorRecord>, ExecutorError> {
+        let _ = standby_id;
+        Ok(None)
+    }
 }
