@@ -158,6 +158,35 @@ impl ExecutorSpec {
     }
 }
 
+/// Decides which job gets a warm member when two may claim it at once (DESIGN invariant
+/// 8: one environment never serves two jobs). A backend whose store has no conditional
+/// write (OpenSandbox's metadata patch is a plain read-modify-write) asks this before it
+/// writes a job's assignment onto a warm member. The controller's is a NATS KV `create`,
+/// which exactly one writer wins, shared by every replica.
+#[async_trait]
+pub trait WarmClaims: Send + Sync + 'static {
+    /// Records that `by` claims `member` (a backend object name), unless another
+    /// assignment did first. `true` when `by` holds it, now or from an earlier call (so a
+    /// worker retrying its create after a crash gets its member back); `false` when
+    /// another assignment holds it.
+    async fn claim(&self, member: &str, by: &AssignmentId) -> Result<bool, ExecutorError>;
+}
+
+/// [`WarmClaims`] within one process, for a single controller and for tests.
+#[derive(Debug, Default)]
+pub struct LocalWarmClaims {
+    held: std::sync::Mutex<BTreeMap<String, AssignmentId>>,
+}
+
+#[async_trait]
+impl WarmClaims for LocalWarmClaims {
+    async fn claim(&self, member: &str, by: &AssignmentId) -> Result<bool, ExecutorError> {
+        // Plain data, updated in single steps: a poisoned lock holds a consistent map.
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(held.entry(member.to_owned()).or_insert_with(|| by.clone()) == by)
+    }
+}
+
 /// Lifecycle of an executor as the backend observes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Phase {
@@ -306,5 +335,36 @@ pub trait ExecutorBackend: Send + Sync + 'static {
     ) -> Result<Option<ExecutorRecord>, ExecutorError> {
         let _ = standby_id;
         Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs a future that never waits (the local claims take no I/O).
+    fn ready<F: std::future::Future>(f: F) -> F::Output {
+        let mut f = std::pin::pin!(f);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match f.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(v) => v,
+            std::task::Poll::Pending => panic!("the local claims waited"),
+        }
+    }
+
+    #[test]
+    fn a_warm_member_is_held_by_the_first_assignment_that_claims_it_and_by_no_other_invariant_8() {
+        let claims = LocalWarmClaims::default();
+        let (a, b) = (
+            AssignmentId::from_task_id(1).unwrap(),
+            AssignmentId::from_task_id(2).unwrap(),
+        );
+        assert!(ready(claims.claim("sandbox-1", &a)).unwrap());
+        assert!(!ready(claims.claim("sandbox-1", &b)).unwrap(), "taken");
+        assert!(
+            ready(claims.claim("sandbox-1", &a)).unwrap(),
+            "a retry keeps it"
+        );
+        assert!(ready(claims.claim("sandbox-2", &b)).unwrap());
     }
 }
