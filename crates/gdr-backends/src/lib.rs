@@ -8,12 +8,14 @@
 //!   microVMs) through the Lifecycle API.
 //! - [`kubernetes`] (feature `kubernetes`): one Kubernetes Pod per job, bound to its SPIFFE
 //!   identity through a SPIRE ClusterStaticEntry.
+//! - [`warm`]: the backend-neutral plan of a warm pool, shared by the Pod and VM backends.
 
 pub mod defaults;
 #[cfg(feature = "opensandbox")]
 pub mod opensandbox;
 pub mod process;
 pub mod spire;
+pub mod warm;
 
 #[cfg(feature = "kubernetes")]
 pub mod kubernetes;
