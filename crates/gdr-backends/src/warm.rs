@@ -9,6 +9,20 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::SystemTime;
 
+/// `<prefix>warm` of a member created for the pool and not claimed.
+pub const UNCLAIMED: &str = "true";
+/// `<prefix>warm` of a pool member a job claimed.
+pub const CLAIMED: &str = "claimed";
+/// Metadata key (under the codec's prefix) marking pool members.
+pub const WARM_KEY: &str = "warm";
+/// Metadata key (under the prefix): when the member was claimed (Unix seconds); the
+/// executor's start deadline counts from here, not from the member's creation.
+pub const CLAIMED_AT_KEY: &str = "warm-claimed-at";
+/// Metadata key (under the prefix): the fingerprint of the template a member was made
+/// from ([`template_fingerprint`]); a member of another template (made under earlier
+/// settings) is replaced, never claimed.
+pub const TEMPLATE_KEY: &str = "warm-template";
+
 /// Where an unclaimed member is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum State {
@@ -48,6 +62,49 @@ pub struct Plan {
     pub create: Vec<Option<String>>,
     /// Members to delete: ended ones, those of a profile no longer pooled, a surplus.
     pub delete: Vec<String>,
+}
+
+/// What one pass over the pool did, and the pool it left.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct WarmPass {
+    /// Pods created for the pool.
+    pub created: usize,
+    /// Members deleted (ended, outdated, stalled, surplus, of a profile no longer pooled).
+    pub deleted: usize,
+    /// Members deleted, by [`State::deletion_kind`].
+    pub deleted_by: BTreeMap<&'static str, usize>,
+    /// Unclaimed members left, by profile (`None`: without one): running (`ready`) or
+    /// not yet (`starting`, the ones this pass created included).
+    pub members: BTreeMap<(Option<String>, &'static str), usize>,
+    /// Jobs' claims since the previous pass, by [`CLAIM_OUTCOMES`].
+    pub claims: BTreeMap<&'static str, usize>,
+}
+
+impl WarmPass {
+    /// The members a pass leaves: those it kept, and the ones it created as starting;
+    /// every pooled profile's counts, at zero too.
+    pub(crate) fn left(
+        wanted: &BTreeMap<Option<String>, u32>,
+        members: &[Member],
+        plan: &Plan,
+    ) -> BTreeMap<(Option<String>, &'static str), usize> {
+        let mut left: BTreeMap<(Option<String>, &'static str), usize> = wanted
+            .keys()
+            .flat_map(|p| [((p.clone(), "ready"), 0), ((p.clone(), "starting"), 0)])
+            .collect();
+        for m in members.iter().filter(|m| !plan.delete.contains(&m.name)) {
+            let state = match m.state {
+                State::Ready => "ready",
+                State::Starting => "starting",
+                State::Ended | State::Outdated | State::Stalled | State::Deleting => continue,
+            };
+            *left.entry((m.profile.clone(), state)).or_default() += 1;
+        }
+        for profile in &plan.create {
+            *left.entry((profile.clone(), "starting")).or_default() += 1;
+        }
+        left
+    }
 }
 
 /// The pass that brings the observed `members` to the `wanted` counts per profile: every

@@ -170,20 +170,42 @@ pub trait WarmClaims: Send + Sync + 'static {
     /// worker retrying its create after a crash gets its member back); `false` when
     /// another assignment holds it.
     async fn claim(&self, member: &str, by: &AssignmentId) -> Result<bool, ExecutorError>;
+
+    /// Since when an assignment holds `member`, if one does (`None`: free, or the
+    /// arbiter cannot say, the default). A backend's pass uses it to find a member whose
+    /// claimant won here but died before writing the job onto it: no other job can claim
+    /// it, so it is discarded once held long enough for any live claim to have finished.
+    async fn held_since(&self, member: &str) -> Result<Option<SystemTime>, ExecutorError> {
+        let _ = member;
+        Ok(None)
+    }
 }
 
 /// [`WarmClaims`] within one process, for a single controller and for tests.
 #[derive(Debug, Default)]
 pub struct LocalWarmClaims {
-    held: std::sync::Mutex<BTreeMap<String, AssignmentId>>,
+    held: std::sync::Mutex<BTreeMap<String, (AssignmentId, SystemTime)>>,
+}
+
+impl LocalWarmClaims {
+    fn held(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, (AssignmentId, SystemTime)>> {
+        // Plain data, updated in single steps: a poisoned lock holds a consistent map.
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 #[async_trait]
 impl WarmClaims for LocalWarmClaims {
     async fn claim(&self, member: &str, by: &AssignmentId) -> Result<bool, ExecutorError> {
-        // Plain data, updated in single steps: a poisoned lock holds a consistent map.
-        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        Ok(held.entry(member.to_owned()).or_insert_with(|| by.clone()) == by)
+        let mut held = self.held();
+        let (holder, _) = held
+            .entry(member.to_owned())
+            .or_insert_with(|| (by.clone(), SystemTime::now()));
+        Ok(holder == by)
+    }
+
+    async fn held_since(&self, member: &str) -> Result<Option<SystemTime>, ExecutorError> {
+        Ok(self.held().get(member).map(|(_, since)| *since))
     }
 }
 
@@ -366,5 +388,7 @@ mod tests {
             "a retry keeps it"
         );
         assert!(ready(claims.claim("sandbox-2", &b)).unwrap());
+        assert!(ready(claims.held_since("sandbox-1")).unwrap().is_some());
+        assert!(ready(claims.held_since("sandbox-3")).unwrap().is_none());
     }
 }

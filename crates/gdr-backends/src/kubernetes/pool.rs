@@ -13,51 +13,10 @@ use kube::ResourceExt;
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams, Preconditions};
 
 use super::error::*;
+pub use crate::warm::WarmPass;
+
 use super::warm::{self, Member, State};
 use super::{Inner, created_at, manifest, phase};
-
-/// What one pass over the pool did, and the pool it left.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct WarmPass {
-    /// Pods created for the pool.
-    pub created: usize,
-    /// Members deleted (ended, outdated, stalled, surplus, of a profile no longer pooled).
-    pub deleted: usize,
-    /// Members deleted, by [`State::deletion_kind`].
-    pub deleted_by: BTreeMap<&'static str, usize>,
-    /// Unclaimed members left, by profile (`None`: without one): running (`ready`) or
-    /// not yet (`starting`, the ones this pass created included).
-    pub members: BTreeMap<(Option<String>, &'static str), usize>,
-    /// Jobs' claims since the previous pass, by [`warm::CLAIM_OUTCOMES`].
-    pub claims: BTreeMap<&'static str, usize>,
-}
-
-impl WarmPass {
-    /// The members a pass leaves: those it kept, and the ones it created as starting;
-    /// every pooled profile's counts, at zero too.
-    fn left(
-        wanted: &BTreeMap<Option<String>, u32>,
-        members: &[Member],
-        plan: &warm::Plan,
-    ) -> BTreeMap<(Option<String>, &'static str), usize> {
-        let mut left: BTreeMap<(Option<String>, &'static str), usize> = wanted
-            .keys()
-            .flat_map(|p| [((p.clone(), "ready"), 0), ((p.clone(), "starting"), 0)])
-            .collect();
-        for m in members.iter().filter(|m| !plan.delete.contains(&m.name)) {
-            let state = match m.state {
-                State::Ready => "ready",
-                State::Starting => "starting",
-                State::Ended | State::Outdated | State::Stalled | State::Deleting => continue,
-            };
-            *left.entry((m.profile.clone(), state)).or_default() += 1;
-        }
-        for profile in &plan.create {
-            *left.entry((profile.clone(), "starting")).or_default() += 1;
-        }
-        left
-    }
-}
 
 /// How often a claim patch is retried after the member changed under it.
 const CLAIM_ATTEMPTS: usize = 5;

@@ -16,27 +16,14 @@
 //! since nothing is remembered between passes.
 
 pub use crate::warm::{
-    CLAIM_OUTCOMES, ClaimCounts, DELETION_KINDS, Member, Plan, State, candidates, plan,
-    template_fingerprint,
+    CLAIM_OUTCOMES, CLAIMED, CLAIMED_AT_KEY, ClaimCounts, DELETION_KINDS, Member, Plan, State,
+    TEMPLATE_KEY, UNCLAIMED, WARM_KEY, candidates, plan, template_fingerprint,
 };
 
-/// `<prefix>warm` of a Pod created for the pool and not claimed.
-pub const UNCLAIMED: &str = "true";
-/// `<prefix>warm` of a pool member a job claimed.
-pub const CLAIMED: &str = "claimed";
-/// Label key (under the codec's prefix) marking pool members.
-pub const WARM_KEY: &str = "warm";
 /// Annotation key (under the prefix): the profile label a member was made for.
 pub const PROFILE_KEY: &str = "warm-profile";
 /// Annotation key (under the prefix): the assignment's `CI_*` variables (JSON, no
 /// capability), which the downward API hands the standby executor.
 pub const ENVIRONMENT_KEY: &str = "executor-environment";
-/// Annotation key (under the prefix): when the member was claimed (Unix seconds); the
-/// executor's start deadline counts from here, not from the Pod's creation.
-pub const CLAIMED_AT_KEY: &str = "warm-claimed-at";
-/// Annotation key (under the prefix): the fingerprint of the Pod template a member was
-/// made from ([`template_fingerprint`]); a member of another template (made under earlier
-/// settings: another image, resources, profile) is replaced, never claimed.
-pub const TEMPLATE_KEY: &str = "warm-template";
 /// Name prefix of pool members.
 pub const NAME_PREFIX: &str = "gitea-warm-";

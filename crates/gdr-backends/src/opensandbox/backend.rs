@@ -70,6 +70,12 @@ pub struct OpenSandboxSettings {
     pub renew_before: Duration,
     /// Page size of lists (1..=200, default 200).
     pub page_size: u32,
+    /// Warm sandboxes to keep ready (`vm_warm_pool`, default 0: none): see
+    /// [`super::warm`].
+    pub warm_pool: u32,
+    /// A warm sandbox not running this long after its creation is replaced
+    /// (`executor_start_deadline`).
+    pub warm_start_deadline: Duration,
     /// The metadata codec (its prefix).
     pub codec: MetadataCodec,
     /// Trust domain the recorded SPIFFE IDs must belong to.
@@ -101,6 +107,8 @@ impl OpenSandboxSettings {
             timeout: default::TIMEOUT,
             renew_before: default::RENEW_BEFORE,
             page_size: MAX_PAGE_SIZE,
+            warm_pool: 0,
+            warm_start_deadline: crate::defaults::executor::START_DEADLINE,
             codec,
             trust_domain,
         }
@@ -191,7 +199,7 @@ pub enum OpenSandboxError {
     },
 }
 
-fn api_error(error: ClientError) -> ExecutorError {
+pub(super) fn api_error(error: ClientError) -> ExecutorError {
     match error {
         ClientError::PoolFull { retry_after, .. } => ExecutorError::Full {
             retry_after,
@@ -204,11 +212,13 @@ fn api_error(error: ClientError) -> ExecutorError {
 
 /// Executors as OpenSandbox sandboxes.
 pub struct OpenSandboxBackend {
-    settings: OpenSandboxSettings,
-    client: LifecycleClient,
+    pub(super) settings: OpenSandboxSettings,
+    pub(super) client: LifecycleClient,
     /// Assignment → sandbox ID, learnt from validated sandboxes; saves a list before each
     /// marker patch. Only an optimisation: a stale entry answers 404 and is looked up again.
     ids: Mutex<HashMap<AssignmentId, String>>,
+    /// The warm pool's arbiter, its standby environment and its claim counts.
+    pub(super) warm: super::warm::WarmState,
 }
 
 impl std::fmt::Debug for OpenSandboxBackend {
@@ -231,6 +241,7 @@ impl OpenSandboxBackend {
             settings,
             client,
             ids: Mutex::new(HashMap::new()),
+            warm: super::warm::WarmState::default(),
         })
     }
 
@@ -251,11 +262,11 @@ impl OpenSandboxBackend {
         &self.client
     }
 
-    fn ids(&self) -> std::sync::MutexGuard<'_, HashMap<AssignmentId, String>> {
+    pub(super) fn ids(&self) -> std::sync::MutexGuard<'_, HashMap<AssignmentId, String>> {
         self.ids.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn query(&self, key: &str, value: &str) -> ListQuery {
+    pub(super) fn query(&self, key: &str, value: &str) -> ListQuery {
         ListQuery {
             metadata: BTreeMap::from([(self.settings.codec.key(key), value.to_owned())]),
             states: Vec::new(),
@@ -264,7 +275,7 @@ impl OpenSandboxBackend {
     }
 
     /// The record a sandbox's metadata describes, re-validated.
-    fn record(&self, sandbox: &Sandbox) -> Result<ExecutorRecord, OpenSandboxError> {
+    pub(super) fn record(&self, sandbox: &Sandbox) -> Result<ExecutorRecord, OpenSandboxError> {
         let codec = &self.settings.codec;
         let untrusted = |source| OpenSandboxError::Untrusted {
             sandbox: sandbox.id.clone(),
@@ -287,7 +298,8 @@ impl OpenSandboxBackend {
             terminal: codec.has_marker(&metadata.labels, Marker::Terminal),
             identity_bound: phase == Phase::Running,
             identity_target: Some(IdentityTarget::SandboxId(sandbox.id.clone())),
-            created_at: sandbox.created_at,
+            // A claimed warm member starts as the job's executor at its claim.
+            created_at: self.claimed_at(sandbox).unwrap_or(sandbox.created_at),
             assignment,
             phase,
         })
@@ -392,7 +404,7 @@ impl OpenSandboxBackend {
 }
 
 /// The executor phase a sandbox state means.
-fn phase(sandbox: &Sandbox) -> Phase {
+pub(super) fn phase(sandbox: &Sandbox) -> Phase {
     let status = &sandbox.status;
     let reason = || {
         let parts: Vec<&str> = [status.reason.as_deref(), status.message.as_deref()]
@@ -452,6 +464,9 @@ impl ExecutorBackend for OpenSandboxBackend {
                     source,
                 })
             })?;
+        if let Some(claimed) = self.claim_warm(spec, &metadata).await? {
+            return Ok(claimed);
+        }
         let mut env = self.settings.extra_env.clone();
         env.extend(
             spec.environment()
@@ -555,6 +570,13 @@ impl ExecutorBackend for OpenSandboxBackend {
         }
         self.ids().extend(ids);
         Ok(records)
+    }
+
+    async fn claimed_standby(
+        &self,
+        standby_id: &str,
+    ) -> Result<Option<ExecutorRecord>, ExecutorError> {
+        self.claimed_standby_record(standby_id).await
     }
 
     async fn delete(&self, id: &AssignmentId) -> Result<(), ExecutorError> {

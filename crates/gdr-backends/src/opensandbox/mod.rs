@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod client;
+pub mod warm;
 
 pub use backend::{InvalidSettings, OpenSandboxBackend, OpenSandboxError, OpenSandboxSettings};
 pub use client::{ApiError, ApiKey, ClientError, ClientSettings, LifecycleClient};
