@@ -10,14 +10,20 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use gdr_backends::opensandbox::client::{ClientError, CreateSandbox};
+use gdr_backends::opensandbox::warm::STANDBY_ID_KEY;
 use gdr_backends::opensandbox::{OpenSandboxBackend, OpenSandboxSettings};
+use gdr_backends::warm;
 use gdr_core::backend::Backend;
-use gdr_core::executor::{ExecutorBackend, ExecutorError, ExecutorSpec, Phase, env};
+use gdr_core::executor::{
+    ExecutorBackend, ExecutorError, ExecutorSpec, LocalWarmClaims, Phase, WarmClaims, env,
+};
 use gdr_core::metadata::{MetadataCodec, keys};
+use gdr_sandbox_identity::EntryTemplate;
 use gdr_testkit::backend_contract::{self, Contract};
 use gdr_testkit::eventually;
 use gdr_testkit::opensandbox::{OpenSandboxServer, POOL_ACQUISITION_TIMEOUT, PoolSpec};
 use gdr_testkit::spiffe::{FakeWorkloadApi, TestCa};
+use gdr_testkit::vm_host::{VmHost, VmHostConfig};
 
 use crate::opensandbox_common::{DEADLINE, client, pool, server, settings, unique};
 
@@ -427,4 +433,259 @@ async fn deleting_a_sandbox_stops_its_process() {
         (!std::path::Path::new(&format!("/proc/{pid}")).exists()).then_some(())
     })
     .await;
+}
+
+/// The static environment a warm member's executor gets (the controller's is its workers').
+fn standby_environment(facade: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (env::FACADE_URL.to_owned(), facade.to_owned()),
+        (
+            env::FACADE_SPIFFE_ID.to_owned(),
+            "spiffe://example.org/gitea-runner-facade".to_owned(),
+        ),
+        (env::BACKEND.to_owned(), "vm".to_owned()),
+        (env::RUNNER_LABEL.to_owned(), "vm".to_owned()),
+    ])
+}
+
+impl Setup {
+    /// A backend with `vm_warm_pool = count` whose members' executors reach `facade`.
+    fn warm_backend(&self, count: u32, facade: &str) -> OpenSandboxBackend {
+        let mut settings = self.settings.clone();
+        settings.warm_pool = count;
+        let backend = OpenSandboxBackend::new(settings, client(self.server)).unwrap();
+        backend.set_standby_environment(standby_environment(facade));
+        backend
+    }
+
+    /// The unclaimed warm members, by sandbox ID, with their metadata.
+    async fn members(&self) -> BTreeMap<String, BTreeMap<String, String>> {
+        let query = gdr_backends::opensandbox::client::ListQuery {
+            metadata: BTreeMap::from([(self.settings.codec.key(warm::WARM_KEY), "true".into())]),
+            states: Vec::new(),
+            page_size: 200,
+        };
+        client(self.server)
+            .list(&query)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|s| (s.id.clone(), s.metadata()))
+            .collect()
+    }
+
+    /// How many sandboxes the test's pool holds, of any kind.
+    async fn sandboxes_in_pool(&self) -> usize {
+        self.server
+            .control
+            .sandboxes(&self.settings.pool)
+            .await
+            .unwrap()
+            .len()
+    }
+}
+
+/// Issue 39 item 5, DESIGN invariant 7: a pass fills the warm pool to `vm_warm_pool` with
+/// sandboxes carrying no assignment (so recovery does not list them) and a standby ID in
+/// both their metadata and their executor's environment; after the members' environment
+/// changes, the next pass replaces the outdated members.
+#[tokio::test]
+async fn the_warm_pass_fills_the_pool_to_its_count_and_replaces_outdated_members() {
+    // Spawning: the testkit's kubelet starts each sandbox's process with its environment.
+    let mut spawning = PoolSpec::new(6);
+    spawning.spawn = true;
+    let setup = Setup::new(spawning).await;
+    let backend = setup.warm_backend(2, "https://facade-1.test");
+    let pass = backend.reconcile_warm_pool().await.unwrap();
+    assert_eq!(pass.created, 2);
+    let first = setup.members().await;
+    assert_eq!(first.len(), 2, "{first:?}");
+    assert!(backend.list().await.unwrap().is_empty(), "no executor yet");
+    let standby_key = setup.settings.codec.key(STANDBY_ID_KEY);
+    for (id, metadata) in &first {
+        let pod = setup.server.control.sandbox(id).await.unwrap().unwrap().pod;
+        let env = pod.expect("the member has a pod").env;
+        assert_eq!(env.get(env::STANDBY_ID), metadata.get(&standby_key));
+        assert_eq!(env[env::FACADE_URL], "https://facade-1.test");
+        assert!(!env.contains_key(env::CAPABILITY), "no capability: {env:?}");
+        assert!(
+            !env.contains_key(env::ASSIGNMENT_ID),
+            "no assignment: {env:?}"
+        );
+    }
+    let again = backend.reconcile_warm_pool().await.unwrap();
+    assert_eq!(
+        (again.created, again.deleted),
+        (0, 0),
+        "a full pool is kept"
+    );
+
+    let changed = setup.warm_backend(2, "https://facade-2.test");
+    let replaced = changed.reconcile_warm_pool().await.unwrap();
+    assert_eq!((replaced.created, replaced.deleted), (2, 2));
+    assert_eq!(replaced.deleted_by.get("outdated"), Some(&2));
+    // Deleted sandboxes stay listed a moment while they stop.
+    eventually(DEADLINE, "only the two new members are left", || async {
+        let now = setup.members().await;
+        (now.len() == 2 && now.keys().all(|id| !first.contains_key(id))).then_some(())
+    })
+    .await;
+
+    let off = setup.warm_backend(0, "https://facade-2.test");
+    let emptied = off.reconcile_warm_pool().await.unwrap();
+    assert_eq!((emptied.created, emptied.deleted), (0, 2));
+    eventually(DEADLINE, "a pool turned off is emptied", || async {
+        setup.members().await.is_empty().then_some(())
+    })
+    .await;
+}
+
+/// Issue 39 item 5, DESIGN invariant 8: a job's create claims a ready member instead of
+/// creating a sandbox; the member becomes that job's executor (found, listed, its standby
+/// ID naming the job, its start deadline counted from the claim), leaves the pool for
+/// good, and is deleted with the job.
+#[tokio::test]
+async fn a_job_claims_a_ready_warm_member_which_becomes_its_executor_and_leaves_the_pool() {
+    let setup = Setup::new(PoolSpec::new(4)).await;
+    let backend = setup.warm_backend(1, "https://facade.test");
+    backend.reconcile_warm_pool().await.unwrap();
+    let members = setup.members().await;
+    let (member, metadata) = members.iter().next().expect("one member");
+    let standby = metadata[&setup.settings.codec.key(STANDBY_ID_KEY)].clone();
+    assert!(backend.claimed_standby(&standby).await.unwrap().is_none());
+    let before = setup.sandboxes_in_pool().await;
+
+    let spec = setup.spec(1);
+    let claimed_after = SystemTime::now() - Duration::from_secs(1);
+    let record = backend.create(&spec).await.unwrap();
+    assert_eq!(&record.name, member, "the member serves the job");
+    assert_eq!(
+        setup.sandboxes_in_pool().await,
+        before,
+        "no sandbox created"
+    );
+    assert!(
+        record.created_at >= claimed_after,
+        "created_at is the claim"
+    );
+    let found = backend.find(spec.assignment.id()).await.unwrap().unwrap();
+    assert_eq!(&found.name, member);
+    let listed = backend.list().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(&listed[0].name, member);
+    let by_standby = backend.claimed_standby(&standby).await.unwrap().unwrap();
+    assert_eq!(by_standby.assignment.id(), spec.assignment.id());
+    assert_eq!(
+        by_standby.assignment.identity().spiffe_id(),
+        spec.assignment.identity().spiffe_id()
+    );
+    assert!(backend.claimed_standby("unknown").await.unwrap().is_none());
+
+    let refill = backend.reconcile_warm_pool().await.unwrap();
+    assert_eq!(refill.created, 1, "the pool is refilled");
+    assert_eq!(refill.claims.get("claimed"), Some(&1));
+    assert!(
+        !setup.members().await.contains_key(member),
+        "never again a member"
+    );
+
+    backend.delete(spec.assignment.id()).await.unwrap();
+    eventually(DEADLINE, "the claimed member is deleted", || async {
+        client(setup.server)
+            .get(member)
+            .await
+            .unwrap()
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    assert_eq!(setup.members().await.len(), 1);
+}
+
+/// DESIGN invariant 8: two jobs created at once (two replicas, one arbiter) with one
+/// ready member: exactly one gets it, the other a sandbox of its own.
+#[tokio::test]
+async fn two_jobs_racing_for_one_warm_member_get_it_once_and_a_fresh_sandbox_invariant_8() {
+    let setup = Setup::new(PoolSpec::new(4)).await;
+    let claims: Arc<dyn WarmClaims> = Arc::new(LocalWarmClaims::default());
+    let replica = || {
+        setup
+            .warm_backend(1, "https://facade.test")
+            .with_warm_claims(claims.clone())
+    };
+    let (one, two) = (replica(), replica());
+    one.reconcile_warm_pool().await.unwrap();
+    let member = setup.members().await.into_keys().next().expect("a member");
+    let (a, b) = (setup.spec(1), setup.spec(2));
+    let (ra, rb) = tokio::join!(one.create(&a), two.create(&b));
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    let served: Vec<_> = [&ra, &rb]
+        .into_iter()
+        .filter(|r| r.name == member)
+        .collect();
+    assert_eq!(
+        served.len(),
+        1,
+        "exactly one job has the member: {ra:?} {rb:?}"
+    );
+    assert_ne!(ra.name, rb.name);
+    for (backend, spec) in [(&one, &a), (&two, &b)] {
+        let found = backend.find(spec.assignment.id()).await.unwrap().unwrap();
+        assert_eq!(found.assignment.id(), spec.assignment.id());
+        assert_eq!(found.phase, Phase::Running);
+    }
+    one.delete(a.assignment.id()).await.unwrap();
+    two.delete(b.assignment.id()).await.unwrap();
+}
+
+/// Issue 39 item 5, DESIGN invariant 14: the test kit's VM host boots a warm member's
+/// executor before any job with no identity (`sandbox-identity` would refuse a sandbox
+/// naming no job), and serves the claiming job's SPIFFE ID once the claim's metadata is
+/// there, as `sandbox-identity` would bind it.
+#[tokio::test]
+async fn a_warm_members_vm_has_no_identity_until_a_job_claims_it_then_the_jobs() {
+    let setup = Setup::new(PoolSpec::new(2)).await;
+    let dir = tempfile::Builder::new().prefix("vm").tempdir().unwrap();
+    let host = VmHost::start(VmHostConfig {
+        control: setup.server.control.clone(),
+        pool: setup.settings.pool.clone(),
+        ca: TestCa::new("example.org").unwrap(),
+        identity: EntryTemplate {
+            trust_domain: setup.settings.trust_domain.clone(),
+            cluster: "sandbox-kata".into(),
+            class_name: "spire-mgmt-spire".into(),
+            runner_uid: 2000,
+            codec: setup.settings.codec.clone(),
+        },
+        dir: dir.path().to_path_buf(),
+    });
+    let backend = setup.warm_backend(1, "https://facade.test");
+    backend.reconcile_warm_pool().await.unwrap();
+    let vm = eventually(DEADLINE, "the member's VM boots", || async {
+        host.vms().into_iter().find(|vm| vm.pid.is_some())
+    })
+    .await;
+    assert!(vm.standby_id.is_some(), "{vm:?}");
+    assert!(vm.identity.is_err(), "no job, no identity: {vm:?}");
+    assert!(vm.assignment_id.is_none());
+
+    let spec = setup.spec(3);
+    let record = backend.create(&spec).await.unwrap();
+    assert_eq!(record.name, vm.sandbox);
+    let claimed = eventually(DEADLINE, "the VM serves the job's identity", || async {
+        host.vms()
+            .into_iter()
+            .find(|v| v.sandbox == vm.sandbox && v.identity.is_ok())
+    })
+    .await;
+    assert_eq!(
+        claimed.identity.as_deref(),
+        Ok(spec.assignment.identity().spiffe_id())
+    );
+    assert_eq!(
+        claimed.assignment_id.as_deref(),
+        Some(spec.assignment.id().as_str())
+    );
+    assert_eq!(host.vms().len(), 1, "no second VM for the job");
+    backend.delete(spec.assignment.id()).await.unwrap();
 }

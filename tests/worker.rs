@@ -1201,3 +1201,58 @@ async fn the_failure_of_an_unclaimed_job_is_recorded_before_gitea_hears_of_it() 
         "a report was sent before the failure was durable"
     );
 }
+
+/// Issue 39 item 5, DESIGN invariant 8: the controller's warm-claim arbiter, kept in the
+/// finished-assignments bucket that every replica shares: of two assignments claiming one
+/// warm sandbox, whichever comes first holds it and the other is refused, then and later;
+/// the holder claiming again (a worker retrying its create) keeps it; another sandbox is
+/// free; and the hold says since when, for the pass to find one a dead claimant left.
+#[tokio::test]
+async fn the_warm_claim_arbiter_gives_a_sandbox_to_exactly_one_assignment_and_keeps_it_for_its_retries()
+ {
+    use gdr_core::executor::WarmClaims;
+    let nats = NatsServer::start().await.expect("nats-server");
+    let js = jetstream::new(async_nats::connect(nats.url()).await.expect("connect"));
+    let finished =
+        queue::FinishedAssignments::open(&js, "finished-test", Duration::from_secs(3600), true)
+            .await
+            .expect("bucket");
+    // Two replicas: each its own handle on the one bucket.
+    let (one, two) = (finished.warm_claims(), finished.warm_claims());
+    let (a, b) = (
+        AssignmentId::from_task_id(1).unwrap(),
+        AssignmentId::from_task_id(2).unwrap(),
+    );
+    assert!(one.held_since("sandbox-1").await.unwrap().is_none());
+    let before = std::time::SystemTime::now() - Duration::from_secs(5);
+    let (ra, rb) = tokio::join!(one.claim("sandbox-1", &a), two.claim("sandbox-1", &b));
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert!(ra != rb, "exactly one holds it: {ra} {rb}");
+    let (holder, other, holder_id, other_id) = if ra {
+        (&one, &two, &a, &b)
+    } else {
+        (&two, &one, &b, &a)
+    };
+    assert!(
+        holder.claim("sandbox-1", holder_id).await.unwrap(),
+        "a retry keeps it"
+    );
+    assert!(
+        other.claim("sandbox-1", holder_id).await.unwrap(),
+        "from any replica"
+    );
+    assert!(
+        !other.claim("sandbox-1", other_id).await.unwrap(),
+        "still refused"
+    );
+    assert!(
+        other.claim("sandbox-2", other_id).await.unwrap(),
+        "another is free"
+    );
+    let since = one.held_since("sandbox-1").await.unwrap().expect("held");
+    assert!(since >= before, "{since:?}");
+    assert!(
+        !finished.contains(holder_id).await.unwrap(),
+        "a claim is not a finished record"
+    );
+}

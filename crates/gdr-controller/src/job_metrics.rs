@@ -295,7 +295,7 @@ impl JobMetrics {
         );
         r.family(
             "warm_environments",
-            "Unclaimed warm environments (pod_warm_pool) by backend, profile (empty: none) and state (ready: claimable; starting: not running yet), as the last lifecycle pass left them",
+            "Unclaimed warm environments (pod_warm_pool, vm_warm_pool) by backend, profile (empty: none) and state (ready: claimable; starting: not running yet), as the last lifecycle pass left them",
             &self.warm_environments,
         )
         .values("state", &WARM_STATES);
@@ -307,7 +307,7 @@ impl JobMetrics {
         .values("reason", &WARM_DISCARD_REASONS);
         r.family(
             "warm_environment_claims",
-            "Jobs of profiles with a warm pool, by backend and outcome (claimed: a ready warm environment served the job; missed: none was ready and one was created for the job)",
+            "Jobs of profiles (or the VM backend) with a warm pool, by backend and outcome (claimed: a ready warm environment served the job; missed: none was ready and one was created for the job)",
             &self.warm_claims,
         )
         .values("outcome", &WARM_CLAIM_OUTCOMES);

@@ -61,6 +61,14 @@ pub trait Housekeeping: Send + Sync {
     async fn every_pass(&self) -> Result<Upkeep, ExecutorError> {
         Ok(Upkeep::default())
     }
+
+    /// The `CI_*` variables every executor of the backend gets whatever its job (the
+    /// facade's URL and SPIFFE ID, the backend, the runner label, the report outage
+    /// tolerance), known once the worker is: what a warm environment's executor, started
+    /// before any job, is given (the VM backend's `vm_warm_pool`). Ignored by default.
+    fn standby_environment(&self, environment: BTreeMap<&'static str, String>) {
+        let _ = environment;
+    }
 }
 
 /// What a backend's per-pass upkeep did, and the warm environments it left.

@@ -17,6 +17,7 @@ use async_nats::jetstream::{self, consumer, kv, stream};
 use futures::TryStreamExt;
 use gdr_core::assignment::AssignmentId;
 use gdr_core::backend::Backend;
+use gdr_core::executor::{ExecutorError, WarmClaims};
 
 /// Stream layout.
 #[derive(Debug, Clone)]
@@ -664,6 +665,81 @@ impl crate::ports::FinishedLog for FinishedAssignments {
 
     async fn save_unsaved(&self) -> usize {
         FinishedAssignments::save_unsaved(self).await
+    }
+}
+
+/// Key prefix of the warm claims in the finished-assignments bucket: a sandbox ID after
+/// it; an assignment ID (the finished records' keys) never starts with it.
+pub const WARM_CLAIM_PREFIX: &str = "warm-claim.";
+
+/// The VM warm pool's arbiter ([`WarmClaims`], issue 39 item 5): which assignment claimed
+/// a warm sandbox, as one entry of the finished-assignments bucket per sandbox
+/// (`warm-claim.<sandbox ID>` = the assignment ID), so no other bucket, setting or
+/// permission is needed. The first writer creates it (`kv.create` fails for every later
+/// one), whatever replica or worker it is: one sandbox never serves two jobs (DESIGN
+/// invariant 8). Entries age out with the bucket's TTL, long after their sandbox is gone.
+#[derive(Clone)]
+pub struct KvWarmClaims {
+    store: kv::Store,
+    bucket: String,
+}
+
+impl std::fmt::Debug for KvWarmClaims {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvWarmClaims")
+            .field("bucket", &self.bucket)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvWarmClaims {
+    fn key(member: &str) -> String {
+        format!("{WARM_CLAIM_PREFIX}{member}")
+    }
+
+    fn err(&self, e: QueueErrorSource) -> ExecutorError {
+        // NATS unreachable or refusing: the claim is retried with the create.
+        ExecutorError::unavailable(QueueError::Finished {
+            bucket: self.bucket.clone(),
+            source: e,
+        })
+    }
+}
+
+impl FinishedAssignments {
+    /// The warm claims kept in this bucket.
+    pub fn warm_claims(&self) -> KvWarmClaims {
+        KvWarmClaims {
+            store: self.store.clone(),
+            bucket: self.bucket.clone(),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl WarmClaims for KvWarmClaims {
+    async fn claim(&self, member: &str, by: &AssignmentId) -> Result<bool, ExecutorError> {
+        let key = Self::key(member);
+        match self.store.create(&key, by.as_str().to_owned().into()).await {
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                // Ours from an earlier attempt of this job, or another job's.
+                let held = self.store.get(&key).await.map_err(|e| self.err(e.into()))?;
+                Ok(held.is_some_and(|v| v.as_ref() == by.as_str().as_bytes()))
+            }
+            Err(e) => Err(self.err(e.into())),
+        }
+    }
+
+    async fn held_since(&self, member: &str) -> Result<Option<SystemTime>, ExecutorError> {
+        let entry = self
+            .store
+            .entry(Self::key(member))
+            .await
+            .map_err(|e| self.err(e.into()))?;
+        Ok(entry
+            .filter(|e| e.operation == kv::Operation::Put)
+            .map(|e| SystemTime::from(e.created)))
     }
 }
 

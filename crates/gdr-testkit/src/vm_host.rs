@@ -14,6 +14,11 @@
 //! rewrites mount paths). A sandbox `sandbox-identity` would refuse gets a Workload API
 //! without identity: its executor never obtains an SVID.
 //!
+//! A warm sandbox (`vm_warm_pool`) boots like any, before any job: its metadata names no
+//! job, so `sandbox-identity` refuses it and its Workload API serves no identity. Once a
+//! job claimed it (its metadata patched with the job's), the next look derives the job's
+//! identity as `sandbox-identity` would then, and its Workload API starts serving it.
+//!
 //! The pool must not `spawn` itself (that is the Python cluster's own, identity-less hook).
 
 use std::collections::BTreeMap;
@@ -57,8 +62,11 @@ pub struct VmHostConfig {
 pub struct Vm {
     /// The sandbox (BatchSandbox name, the sandbox ID of the Lifecycle API).
     pub sandbox: String,
-    /// `CI_ASSIGNMENT_ID` of its environment.
+    /// `CI_ASSIGNMENT_ID` of its environment, or for a warm sandbox the assignment of the
+    /// job that claimed it (its metadata), once one did.
     pub assignment_id: Option<String>,
+    /// `CI_EXECUTOR_STANDBY_ID` of its environment: a warm sandbox's.
+    pub standby_id: Option<String>,
     /// The identity its Workload API serves; `Err` with `sandbox-identity`'s refusal.
     pub identity: Result<String, String>,
     /// The process, once started.
@@ -71,7 +79,7 @@ pub struct Vm {
 
 struct Running {
     /// Serves the VM's identity until the VM is gone.
-    _workload: RunningWorkloadApi,
+    workload: RunningWorkloadApi,
 }
 
 #[derive(Default)]
@@ -195,7 +203,40 @@ async fn reconcile(shared: &Arc<Shared>, sandboxes: &[SandboxInfo]) {
         let ready = object["status"]["phase"] == "Succeed";
         if ready && !shared.lock().vms.contains_key(name) {
             boot(shared, name, object).await;
+        } else {
+            claimed(shared, name, object);
         }
+    }
+}
+
+/// A running VM refused an identity so far (a warm sandbox no job had claimed) gets the
+/// one `sandbox-identity` derives now, if it derives one: the claiming job's.
+fn claimed(shared: &Shared, name: &str, object: &Value) {
+    let mut state = shared.lock();
+    let waiting = state.vms.get(name).is_some_and(|vm| vm.identity.is_err());
+    if !waiting || !state.running.contains_key(name) {
+        return;
+    }
+    let Ok(identity) = shared.config.identity.spiffe_id(object) else {
+        return;
+    };
+    if let Some(running) = state.running.get(name)
+        && let Err(e) = running.workload.set_identity(&identity)
+    {
+        tracing::warn!(sandbox = name, error = %e, "vm host: cannot issue the claimed sandbox's SVID");
+        return;
+    }
+    let key = shared
+        .config
+        .identity
+        .codec
+        .key(gdr_core::metadata::keys::ASSIGNMENT_ID);
+    let assignment = object["metadata"]["labels"][&key]
+        .as_str()
+        .map(str::to_owned);
+    if let Some(vm) = state.vms.get_mut(name) {
+        vm.identity = Ok(identity);
+        vm.assignment_id = vm.assignment_id.take().or(assignment);
     }
 }
 
@@ -247,6 +288,7 @@ async fn boot(shared: &Arc<Shared>, name: &str, object: &Value) {
     let mut vm = Vm {
         sandbox: name.to_owned(),
         assignment_id: env.get(env::ASSIGNMENT_ID).cloned(),
+        standby_id: env.get(env::STANDBY_ID).cloned(),
         identity: identity.clone(),
         pid: None,
         exit_code: None,
@@ -254,12 +296,13 @@ async fn boot(shared: &Arc<Shared>, name: &str, object: &Value) {
     };
     let started = async {
         std::fs::create_dir_all(&dir)?;
+        // A refused sandbox's placeholder is of the CA's trust domain (it cannot issue
+        // another's); it is cleared at once, and replaced should a claim name a job.
+        let placeholder = format!("spiffe://{}/none", config.ca.trust_domain());
         let workload = WorkloadApi::start(
             &config.dir,
             config.ca.clone(),
-            identity
-                .as_deref()
-                .unwrap_or("spiffe://unused.invalid/none"),
+            identity.as_deref().unwrap_or(&placeholder),
         )
         .await
         .map_err(std::io::Error::other)?;
@@ -294,12 +337,7 @@ async fn boot(shared: &Arc<Shared>, name: &str, object: &Value) {
             let mut state = shared.lock();
             state.vms.insert(name.to_owned(), vm);
             state.booted.push(name.to_owned());
-            state.running.insert(
-                name.to_owned(),
-                Running {
-                    _workload: workload,
-                },
-            );
+            state.running.insert(name.to_owned(), Running { workload });
             state.peak = state.peak.max(state.running.len());
             drop(state);
             let shared = Arc::clone(shared);

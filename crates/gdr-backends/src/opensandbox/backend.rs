@@ -257,6 +257,11 @@ impl OpenSandboxBackend {
         Self::new(settings, client).map_err(ExecutorError::permanent)
     }
 
+    /// The settings it was built with.
+    pub fn settings(&self) -> &OpenSandboxSettings {
+        &self.settings
+    }
+
     /// The Lifecycle API client.
     pub fn client(&self) -> &LifecycleClient {
         &self.client

@@ -225,13 +225,19 @@ impl OpenSandboxBackend {
             } else {
                 None
             };
-            let state = member_state(
-                &phase,
-                current,
-                sandbox.created_at,
-                held_since,
-                (now, self.settings.warm_start_deadline),
-            );
+            // Deleted by an earlier pass and still listed while it stops: not counted,
+            // not deleted (and counted) again.
+            let state = if sandbox.status.state.eq_ignore_ascii_case("stopping") {
+                State::Deleting
+            } else {
+                member_state(
+                    &phase,
+                    current,
+                    sandbox.created_at,
+                    held_since,
+                    (now, self.settings.warm_start_deadline),
+                )
+            };
             members.push(Member {
                 name: sandbox.id.clone(),
                 profile: None,

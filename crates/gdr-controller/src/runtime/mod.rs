@@ -578,7 +578,8 @@ async fn adopt(
     ),
     RuntimeError,
 > {
-    let (backends, extras) = backends(pod, vm, wiring).await?;
+    let warm_claims: Arc<dyn gdr_core::executor::WarmClaims> = Arc::new(finished.warm_claims());
+    let (backends, extras) = backends(pod, vm, wiring, warm_claims).await?;
     let capacities: BTreeMap<Backend, usize> =
         backends.iter().map(|(b, c)| (b.backend(), *c)).collect();
     let dispatch =
@@ -1288,6 +1289,8 @@ async fn spawn_backend(
         },
         held_subject: w.queue.stream.held_subject(backend),
     };
+    // What the worker gives every executor, for the warm ones started before any job.
+    let standby_environment = settings.standby_environment();
     let consumer = w
         .queue
         .consumer(backend, capacity, w.nats.ack_wait, w.nats.create_stream)
@@ -1335,6 +1338,7 @@ async fn spawn_backend(
         ),
     );
     if let Some(h) = housekeeping {
+        h.standby_environment(standby_environment);
         lifecycle = lifecycle.with_housekeeping(h);
     }
     if let (Backend::Vm, Some(grace)) = (backend, w.vm_terminal_grace) {

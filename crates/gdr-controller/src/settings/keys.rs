@@ -369,7 +369,8 @@ keys! {
         shown concat!(gitea_runner!(), " or ", act_runner!(), " on PATH");
     /// An executor whose runner has not claimed its task this long after the executor was
     /// created is failed (counted from its creation, across controller restarts); a warm
-    /// Pod (`pod_warm_pool`) not running this long after its creation is replaced.
+    /// Pod (`pod_warm_pool`) or sandbox (`vm_warm_pool`) not running this long after its
+    /// creation is replaced.
     executor_start_deadline: Secs = Secs(executor_default::START_DEADLINE);
     /// A claimed executor the facade has not heard from for this long is failed in Gitea
     /// (its runner died while its environment stayed up). The official runner reports
@@ -481,8 +482,8 @@ keys! {
     /// is created for it). A warm Pod is created before any job, holds no identity and no
     /// capability, and is claimed by exactly one job, which then gets its identity bound
     /// and its capability; it is deleted after that job like any Pod and replaced. A
-    /// profile's own count is its `warm_pool` field in `pod_profiles`. The VM backend has
-    /// no such key: its OpenSandbox Pool (`opensandbox_pool`) is its warm pool.
+    /// profile's own count is its `warm_pool` field in `pod_profiles`. The VM backend's is
+    /// `vm_warm_pool`.
     pod_warm_pool: u32 = 0;
     /// SPIRE k8s_psat cluster name of the Pod cluster (the `<cluster>` in agent IDs
     /// `spiffe://<trust_domain>/spire/agent/k8s_psat/<cluster>/<Node UID>`).
@@ -532,6 +533,14 @@ keys! {
     /// executor exited, so the exit cannot be waited for. The runner has its answer before
     /// the marker is written; this only gives the executor time to exit cleanly.
     vm_terminal_grace: Secs = Secs::from_secs(15);
+    /// Warm VM sandboxes the opensandbox vm backend keeps ready (0, the default: none,
+    /// every job's sandbox is created for it). The OpenSandbox Pool's buffer (its
+    /// `bufferMin`, `bufferMax`) pre-starts the VMs either way; a warm sandbox also has its
+    /// executor started and is named before any job: it holds no identity and no capability until exactly one job
+    /// claims it, after which `sandbox-identity` binds the job's SPIFFE ID to it and its
+    /// executor fetches its assignment from the facade. It is deleted after that job like
+    /// any sandbox and replaced. Counted within the Pool's capacity, beside `vm_capacity`.
+    vm_warm_pool: u32 = 0;
 
     // --- spire ---
     section sandbox_identity: SandboxIdentity;

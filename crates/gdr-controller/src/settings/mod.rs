@@ -165,12 +165,6 @@ pub enum SettingsError {
     /// Values parsed but break rules; every problem is listed.
     #[error("{}", Problems(.0))]
     Invalid(Vec<Problem>),
-    /// `vm_warm_pool` was set (issue 39 item 5): the VM backend's warm pool is its
-    /// OpenSandbox Pool's buffer, not a key of ours.
-    #[error(
-        "vm_warm_pool (VM_WARM_POOL) is not a setting: the VM backend's sandboxes come from the OpenSandbox Pool named by opensandbox_pool, whose own buffer of pre-started sandboxes (its bufferMin and bufferMax) is the VM warm pool; size that Pool instead"
-    )]
-    NoVmWarmPool,
 }
 
 struct Problems<'a>(&'a [Problem]);
@@ -942,7 +936,8 @@ fn workers(
             capacity: pod_capacity,
             kind,
         });
-    let vm = vm_backend_settings(check, &vm_kind, vm_on, vm, process, derivation)
+    let vm_context = (derivation, timings.start_deadline);
+    let vm = vm_backend_settings(check, &vm_kind, vm_on, vm, process, vm_context)
         .filter(|_| vm_on)
         .map(|kind| BackendSettings {
             capacity: vm_capacity,
@@ -1314,7 +1309,7 @@ fn vm_backend_settings(
     on: bool,
     keys: section::Vm,
     process: ProcessSettings,
-    derivation: &Derivation,
+    (derivation, start_deadline): (&Derivation, Duration),
 ) -> Option<VmBackend> {
     use backend_kinds::{OPENSANDBOX, PROCESS};
     match kind {
@@ -1324,6 +1319,7 @@ fn vm_backend_settings(
             derivation.trust_domain.as_ref(),
             derivation.codec.as_ref(),
             keys,
+            start_deadline,
         )
         .map(|o| VmBackend::OpenSandbox(Box::new(o))),
         OPENSANDBOX => None,
@@ -1625,12 +1621,14 @@ fn queue_security(check: &mut Check, keys: section::QueueSecurity) -> QueueSecur
 }
 
 /// The VM backend's settings, or `None` with every problem recorded (`trust_domain` and
-/// `codec` are `None` when their own keys are broken, already reported).
+/// `codec` are `None` when their own keys are broken, already reported). A warm sandbox
+/// (`vm_warm_pool`) may take `start_deadline` (`executor_start_deadline`) to run.
 fn opensandbox_settings(
     check: &mut Check,
     trust_domain: Option<&TrustDomain>,
     codec: Option<&MetadataCodec>,
     keys: section::Vm,
+    start_deadline: Duration,
 ) -> Option<OpenSandboxSettings> {
     const WHY: &str = "with the opensandbox vm backend";
     let section::Vm {
@@ -1645,6 +1643,7 @@ fn opensandbox_settings(
         vm_timeout_seconds: timeout_seconds,
         vm_renew_before: Secs(renew_before),
         vm_terminal_grace: Secs(terminal_grace),
+        vm_warm_pool: warm_pool,
     } = keys;
     let api = check
         .required("opensandbox_api", api, WHY)
@@ -1702,6 +1701,8 @@ fn opensandbox_settings(
     backend.extra_env = env;
     backend.timeout = timeout;
     backend.renew_before = renew_before;
+    backend.warm_pool = warm_pool;
+    backend.warm_start_deadline = start_deadline;
     Some(OpenSandboxSettings {
         backend,
         api_key_file: api_key_file?,
@@ -1730,6 +1731,12 @@ fn vm_executor_env(check: &mut Check, items: Vec<String>) -> BTreeMap<String, St
             check.problem(
                 "vm_executor_env",
                 format!("{name} comes from the assignment and cannot be configured"),
+            );
+        } else if name == gdr_core::executor::env::STANDBY_ID {
+            // It would put every job's executor in standby, waiting for a claim.
+            check.problem(
+                "vm_executor_env",
+                format!("{name} names a warm sandbox (vm_warm_pool) and cannot be configured"),
             );
         } else if env.insert(name.to_owned(), value.to_owned()).is_some() {
             check.problem("vm_executor_env", format!("{name} is given twice"));

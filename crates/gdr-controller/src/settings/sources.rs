@@ -21,10 +21,6 @@ pub struct Sources {
     pub environment: bool,
 }
 
-/// The key the VM backend does not have (its OpenSandbox Pool is its warm pool), refused
-/// with that reason rather than as an unknown key.
-const VM_WARM_POOL: &str = "vm_warm_pool";
-
 impl Sources {
     /// Parses a `--set` value of the form `key=value`, rejecting unknown keys.
     pub fn parse_override(raw: &str) -> Result<(String, String), SettingsError> {
@@ -32,9 +28,6 @@ impl Sources {
             .split_once('=')
             .ok_or_else(|| SettingsError::Flag(raw.into(), "expected key=value".into()))?;
         let key = key.trim().to_ascii_lowercase();
-        if key == VM_WARM_POOL {
-            return Err(SettingsError::NoVmWarmPool);
-        }
         if !KEYS.iter().any(|k| k.name == key) {
             return Err(SettingsError::Flag(
                 raw.into(),
@@ -89,11 +82,6 @@ impl Sources {
                     })
                     .lowercase(true),
             );
-        }
-        if figment.find_value(VM_WARM_POOL).is_ok()
-            || (self.environment && std::env::var_os(VM_WARM_POOL.to_ascii_uppercase()).is_some())
-        {
-            return Err(SettingsError::NoVmWarmPool);
         }
         for (key, value) in &self.overrides {
             // Parsed like environment values, so `--set pod_capacity=3` is a number.

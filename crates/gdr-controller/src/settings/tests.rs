@@ -785,7 +785,7 @@ node_selector = { gpu = "true" }
     /// Issue 39 item 5: warm Pods are off unless counted, per profile or for Pods without
     /// one; the VM backend has no such key, its OpenSandbox Pool being its warm pool.
     #[test]
-    fn warm_pools_are_off_by_default_counted_per_profile_and_refused_for_vms() {
+    fn warm_pools_are_off_by_default_and_counted_per_profile() {
         let s = cluster("").unwrap();
         assert!(kubernetes(&s).warm_pools().is_empty(), "off by default");
         let s =
@@ -800,15 +800,6 @@ node_selector = { gpu = "true" }
         );
         let s = cluster("pod_warm_pool = 1\nexecutor_start_deadline = \"3m\"\n").unwrap();
         assert_eq!(kubernetes(&s).warm_start_deadline, Duration::from_secs(180));
-        let e = cluster("vm_warm_pool = 1\n").unwrap_err().to_string();
-        assert!(
-            e.contains("opensandbox_pool") && e.contains("buffer"),
-            "{e}"
-        );
-        let e = Sources::overrides(["vm_warm_pool=1"])
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("OpenSandbox Pool"), "{e}");
     }
 
     /// A cluster without the SPIFFE CSI driver gets the agent's socket directory from the
@@ -1030,6 +1021,7 @@ fn the_vm_backend_keys_reach_the_opensandbox_settings_with_their_defaults() {
     assert_eq!(o.backend.timeout, Duration::from_secs(4 * 3600));
     assert_eq!(o.backend.renew_before, Duration::from_secs(600));
     assert_eq!(o.terminal_grace, Duration::from_secs(15));
+    assert_eq!(o.backend.warm_pool, 0, "no warm sandboxes by default");
     let o = opensandbox_settings(&[
         "opensandbox_pool=kata-small",
         "opensandbox_ca_file=/etc/osb-ca.pem",
@@ -1056,6 +1048,34 @@ fn the_vm_backend_keys_reach_the_opensandbox_settings_with_their_defaults() {
     assert_eq!(o.backend.timeout, Duration::from_secs(3600));
     assert_eq!(o.backend.renew_before, Duration::from_secs(300));
     assert_eq!(o.terminal_grace, Duration::from_secs(1));
+}
+
+/// Issue 39 item 5: `vm_warm_pool` counts the warm sandboxes (its members may take
+/// `executor_start_deadline` to run, as warm Pods may), from the file, the environment's
+/// spelling or `--set`; a value that is not a count is refused naming the key.
+#[test]
+fn vm_warm_pool_counts_warm_sandboxes_with_the_executor_start_deadline() {
+    let o = opensandbox_settings(&["vm_warm_pool=3", "executor_start_deadline=3m"]).unwrap();
+    assert_eq!(o.backend.warm_pool, 3);
+    assert_eq!(o.backend.warm_start_deadline, Duration::from_secs(180));
+    let o = opensandbox_settings(&[]).unwrap();
+    assert_eq!(
+        o.backend.warm_start_deadline,
+        Duration::from_secs(600),
+        "executor_start_deadline's default"
+    );
+    let e = opensandbox_settings(&["vm_warm_pool=-1"])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("vm_warm_pool"), "{e}");
+    let keys = opensandbox(&["vm_executor_env=CI_EXECUTOR_STANDBY_ID=x"]);
+    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+    let p = problems(&keys);
+    assert!(
+        p.iter().any(|p| p.key == "vm_executor_env"
+            && p.to_string().contains("CI_EXECUTOR_STANDBY_ID")),
+        "{p:?}"
+    );
 }
 
 #[test]

@@ -23,7 +23,7 @@
 //! makes it look at the executor at once, so a Pod that failed, or was deleted, before its
 //! runner claimed is reported without waiting for the next progress tick.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -36,8 +36,11 @@ use gdr_core::assignment::{
     envelope_id,
 };
 use gdr_core::backend::Backend;
+use gdr_core::capability::Capability;
 use gdr_core::capacity::Admission;
-use gdr_core::executor::{Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec};
+use gdr_core::executor::{
+    Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec, env,
+};
 use gdr_core::metadata::MetadataCodec;
 
 use crate::backoff::Backoff;
@@ -91,6 +94,38 @@ pub struct WorkerSettings {
     /// Where assignments sealed with an unknown task key are set aside
     /// (`queue::StreamSettings::held_subject`).
     pub held_subject: String,
+}
+
+impl WorkerSettings {
+    /// The executor spec of `assignment`, its runner token `capability`.
+    pub fn spec(&self, assignment: &Assignment, capability: Capability) -> ExecutorSpec {
+        ExecutorSpec::new(
+            assignment,
+            capability,
+            &self.codec,
+            &self.facade_url,
+            &self.facade_spiffe_id,
+            &self.runner_label,
+        )
+        .with_report_outage_tolerance(self.report_outage_tolerance)
+    }
+
+    /// The part of every executor's environment ([`ExecutorSpec::environment`]) that is
+    /// the same whatever the job: what a warm environment's executor (`vm_warm_pool`),
+    /// started before any job, is given. The facade hands it the rest once a job claimed
+    /// it.
+    pub fn standby_environment(&self) -> BTreeMap<&'static str, String> {
+        BTreeMap::from([
+            (env::FACADE_URL, self.facade_url.clone()),
+            (env::FACADE_SPIFFE_ID, self.facade_spiffe_id.clone()),
+            (env::BACKEND, self.backend.as_str().to_owned()),
+            (env::RUNNER_LABEL, self.runner_label.clone()),
+            (
+                env::REPORT_OUTAGE_TOLERANCE,
+                self.report_outage_tolerance.as_secs().to_string(),
+            ),
+        ])
+    }
 }
 
 /// The trust rules a worker applies to what it reads from the queue (DESIGN invariant 21).
@@ -942,15 +977,10 @@ impl Worker {
     }
 
     fn spec(&self, assignment: &Assignment) -> ExecutorSpec {
-        ExecutorSpec::new(
+        self.settings.spec(
             assignment,
             self.dispatch.capability_key().issue(assignment.id()),
-            &self.settings.codec,
-            &self.settings.facade_url,
-            &self.settings.facade_spiffe_id,
-            &self.settings.runner_label,
         )
-        .with_report_outage_tolerance(self.settings.report_outage_tolerance)
     }
 
     /// A create that answered with an error may still have stored the executor (the call
@@ -1009,5 +1039,54 @@ impl Worker {
                     .await
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 39 item 5: a warm executor's environment is every executor's minus the
+    /// job's own variables (its assignment, capability and SPIFFE ID), from the one
+    /// place the worker builds specs, so a claimed warm sandbox's executor runs as a
+    /// fresh one would.
+    #[test]
+    fn the_standby_environment_is_every_executors_environment_without_the_jobs_own_variables() {
+        let td = gdr_core::identity::TrustDomain::new("example.org").unwrap();
+        let settings = WorkerSettings {
+            backend: Backend::Vm,
+            full_delay: Duration::from_secs(1),
+            not_ready_delay: Duration::from_secs(1),
+            error_delay: Duration::from_secs(1),
+            progress_interval: Duration::from_secs(1),
+            start_deadline: Duration::from_secs(600),
+            facade_url: "https://facade.test:8443".into(),
+            facade_spiffe_id: "spiffe://example.org/gitea-runner-facade".into(),
+            runner_label: "kata".into(),
+            codec: MetadataCodec::default(),
+            report_outage_tolerance: Duration::from_secs(1800),
+            envelopes: EnvelopeTrust {
+                accept_plaintext: false,
+                max_age: Duration::from_secs(3600),
+                accept_undated: false,
+            },
+            held_subject: "held".into(),
+        };
+        let assignment = gdr_testkit::backend_contract::assignment(
+            7,
+            "octo-org/hello-world",
+            "build",
+            Backend::Vm,
+            &td,
+        );
+        let key =
+            gdr_core::capability::CapabilityKey::new(b"0123456789abcdef0123456789abcdef").unwrap();
+        let mut every = settings
+            .spec(&assignment, key.issue(assignment.id()))
+            .environment();
+        for per_job in [env::ASSIGNMENT_ID, env::CAPABILITY, env::SPIFFE_ID] {
+            assert!(every.remove(per_job).is_some(), "{per_job}");
+        }
+        assert_eq!(settings.standby_environment(), every);
     }
 }

@@ -5,10 +5,10 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use gdr_backends::kubernetes::{KubernetesBackend, RESYNC, WarmPass};
+use gdr_backends::kubernetes::{KubernetesBackend, RESYNC};
 use gdr_core::executor::ExecutorError;
 
-use super::Extras;
+use super::{Extras, upkeep};
 use crate::kube_client::{self, Retries};
 use crate::lifecycle::{Housekeeping, Upkeep};
 use crate::runtime::{RuntimeError, setup};
@@ -34,28 +34,6 @@ impl Housekeeping for KubernetesBackend {
         }
         let pass = self.reconcile_warm_pool().await?;
         Ok(upkeep(pass))
-    }
-}
-
-/// A pass over the warm pool as the lifecycle's metrics take it.
-fn upkeep(pass: WarmPass) -> Upkeep {
-    let WarmPass {
-        created,
-        deleted,
-        deleted_by,
-        members,
-        claims,
-    } = pass;
-    Upkeep {
-        changed: created + deleted,
-        warm: Some(
-            members
-                .into_iter()
-                .map(|((profile, state), n)| ((profile.unwrap_or_default(), state), n))
-                .collect(),
-        ),
-        discarded: deleted_by,
-        claims,
     }
 }
 

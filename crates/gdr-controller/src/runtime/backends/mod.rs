@@ -4,6 +4,7 @@
 
 #[cfg(feature = "kubernetes")]
 mod kubernetes;
+mod opensandbox;
 mod spire;
 
 use std::collections::BTreeMap;
@@ -13,9 +14,10 @@ use std::time::Duration;
 
 use gdr_backends::opensandbox::{ApiKey, OpenSandboxBackend};
 use gdr_backends::process::{IdentityProvider, ProcessBackend, ProcessBackendSettings};
+use gdr_backends::warm::WarmPass;
 use gdr_core::assignment::DerivationPolicy;
 use gdr_core::backend::Backend;
-use gdr_core::executor::ExecutorBackend;
+use gdr_core::executor::{ExecutorBackend, WarmClaims};
 use gdr_core::metadata::MetadataCodec;
 use gdr_identity::workload_api::LocalIdentity;
 
@@ -24,7 +26,7 @@ use super::{
     setup, step,
 };
 use crate::dispatch::Dispatch;
-use crate::lifecycle::Housekeeping;
+use crate::lifecycle::{Housekeeping, Upkeep};
 use crate::settings::{
     BackendSettings, IdentitySource, OpenSandboxSettings, PodBackend, ProcessSettings,
     SecretPermissions, VmBackend, read_secret_file_with,
@@ -93,9 +95,9 @@ pub(super) async fn backends(
     pod: Option<BackendSettings<PodBackend>>,
     vm: Option<BackendSettings<VmBackend>>,
     wiring: &Wiring<'_>,
+    warm_claims: Arc<dyn WarmClaims>,
 ) -> Result<(Backends, BTreeMap<Backend, Extras>), RuntimeError> {
     let mut out: Backends = Vec::new();
-    #[cfg_attr(not(feature = "kubernetes"), allow(unused_mut))]
     let mut extras = BTreeMap::new();
     // One provider for both process backends: one uid pool.
     let spire_settings = [
@@ -153,7 +155,22 @@ pub(super) async fn backends(
                 identity("vm")?,
             )?),
             VmBackend::OpenSandbox(opensandbox) => {
-                Arc::new(opensandbox_backend(*opensandbox, wiring)?)
+                let backend = Arc::new(
+                    opensandbox_backend(*opensandbox, wiring)?.with_warm_claims(warm_claims),
+                );
+                tracing::info!(
+                    pool = %backend.settings().pool,
+                    warm_pool = backend.settings().warm_pool,
+                    "vm backend: OpenSandbox sandboxes"
+                );
+                extras.insert(
+                    Backend::Vm,
+                    Extras {
+                        housekeeping: Some(backend.clone()),
+                        ..Extras::default()
+                    },
+                );
+                backend
             }
         };
         out.push((adapter, slots));
@@ -259,6 +276,28 @@ fn opensandbox_backend(
     )
     .map_err(setup("building the OpenSandbox TLS configuration"))?;
     OpenSandboxBackend::connect(backend, &key, tls).map_err(setup("building the vm backend"))
+}
+
+/// A pass over a warm pool as the lifecycle's metrics and status take it.
+fn upkeep(pass: WarmPass) -> Upkeep {
+    let WarmPass {
+        created,
+        deleted,
+        deleted_by,
+        members,
+        claims,
+    } = pass;
+    Upkeep {
+        changed: created + deleted,
+        warm: Some(
+            members
+                .into_iter()
+                .map(|((profile, state), n)| ((profile.unwrap_or_default(), state), n))
+                .collect(),
+        ),
+        discarded: deleted_by,
+        claims,
+    }
 }
 
 pub(super) async fn restore(
