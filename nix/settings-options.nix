@@ -259,7 +259,7 @@ in
   executor_start_deadline = mkOption {
     type = types.nullOr (types.either types.str types.ints.unsigned);
     default = null;
-    description = "An executor whose runner has not claimed its task this long after the executor was created is failed (counted from its creation, across controller restarts); a warm Pod (`pod_warm_pool`) not running this long after its creation is replaced. Default: `10m`.";
+    description = "An executor whose runner has not claimed its task this long after the executor was created is failed (counted from its creation, across controller restarts); a warm Pod (`pod_warm_pool`) or sandbox (`vm_warm_pool`) not running this long after its creation is replaced. Default: `10m`.";
   };
   executor_idle_timeout = mkOption {
     type = types.nullOr (types.either types.str types.ints.unsigned);
@@ -414,7 +414,7 @@ in
   pod_warm_pool = mkOption {
     type = types.nullOr (types.ints.unsigned);
     default = null;
-    description = "Warm Pods without a profile to keep ready (0, the default: none, every job's Pod is created for it). A warm Pod is created before any job, holds no identity and no capability, and is claimed by exactly one job, which then gets its identity bound and its capability; it is deleted after that job like any Pod and replaced. A profile's own count is its `warm_pool` field in `pod_profiles`. The VM backend has no such key: its OpenSandbox Pool (`opensandbox_pool`) is its warm pool. Default: `0`.";
+    description = "Warm Pods without a profile to keep ready (0, the default: none, every job's Pod is created for it). A warm Pod is created before any job, holds no identity and no capability, and is claimed by exactly one job, which then gets its identity bound and its capability; it is deleted after that job like any Pod and replaced. A profile's own count is its `warm_pool` field in `pod_profiles`. The VM backend's is `vm_warm_pool`. Default: `0`.";
   };
   spire_cluster = mkOption {
     type = types.nullOr (types.str);
@@ -485,6 +485,11 @@ in
     type = types.nullOr (types.either types.str types.ints.unsigned);
     default = null;
     description = "A VM sandbox whose job's result Gitea accepted is deleted this long after the controller saw its terminal marker: OpenSandbox keeps a sandbox `Running` after its executor exited, so the exit cannot be waited for. The runner has its answer before the marker is written; this only gives the executor time to exit cleanly. Default: `15s`.";
+  };
+  vm_warm_pool = mkOption {
+    type = types.nullOr (types.ints.unsigned);
+    default = null;
+    description = "Warm VM sandboxes the opensandbox vm backend keeps ready (0, the default: none, every job's sandbox is created for it). The OpenSandbox Pool's buffer (its `bufferMin`, `bufferMax`) pre-starts the VMs either way; a warm sandbox also has its executor started and is named before any job: it holds no identity and no capability until exactly one job claims it, after which `sandbox-identity` binds the job's SPIFFE ID to it and its executor fetches its assignment from the facade. It is deleted after that job like any sandbox and replaced. Counted within the Pool's capacity, beside `vm_capacity`. Default: `0`.";
   };
   spire_cluster_name = mkOption {
     type = types.nullOr (types.str);

@@ -31,14 +31,16 @@
 //! is passed.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use crate::warm::ClaimCounts;
 use async_trait::async_trait;
 use gdr_core::assignment::AssignmentId;
 use gdr_core::backend::Backend;
 use gdr_core::executor::{
-    Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec, IdentityTarget, Phase,
+    Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec, IdentityTarget,
+    LocalWarmClaims, Phase, WarmClaims,
 };
 use gdr_core::identity::TrustDomain;
 use gdr_core::metadata::{self, Marker, MetadataCodec, MetadataError};
@@ -70,8 +72,8 @@ pub struct OpenSandboxSettings {
     pub renew_before: Duration,
     /// Page size of lists (1..=200, default 200).
     pub page_size: u32,
-    /// Warm sandboxes to keep ready (`vm_warm_pool`, default 0: none): see
-    /// [`super::warm`].
+    /// Warm sandboxes to keep ready (`vm_warm_pool`, default 0: none; the `warm`
+    /// module).
     pub warm_pool: u32,
     /// A warm sandbox not running this long after its creation is replaced
     /// (`executor_start_deadline`).
@@ -80,6 +82,24 @@ pub struct OpenSandboxSettings {
     pub codec: MetadataCodec,
     /// Trust domain the recorded SPIFFE IDs must belong to.
     pub trust_domain: TrustDomain,
+}
+
+/// The warm pool's state in the backend (used by the `warm` module): the arbiter, the members' static environment
+/// (known once the facade's URL is), and the claims counted since the last pass.
+pub(super) struct WarmState {
+    pub(super) claims: Arc<dyn WarmClaims>,
+    pub(super) environment: Mutex<Option<BTreeMap<String, String>>>,
+    pub(super) counts: ClaimCounts,
+}
+
+impl Default for WarmState {
+    fn default() -> Self {
+        WarmState {
+            claims: Arc::new(LocalWarmClaims::default()),
+            environment: Mutex::new(None),
+            counts: ClaimCounts::default(),
+        }
+    }
 }
 
 /// Why the settings cannot work.
@@ -218,7 +238,7 @@ pub struct OpenSandboxBackend {
     /// marker patch. Only an optimisation: a stale entry answers 404 and is looked up again.
     ids: Mutex<HashMap<AssignmentId, String>>,
     /// The warm pool's arbiter, its standby environment and its claim counts.
-    pub(super) warm: super::warm::WarmState,
+    pub(super) warm: WarmState,
 }
 
 impl std::fmt::Debug for OpenSandboxBackend {
@@ -241,7 +261,7 @@ impl OpenSandboxBackend {
             settings,
             client,
             ids: Mutex::new(HashMap::new()),
-            warm: super::warm::WarmState::default(),
+            warm: WarmState::default(),
         })
     }
 

@@ -34,20 +34,17 @@
 //! moment keeps it. Nothing is remembered between passes.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use gdr_core::assignment::AssignmentId;
-use gdr_core::executor::{
-    ExecutorError, ExecutorRecord, ExecutorSpec, LocalWarmClaims, Phase, WarmClaims, env,
-};
+use gdr_core::executor::{ExecutorError, ExecutorRecord, ExecutorSpec, Phase, WarmClaims, env};
 use gdr_core::metadata;
 
 use super::backend::{OpenSandboxBackend, api_error, phase};
 use super::client::{ClientError, CreateSandbox, Sandbox};
 use crate::warm::{
-    self, CLAIMED, CLAIMED_AT_KEY, ClaimCounts, Member, State, TEMPLATE_KEY, UNCLAIMED, WARM_KEY,
-    WarmPass,
+    self, CLAIMED, CLAIMED_AT_KEY, Member, State, TEMPLATE_KEY, UNCLAIMED, WARM_KEY, WarmPass,
 };
 
 /// Metadata key (under the prefix): the member's standby ID, the value of its executor's
@@ -62,24 +59,6 @@ pub const HOLD_GRACE: Duration = Duration::from_secs(60);
 /// The task ID whose assignment the pass holds a member under while deleting it: Gitea's
 /// auto-incremented task IDs never reach it.
 const REAPER_TASK_ID: i64 = i64::MAX;
-
-/// The warm pool's state in the backend: the arbiter, the members' static environment
-/// (known once the facade's URL is), and the claims counted since the last pass.
-pub(super) struct WarmState {
-    claims: Arc<dyn WarmClaims>,
-    environment: Mutex<Option<BTreeMap<String, String>>>,
-    counts: ClaimCounts,
-}
-
-impl Default for WarmState {
-    fn default() -> Self {
-        WarmState {
-            claims: Arc::new(LocalWarmClaims::default()),
-            environment: Mutex::new(None),
-            counts: ClaimCounts::default(),
-        }
-    }
-}
 
 /// A member's state from what the server and the arbiter say: `held_since` is when the
 /// arbiter gave it to a job (it still reads `warm=true`, so that job's patch never came).
@@ -139,7 +118,9 @@ fn unix_secs(t: SystemTime) -> u64 {
 
 impl OpenSandboxBackend {
     /// The same backend deciding warm claims with `claims` (the controller's is shared by
-    /// every replica); without it, [`LocalWarmClaims`], right within one process only.
+    /// every replica); without it,
+    /// [`LocalWarmClaims`](gdr_core::executor::LocalWarmClaims), right within one
+    /// process only.
     #[must_use]
     pub fn with_warm_claims(mut self, claims: Arc<dyn WarmClaims>) -> Self {
         self.warm.claims = claims;
