@@ -13,6 +13,7 @@ use gdr_backends::opensandbox::client::{ClientError, CreateSandbox};
 use gdr_backends::opensandbox::warm::STANDBY_ID_KEY;
 use gdr_backends::opensandbox::{OpenSandboxBackend, OpenSandboxSettings};
 use gdr_backends::warm;
+use gdr_core::assignment::AssignmentId;
 use gdr_core::backend::Backend;
 use gdr_core::executor::{
     ExecutorBackend, ExecutorError, ExecutorSpec, LocalWarmClaims, Phase, WarmClaims, env,
@@ -688,4 +689,59 @@ async fn a_warm_members_vm_has_no_identity_until_a_job_claims_it_then_the_jobs()
     );
     assert_eq!(host.vms().len(), 1, "no second VM for the job");
     backend.delete(spec.assignment.id()).await.unwrap();
+}
+
+/// Issue 39 item 5, DESIGN invariant 8: a claimant that won a member in the arbiter and
+/// died before its patch leaves the member held and unclaimed. The same job's retry gets
+/// that member back (the arbiter answers its holder again); a member held for another
+/// job that never comes back can serve no one, so a pass past the hold grace discards it
+/// as ended and replaces it.
+#[tokio::test]
+async fn a_member_a_dead_claimant_left_held_goes_to_its_retry_or_is_discarded_after_the_grace() {
+    let mut setup = Setup::new(PoolSpec::new(4)).await;
+    setup.settings.warm_hold_grace = Duration::from_secs(1);
+    let claims: Arc<dyn WarmClaims> = Arc::new(LocalWarmClaims::default());
+    let backend = setup
+        .warm_backend(1, "https://facade.test")
+        .with_warm_claims(claims.clone());
+    backend.reconcile_warm_pool().await.unwrap();
+    let member = setup.members().await.into_keys().next().expect("a member");
+
+    // The claimant of job 1 won the member, then died before patching it.
+    let retried = setup.spec(1);
+    assert!(
+        claims
+            .claim(&member, retried.assignment.id())
+            .await
+            .unwrap()
+    );
+    let record = backend.create(&retried).await.unwrap();
+    assert_eq!(record.name, member, "the retry gets its member back");
+    backend.delete(retried.assignment.id()).await.unwrap();
+
+    backend.reconcile_warm_pool().await.unwrap();
+    let orphan = eventually(DEADLINE, "a new member", || async {
+        setup.members().await.into_keys().find(|id| *id != member)
+    })
+    .await;
+    // Job 2's claimant won this one and died; job 2 never comes back.
+    let gone = AssignmentId::from_task_id(2).unwrap();
+    assert!(claims.claim(&orphan, &gone).await.unwrap());
+    let other = setup.spec(3);
+    let fresh = backend.create(&other).await.unwrap();
+    assert_ne!(fresh.name, orphan, "a held member serves no other job");
+    let discarded = std::sync::atomic::AtomicUsize::new(0);
+    eventually(DEADLINE, "a pass discards the held member", || async {
+        let pass = backend.reconcile_warm_pool().await.unwrap();
+        let ended = pass.deleted_by.get("ended").copied().unwrap_or(0);
+        let total = discarded.fetch_add(ended, std::sync::atomic::Ordering::Relaxed) + ended;
+        (total == 1).then_some(())
+    })
+    .await;
+    eventually(DEADLINE, "a replacement takes its place", || async {
+        let now = setup.members().await;
+        (now.len() == 1 && !now.contains_key(&orphan)).then_some(())
+    })
+    .await;
+    backend.delete(other.assignment.id()).await.unwrap();
 }

@@ -61,4 +61,9 @@ pub mod opensandbox {
     pub const TIMEOUT: Duration = Duration::from_secs(4 * 3600);
     /// Renew an expiry closer than this (`vm_renew_before`).
     pub const RENEW_BEFORE: Duration = Duration::from_secs(600);
+    /// How long a warm sandbox may be held in the claims arbiter while its metadata still
+    /// reads unclaimed (not a setting): above a claim's patch (one request,
+    /// `opensandbox_request_timeout` defaults to 30 s), so only a claimant that died
+    /// leaves one held longer.
+    pub const WARM_HOLD_GRACE: Duration = Duration::from_secs(60);
 }

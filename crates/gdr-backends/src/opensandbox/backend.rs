@@ -78,6 +78,10 @@ pub struct OpenSandboxSettings {
     /// A warm sandbox not running this long after its creation is replaced
     /// (`executor_start_deadline`).
     pub warm_start_deadline: Duration,
+    /// A member held in the warm-claims arbiter this long while its metadata still reads
+    /// unclaimed was left by a claimant that died, and is discarded (default
+    /// [`crate::defaults::opensandbox::WARM_HOLD_GRACE`]; not a setting).
+    pub warm_hold_grace: Duration,
     /// The metadata codec (its prefix).
     pub codec: MetadataCodec,
     /// Trust domain the recorded SPIFFE IDs must belong to.
@@ -129,6 +133,7 @@ impl OpenSandboxSettings {
             page_size: MAX_PAGE_SIZE,
             warm_pool: 0,
             warm_start_deadline: crate::defaults::executor::START_DEADLINE,
+            warm_hold_grace: default::WARM_HOLD_GRACE,
             codec,
             trust_domain,
         }

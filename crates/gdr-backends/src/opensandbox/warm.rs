@@ -52,9 +52,8 @@ use crate::warm::{
 pub const STANDBY_ID_KEY: &str = "standby-id";
 
 /// How long a member may be held in the arbiter while its metadata still reads
-/// `warm=true`: above a claim's patch (one request, `opensandbox_request_timeout`
-/// defaults to 30 s), so only a claimant that died leaves one held longer.
-pub const HOLD_GRACE: Duration = Duration::from_secs(60);
+/// `warm=true` ([`crate::defaults::opensandbox::WARM_HOLD_GRACE`]).
+pub const HOLD_GRACE: Duration = crate::defaults::opensandbox::WARM_HOLD_GRACE;
 
 /// The task ID whose assignment the pass holds a member under while deleting it: Gitea's
 /// auto-incremented task IDs never reach it.
@@ -67,14 +66,14 @@ pub fn member_state(
     of_current_template: bool,
     created: SystemTime,
     held_since: Option<SystemTime>,
-    (now, start_deadline): (SystemTime, Duration),
+    (now, start_deadline, hold_grace): (SystemTime, Duration, Duration),
 ) -> State {
     let older_than = |since: SystemTime, limit: Duration| {
         now.duration_since(since).is_ok_and(|age| age >= limit)
     };
     match phase {
         Phase::Finished { .. } => State::Ended,
-        _ if held_since.is_some_and(|t| older_than(t, HOLD_GRACE)) => State::Ended,
+        _ if held_since.is_some_and(|t| older_than(t, hold_grace)) => State::Ended,
         _ if !of_current_template => State::Outdated,
         Phase::Starting { .. } if older_than(created, start_deadline) => State::Stalled,
         Phase::Starting { .. } => State::Starting,
@@ -216,7 +215,11 @@ impl OpenSandboxBackend {
                     current,
                     sandbox.created_at,
                     held_since,
-                    (now, self.settings.warm_start_deadline),
+                    (
+                        now,
+                        self.settings.warm_start_deadline,
+                        self.settings.warm_hold_grace,
+                    ),
                 )
             };
             members.push(Member {
@@ -412,7 +415,13 @@ mod tests {
     }
 
     fn state(phase: Phase, current: bool, held: Option<u64>, now: u64) -> State {
-        member_state(&phase, current, at(1000), held.map(at), (at(now), DEADLINE))
+        member_state(
+            &phase,
+            current,
+            at(1000),
+            held.map(at),
+            (at(now), DEADLINE, HOLD_GRACE),
+        )
     }
 
     fn starting() -> Phase {
