@@ -201,9 +201,10 @@ impl ClaimCounts {
 }
 
 /// A fingerprint of a member template's JSON (a Pod template, a sandbox request): 64-bit
-/// FNV-1a, as 16 hex digits. Only told apart from another template's, never trusted: a collision keeps an outdated member,
-/// it does not let anything in. Serde's output of one template is the same on every pass;
-/// a controller upgrade that serialises it differently replaces the pool once.
+/// FNV-1a, as 16 hex digits. Only told apart from another template's, never trusted: a
+/// collision keeps an outdated member, it does not let anything in. Serde's output of one
+/// template is the same on every pass; a controller upgrade that serialises it
+/// differently replaces the pool once.
 pub fn template_fingerprint(template_json: &[u8]) -> String {
     const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
     const PRIME: u64 = 0x0100_0000_01b3;

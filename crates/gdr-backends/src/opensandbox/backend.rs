@@ -88,8 +88,9 @@ pub struct OpenSandboxSettings {
     pub trust_domain: TrustDomain,
 }
 
-/// The warm pool's state in the backend (used by the `warm` module): the arbiter, the members' static environment
-/// (known once the facade's URL is), and the claims counted since the last pass.
+/// The warm pool's state in the backend (used by the `warm` module): the arbiter, the
+/// members' static environment (known once the facade's URL is), and the claims counted
+/// since the last pass.
 pub(super) struct WarmState {
     pub(super) claims: Arc<dyn WarmClaims>,
     pub(super) environment: Mutex<Option<BTreeMap<String, String>>>,

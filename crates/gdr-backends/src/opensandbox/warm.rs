@@ -12,7 +12,8 @@
 //! was made from (`<prefix>warm-template`). Its executor waits in standby: once a job
 //! claimed the sandbox and `sandbox-identity` issued the job's SVID, it asks the facade
 //! for its assignment by its standby ID ([`gdr_core::executor::standby`]), which the
-//! facade looks up with [`ExecutorBackend::claimed_standby`](gdr_core::executor::ExecutorBackend::claimed_standby).
+//! facade looks up with
+//! [`ExecutorBackend::claimed_standby`](gdr_core::executor::ExecutorBackend::claimed_standby).
 //!
 //! **The claim.** OpenSandbox's metadata patch has no precondition, so two claimants of one
 //! member would both succeed; the backend's [`WarmClaims`] arbiter decides first (DESIGN
@@ -27,11 +28,12 @@
 //! its holder again); otherwise no job can ever claim it, so a pass discards a member
 //! held for longer than [`HOLD_GRACE`] that still reads `warm=true` (as ended).
 //!
-//! **The pass** ([`OpenSandboxBackend::reconcile_warm_pool`]) lists the members, maps them to
-//! [`State`]s, runs [`warm::plan`], deletes and creates, and renews members' expiry (they are
-//! not `runner=true`, so [`ExecutorBackend::list`](gdr_core::executor::ExecutorBackend::list) does not). Before deleting a live
-//! member (a surplus) it takes it in the arbiter itself, so a job claiming it at that
-//! moment keeps it. Nothing is remembered between passes.
+//! **The pass** ([`OpenSandboxBackend::reconcile_warm_pool`]) lists the members, maps them
+//! to [`State`]s, runs [`warm::plan`], deletes and creates, and renews members' expiry
+//! (they are not `runner=true`, so
+//! [`ExecutorBackend::list`](gdr_core::executor::ExecutorBackend::list) does not). Before
+//! deleting a live member (a surplus) it takes it in the arbiter itself, so a job claiming
+//! it at that moment keeps it. Nothing is remembered between passes.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
