@@ -70,7 +70,9 @@ pub(crate) async fn handler(
         .extensions()
         .get::<PeerSpiffeId>()
         .map(|p| p.0.clone());
-    let standby_id = header(request.headers(), standby::ID_HEADER).trim().to_owned();
+    let standby_id = header(request.headers(), standby::ID_HEADER)
+        .trim()
+        .to_owned();
     // The body is dropped unread with the request.
     drop(request);
     facade

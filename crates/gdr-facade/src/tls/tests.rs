@@ -296,7 +296,10 @@ fn a_standby_request_binds_no_assignment_and_is_served_only_within_its_identitys
     assert!(held.bound.get().is_none(), "bound to nothing");
     {
         let s = t.lock();
-        assert!(s.per_assignment.is_empty(), "nothing counted for an assignment");
+        assert!(
+            s.per_assignment.is_empty(),
+            "nothing counted for an assignment"
+        );
         assert_eq!(s.per_identity.get(JOB), Some(&1), "in its identity's share");
     }
     let slot = t.admit(A).unwrap();
