@@ -183,7 +183,9 @@ async fn assignment(config: &StandbyConfig) -> Result<BTreeMap<String, String>, 
 /// Asks the Workload API for the SVID until it is issued (a job claimed the sandbox).
 async fn svid(config: &StandbyConfig) -> SvidStream {
     tracing::info!(standby_id = %config.standby_id, endpoint = %config.workload_api, "warm executor: waiting for a job to claim this sandbox (its SVID comes with the claim)");
-    let mut last: Option<&'static str> = None;
+    const UNUSABLE: &str = "the SVID is not usable";
+    // The first state is the one the line above announced.
+    let mut last: Option<&'static str> = Some("no SVID yet");
     loop {
         let state = match svid_stream::try_svid_stream(&config.workload_api, SVID_ASK).await {
             Ok(svids) => {
@@ -194,15 +196,13 @@ async fn svid(config: &StandbyConfig) -> SvidStream {
             Err(SvidStreamError::NoSvid { .. }) => "no SVID yet",
             Err(SvidStreamError::Silent { .. }) => "the Workload API does not answer",
             Err(e) => {
-                if last != Some("unusable") {
+                if last != Some(UNUSABLE) {
                     tracing::warn!(standby_id = %config.standby_id, error = %e, "warm executor: the Workload API's answer is not usable; asking again");
                 }
-                last = Some("unusable");
-                tokio::time::sleep(SVID_POLL).await;
-                continue;
+                UNUSABLE
             }
         };
-        if last.is_some_and(|l| l != state) {
+        if last != Some(state) && state != UNUSABLE {
             tracing::info!(standby_id = %config.standby_id, state, "warm executor: still waiting for its SVID");
         }
         last = Some(state);

@@ -20,8 +20,7 @@ use http::StatusCode;
 use crate::ports::{AuthError, Liveness};
 use crate::{Facade, PeerSpiffeId, header, refusal};
 
-/// What a standby request gets.
-#[derive(Debug)]
+/// What a standby request gets (no `Debug`: it holds the capability, never logged).
 pub(crate) enum Answer {
     /// `200`: the assignment's variables, the capability included (never logged).
     Assignment(BTreeMap<String, String>),
