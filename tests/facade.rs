@@ -738,6 +738,14 @@ async fn a_warm_sandboxs_assignment_is_handed_only_to_the_workload_of_the_job_th
         names.is_empty(),
         "only an assignment's variables: {names:?}"
     );
+
+    env.backend
+        .set_failing(Some(gdr_testkit::memory_backend::Failure::Unavailable));
+    let (status, body) = standby_post(&env, &own, STANDBY_ID).await;
+    assert_eq!(
+        status, 503,
+        "the backend cannot be read: ask again ({body})"
+    );
 }
 
 /// DESIGN invariant 15 (issue 39 item 5): once the runner claimed its task, the standby
@@ -832,6 +840,46 @@ async fn a_warm_vm_executor_dials_nothing_before_its_svid_then_runs_the_job_that
         !stderr.contains(&env.capability(&a)),
         "the capability is never logged"
     );
+}
+
+/// A warm VM executor whose standby request the facade refuses for good (here: its SVID is
+/// another job's than the one that claimed its sandbox) exits at once with the facade's
+/// reason, instead of asking forever (DESIGN invariant 15).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_warm_vm_executor_refused_by_the_facade_exits_with_the_reason() {
+    let bin = executor_binary();
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    env.backend.claim_standby(STANDBY_ID, a.id());
+    let workload = env
+        .workload("spiffe://example.org/ci/owner/repo/branch/main/other")
+        .await;
+    let output = tokio::time::timeout(
+        WAIT,
+        tokio::process::Command::new(&bin)
+            .arg("executor")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("CI_EXECUTOR_STANDBY_ID", STANDBY_ID)
+            .env("CI_RUNNER_FACADE_URL", env.facade_url())
+            .env("CI_RUNNER_FACADE_SPIFFE_ID", FACADE_ID)
+            .env("CI_RUNNER_BACKEND", "vm")
+            .env("SPIFFE_ENDPOINT_SOCKET", workload.endpoint())
+            .env("GITEA_RUNNER_BINARY", STANDIN)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the executor ends")
+    .expect("the executor runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the facade refused to hand standby warm-1 its assignment")
+            && stderr.contains("SPIFFE ID is not the claiming job's"),
+        "{stderr}"
+    );
+    assert!(!env.backend.records()[0].claimed, "no runner ran");
 }
 
 /// Issue 39 item 2: no probe of the facade precedes the runner. The runner starts while
