@@ -6,12 +6,12 @@
 //! the claim wrote. So a warm sandbox's executor gets [`env::STANDBY_ID`] and the facade's
 //! address and identity, but no assignment, no capability and no SVID: its SPIRE entry is
 //! made only after a job claimed the sandbox. Until the Workload API issues its SVID the
-//! executor only asks for it, every [`SVID_POLL`], and dials nothing. With the SVID it asks
+//! executor only asks for it, every 200 ms, and dials nothing. With the SVID it asks
 //! the facade for its assignment over mTLS, verifying the facade's exact SPIFFE ID as the
 //! executor always does ([`gdr_core::executor::standby`]), and then runs itself again
 //! (`exec`, keeping its process) with those variables, exactly as a fresh sandbox's
 //! executor starts: its own single Workload API stream, its ready timeout counted from the
-//! claim. The standby's stream and connection end with the `exec`.
+//! claim. The standby's stream and connection are closed before the `exec`.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

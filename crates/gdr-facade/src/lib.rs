@@ -15,7 +15,7 @@
 //! - `Register` is refused.
 //!
 //! A warm VM sandbox's executor asks for its assignment at [`gdr_core::executor::standby::PATH`]
-//! once a job claimed its sandbox ([`standby`]): only the claiming job's workload gets it,
+//! once a job claimed its sandbox (module `standby`): only the claiming job's workload gets it,
 //! and only until its runner claimed the task.
 //!
 //! Everything else is reverse-proxied to Gitea ([`proxy`]), for the executor of a live
@@ -137,7 +137,7 @@ impl Facade {
     /// the peer's SPIFFE ID before its body is read (DESIGN invariant 21): a peer without a
     /// valid assignment credential cannot make the facade buffer a body, and only the
     /// executor of a live assignment reaches Gitea through the pass-through (invariant 15).
-    /// A warm executor's standby request is answered by its own route ([`standby`]).
+    /// A warm executor's standby request is answered by its own route (module `standby`).
     pub fn app(self: Arc<Self>, proxy: proxy::ReverseProxy) -> axum::Router {
         let runner_api = axum::Router::new()
             .fallback_service(self.clone().router().into_axum_service())
