@@ -842,6 +842,49 @@ async fn a_warm_vm_executor_dials_nothing_before_its_svid_then_runs_the_job_that
     );
 }
 
+/// Issue 39 item 5: a warm VM executor that has its SVID before the facade knows of the
+/// claim (the backend's view lags) is answered 404 and asks again, and runs its job once
+/// the claim is seen.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_warm_vm_executor_asks_again_until_the_facade_knows_of_the_claim() {
+    let bin = executor_binary();
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let executor = tokio::process::Command::new(&bin)
+        .arg("executor")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("CI_EXECUTOR_STANDBY_ID", STANDBY_ID)
+        .env("CI_RUNNER_FACADE_URL", env.facade_url())
+        .env("CI_RUNNER_FACADE_SPIFFE_ID", FACADE_ID)
+        .env("CI_RUNNER_BACKEND", "vm")
+        .env("SPIFFE_ENDPOINT_SOCKET", workload.endpoint())
+        .env("CI_EXECUTOR_READY_TIMEOUT", "20")
+        .env("GITEA_RUNNER_BINARY", STANDIN)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the executor starts");
+    // One executor asks one request at a time: by its second ask, the first was answered
+    // from a backend that knew of no claim.
+    gdr_testkit::until(
+        WAIT,
+        "the warm executor to ask the facade twice",
+        || async { env.backend.standby_calls() >= 2 },
+    )
+    .await;
+    env.backend.claim_standby(STANDBY_ID, a.id());
+    let output = tokio::time::timeout(WAIT, executor.wait_with_output())
+        .await
+        .expect("the executor ends")
+        .expect("the executor runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{}\n{stderr}", output.status);
+    env.job_status(&a, Status::Success).await;
+}
+
 /// A warm VM executor whose standby request the facade refuses for good (here: its SVID is
 /// another job's than the one that claimed its sandbox) exits at once with the facade's
 /// reason, instead of asking forever (DESIGN invariant 15).

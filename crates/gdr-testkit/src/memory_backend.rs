@@ -75,6 +75,8 @@ struct State {
     /// Warm members claimed by a job: standby ID → the assignment whose executor the
     /// claim made of it.
     standbys: BTreeMap<String, AssignmentId>,
+    /// Calls of `claimed_standby`.
+    standby_calls: usize,
 }
 
 /// Holds `record_claimed` back, as a slow Pod PATCH or sandbox metadata write would.
@@ -292,6 +294,11 @@ impl MemoryBackend {
             .insert(standby_id.to_owned(), id.clone());
     }
 
+    /// Calls of [`ExecutorBackend::claimed_standby`] so far.
+    pub fn standby_calls(&self) -> usize {
+        self.state().standby_calls
+    }
+
     fn check(&self) -> Result<(), ExecutorError> {
         match &self.state().failing {
             Some(f) => Err(f.error()),
@@ -426,6 +433,7 @@ impl ExecutorBackend for MemoryBackend {
         &self,
         standby_id: &str,
     ) -> Result<Option<ExecutorRecord>, ExecutorError> {
+        self.state().standby_calls += 1;
         self.check()?;
         let state = self.state();
         Ok(state
