@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use connectrpc::client::{ClientConfig, HttpClient};
 use gdr_controller::dispatch::{ClaimState, Dispatch};
+use gdr_controller::facade::{BackendStandbys, ExecutorChannel};
 use gdr_controller::settings::FacadeLimits;
 use gdr_controller::shutdown::{ShutdownTrigger, shutdown_channel};
 use gdr_core::assignment::{Assignment, DerivationPolicy};
@@ -83,6 +84,8 @@ pub(super) struct Env {
     pub(super) dispatch: Arc<Dispatch>,
     facade_api: RunningWorkloadApi,
     pub(super) facade_addr: std::net::SocketAddr,
+    /// The facade's connection counters.
+    facade_stats: Arc<FacadeStats>,
     metrics: Arc<gdr_controller::job_metrics::JobMetrics>,
     stop: ShutdownTrigger,
 }
@@ -158,6 +161,24 @@ impl Env {
             }
         };
         let metrics = Arc::new(gdr_controller::job_metrics::JobMetrics::default());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let facade_addr = listener.local_addr().expect("addr");
+        // The memory backend stands in for the VM backend's claim of a warm sandbox
+        // (`MemoryBackend::claim_standby`); the controller's own port answers from it.
+        let standbys = BackendStandbys::new(
+            dispatch.clone(),
+            std::collections::BTreeMap::from([(
+                Backend::Pod,
+                ExecutorChannel {
+                    facade_url: format!("https://{facade_addr}"),
+                    facade_spiffe_id: FACADE_ID.into(),
+                    runner_label: "pod".into(),
+                    report_outage_tolerance: Duration::from_secs(600),
+                },
+            )]),
+        );
         let facade = Arc::new(
             Facade::new(
                 dispatch.clone(),
@@ -165,28 +186,20 @@ impl Env {
                 Some("job-summary".into()),
                 BackendLabels::default(),
             )
-            .with_metrics(metrics.clone()),
+            .with_metrics(metrics.clone())
+            .with_standbys(Arc::new(standbys)),
         );
         let proxy =
             ReverseProxy::with_timeouts(upstream.as_deref().unwrap_or(&mock.url), None, timeouts)
                 .expect("proxy");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let facade_addr = listener.local_addr().expect("addr");
+        let facade_stats = Arc::new(FacadeStats::default());
+        let stats = facade_stats.clone();
         let (stop, stopped) = shutdown_channel();
         tokio::spawn(async move {
             // The source must live as long as the server: it rotates the facade's SVID.
             let _source = source;
             facade
-                .serve_limited(
-                    listener,
-                    tls,
-                    proxy,
-                    limits,
-                    Arc::new(FacadeStats::default()),
-                    stopped,
-                )
+                .serve_limited(listener, tls, proxy, limits, stats, stopped)
                 .await
         });
         Env {
@@ -198,6 +211,7 @@ impl Env {
             dispatch,
             facade_api,
             facade_addr,
+            facade_stats,
             metrics,
             stop,
         }
@@ -633,6 +647,282 @@ async fn the_executors_own_binary_runs_a_job_from_the_same_environment_as_the_ex
     assert!(output.status.success(), "{}\n{stderr}", output.status);
     env.job_status(&a, Status::Success).await;
     assert_eq!(workload.fetch_count(), 1, "{stderr}");
+}
+
+// === warm VM executors (issue 39 item 5) ===
+
+/// The standby ID the tests' warm executors have.
+const STANDBY_ID: &str = "warm-1";
+
+/// A warm executor's standby request ([`gdr_core::executor::standby`]) presenting `svid`:
+/// the status and the body of the facade's answer.
+async fn standby_post(
+    env: &Env,
+    svid: &gdr_testkit::spiffe::Svid,
+    standby_id: &str,
+) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tls = tls_to(env.facade_addr, svid, &[b"http/1.1"]).await;
+    let request = format!(
+        "POST {} HTTP/1.1\r\nhost: x\r\n{}: {standby_id}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n",
+        gdr_core::executor::standby::PATH,
+        gdr_core::executor::standby::ID_HEADER,
+    );
+    tls.write_all(request.as_bytes()).await.expect("write");
+    let mut answer = Vec::new();
+    tokio::time::timeout(WAIT, tls.read_to_end(&mut answer))
+        .await
+        .expect("the facade answers")
+        .expect("read");
+    let answer = String::from_utf8_lossy(&answer).into_owned();
+    let status = answer
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no HTTP answer: {answer:?}"));
+    let body = answer
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// The SVID of `assignment`'s job, as SPIRE issues it to the sandbox its job claimed.
+fn svid_of(env: &Env, assignment: &Assignment) -> gdr_testkit::spiffe::Svid {
+    env.ca
+        .issue(assignment.identity().spiffe_id(), Duration::from_secs(600))
+        .expect("svid")
+}
+
+/// DESIGN invariants 14 and 15 (issue 39 item 5): a warm sandbox's assignment, capability
+/// included, is handed only to the workload of the job that claimed it: nothing while no
+/// job has (404), nothing to a peer with another SPIFFE ID (403), and to the claiming
+/// job's workload the variables of a fresh executor of its assignment with a capability
+/// that verifies under the facade's key (200).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_warm_sandboxs_assignment_is_handed_only_to_the_workload_of_the_job_that_claimed_it() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let own = svid_of(&env, &a);
+    let (status, _) = standby_post(&env, &own, STANDBY_ID).await;
+    assert_eq!(status, 404, "no job has claimed the sandbox yet");
+
+    env.backend.claim_standby(STANDBY_ID, a.id());
+    let (status, body) = standby_post(&env, &job_svid(&env, "other"), STANDBY_ID).await;
+    assert_eq!(status, 403, "another job's workload: {body}");
+    assert!(!body.contains("CI_RUNNER_CAPABILITY"), "{body}");
+    let (status, _) = standby_post(&env, &own, "warm-2").await;
+    assert_eq!(status, 404, "another sandbox, not claimed");
+
+    let (status, body) = standby_post(&env, &own, STANDBY_ID).await;
+    assert_eq!(status, 200, "{body}");
+    let vars: std::collections::BTreeMap<String, String> =
+        serde_json::from_str(&body).expect("a JSON object of strings");
+    assert_eq!(vars["CI_ASSIGNMENT_ID"], a.id().as_str());
+    assert_eq!(vars["CI_SPIFFE_ID"], a.identity().spiffe_id());
+    assert_eq!(vars["CI_RUNNER_FACADE_URL"], env.facade_url());
+    assert_eq!(vars["CI_RUNNER_FACADE_SPIFFE_ID"], FACADE_ID);
+    assert_eq!(vars["CI_RUNNER_BACKEND"], "pod");
+    assert!(
+        env.dispatch
+            .capability_key()
+            .verify(a.id().as_str(), &vars["CI_RUNNER_CAPABILITY"]),
+        "the capability verifies under the facade's key"
+    );
+    let mut names: Vec<&str> = vars.keys().map(String::as_str).collect();
+    names.retain(|n| {
+        !gdr_core::executor::env::ASSIGNMENT.contains(n)
+            && *n != gdr_core::executor::env::REPORT_OUTAGE_TOLERANCE
+    });
+    assert!(
+        names.is_empty(),
+        "only an assignment's variables: {names:?}"
+    );
+
+    env.backend
+        .set_failing(Some(gdr_testkit::memory_backend::Failure::Unavailable));
+    let (status, body) = standby_post(&env, &own, STANDBY_ID).await;
+    assert_eq!(
+        status, 503,
+        "the backend cannot be read: ask again ({body})"
+    );
+}
+
+/// DESIGN invariant 15 (issue 39 item 5): once the runner claimed its task, the standby
+/// route hands the assignment out no more, not even to the claiming job's workload.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_warm_sandboxs_assignment_is_refused_once_its_runner_claimed_the_task() {
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    env.backend.claim_standby(STANDBY_ID, a.id());
+    let own = svid_of(&env, &a);
+    assert_eq!(standby_post(&env, &own, STANDBY_ID).await.0, 200);
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let runner = env
+        .runner_client(&workload, a.id().as_str(), &env.capability(&a))
+        .await;
+    let fetched = runner
+        .fetch_task(FetchTaskRequest::default())
+        .await
+        .expect("fetch")
+        .into_owned();
+    assert!(
+        fetched.task.into_option().is_some(),
+        "the runner claimed it"
+    );
+    let (status, body) = standby_post(&env, &own, STANDBY_ID).await;
+    assert_eq!(status, 403, "{body}");
+    assert!(!body.contains("CI_RUNNER_CAPABILITY"), "{body}");
+}
+
+/// DESIGN invariants 14 and 16 (issue 39 item 5): the executor's own binary in VM standby
+/// mode (`CI_EXECUTOR_STANDBY_ID`, no assignment in its environment) dials nothing while
+/// the Workload API has no SVID for it; once a job claimed its sandbox and its SVID is
+/// issued, it gets its assignment from the facade and runs as a fresh executor of it: its
+/// runner declares and fetches with the assignment's ID and capability, and the job ends.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_warm_vm_executor_dials_nothing_before_its_svid_then_runs_the_job_that_claimed_it() {
+    let bin = executor_binary();
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    // A warm sandbox has no SPIRE entry before the claim.
+    workload.clear_identity();
+    let mut command = tokio::process::Command::new(&bin);
+    command
+        .arg("executor")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("CI_EXECUTOR_STANDBY_ID", STANDBY_ID)
+        .env("CI_RUNNER_FACADE_URL", env.facade_url())
+        .env("CI_RUNNER_FACADE_SPIFFE_ID", FACADE_ID)
+        // What a warm VM's environment says; the assignment's own value replaces it.
+        .env("CI_RUNNER_BACKEND", "vm")
+        .env("CI_RUNNER_LABEL", "vm")
+        .env("SPIFFE_ENDPOINT_SOCKET", workload.endpoint())
+        .env("CI_EXECUTOR_READY_TIMEOUT", "20")
+        .env("GITEA_RUNNER_BINARY", STANDIN)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let executor = command.spawn().expect("the executor starts");
+    gdr_testkit::until(
+        WAIT,
+        "the warm executor to ask for its SVID a few times",
+        || async { workload.fetch_count() >= 3 },
+    )
+    .await;
+    assert_eq!(
+        env.facade_stats
+            .accepted
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "a warm executor without an SVID dials nothing"
+    );
+    // The claim writes the assignment onto the sandbox; then SPIRE issues its SVID.
+    env.backend.claim_standby(STANDBY_ID, a.id());
+    workload
+        .set_identity(a.identity().spiffe_id())
+        .expect("identity");
+    let output = tokio::time::timeout(WAIT, executor.wait_with_output())
+        .await
+        .expect("the executor ends")
+        .expect("the executor runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{}\n{stderr}", output.status);
+    env.job_status(&a, Status::Success).await;
+    let record = env.backend.records().into_iter().next().expect("executor");
+    assert!(
+        record.claimed && record.terminal,
+        "its runner claimed the task with the assignment's credentials and finished it"
+    );
+    assert!(
+        !stderr.contains(&env.capability(&a)),
+        "the capability is never logged"
+    );
+}
+
+/// Issue 39 item 5: a warm VM executor that has its SVID before the facade knows of the
+/// claim (the backend's view lags) is answered 404 and asks again, and runs its job once
+/// the claim is seen.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_warm_vm_executor_asks_again_until_the_facade_knows_of_the_claim() {
+    let bin = executor_binary();
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    let workload = env.workload(a.identity().spiffe_id()).await;
+    let executor = tokio::process::Command::new(&bin)
+        .arg("executor")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("CI_EXECUTOR_STANDBY_ID", STANDBY_ID)
+        .env("CI_RUNNER_FACADE_URL", env.facade_url())
+        .env("CI_RUNNER_FACADE_SPIFFE_ID", FACADE_ID)
+        .env("CI_RUNNER_BACKEND", "vm")
+        .env("SPIFFE_ENDPOINT_SOCKET", workload.endpoint())
+        .env("CI_EXECUTOR_READY_TIMEOUT", "20")
+        .env("GITEA_RUNNER_BINARY", STANDIN)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the executor starts");
+    // One executor asks one request at a time: by its second ask, the first was answered
+    // from a backend that knew of no claim.
+    gdr_testkit::until(
+        WAIT,
+        "the warm executor to ask the facade twice",
+        || async { env.backend.standby_calls() >= 2 },
+    )
+    .await;
+    env.backend.claim_standby(STANDBY_ID, a.id());
+    let output = tokio::time::timeout(WAIT, executor.wait_with_output())
+        .await
+        .expect("the executor ends")
+        .expect("the executor runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{}\n{stderr}", output.status);
+    env.job_status(&a, Status::Success).await;
+}
+
+/// A warm VM executor whose standby request the facade refuses for good (here: its SVID is
+/// another job's than the one that claimed its sandbox) exits at once with the facade's
+/// reason, instead of asking forever (DESIGN invariant 15).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_warm_vm_executor_refused_by_the_facade_exits_with_the_reason() {
+    let bin = executor_binary();
+    let env = Env::new().await;
+    let a = env.assignment("standin:success").await;
+    env.backend.claim_standby(STANDBY_ID, a.id());
+    let workload = env
+        .workload("spiffe://example.org/ci/owner/repo/branch/main/other")
+        .await;
+    let output = tokio::time::timeout(
+        WAIT,
+        tokio::process::Command::new(&bin)
+            .arg("executor")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("CI_EXECUTOR_STANDBY_ID", STANDBY_ID)
+            .env("CI_RUNNER_FACADE_URL", env.facade_url())
+            .env("CI_RUNNER_FACADE_SPIFFE_ID", FACADE_ID)
+            .env("CI_RUNNER_BACKEND", "vm")
+            .env("SPIFFE_ENDPOINT_SOCKET", workload.endpoint())
+            .env("GITEA_RUNNER_BINARY", STANDIN)
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("the executor ends")
+    .expect("the executor runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the facade refused to hand standby warm-1 its assignment")
+            && stderr.contains("SPIFFE ID is not the claiming job's"),
+        "{stderr}"
+    );
+    assert!(!env.backend.records()[0].claimed, "no runner ran");
 }
 
 /// Issue 39 item 2: no probe of the facade precedes the runner. The runner starts while

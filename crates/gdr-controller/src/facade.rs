@@ -1,16 +1,21 @@
 //! The controller's side of the facade's ports ([`gdr_facade::ports`]): the dispatch
-//! answers who may call and records the claims, the job metrics count the outcomes, and the
+//! answers who may call and records the claims, the backends which job claimed a warm
+//! sandbox ([`BackendStandbys`]), the job metrics count the outcomes, and the
 //! controller's metrics registry names the facade's connection counters. Errors and states
 //! are translated here, so the facade crate never sees the controller's types.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use gdr_core::assignment::AssignmentId;
 use gdr_core::backend::Backend;
 use gdr_core::capability::CapabilityKey;
+use gdr_core::executor::{ExecutorRecord, ExecutorSpec, env};
+use gdr_core::metadata::ExecutorMetadata;
 use gdr_facade::ports::{
-    Admission, AuthError, Authorized, ClaimError, Claims, Fetched, Finished, Liveness, Outcomes,
+    Admission, AuthError, Authorized, ClaimError, ClaimedStandby, Claims, Fetched, Finished,
+    Liveness, Outcomes, Standbys,
 };
 use gdr_facade::tls::{FACADE_CLOSE_REASONS, FacadeStats};
 
@@ -113,6 +118,91 @@ impl Outcomes for JobMetrics {
     }
 }
 
+/// What a fresh executor of one backend is told about its facade and its runner: the
+/// worker's settings take it for every executor it creates, and [`BackendStandbys`] hands
+/// it to warm executors, so both come from the same settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecutorChannel {
+    /// Where the executor reaches the facade.
+    pub facade_url: String,
+    /// The facade's SPIFFE ID the executor verifies.
+    pub facade_spiffe_id: String,
+    /// The label the executor's runner declares for the backend.
+    pub runner_label: String,
+    /// How long the executor holds its runner's reports while the facade is unreachable.
+    pub report_outage_tolerance: Duration,
+}
+
+impl ExecutorChannel {
+    /// The environment a fresh executor of `record`'s assignment gets, the capability
+    /// excepted ([`ExecutorSpec::environment`], as the worker's spec has it).
+    pub fn environment(
+        &self,
+        record: &ExecutorRecord,
+        key: &CapabilityKey,
+    ) -> BTreeMap<String, String> {
+        let spec = ExecutorSpec {
+            assignment: record.assignment.clone(),
+            // Needed to build the spec; the facade adds the capability itself.
+            capability: key.issue(record.assignment.id()),
+            facade_url: self.facade_url.clone(),
+            facade_spiffe_id: self.facade_spiffe_id.clone(),
+            // Neither is part of the environment.
+            runs_on: Vec::new(),
+            metadata: ExecutorMetadata::default(),
+            runner_label: self.runner_label.clone(),
+            report_outage_tolerance: Some(self.report_outage_tolerance),
+        };
+        spec.environment()
+            .into_iter()
+            .filter(|(name, _)| *name != env::CAPABILITY)
+            .map(|(name, value)| (name.to_owned(), value))
+            .collect()
+    }
+}
+
+/// Which job claimed a warm sandbox, from the backends ([`gdr_core::executor::ExecutorBackend::claimed_standby`]):
+/// only the VM backend has warm sandboxes whose executor asks; the others answer `None`
+/// without a call.
+pub struct BackendStandbys {
+    dispatch: Arc<Dispatch>,
+    channels: BTreeMap<Backend, ExecutorChannel>,
+}
+
+impl BackendStandbys {
+    /// The standbys of the backends of `dispatch` that `channels` has a channel for.
+    pub fn new(dispatch: Arc<Dispatch>, channels: BTreeMap<Backend, ExecutorChannel>) -> Self {
+        BackendStandbys { dispatch, channels }
+    }
+}
+
+#[async_trait::async_trait]
+impl Standbys for BackendStandbys {
+    async fn claimed(&self, standby_id: &str) -> Result<Option<ClaimedStandby>, AuthError> {
+        for (backend, channel) in &self.channels {
+            let Some(adapter) = self.dispatch.backend(*backend) else {
+                continue;
+            };
+            // Whatever the cause, the executor asks again: a member whose metadata cannot
+            // be read now may be readable later, and the start deadline ends it if not.
+            let record = adapter
+                .claimed_standby(standby_id)
+                .await
+                .map_err(|e| AuthError::Unavailable(Box::new(e)))?;
+            if let Some(record) = record {
+                return Ok(Some(ClaimedStandby {
+                    assignment_id: record.assignment.id().clone(),
+                    spiffe_id: record.assignment.identity().spiffe_id().to_owned(),
+                    claimed: record.claimed,
+                    terminal: record.terminal,
+                    variables: channel.environment(&record, self.dispatch.capability_key()),
+                }));
+            }
+        }
+        Ok(None)
+    }
+}
+
 /// Registers the facade's connection metrics (`facade_…`; the values its counters hold).
 pub(crate) fn register_stats(stats: &FacadeStats, r: &mut Registrar<'_>) {
     let mut r = r.sub("facade");
@@ -141,6 +231,64 @@ mod tests {
     use gdr_core::executor::ExecutorError;
 
     use super::*;
+
+    /// Issue 39 item 5 (DESIGN invariants 14 and 16): a warm executor is handed exactly the
+    /// environment the worker gives a fresh executor of the claiming job (same facade,
+    /// identity, label and tolerance), the capability excepted, which the facade adds from
+    /// its key; nothing while no job has claimed the member.
+    #[tokio::test]
+    async fn a_claimed_standby_gets_a_fresh_executors_environment_without_the_capability() {
+        use gdr_core::executor::ExecutorBackend as _;
+        use gdr_core::metadata::MetadataCodec;
+        use gdr_testkit::memory_backend::MemoryBackend;
+        let vm = Arc::new(MemoryBackend::new(Backend::Vm));
+        let dispatch = Arc::new(Dispatch::new(
+            [(
+                vm.clone() as Arc<dyn gdr_core::executor::ExecutorBackend>,
+                2,
+            )],
+            CapabilityKey::new(b"0123456789abcdef0123456789abcdef").unwrap(),
+        ));
+        let channel = ExecutorChannel {
+            facade_url: "https://facade:8443".into(),
+            facade_spiffe_id: "spiffe://example.org/controller".into(),
+            runner_label: "vm".into(),
+            report_outage_tolerance: Duration::from_secs(600),
+        };
+        let a = gdr_testkit::tasks::assignment(7, "[self-hosted, vm]");
+        let spec = ExecutorSpec::new(
+            &a,
+            dispatch.capability_key().issue(a.id()),
+            &MetadataCodec::default(),
+            &channel.facade_url,
+            &channel.facade_spiffe_id,
+            &channel.runner_label,
+        )
+        .with_report_outage_tolerance(channel.report_outage_tolerance);
+        vm.create(&spec).await.unwrap();
+        let standbys =
+            BackendStandbys::new(dispatch.clone(), BTreeMap::from([(Backend::Vm, channel)]));
+        assert_eq!(standbys.claimed("warm-1").await.unwrap(), None);
+        vm.claim_standby("warm-1", a.id());
+        let claimed = standbys.claimed("warm-1").await.unwrap().unwrap();
+        let mut fresh: BTreeMap<String, String> = spec
+            .environment()
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect();
+        fresh.remove(env::CAPABILITY);
+        assert_eq!(claimed.variables, fresh);
+        assert_eq!(&claimed.assignment_id, a.id());
+        assert_eq!(claimed.spiffe_id, a.identity().spiffe_id());
+        assert!(!claimed.claimed && !claimed.terminal);
+        vm.record_claimed(a.id()).await.unwrap();
+        assert!(standbys.claimed("warm-1").await.unwrap().unwrap().claimed);
+        vm.set_failing(Some(gdr_testkit::memory_backend::Failure::Unavailable));
+        assert!(matches!(
+            standbys.claimed("warm-1").await,
+            Err(AuthError::Unavailable(_))
+        ));
+    }
 
     /// The facade logs and answers a refusal by its kind and its text: the translation keeps
     /// both, and the backend's cause stays attached as the source.

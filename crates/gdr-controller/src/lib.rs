@@ -5,7 +5,7 @@
 //!   client of the Lease and the Pod backend); the Gitea client is the crate
 //!   [`gdr_gitea`].
 //! - Components: [`scheduler`] (FetchTask pollers, heartbeats), [`worker`] (one per
-//!   backend), [`dispatch`] (admission and claims shared by workers and facade), `facade`
+//!   backend), [`dispatch`] (admission and claims shared by workers and facade), [`facade`]
 //!   (the controller's side of the facade's ports; the facade is the crate [`gdr_facade`]),
 //!   [`lifecycle`] (clean-up and failure reports), `held` (assignments sealed with an
 //!   unknown task key).
@@ -18,7 +18,7 @@
 pub(crate) mod backoff;
 pub mod cli;
 pub mod dispatch;
-pub(crate) mod facade;
+pub mod facade;
 pub(crate) mod failpoint;
 pub(crate) mod health;
 pub(crate) mod held;

@@ -78,6 +78,10 @@ pub fn run() -> ExitCode {
     if let Some(dir) = get(crate::standby::STANDBY_DIR) {
         return fail(crate::standby::wait_then_exec(std::path::Path::new(&dir)));
     }
+    // A warm VM sandbox's executor asks the facade for it once a job claimed its sandbox.
+    if get(gdr_core::executor::env::STANDBY_ID).is_some() {
+        return fail(crate::vm_standby::wait_then_exec(get));
+    }
     // The executor a root executor started takes the runner's identity first, while the
     // process has one thread.
     if let Err(e) = jobenv::take_identity(get) {

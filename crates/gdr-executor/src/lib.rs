@@ -15,6 +15,8 @@
 //!   facade has them ([`outbox`]).
 //! - [`standby`]: a warm Pod's executor waits, with no assignment, for the job that
 //!   claims its Pod.
+//! - [`vm_standby`]: a warm VM sandbox's executor waits for its SVID, which comes with
+//!   the claim, then asks the facade for its assignment.
 
 pub mod cli;
 mod descendants;
@@ -27,3 +29,4 @@ pub mod proxy;
 pub mod relay;
 pub mod standby;
 mod upstream;
+pub mod vm_standby;

@@ -100,17 +100,23 @@ pub fn wait_then_exec(dir: &Path) -> StandbyError {
             Err(e) => return e,
         }
     };
+    StandbyError::Exec(exec_with(STANDBY_DIR, vars))
+}
+
+/// Replaces this process with the executor again, same program and arguments, with `vars`
+/// set and the standby variable `standby` removed, so it starts exactly as a fresh
+/// executor does (returns only the error of a failed `exec`).
+pub(crate) fn exec_with(standby: &str, vars: BTreeMap<String, String>) -> std::io::Error {
     use std::os::unix::process::CommandExt;
     let program = match std::env::current_exe() {
         Ok(p) => p,
-        Err(e) => return StandbyError::Exec(e),
+        Err(e) => return e,
     };
-    let error = std::process::Command::new(program)
+    std::process::Command::new(program)
         .args(std::env::args_os().skip(1))
-        .env_remove(STANDBY_DIR)
+        .env_remove(standby)
         .envs(vars)
-        .exec();
-    StandbyError::Exec(error)
+        .exec()
 }
 
 #[cfg(test)]

@@ -14,6 +14,10 @@
 //!   back (invariant 10);
 //! - `Register` is refused.
 //!
+//! A warm VM sandbox's executor asks for its assignment at [`gdr_core::executor::standby::PATH`]
+//! once a job claimed its sandbox (module `standby`): only the claiming job's workload gets it,
+//! and only until its runner claimed the task.
+//!
 //! Everything else is reverse-proxied to Gitea ([`proxy`]), for the executor of a live
 //! assignment only: the same credentials and peer identity are checked first, before the
 //! body is read, and a finished assignment's executor is refused.
@@ -26,6 +30,7 @@
 
 pub mod ports;
 pub mod proxy;
+mod standby;
 pub mod tls;
 
 use std::sync::Arc;
@@ -43,7 +48,9 @@ use gdr_gitea::{
     CAPABILITIES_HEADER, ErrorKind, GiteaClient, GiteaError, TOKEN_HEADER, UUID_HEADER,
 };
 use gdr_shutdown::Shutdown;
-use ports::{Admission, AuthError, Authorized, ClaimError, Claims, Fetched, Liveness, Outcomes};
+use ports::{
+    Admission, AuthError, Authorized, ClaimError, Claims, Fetched, Liveness, Outcomes, Standbys,
+};
 pub use tls::FacadeLimits;
 
 /// The label value of a runner's terminal result (the `result` of the job metrics).
@@ -69,6 +76,10 @@ pub struct Facade {
     metrics: Option<Arc<dyn Outcomes>>,
     /// Pass-through requests without runner credentials, logged once per interval.
     uncredentialed: std::sync::Mutex<tls::Throttle>,
+    /// Which job claimed a warm sandbox (`None`: no backend has warm sandboxes).
+    standbys: Option<Arc<dyn Standbys>>,
+    /// Standby requests refused or left unanswered, logged once per interval.
+    standby_refusals: std::sync::Mutex<tls::Throttle>,
 }
 
 impl Facade {
@@ -88,7 +99,17 @@ impl Facade {
             labels,
             metrics: None,
             uncredentialed: std::sync::Mutex::new(tls::Throttle::new(tls::LOG_INTERVAL)),
+            standbys: None,
+            standby_refusals: std::sync::Mutex::new(tls::Throttle::new(tls::LOG_INTERVAL)),
         }
+    }
+
+    /// Answers warm executors' standby requests from `standbys` (without it, every one is
+    /// answered "not claimed").
+    #[must_use]
+    pub fn with_standbys(mut self, standbys: Arc<dyn Standbys>) -> Self {
+        self.standbys = Some(standbys);
+        self
     }
 
     /// Observes run times and the results runners report into `metrics`.
@@ -116,6 +137,7 @@ impl Facade {
     /// the peer's SPIFFE ID before its body is read (DESIGN invariant 21): a peer without a
     /// valid assignment credential cannot make the facade buffer a body, and only the
     /// executor of a live assignment reaches Gitea through the pass-through (invariant 15).
+    /// A warm executor's standby request is answered by its own route (module `standby`).
     pub fn app(self: Arc<Self>, proxy: proxy::ReverseProxy) -> axum::Router {
         let runner_api = axum::Router::new()
             .fallback_service(self.clone().router().into_axum_service())
@@ -127,11 +149,18 @@ impl Facade {
             .fallback(proxy::handler)
             .with_state(proxy)
             .layer(axum::middleware::from_fn_with_state(
-                self,
+                self.clone(),
                 authenticate_pass_through,
             ));
+        let standby = axum::Router::new()
+            .route(
+                gdr_core::executor::standby::PATH,
+                axum::routing::post(standby::handler),
+            )
+            .with_state(self);
         axum::Router::new()
             .nest("/api/actions", runner_api)
+            .merge(standby)
             .fallback_service(pass_through)
     }
 

@@ -1,8 +1,10 @@
 //! What the facade needs of the controller, one trait per capability, in the facade's own
-//! words: who may call ([`Admission`]), the claim of a task and its end ([`Claims`]), and
-//! where a job's outcome is counted ([`Outcomes`]). The controller's dispatch and job
+//! words: who may call ([`Admission`]), the claim of a task and its end ([`Claims`]),
+//! which job claimed a warm sandbox ([`Standbys`]), and where a job's outcome is counted
+//! ([`Outcomes`]). The controller's dispatch and job
 //! metrics implement them; this crate never sees the controller, its queue or its backends.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -155,4 +157,42 @@ pub trait Outcomes: Send + Sync {
     /// A job of `backend` ended with `result` (a label of [`crate::result_label`]), having
     /// run for `ran` since this process handed its task out, when it did.
     fn completed(&self, backend: Backend, result: &str, ran: Option<Duration>);
+}
+
+/// The job that claimed a warm sandbox, as its executor's standby request is answered
+/// ([`gdr_core::executor::standby`]).
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClaimedStandby {
+    /// The assignment of the job.
+    pub assignment_id: AssignmentId,
+    /// The job's SPIFFE ID: the only peer the assignment is handed to.
+    pub spiffe_id: String,
+    /// Its runner has claimed the task already: the assignment was handed out.
+    pub claimed: bool,
+    /// The assignment has ended.
+    pub terminal: bool,
+    /// The variables a fresh executor of the assignment gets in its environment, the
+    /// capability excepted (the facade adds it, from its own key).
+    pub variables: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for ClaimedStandby {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimedStandby")
+            .field("assignment_id", &self.assignment_id.as_str())
+            .field("spiffe_id", &self.spiffe_id)
+            .field("claimed", &self.claimed)
+            .field("terminal", &self.terminal)
+            .field("variables", &self.variables.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// Which job claimed a warm sandbox, by the standby ID its executor was started with.
+#[async_trait::async_trait]
+pub trait Standbys: Send + Sync {
+    /// The job that claimed the warm sandbox with `standby_id`; `None` while none has, or
+    /// when no sandbox has that ID. [`AuthError::Unavailable`] when the backend cannot be
+    /// read (the executor asks again).
+    async fn claimed(&self, standby_id: &str) -> Result<Option<ClaimedStandby>, AuthError>;
 }

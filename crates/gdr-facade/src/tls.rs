@@ -22,6 +22,13 @@
 //!   request the facade refuses (a [`Refused`] answer: its assignment finished, another
 //!   assignment's request, an assignment at its limit) is closed once that answer is
 //!   written, so it keeps neither its binding nor its place.
+//! - A warm VM sandbox's executor asks for its assignment with a standby request, which
+//!   carries no runner credentials ([`gdr_core::executor::standby`]): it binds its
+//!   connection to nothing. It is served, like any request that binds nothing, on a
+//!   connection within its SPIFFE ID's share; one on probation is closed unanswered, and
+//!   the executor asks again on a new connection. One request, then the executor `exec`s
+//!   and the connection ends, so a job's warm executors hold that share only for a moment,
+//!   and a flood of standby requests holds no more of the facade than the share.
 //! - The first request bytes, and every HTTP/1.1 request head, are bounded by the header
 //!   timeout, and so is the idleness of a connection not bound to an assignment; a bound
 //!   connection without a request in flight for `idle_timeout` is closed (HTTP/1.1 and
@@ -1014,8 +1021,8 @@ fn header<'a>(headers: &'a http::HeaderMap, name: &str) -> &'a str {
 }
 
 /// Binds the connection to the assignment the request's credentials name, or refuses the
-/// request; a request that binds nothing goes on to the application (which refuses it),
-/// unless its connection is on probation.
+/// request; a request that binds nothing goes on to the application (which refuses it, or
+/// answers a warm executor's standby request), unless its connection is on probation.
 fn admit_request(
     tracker: &Tracker,
     conn: &ConnectionState,

@@ -121,6 +121,41 @@ type Contexts = std::pin::Pin<Box<dyn Stream<Item = Result<X509Context, Workload
 /// on that same stream in the background.
 pub async fn svid_stream(endpoint: &str, timeout: Duration) -> Result<SvidStream, SvidStreamError> {
     let (material, contexts) = first_svid(endpoint, timeout).await?;
+    Ok(following(endpoint, material, contexts))
+}
+
+/// One attempt of [`svid_stream`]: opens one stream and waits up to `timeout` for its first
+/// SVID, without retrying. For a caller that polls at its own pace until a workload's
+/// identity is issued (a warm VM sandbox's executor, before a job claimed its sandbox).
+pub async fn try_svid_stream(
+    endpoint: &str,
+    timeout: Duration,
+) -> Result<SvidStream, SvidStreamError> {
+    let (context, contexts) = match tokio::time::timeout(timeout, open(endpoint)).await {
+        Err(_) => {
+            return Err(SvidStreamError::Silent {
+                endpoint: endpoint.to_string(),
+                after: timeout,
+            });
+        }
+        Ok(Err(source)) => {
+            return Err(SvidStreamError::NoSvid {
+                endpoint: endpoint.to_string(),
+                after: timeout,
+                source,
+            });
+        }
+        Ok(Ok(opened)) => opened,
+    };
+    let material = material_of(&context).map_err(|source| SvidStreamError::Material {
+        endpoint: endpoint.to_string(),
+        source,
+    })?;
+    Ok(following(endpoint, material, contexts))
+}
+
+/// The source of `material`, kept current from the rest of `contexts` in the background.
+fn following(endpoint: &str, material: Material, contexts: Contexts) -> SvidStream {
     let shared = Arc::new(Shared {
         current: RwLock::new(Arc::new(material)),
         consumer: Mutex::new(None),
@@ -131,7 +166,7 @@ pub async fn svid_stream(endpoint: &str, timeout: Duration) -> Result<SvidStream
         Arc::downgrade(&shared),
     ));
     *shared.consumer.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());
-    Ok(SvidStream { shared })
+    SvidStream { shared }
 }
 
 async fn first_svid(

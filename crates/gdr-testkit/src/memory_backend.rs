@@ -72,6 +72,11 @@ struct State {
     /// Assignments whose `mark_terminal` fails.
     failing_marks: std::collections::BTreeSet<AssignmentId>,
     not_ready_binds: usize,
+    /// Warm members claimed by a job: standby ID → the assignment whose executor the
+    /// claim made of it.
+    standbys: BTreeMap<String, AssignmentId>,
+    /// Calls of `claimed_standby`.
+    standby_calls: usize,
 }
 
 /// Holds `record_claimed` back, as a slow Pod PATCH or sandbox metadata write would.
@@ -280,6 +285,20 @@ impl MemoryBackend {
         state.specs.remove(id);
     }
 
+    /// Records that the job of `id` claimed the warm member with `standby_id`, as the VM
+    /// backend's claim does: [`ExecutorBackend::claimed_standby`] then answers with the
+    /// executor of `id` (while it exists).
+    pub fn claim_standby(&self, standby_id: &str, id: &AssignmentId) {
+        self.state()
+            .standbys
+            .insert(standby_id.to_owned(), id.clone());
+    }
+
+    /// Calls of [`ExecutorBackend::claimed_standby`] so far.
+    pub fn standby_calls(&self) -> usize {
+        self.state().standby_calls
+    }
+
     fn check(&self) -> Result<(), ExecutorError> {
         match &self.state().failing {
             Some(f) => Err(f.error()),
@@ -408,5 +427,19 @@ impl ExecutorBackend for MemoryBackend {
         }
         state.specs.remove(id);
         Ok(())
+    }
+
+    async fn claimed_standby(
+        &self,
+        standby_id: &str,
+    ) -> Result<Option<ExecutorRecord>, ExecutorError> {
+        self.state().standby_calls += 1;
+        self.check()?;
+        let state = self.state();
+        Ok(state
+            .standbys
+            .get(standby_id)
+            .and_then(|id| state.executors.get(id))
+            .cloned())
     }
 }

@@ -33,6 +33,7 @@ use tokio::task::JoinSet;
 use self::backends::{Extras, Wiring, backends, restore, terminal_grace};
 use self::nats::{Queue, queue_depth, watch_nats};
 use crate::dispatch::Dispatch;
+use crate::facade::{BackendStandbys, ExecutorChannel};
 use crate::health::Health;
 use crate::held::HeldAssignments;
 use crate::job_metrics::{JobMetrics, OutcomeLabels};
@@ -1055,6 +1056,12 @@ async fn spawn_front(
     (scheduler_shutdown, work_shutdown): (&Shutdown, &Shutdown),
 ) -> Result<(), RuntimeError> {
     let shared = w.shared;
+    let channels = w
+        .capacities
+        .keys()
+        .map(|backend| (*backend, executor_channel(shared, *backend)))
+        .collect();
+    let standbys = BackendStandbys::new(shared.dispatch.clone(), channels);
     let facade = Arc::new(
         Facade::new(
             shared.dispatch.clone(),
@@ -1062,7 +1069,8 @@ async fn spawn_front(
             None,
             shared.policy.labels.clone(),
         )
-        .with_metrics(shared.metrics.clone()),
+        .with_metrics(shared.metrics.clone())
+        .with_standbys(Arc::new(standbys)),
     );
     let wiring = SchedulerWiring {
         settings: scheduler,
@@ -1255,6 +1263,19 @@ async fn spawn_workers(
     Ok(depth)
 }
 
+/// What a fresh executor of `backend` is told about its facade and its runner: by the
+/// worker, in every executor it creates, and by the facade, to a warm executor whose
+/// sandbox a job claimed.
+fn executor_channel(w: &BackendWiring<'_>, backend: Backend) -> ExecutorChannel {
+    let facade = w.facade;
+    ExecutorChannel {
+        facade_url: facade.map(|_| w.facade_url.to_owned()).unwrap_or_default(),
+        facade_spiffe_id: facade.map(|f| f.spiffe_id.clone()).unwrap_or_default(),
+        runner_label: w.policy.labels.label_of(backend).to_owned(),
+        report_outage_tolerance: w.executors.report_outage_tolerance,
+    }
+}
+
 /// Starts one backend's worker (its JetStream consumer) and lifecycle reconciler.
 async fn spawn_backend(
     tasks: &mut JoinSet<(&'static str, Result<(), Source>)>,
@@ -1269,7 +1290,12 @@ async fn spawn_backend(
         housekeeping,
         resync,
     } = extras;
-    let facade = w.facade;
+    let ExecutorChannel {
+        facade_url,
+        facade_spiffe_id,
+        runner_label,
+        report_outage_tolerance,
+    } = executor_channel(w, backend);
     let settings = WorkerSettings {
         backend,
         full_delay: FULL_DELAY,
@@ -1277,11 +1303,11 @@ async fn spawn_backend(
         error_delay: ERROR_DELAY,
         progress_interval: w.nats.ack_wait / 3,
         start_deadline: w.executors.start_deadline,
-        facade_url: facade.map(|_| w.facade_url.to_owned()).unwrap_or_default(),
-        facade_spiffe_id: facade.map(|f| f.spiffe_id.clone()).unwrap_or_default(),
-        runner_label: w.policy.labels.label_of(backend).to_owned(),
+        facade_url,
+        facade_spiffe_id,
+        runner_label,
         codec: w.codec.clone(),
-        report_outage_tolerance: w.executors.report_outage_tolerance,
+        report_outage_tolerance,
         envelopes: EnvelopeTrust {
             accept_plaintext: w.nats.security.accept_plaintext_envelopes,
             max_age: w.nats.security.task_lifetime,

@@ -249,6 +249,69 @@ fn an_assignment_that_is_over_binds_no_connection() {
     assert_eq!(t.bind(&slot, "gitea-task-2"), Binding::Bound);
 }
 
+/// A standby request ([`gdr_core::executor::standby`]): no runner credentials, only the
+/// standby ID.
+fn standby_headers() -> http::HeaderMap {
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        gdr_core::executor::standby::ID_HEADER,
+        http::HeaderValue::from_static("warm-1"),
+    );
+    headers
+}
+
+fn connection_state(slot: Slot, standing: Standing) -> ConnectionState {
+    ConnectionState {
+        slot,
+        standing,
+        bound: std::sync::OnceLock::new(),
+        close: Notify::new(),
+        refused: Notify::new(),
+    }
+}
+
+/// DESIGN invariant 21 (issue 39 item 5): a warm executor's standby request binds its
+/// connection to no assignment. Within its SPIFFE ID's share of unbound connections it is
+/// served (and the connection stays in that share); a connection on probation beyond the
+/// share is closed unanswered, as any request that binds nothing, so a flood of one
+/// identity's standby requests holds no more than its share.
+#[test]
+fn a_standby_request_binds_no_assignment_and_is_served_only_within_its_identitys_share() {
+    const JOB: &str = "spiffe://example.org/ci/o/r/job";
+    let key = CapabilityKey::new(b"0123456789abcdef0123456789abcdef").expect("key");
+    let t = Arc::new(Tracker {
+        capabilities: Some(key),
+        ..Arc::into_inner(tracker(limits(10, 10, 1))).expect("only reference")
+    });
+    let remote = SocketAddr::new(A, 1);
+    let slot = t.admit(A).unwrap();
+    assert_eq!(t.established(&slot, JOB), HELD);
+    let held = connection_state(slot, Standing::Held);
+    for _ in 0..2 {
+        assert!(matches!(
+            admit_request(&t, &held, &standby_headers(), remote, JOB),
+            Admitted::Serve
+        ));
+    }
+    assert!(held.bound.get().is_none(), "bound to nothing");
+    {
+        let s = t.lock();
+        assert!(
+            s.per_assignment.is_empty(),
+            "nothing counted for an assignment"
+        );
+        assert_eq!(s.per_identity.get(JOB), Some(&1), "in its identity's share");
+    }
+    let slot = t.admit(A).unwrap();
+    assert_eq!(t.established(&slot, JOB), PROBATION);
+    let probation = connection_state(slot, Standing::Probation);
+    assert!(matches!(
+        admit_request(&t, &probation, &standby_headers(), remote, JOB),
+        Admitted::Close
+    ));
+    assert!(probation.bound.get().is_none());
+}
+
 /// An acceptor whose `accept` always fails with `EMFILE`, as a process out of file
 /// descriptors sees it; it counts the calls and stops failing fast after `cap` so that a
 /// loop without backoff ends the test instead of hanging it.
