@@ -51,6 +51,11 @@ impl Chain {
     /// A chain whose pool holds `pool_capacity` sandboxes and whose controller admits
     /// `vm_capacity` VM jobs at once.
     async fn start(pool_spec: PoolSpec, vm_capacity: u32) -> Self {
+        Self::start_with_warm_pool(pool_spec, vm_capacity, 0).await
+    }
+
+    /// The same with `vm_warm_pool` sandboxes kept warm.
+    async fn start_with_warm_pool(pool_spec: PoolSpec, vm_capacity: u32, warm: u32) -> Self {
         let server = server().await;
         let pool = unique("chain");
         server.control.put_pool(&pool, &pool_spec).await.unwrap();
@@ -84,6 +89,7 @@ impl Chain {
             .set("components", "scheduler,vm-worker")
             .set("pod_capacity", 0u32)
             .set("vm_capacity", vm_capacity)
+            .set("vm_warm_pool", warm)
             .set("nats_url", nats.url())
             .set("nats_ack_wait", "5s")
             .set("heartbeat_interval", "1s")
@@ -466,4 +472,62 @@ async fn a_controller_killed_while_the_vm_boots_adopts_the_sandbox_after_restart
         "the adopted sandbox ran the job"
     );
     c.nothing_left().await;
+}
+
+/// A warm sandbox's VM, booted with its executor in standby and no job, once one exists
+/// that is not `other`.
+fn waiting_member(host: &VmHost, other: Option<&str>) -> Option<String> {
+    host.vms()
+        .into_iter()
+        .find(|vm| {
+            vm.standby_id.is_some()
+                && vm.assignment_id.is_none()
+                && vm.pid.is_some()
+                && vm.exit_code.is_none()
+                && Some(vm.sandbox.as_str()) != other
+        })
+        .map(|vm| vm.sandbox)
+}
+
+/// DESIGN invariants 8 and 14–16 (`vm_warm_pool`): a job runs in a sandbox made before it,
+/// whose executor waited with no assignment, capability or identity until the job claimed
+/// the sandbox, then got the job's SVID and fetched its assignment from the facade; the
+/// sandbox serves that job only and is deleted after it, and the next job runs in the
+/// member the pool made next.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_warm_sandbox_made_before_its_job_runs_that_job_alone_with_the_jobs_identity() {
+    let c = Chain::start_with_warm_pool(PoolSpec::new(3), 1, 1).await;
+    let first_member = eventually("a warm sandbox boots before any job", || async {
+        waiting_member(&c.host, None)
+    })
+    .await;
+    let first = c.queue("first", "standin:success");
+    c.wait_status(first, Status::Success).await;
+    let second_member = eventually("the pool makes a new member", || async {
+        waiting_member(&c.host, Some(&first_member))
+    })
+    .await;
+    let second = c.queue("second", "standin:success");
+    c.wait_status(second, Status::Success).await;
+    for (job, member) in [(first, &first_member), (second, &second_member)] {
+        assert_eq!(c.runs_of(job), 1, "{job:?} ran once");
+        let vms = c.host.vms_of(&c.assignment_id(job));
+        assert_eq!(vms.len(), 1, "{job:?} ran in one VM: {vms:?}");
+        assert_eq!(&vms[0].sandbox, member, "{job:?} ran in the warm member");
+        assert!(
+            vms[0].standby_id.is_some(),
+            "{job:?}'s executor started in standby"
+        );
+        let name = c.mock.handle.job(job).unwrap().key;
+        assert_eq!(
+            vms[0].identity.as_deref(),
+            Ok(format!("spiffe://example.org/ci/owner/repo/branch/main/{name}").as_str()),
+            "the VM's identity is its job's"
+        );
+    }
+    eventually(
+        "the claimed sandboxes are deleted after their jobs",
+        || async { c.sandboxes().await.is_empty().then_some(()) },
+    )
+    .await;
 }
