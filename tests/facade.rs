@@ -614,6 +614,29 @@ fn executor_binary() -> std::path::PathBuf {
         .with_file_name(gdr_executor::cli::BINARY)
 }
 
+/// The executor's own binary in VM standby mode, as a warm sandbox starts it: its standby
+/// ID, where the facade is and its Workload API, no assignment.
+fn warm_executor(env: &Env, workload: &str) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(executor_binary());
+    command
+        .arg("executor")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("CI_EXECUTOR_STANDBY_ID", STANDBY_ID)
+        .env("CI_RUNNER_FACADE_URL", env.facade_url())
+        .env("CI_RUNNER_FACADE_SPIFFE_ID", FACADE_ID)
+        // What a warm VM's environment says; the assignment's own values replace them.
+        .env("CI_RUNNER_BACKEND", "vm")
+        .env("CI_RUNNER_LABEL", "vm")
+        .env("SPIFFE_ENDPOINT_SOCKET", workload)
+        .env("CI_EXECUTOR_READY_TIMEOUT", "20")
+        .env("GITEA_RUNNER_BINARY", STANDIN)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    command
+}
+
 /// Issue 39 item 2: the executor's own binary (`gitea-dynamic-executor`, no controller code)
 /// runs a job as the controller binary's `executor` subcommand does, from the same
 /// environment and the same argument, with one Workload API stream.
@@ -782,30 +805,14 @@ async fn a_warm_sandboxs_assignment_is_refused_once_its_runner_claimed_the_task(
 /// runner declares and fetches with the assignment's ID and capability, and the job ends.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_warm_vm_executor_dials_nothing_before_its_svid_then_runs_the_job_that_claimed_it() {
-    let bin = executor_binary();
     let env = Env::new().await;
     let a = env.assignment("standin:success").await;
     let workload = env.workload(a.identity().spiffe_id()).await;
     // A warm sandbox has no SPIRE entry before the claim.
     workload.clear_identity();
-    let mut command = tokio::process::Command::new(&bin);
-    command
-        .arg("executor")
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("CI_EXECUTOR_STANDBY_ID", STANDBY_ID)
-        .env("CI_RUNNER_FACADE_URL", env.facade_url())
-        .env("CI_RUNNER_FACADE_SPIFFE_ID", FACADE_ID)
-        // What a warm VM's environment says; the assignment's own value replaces it.
-        .env("CI_RUNNER_BACKEND", "vm")
-        .env("CI_RUNNER_LABEL", "vm")
-        .env("SPIFFE_ENDPOINT_SOCKET", workload.endpoint())
-        .env("CI_EXECUTOR_READY_TIMEOUT", "20")
-        .env("GITEA_RUNNER_BINARY", STANDIN)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true);
-    let executor = command.spawn().expect("the executor starts");
+    let executor = warm_executor(&env, &workload.endpoint())
+        .spawn()
+        .expect("the executor starts");
     gdr_testkit::until(
         WAIT,
         "the warm executor to ask for its SVID a few times",
@@ -847,24 +854,10 @@ async fn a_warm_vm_executor_dials_nothing_before_its_svid_then_runs_the_job_that
 /// the claim is seen.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_warm_vm_executor_asks_again_until_the_facade_knows_of_the_claim() {
-    let bin = executor_binary();
     let env = Env::new().await;
     let a = env.assignment("standin:success").await;
     let workload = env.workload(a.identity().spiffe_id()).await;
-    let executor = tokio::process::Command::new(&bin)
-        .arg("executor")
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("CI_EXECUTOR_STANDBY_ID", STANDBY_ID)
-        .env("CI_RUNNER_FACADE_URL", env.facade_url())
-        .env("CI_RUNNER_FACADE_SPIFFE_ID", FACADE_ID)
-        .env("CI_RUNNER_BACKEND", "vm")
-        .env("SPIFFE_ENDPOINT_SOCKET", workload.endpoint())
-        .env("CI_EXECUTOR_READY_TIMEOUT", "20")
-        .env("GITEA_RUNNER_BINARY", STANDIN)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .kill_on_drop(true)
+    let executor = warm_executor(&env, &workload.endpoint())
         .spawn()
         .expect("the executor starts");
     // One executor asks one request at a time: by its second ask, the first was answered
@@ -890,31 +883,16 @@ async fn a_warm_vm_executor_asks_again_until_the_facade_knows_of_the_claim() {
 /// reason, instead of asking forever (DESIGN invariant 15).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_warm_vm_executor_refused_by_the_facade_exits_with_the_reason() {
-    let bin = executor_binary();
     let env = Env::new().await;
     let a = env.assignment("standin:success").await;
     env.backend.claim_standby(STANDBY_ID, a.id());
     let workload = env
         .workload("spiffe://example.org/ci/owner/repo/branch/main/other")
         .await;
-    let output = tokio::time::timeout(
-        WAIT,
-        tokio::process::Command::new(&bin)
-            .arg("executor")
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("CI_EXECUTOR_STANDBY_ID", STANDBY_ID)
-            .env("CI_RUNNER_FACADE_URL", env.facade_url())
-            .env("CI_RUNNER_FACADE_SPIFFE_ID", FACADE_ID)
-            .env("CI_RUNNER_BACKEND", "vm")
-            .env("SPIFFE_ENDPOINT_SOCKET", workload.endpoint())
-            .env("GITEA_RUNNER_BINARY", STANDIN)
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("the executor ends")
-    .expect("the executor runs");
+    let output = tokio::time::timeout(WAIT, warm_executor(&env, &workload.endpoint()).output())
+        .await
+        .expect("the executor ends")
+        .expect("the executor runs");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "{stderr}");
     assert!(
