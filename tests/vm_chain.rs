@@ -51,11 +51,15 @@ impl Chain {
     /// A chain whose pool holds `pool_capacity` sandboxes and whose controller admits
     /// `vm_capacity` VM jobs at once.
     async fn start(pool_spec: PoolSpec, vm_capacity: u32) -> Self {
-        Self::start_with_warm_pool(pool_spec, vm_capacity, 0).await
+        Self::start_with(pool_spec, vm_capacity, |f| f).await
     }
 
-    /// The same with `vm_warm_pool` sandboxes kept warm.
-    async fn start_with_warm_pool(pool_spec: PoolSpec, vm_capacity: u32, warm: u32) -> Self {
+    /// The same with further settings (`tweak`).
+    async fn start_with(
+        pool_spec: PoolSpec,
+        vm_capacity: u32,
+        tweak: impl FnOnce(ControllerFixture) -> ControllerFixture,
+    ) -> Self {
         let server = server().await;
         let pool = unique("chain");
         server.control.put_pool(&pool, &pool_spec).await.unwrap();
@@ -89,7 +93,6 @@ impl Chain {
             .set("components", "scheduler,vm-worker")
             .set("pod_capacity", 0u32)
             .set("vm_capacity", vm_capacity)
-            .set("vm_warm_pool", warm)
             .set("nats_url", nats.url())
             .set("nats_ack_wait", "5s")
             .set("heartbeat_interval", "1s")
@@ -119,6 +122,7 @@ impl Chain {
             .set("vm_timeout_seconds", 3600u32)
             // The exited executor's sandbox stays Running; do not keep it 15 s.
             .set("vm_terminal_grace", "1s");
+        let fixture = tweak(fixture);
         let mut chain = Chain {
             server,
             pool,
@@ -496,7 +500,7 @@ fn waiting_member(host: &VmHost, other: Option<&str>) -> Option<String> {
 /// member the pool made next.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_warm_sandbox_made_before_its_job_runs_that_job_alone_with_the_jobs_identity() {
-    let c = Chain::start_with_warm_pool(PoolSpec::new(3), 1, 1).await;
+    let c = Chain::start_with(PoolSpec::new(3), 1, |f| f.set("vm_warm_pool", 1u32)).await;
     let first_member = eventually("a warm sandbox boots before any job", || async {
         waiting_member(&c.host, None)
     })
@@ -529,5 +533,42 @@ async fn a_warm_sandbox_made_before_its_job_runs_that_job_alone_with_the_jobs_id
         "the claimed sandboxes are deleted after their jobs",
         || async { c.sandboxes().await.is_empty().then_some(()) },
     )
+    .await;
+}
+
+/// DESIGN invariants 8 and 12 (issue 39 item 5): a warm sandbox whose identity cannot be
+/// bound once a job claimed it (`sandbox-identity` refuses it) gives its job no SVID, so
+/// its executor never asks the facade; the job is failed after `executor_start_deadline`,
+/// counted from the claim, and the sandbox is deleted, never back in the pool, which makes
+/// a new member.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_claimed_warm_sandbox_whose_identity_cannot_be_bound_is_discarded_and_its_job_failed() {
+    let c = Chain::start_with(PoolSpec::new(3), 1, |f| {
+        f.set("vm_warm_pool", 1u32)
+            .set("executor_start_deadline", "4s")
+    })
+    .await;
+    c.host.refuse_claimed();
+    let member = eventually("a warm sandbox boots before any job", || async {
+        waiting_member(&c.host, None)
+    })
+    .await;
+    let job = c.queue("unbound", "standin:success");
+    c.wait_status(job, Status::Failure).await;
+    let rows = c.log_rows(job);
+    assert!(
+        rows.iter()
+            .any(|r| r.contains("did not start the job within 4s")),
+        "the start deadline failed it: {rows:?}"
+    );
+    assert_eq!(c.runs_of(job), 0, "no runner ran the job");
+    let vms = c.host.vms_of(&c.assignment_id(job));
+    assert_eq!(vms.len(), 1, "the job claimed one VM: {vms:?}");
+    assert_eq!(vms[0].sandbox, member, "the job claimed the warm member");
+    assert!(vms[0].identity.is_err(), "it never had an identity");
+    eventually("the member is deleted, and a new one boots", || async {
+        let gone = c.sandboxes().await.is_empty();
+        (gone && waiting_member(&c.host, Some(&member)).is_some()).then_some(())
+    })
     .await;
 }

@@ -133,11 +133,13 @@ impl Harness {
             error_delay: Duration::from_millis(300),
             progress_interval: Duration::from_millis(500),
             start_deadline: Duration::from_secs(60),
-            facade_url: "https://facade.test:8443".into(),
-            facade_spiffe_id: "spiffe://example.org/controller".into(),
-            runner_label: backend.as_str().into(),
+            channel: gdr_controller::channel::ExecutorChannel {
+                facade_url: "https://facade.test:8443".into(),
+                facade_spiffe_id: "spiffe://example.org/controller".into(),
+                runner_label: backend.as_str().into(),
+                report_outage_tolerance: Duration::from_secs(60),
+            },
             codec: gdr_core::metadata::MetadataCodec::default(),
-            report_outage_tolerance: Duration::from_secs(60),
             envelopes: EnvelopeTrust {
                 accept_plaintext: false,
                 max_age: Duration::from_secs(3 * 3600),

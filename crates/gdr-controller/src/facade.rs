@@ -11,14 +11,13 @@ use std::time::Duration;
 use gdr_core::assignment::AssignmentId;
 use gdr_core::backend::Backend;
 use gdr_core::capability::CapabilityKey;
-use gdr_core::executor::{ExecutorRecord, ExecutorSpec, env};
-use gdr_core::metadata::ExecutorMetadata;
 use gdr_facade::ports::{
     Admission, AuthError, Authorized, ClaimError, ClaimedStandby, Claims, Fetched, Finished,
     Liveness, Outcomes, Standbys,
 };
 use gdr_facade::tls::{FACADE_CLOSE_REASONS, FacadeStats};
 
+pub use crate::channel::ExecutorChannel;
 use crate::dispatch::{self, ClaimState, Dispatch};
 use crate::job_metrics::{JobMetrics, ResultLabels};
 use crate::metrics::{BackendLabel, Registrar};
@@ -118,49 +117,6 @@ impl Outcomes for JobMetrics {
     }
 }
 
-/// What a fresh executor of one backend is told about its facade and its runner: the
-/// worker's settings take it for every executor it creates, and [`BackendStandbys`] hands
-/// it to warm executors, so both come from the same settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ExecutorChannel {
-    /// Where the executor reaches the facade.
-    pub facade_url: String,
-    /// The facade's SPIFFE ID the executor verifies.
-    pub facade_spiffe_id: String,
-    /// The label the executor's runner declares for the backend.
-    pub runner_label: String,
-    /// How long the executor holds its runner's reports while the facade is unreachable.
-    pub report_outage_tolerance: Duration,
-}
-
-impl ExecutorChannel {
-    /// The environment a fresh executor of `record`'s assignment gets, the capability
-    /// excepted ([`ExecutorSpec::environment`], as the worker's spec has it).
-    pub fn environment(
-        &self,
-        record: &ExecutorRecord,
-        key: &CapabilityKey,
-    ) -> BTreeMap<String, String> {
-        let spec = ExecutorSpec {
-            assignment: record.assignment.clone(),
-            // Needed to build the spec; the facade adds the capability itself.
-            capability: key.issue(record.assignment.id()),
-            facade_url: self.facade_url.clone(),
-            facade_spiffe_id: self.facade_spiffe_id.clone(),
-            // Neither is part of the environment.
-            runs_on: Vec::new(),
-            metadata: ExecutorMetadata::default(),
-            runner_label: self.runner_label.clone(),
-            report_outage_tolerance: Some(self.report_outage_tolerance),
-        };
-        spec.environment()
-            .into_iter()
-            .filter(|(name, _)| *name != env::CAPABILITY)
-            .map(|(name, value)| (name.to_owned(), value))
-            .collect()
-    }
-}
-
 /// Which job claimed a warm sandbox, from the backends ([`gdr_core::executor::ExecutorBackend::claimed_standby`]):
 /// only the VM backend has warm sandboxes whose executor asks; the others answer `None`
 /// without a call.
@@ -228,7 +184,7 @@ pub(crate) fn register_stats(stats: &FacadeStats, r: &mut Registrar<'_>) {
 mod tests {
     use std::error::Error as _;
 
-    use gdr_core::executor::ExecutorError;
+    use gdr_core::executor::{ExecutorError, ExecutorSpec, env};
 
     use super::*;
 

@@ -16,6 +16,7 @@
 //!   controller is doing, for `/status`, the status page and the `status` subcommand).
 
 pub(crate) mod backoff;
+pub mod channel;
 pub mod cli;
 pub mod dispatch;
 pub mod facade;

@@ -97,6 +97,8 @@ struct State {
 struct Shared {
     config: VmHostConfig,
     state: Mutex<State>,
+    /// Claimed warm sandboxes get no identity ([`VmHost::refuse_claimed`]).
+    refuse_claimed: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -129,6 +131,7 @@ impl VmHost {
         let shared = Arc::new(Shared {
             config,
             state: Mutex::new(State::default()),
+            refuse_claimed: std::sync::atomic::AtomicBool::new(false),
         });
         let task = tokio::spawn(follow(Arc::clone(&shared)));
         VmHost { shared, task }
@@ -150,6 +153,15 @@ impl VmHost {
             .into_iter()
             .filter(|vm| vm.assignment_id.as_deref() == Some(assignment_id))
             .collect()
+    }
+
+    /// From now on a warm sandbox a job claims gets no identity, as when
+    /// `sandbox-identity` refuses it (say, its Pool recycles released Pods): its executor
+    /// never obtains the job's SVID. The VM still records the claiming assignment.
+    pub fn refuse_claimed(&self) {
+        self.shared
+            .refuse_claimed
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// VMs whose sandbox still exists.
@@ -220,12 +232,6 @@ fn claimed(shared: &Shared, name: &str, object: &Value) {
     let Ok(identity) = shared.config.identity.spiffe_id(object) else {
         return;
     };
-    if let Some(running) = state.running.get(name)
-        && let Err(e) = running.workload.set_identity(&identity)
-    {
-        tracing::warn!(sandbox = name, error = %e, "vm host: cannot issue the claimed sandbox's SVID");
-        return;
-    }
     let key = shared
         .config
         .identity
@@ -234,6 +240,21 @@ fn claimed(shared: &Shared, name: &str, object: &Value) {
     let assignment = object["metadata"]["labels"][&key]
         .as_str()
         .map(str::to_owned);
+    if shared
+        .refuse_claimed
+        .load(std::sync::atomic::Ordering::Relaxed)
+    {
+        if let Some(vm) = state.vms.get_mut(name) {
+            vm.assignment_id = vm.assignment_id.take().or(assignment);
+        }
+        return;
+    }
+    if let Some(running) = state.running.get(name)
+        && let Err(e) = running.workload.set_identity(&identity)
+    {
+        tracing::warn!(sandbox = name, error = %e, "vm host: cannot issue the claimed sandbox's SVID");
+        return;
+    }
     if let Some(vm) = state.vms.get_mut(name) {
         vm.identity = Ok(identity);
         vm.assignment_id = vm.assignment_id.take().or(assignment);

@@ -1290,12 +1290,6 @@ async fn spawn_backend(
         housekeeping,
         resync,
     } = extras;
-    let ExecutorChannel {
-        facade_url,
-        facade_spiffe_id,
-        runner_label,
-        report_outage_tolerance,
-    } = executor_channel(w, backend);
     let settings = WorkerSettings {
         backend,
         full_delay: FULL_DELAY,
@@ -1303,11 +1297,8 @@ async fn spawn_backend(
         error_delay: ERROR_DELAY,
         progress_interval: w.nats.ack_wait / 3,
         start_deadline: w.executors.start_deadline,
-        facade_url,
-        facade_spiffe_id,
-        runner_label,
+        channel: executor_channel(w, backend),
         codec: w.codec.clone(),
-        report_outage_tolerance,
         envelopes: EnvelopeTrust {
             accept_plaintext: w.nats.security.accept_plaintext_envelopes,
             max_age: w.nats.security.task_lifetime,

@@ -38,12 +38,11 @@ use gdr_core::assignment::{
 use gdr_core::backend::Backend;
 use gdr_core::capability::Capability;
 use gdr_core::capacity::Admission;
-use gdr_core::executor::{
-    Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec, env,
-};
+use gdr_core::executor::{Binding, ExecutorBackend, ExecutorError, ExecutorRecord, ExecutorSpec};
 use gdr_core::metadata::MetadataCodec;
 
 use crate::backoff::Backoff;
+use crate::channel::ExecutorChannel;
 use crate::dispatch::{ClaimState, Dispatch, Waited};
 use crate::job_metrics::{FailureReason, JobMetrics};
 use crate::metrics::BackendLabel;
@@ -79,16 +78,10 @@ pub struct WorkerSettings {
     /// An executor whose runner has not claimed the task this long after the executor's
     /// creation has failed to start.
     pub start_deadline: Duration,
-    /// Facade URL handed to executors.
-    pub facade_url: String,
-    /// Facade SPIFFE ID handed to executors.
-    pub facade_spiffe_id: String,
-    /// The runs-on label of this backend as the executor's runner declares it.
-    pub runner_label: String,
+    /// What executors are told about the facade and their runner.
+    pub channel: ExecutorChannel,
     /// The metadata codec of executor objects.
     pub codec: MetadataCodec,
-    /// How long executors hold their runner's reports while the facade is unreachable.
-    pub report_outage_tolerance: Duration,
     /// What the worker trusts of an envelope.
     pub envelopes: EnvelopeTrust,
     /// Where assignments sealed with an unknown task key are set aside
@@ -99,32 +92,14 @@ pub struct WorkerSettings {
 impl WorkerSettings {
     /// The executor spec of `assignment`, its runner token `capability`.
     pub fn spec(&self, assignment: &Assignment, capability: Capability) -> ExecutorSpec {
-        ExecutorSpec::new(
-            assignment,
-            capability,
-            &self.codec,
-            &self.facade_url,
-            &self.facade_spiffe_id,
-            &self.runner_label,
-        )
-        .with_report_outage_tolerance(self.report_outage_tolerance)
+        self.channel.spec(assignment, capability, &self.codec)
     }
 
-    /// The part of every executor's environment ([`ExecutorSpec::environment`]) that is
-    /// the same whatever the job: what a warm environment's executor (`vm_warm_pool`),
-    /// started before any job, is given. The facade hands it the rest once a job claimed
-    /// it.
+    /// What a warm environment's executor (`vm_warm_pool`), started before any job, is
+    /// given: the job-independent part of every executor's environment. The facade hands
+    /// it the rest once a job claimed it.
     pub fn standby_environment(&self) -> BTreeMap<&'static str, String> {
-        BTreeMap::from([
-            (env::FACADE_URL, self.facade_url.clone()),
-            (env::FACADE_SPIFFE_ID, self.facade_spiffe_id.clone()),
-            (env::BACKEND, self.backend.as_str().to_owned()),
-            (env::RUNNER_LABEL, self.runner_label.clone()),
-            (
-                env::REPORT_OUTAGE_TOLERANCE,
-                self.report_outage_tolerance.as_secs().to_string(),
-            ),
-        ])
+        self.channel.standby_environment(self.backend)
     }
 }
 
@@ -1039,54 +1014,5 @@ impl Worker {
                     .await
             }
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Issue 39 item 5: a warm executor's environment is every executor's minus the
-    /// job's own variables (its assignment, capability and SPIFFE ID), from the one
-    /// place the worker builds specs, so a claimed warm sandbox's executor runs as a
-    /// fresh one would.
-    #[test]
-    fn the_standby_environment_is_every_executors_environment_without_the_jobs_own_variables() {
-        let td = gdr_core::identity::TrustDomain::new("example.org").unwrap();
-        let settings = WorkerSettings {
-            backend: Backend::Vm,
-            full_delay: Duration::from_secs(1),
-            not_ready_delay: Duration::from_secs(1),
-            error_delay: Duration::from_secs(1),
-            progress_interval: Duration::from_secs(1),
-            start_deadline: Duration::from_secs(600),
-            facade_url: "https://facade.test:8443".into(),
-            facade_spiffe_id: "spiffe://example.org/gitea-runner-facade".into(),
-            runner_label: "kata".into(),
-            codec: MetadataCodec::default(),
-            report_outage_tolerance: Duration::from_secs(1800),
-            envelopes: EnvelopeTrust {
-                accept_plaintext: false,
-                max_age: Duration::from_secs(3600),
-                accept_undated: false,
-            },
-            held_subject: "held".into(),
-        };
-        let assignment = gdr_testkit::backend_contract::assignment(
-            7,
-            "octo-org/hello-world",
-            "build",
-            Backend::Vm,
-            &td,
-        );
-        let key =
-            gdr_core::capability::CapabilityKey::new(b"0123456789abcdef0123456789abcdef").unwrap();
-        let mut every = settings
-            .spec(&assignment, key.issue(assignment.id()))
-            .environment();
-        for per_job in [env::ASSIGNMENT_ID, env::CAPABILITY, env::SPIFFE_ID] {
-            assert!(every.remove(per_job).is_some(), "{per_job}");
-        }
-        assert_eq!(settings.standby_environment(), every);
     }
 }
