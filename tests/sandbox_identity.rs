@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use gdr_backends::warm::{CLAIMED, UNCLAIMED, WARM_KEY};
 use gdr_core::backend::Backend;
-use gdr_core::metadata::MetadataCodec;
+use gdr_core::metadata::{MetadataCodec, keys};
 use gdr_sandbox_identity::{
     Metrics, Reconciler, Settings, batchsandbox_resource, entry_resource, pool_resource,
 };
@@ -178,6 +179,16 @@ impl Cluster {
             .unwrap();
     }
 
+    /// Merge-patches the sandbox's labels (`null` removes one), as OpenSandbox's metadata
+    /// patch does.
+    async fn label(&self, sandbox: &str, labels: Value) {
+        let patch = json!({"metadata": {"labels": labels}});
+        self.sandboxes()
+            .patch(sandbox, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+    }
+
     /// Every ClusterStaticEntry by name.
     async fn entries(&self) -> BTreeMap<String, DynamicObject> {
         self.entries_api()
@@ -279,6 +290,48 @@ async fn the_identity_comes_from_the_sandbox_metadata_when_the_task_has_none() {
     assert_eq!(
         cluster.bindings().await,
         vec![(parent(&uid), JOB_A.to_owned())]
+    );
+}
+
+/// DESIGN invariants 8 and 13 (issue 39 item 5, `vm_warm_pool`): a warm sandbox, made
+/// before any job, names no job (no runner label, no identity) and gets no entry; once a
+/// job's claim patches that job's metadata onto it, the next pass binds its Pod to the
+/// job's SPIFFE ID, derived from the metadata (its task carries none).
+#[tokio::test]
+async fn a_warm_sandbox_gets_no_identity_until_a_job_claims_it_then_the_jobs() {
+    let cluster = Cluster::start().await;
+    let uid = cluster.pod("ci-vm-1").await;
+    let codec = MetadataCodec::default();
+    let warm = BTreeMap::from([(codec.key(WARM_KEY), UNCLAIMED.to_owned())]);
+    cluster
+        .sandbox_with("sb-warm", &["ci-vm-1"], None, warm)
+        .await;
+    // What the warm pool creates: no runner label.
+    cluster
+        .label("sb-warm", json!({codec.key(keys::RUNNER): null}))
+        .await;
+    let reconciler = cluster.reconciler();
+    reconciler.reconcile_once().await.unwrap();
+    assert_eq!(cluster.bindings().await, vec![], "unclaimed: no identity");
+    let assignment = backend_contract::assignment(
+        9,
+        "octo-org/hello-world",
+        "build",
+        Backend::Vm,
+        &backend_contract::trust_domain(),
+    );
+    let mut claim = codec
+        .flatten(&backend_contract::spec(&assignment, &codec).metadata)
+        .unwrap();
+    claim.insert(codec.key(WARM_KEY), CLAIMED.into());
+    cluster
+        .label("sb-warm", serde_json::to_value(claim).unwrap())
+        .await;
+    reconciler.reconcile_once().await.unwrap();
+    assert_eq!(
+        cluster.bindings().await,
+        vec![(parent(&uid), JOB_A.to_owned())],
+        "claimed: the job's identity"
     );
 }
 
