@@ -90,6 +90,8 @@ pub enum VmStandbyError {
 #[derive(Debug, Clone)]
 struct StandbyConfig {
     standby_id: String,
+    /// The standby ID as the request header carries it.
+    header: HeaderValue,
     facade_url: String,
     facade_spiffe_id: String,
     workload_api: String,
@@ -107,14 +109,13 @@ impl StandbyConfig {
                 })
         };
         let standby_id = required(env::STANDBY_ID)?;
-        if HeaderValue::from_str(&standby_id).is_err() {
-            return Err(VmStandbyError::Env {
-                name: env::STANDBY_ID,
-                problem: "is not a valid header value".into(),
-            });
-        }
+        let header = HeaderValue::from_str(&standby_id).map_err(|_| VmStandbyError::Env {
+            name: env::STANDBY_ID,
+            problem: "is not a valid header value".into(),
+        })?;
         Ok(StandbyConfig {
             standby_id,
+            header,
             facade_url: required(env::FACADE_URL)?,
             facade_spiffe_id: required(env::FACADE_SPIFFE_ID)?,
             workload_api: required(env::SPIFFE_ENDPOINT_SOCKET)?,
@@ -175,7 +176,7 @@ async fn assignment(config: &StandbyConfig) -> Result<BTreeMap<String, String>, 
     let client_config = svid_stream::executor_client_config(&svids, &config.facade_spiffe_id)
         .map_err(VmStandbyError::Tls)?;
     let facade = Facade::new(&config.facade_url, &client_config)?;
-    let vars = ask(&facade, &config.standby_id).await?;
+    let vars = ask(&facade, config).await?;
     tracing::info!(standby_id = %config.standby_id, assignment_id = vars.get(env::ASSIGNMENT_ID).map_or("", String::as_str), "warm executor: got its assignment from the facade; starting as its executor");
     Ok(vars)
 }
@@ -213,14 +214,11 @@ async fn svid(config: &StandbyConfig) -> SvidStream {
 /// Asks the facade for the assignment until it answers with it or refuses for good.
 async fn ask(
     facade: &Facade,
-    standby_id: &str,
+    config: &StandbyConfig,
 ) -> Result<BTreeMap<String, String>, VmStandbyError> {
+    let standby_id = config.standby_id.as_str();
     let mut headers = HeaderMap::new();
-    let id = HeaderValue::from_str(standby_id).map_err(|_| VmStandbyError::Env {
-        name: env::STANDBY_ID,
-        problem: "is not a valid header value".into(),
-    })?;
-    headers.insert(standby::ID_HEADER, id);
+    headers.insert(standby::ID_HEADER, config.header.clone());
     let head = Head {
         method: Method::POST,
         path_and_query: standby::PATH.to_owned(),

@@ -34,7 +34,6 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
-use crate::warm::ClaimCounts;
 use async_trait::async_trait;
 use gdr_core::assignment::AssignmentId;
 use gdr_core::backend::Backend;
@@ -44,6 +43,8 @@ use gdr_core::executor::{
 };
 use gdr_core::identity::TrustDomain;
 use gdr_core::metadata::{self, Marker, MetadataCodec, MetadataError};
+
+use crate::warm::ClaimCounts;
 
 use super::client::{
     ApiKey, ClientError, ClientSettings, CreateSandbox, LifecycleClient, ListQuery, MAX_PAGE_SIZE,
@@ -411,26 +412,37 @@ impl OpenSandboxBackend {
 
     /// Extends the expiry of a non-terminal sandbox that expires within `renew_before`.
     async fn renew_if_due(&self, sandbox: &Sandbox, record: &ExecutorRecord) {
-        let Some(expires_at) = sandbox.expires_at else {
-            return;
-        };
-        let now = SystemTime::now();
-        let left = expires_at.duration_since(now).unwrap_or(Duration::ZERO);
-        if record.terminal || record.phase.is_finished() || left >= self.settings.renew_before {
+        if record.terminal || record.phase.is_finished() {
             return;
         }
-        match self
-            .client
-            .renew_expiration(&sandbox.id, now + self.settings.timeout)
-            .await
-        {
-            Ok(until) => {
+        match self.renew_due(sandbox).await {
+            None => {}
+            Some(Ok(until)) => {
                 tracing::info!(assignment_id = %record.assignment.id(), sandbox = %sandbox.id, until = ?until, "extended the sandbox expiry");
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 tracing::warn!(assignment_id = %record.assignment.id(), sandbox = %sandbox.id, error = %e, "cannot extend the sandbox expiry; retrying on the next pass");
             }
         }
+    }
+
+    /// Extends `sandbox`'s expiry to `timeout` from now when it expires within
+    /// `renew_before` (an executor's, a warm member's); `None`: not due.
+    pub(super) async fn renew_due(
+        &self,
+        sandbox: &Sandbox,
+    ) -> Option<Result<SystemTime, ClientError>> {
+        let expires_at = sandbox.expires_at?;
+        let now = SystemTime::now();
+        let left = expires_at.duration_since(now).unwrap_or(Duration::ZERO);
+        if left >= self.settings.renew_before {
+            return None;
+        }
+        Some(
+            self.client
+                .renew_expiration(&sandbox.id, now + self.settings.timeout)
+                .await,
+        )
     }
 }
 

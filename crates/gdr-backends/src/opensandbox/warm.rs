@@ -320,19 +320,10 @@ impl OpenSandboxBackend {
 
     /// Extends the expiry of a member that expires within `renew_before`.
     async fn renew_member_if_due(&self, sandbox: &Sandbox) {
-        let Some(expires_at) = sandbox.expires_at else {
-            return;
-        };
-        let now = SystemTime::now();
-        let left = expires_at.duration_since(now).unwrap_or(Duration::ZERO);
-        if phase(sandbox).is_finished() || left >= self.settings.renew_before {
+        if phase(sandbox).is_finished() {
             return;
         }
-        if let Err(e) = self
-            .client
-            .renew_expiration(&sandbox.id, now + self.settings.timeout)
-            .await
-        {
+        if let Some(Err(e)) = self.renew_due(sandbox).await {
             tracing::warn!(sandbox = %sandbox.id, error = %e, "cannot extend the warm sandbox's expiry; retrying on the next pass");
         }
     }
